@@ -1,0 +1,82 @@
+"""Typed configuration of one system: which drafter, which tree builder, which budget.
+
+A :class:`SystemConfig` is what the pilot's planner proposes, what the controller compares, what a memory
+entry's delta changes and what the seal freezes (§3.3, §3.5). ``stock`` is the published baseline of §1.1:
+top-1 chain verification of the deployment's drafter, no mechanism on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DrafterKind = Literal["none", "ngram", "draft_model"]
+TreeKind = Literal["chain", "best_first"]
+
+
+class SystemConfig(BaseModel):
+    """One speculative decoding system (a point in the planner's search space).
+
+    Attributes:
+        drafter: ``none`` (AR greedy), ``ngram`` (prompt lookup) or ``draft_model`` (small causal LM).
+        drafter_path: checkpoint directory of the draft model (``None``: the bundled drafter).
+        tree: tree builder over the drafter's lattice: ``chain`` (stock, §1.1) or ``best_first`` (§4.2).
+        nodes: tree budget N, the number of drafted nodes verified per exact pass (root excluded).
+        depth: draft positions per step (the lattice's length); a tree's depth is at most this.
+        top_k: candidates per draft position kept in the lattice.
+        ngram_max / ngram_min: longest / shortest suffix the n-gram drafter matches.
+        dtype: dtype of target and drafter weights and activations.
+
+    Raises:
+        pydantic.ValidationError: on out-of-range values (e.g. ``nodes < 1``).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    drafter: DrafterKind = "ngram"
+    drafter_path: str | None = None
+    tree: TreeKind = "chain"
+    nodes: int = Field(default=6, ge=1, le=256)
+    depth: int = Field(default=6, ge=1, le=64)
+    top_k: int = Field(default=1, ge=1, le=64)
+    ngram_max: int = Field(default=4, ge=1, le=16)
+    ngram_min: int = Field(default=1, ge=1, le=16)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _check(self) -> "SystemConfig":
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("ngram_min must be <= ngram_max")
+        return self
+
+    @classmethod
+    def stock(cls, drafter: DrafterKind = "ngram", depth: int = 6, **kw) -> "SystemConfig":
+        """Stock (§1.1): top-1 chain of ``depth`` positions from ``drafter``, nothing else on."""
+        return cls(drafter=drafter, tree="chain", nodes=depth, depth=depth, top_k=1, **kw)
+
+    @classmethod
+    def ar(cls, **kw) -> "SystemConfig":
+        """Plain autoregressive greedy decoding (the oracle)."""
+        return cls(drafter="none", tree="chain", nodes=1, depth=1, top_k=1, **kw)
+
+    def delta(self, base: "SystemConfig") -> dict:
+        """Fields that differ from ``base``: ``{field: value}`` (a memory entry's config delta, §3.5)."""
+        a, b = self.model_dump(), base.model_dump()
+        return {k: v for k, v in a.items() if b.get(k) != v}
+
+    def apply(self, delta: dict) -> "SystemConfig":
+        """A copy with ``delta`` applied. Raises pydantic.ValidationError on an invalid delta."""
+        return SystemConfig(**{**self.model_dump(), **delta})
+
+    def seal(self) -> str:
+        """SHA-256 of the canonical JSON of this config (the seal of §3.3)."""
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()
+
+    def label(self) -> str:
+        """Short human label, e.g. ``ngram/best_first N=16 D=6 k=4``."""
+        if self.drafter == "none":
+            return "AR"
+        return f"{self.drafter}/{self.tree} N={self.nodes} D={self.depth} k={self.top_k}"

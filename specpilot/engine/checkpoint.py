@@ -1,0 +1,121 @@
+"""Load a local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files).
+
+Only local directories: nothing is fetched from a hub. Every failure a user can cause (missing directory,
+missing or corrupted files, unsupported model_type) raises :class:`~specpilot.errors.CheckpointError` with
+a one-line message.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+from .model import SUPPORTED_MODEL_TYPES, ModelArgs, Transformer, rope_inv_freq
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_config(path: str | Path) -> dict:
+    """Parsed ``config.json`` of checkpoint directory ``path``.
+
+    Raises:
+        CheckpointError: if the directory or its config.json is missing or not valid JSON.
+    """
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {p}")
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        raise CheckpointError(f"no config.json in {p}: not a Hugging Face checkpoint directory")
+    try:
+        return json.loads(cfg.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg} is not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def read_args(path: str | Path) -> ModelArgs:
+    """:class:`ModelArgs` of a checkpoint. Raises CheckpointError for unsupported or incomplete configs."""
+    cfg = read_config(path)
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"unsupported model_type {mt!r} in {path} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    try:
+        return ModelArgs.from_hf(cfg)
+    except KeyError as e:
+        raise CheckpointError(f"config.json in {path} lacks required field {e.args[0]!r}") from None
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the ``*.safetensors`` files in ``path`` (on the CPU, stored dtype).
+
+    Raises:
+        CheckpointError: if there is no safetensors file or one is truncated / corrupted.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weight files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {f.name}: corrupted or truncated ({e})") from None
+    return state
+
+
+def load_model(
+    path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"
+) -> Transformer:
+    """Build our :class:`Transformer` from checkpoint directory ``path``.
+
+    Args:
+        path: local checkpoint directory.
+        dtype: ``float32`` | ``bfloat16`` | ``float16`` for weights and activations.
+        device: torch device.
+    Raises:
+        CheckpointError: missing files, unsupported model_type, missing or mis-shaped tensors.
+    """
+    args = read_args(path)
+    state = read_state_dict(path)
+    with torch.device("meta"):
+        model = Transformer(args)
+    if args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if args.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise CheckpointError(f"{path}: weights missing from the checkpoint, e.g. {missing[0]!r}")
+    for k, shape in expected.items():
+        if tuple(state[k].shape) != tuple(shape):
+            raise CheckpointError(f"{path}: tensor {k!r} has shape {tuple(state[k].shape)}, config says {tuple(shape)}")
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=False)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(DTYPES[dtype])
+    model.inv_freq = rope_inv_freq(args).to(device)  # built on the meta device above
+    return model.eval().requires_grad_(False)
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer through ``transformers.AutoTokenizer`` (local files only).
+
+    Raises:
+        CheckpointError: if ``path`` holds no loadable tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds here; the user needs one line
+        raise CheckpointError(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None

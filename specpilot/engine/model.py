@@ -1,0 +1,349 @@
+"""The target (and draft) model: a dense decoder (llama / qwen2 / qwen3) in plain PyTorch.
+
+One pass takes any set of rows: token ids ``[R]``, explicit position ids ``[R]`` and an attention mask
+``[R, start + R]`` over the committed cache plus the rows themselves, so the same call serves prefill
+(causal mask), AR decode (one row) and tree verification (ancestor mask, positions prefix_len + depth;
+§1.1, §4.2). Parameter names follow Hugging Face's so a checkpoint's state dict loads as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelArgs:
+    """Architecture of a dense decoder, read from a Hugging Face ``config.json``.
+
+    Raises:
+        KeyError: when a required field is missing (the loader turns it into a CheckpointError).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelArgs":
+        """Build from a parsed ``config.json`` dict (transformers 4.x or 5.x field names)."""
+        mt = cfg["model_type"]
+        n_heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_parameters") or {})
+        legacy = cfg.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = {**legacy, **rope}
+        if scaling.get("rope_type", scaling.get("type", "default")) in ("default", None):
+            scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            model_type=mt,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=True if mt == "qwen2" else bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=(mt == "qwen3"),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            eos_token_ids=eos_ids,
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse RoPE frequencies ``[head_dim // 2]`` float32, with llama3 scaling when configured.
+
+    Implements the ``default`` and ``llama3`` rope types of Hugging Face transformers.
+
+    Raises:
+        ValueError: for a rope type other than default / llama3.
+    """
+    d = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = args.rope_scaling
+    if sc is None:
+        return inv.float()
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope type {kind!r} (supported: default, llama3)")
+    factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+    old = sc["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    lo_wl, hi_wl = old / lo, old / hi
+    scaled = torch.where(wavelen > lo_wl, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= hi_wl) & (wavelen <= lo_wl)
+    return torch.where(is_mid, mid, scaled).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [R, H, D]`` by ``cos, sin [R, D]`` (HF's rotate-half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rot = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32, cast back to the input dtype (HF's LlamaRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., dim]`` -> same shape and dtype."""
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+class KVCache:
+    """Static KV cache of one request: ``k, v [num_layers, max_len, n_kv_heads, head_dim]``.
+
+    Slot ``i`` holds the keys/values of the token at position ``i`` of the committed sequence. The engine
+    keeps ``length`` = number of valid slots; rows of a pass are written at ``[start, start + R)``.
+    """
+
+    def __init__(self, args: ModelArgs, max_len: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (args.num_layers, max_len, args.n_kv_heads, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache tensors."""
+        return self.k.numel() * self.k.element_size() * 2
+
+    def keep_path(self, start: int, rows: torch.Tensor) -> None:
+        """Compact an accepted path: copy the slots ``start + rows[j]`` to ``start + j``.
+
+        Args:
+            start: first slot of the verified rows (the root's slot).
+            rows: ``[k] long``, increasing row indices of the accepted path (root = row 0 first).
+        Sets ``length = start + k``; everything after it is garbage and never read (§1.1, R8).
+        """
+        k = rows.numel()
+        src = rows.to(self.k.device) + start
+        self.k[:, start : start + k] = self.k[:, src]
+        self.v[:, start : start + k] = self.v[:, src]
+        self.length = start + k
+
+
+def region(prof, name: str):
+    """Profiling region ``name`` of a step (a no-op context when ``prof`` is None)."""
+    return prof.region(name) if prof is not None else contextlib.nullcontext()
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE (and Qwen3's per-head q/k RMS norm) over the static cache."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, d = args.hidden_size, args.head_dim
+        b = args.attention_bias
+        self.q_proj = nn.Linear(h, args.n_heads * d, bias=b)
+        self.k_proj = nn.Linear(h, args.n_kv_heads * d, bias=b)
+        self.v_proj = nn.Linear(h, args.n_kv_heads * d, bias=b)
+        self.o_proj = nn.Linear(args.n_heads * d, h, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.args = args
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask, prof=None):
+        """``x [R, hidden]``; writes this layer's K/V at slots ``[start, start+R)``; returns ``[R, hidden]``.
+
+        ``mask`` is ``[R, start + R]`` bool (True = may attend) or None for causal rows.
+        """
+        a = self.args
+        r = x.shape[0]
+        with region(prof, "projections"):
+            q = self.q_proj(x).view(r, a.n_heads, a.head_dim)
+            k = self.k_proj(x).view(r, a.n_kv_heads, a.head_dim)
+            v = self.v_proj(x).view(r, a.n_kv_heads, a.head_dim)
+        with region(prof, "norms_elementwise"):
+            if a.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        with region(prof, "attention"):
+            cache.k[layer, start : start + r] = k
+            cache.v[layer, start : start + r] = v
+            keys = cache.k[layer, : start + r].transpose(0, 1)[None]  # [1, KVH, S, D]
+            vals = cache.v[layer, : start + r].transpose(0, 1)[None]
+            rep = a.n_heads // a.n_kv_heads
+            if rep > 1:
+                keys = keys.repeat_interleave(rep, dim=1)
+                vals = vals.repeat_interleave(rep, dim=1)
+            if mask is None:
+                mask = causal_mask(start, r, x.device)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, attn_mask=mask)
+            o = o[0].transpose(0, 1).reshape(r, a.n_heads * a.head_dim)
+        with region(prof, "projections"):
+            return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, i, b = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x, prof=None):
+        """``x [R, hidden]`` -> ``[R, hidden]``."""
+        with region(prof, "projections"):
+            g, u = self.gate_proj(x), self.up_proj(x)
+        with region(prof, "norms_elementwise"):
+            y = F.silu(g) * u
+        with region(prof, "projections"):
+            return self.down_proj(y)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: attention and MLP, each with a residual."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, layer, start, mask, prof=None):
+        """``x [R, hidden]`` -> ``[R, hidden]``."""
+        with region(prof, "norms_elementwise"):
+            h = self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin, cache, layer, start, mask, prof)
+        with region(prof, "norms_elementwise"):
+            h = self.post_attention_layernorm(x)
+        return x + self.mlp(h, prof)
+
+
+class Backbone(nn.Module):
+    """Embedding, decoder layers and final norm (HF's ``model.*``)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+def causal_mask(start: int, r: int, device) -> torch.Tensor:
+    """``[r, start + r]`` bool: row i sees slots ``[0, start + i]`` (prefill / chain rows)."""
+    cols = torch.arange(start + r, device=device)
+    rows = torch.arange(r, device=device) + start
+    return cols[None, :] <= rows[:, None]
+
+
+class Transformer(nn.Module):
+    """A dense llama / qwen2 / qwen3 decoder with a static KV cache.
+
+    Use :meth:`forward` for the hidden states of any set of rows and :meth:`logits` for the LM head.
+    Built by :func:`specpilot.engine.checkpoint.load_model`.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # float32 on purpose and not a buffer, so ``.to(bfloat16)`` leaves it exact
+        self.inv_freq = rope_inv_freq(args)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self, max_len: int) -> KVCache:
+        """A zeroed static cache of ``max_len`` slots in the model's dtype and device."""
+        return KVCache(self.args, max_len, self.dtype, self.device)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """``cos, sin [R, head_dim]`` for ``positions [R] long`` (computed in float32)."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = rope_inv_freq(self.args).to(positions.device)
+        f = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((f, f), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        start: int,
+        mask: torch.Tensor | None = None,
+        prof=None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states of a set of rows.
+
+        Args:
+            tokens: ``[R] long`` token ids of the rows.
+            positions: ``[R] long`` position ids (prefix_len + depth for tree rows, §4.2).
+            cache: the request's cache; rows' K/V are written to slots ``[start, start + R)``.
+            start: number of committed slots the rows attend to (the cache prefix).
+            mask: ``[R, start + R] bool`` (True = may attend); None = causal over the rows.
+            prof: optional step profiler with ``region(name)`` (cost model, §3.2).
+        Returns:
+            ``[R, hidden_size]`` in the model dtype.
+        Raises:
+            ValueError: when the rows do not fit the cache.
+        """
+        r = tokens.shape[0]
+        if start + r > cache.max_len:
+            raise ValueError(f"{start + r} slots needed, cache holds {cache.max_len}")
+        with region(prof, "other"):
+            x = self.model.embed_tokens(tokens)
+            cos, sin = self.rope(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, i, start, mask, prof)
+        with region(prof, "norms_elementwise"):
+            return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor, prof=None) -> torch.Tensor:
+        """LM head: ``hidden [R, hidden_size]`` -> logits ``[R, vocab_size]`` float32."""
+        with region(prof, "lm_head"):
+            return self.lm_head(hidden).float()
