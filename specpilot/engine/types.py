@@ -16,6 +16,7 @@ class Generation:
         stop_reason: ``eos`` | ``stop`` | ``length``.
         time_s: wall time of the whole request (prefill included), seconds.
         prefill_s: wall time of the prefill pass, seconds.
+        cache_length: valid cache slots when the request ended (= prompt + kept tokens − 1, R2).
     The prefill pass commits the first token; tau counts only the ``steps`` after it.
     """
 
@@ -25,6 +26,7 @@ class Generation:
     stop_reason: str = "length"
     time_s: float = 0.0
     prefill_s: float = 0.0
+    cache_length: int = 0
 
     @property
     def tau(self) -> float:

@@ -1,0 +1,80 @@
+"""A deployment: a loaded target (+ tokenizer) and drafter weights, from which systems are built.
+
+The pilot builds many systems (stock, candidates, the sealed one) over the same weights; a
+:class:`Deployment` loads the checkpoints once and hands out :class:`~specpilot.engine.engine.Engine`s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import SystemConfig
+from ..drafters.draft_model import DraftModelDrafter
+from ..drafters.ngram import NgramDrafter
+from ..errors import DrafterError
+from .checkpoint import load_model, load_tokenizer, read_args
+from .engine import Engine
+
+
+class Deployment:
+    """Target and drafter checkpoints loaded once.
+
+    Args:
+        target_dir: local HF checkpoint directory of the target.
+        drafter_dir: local HF checkpoint directory of the draft model (None: no draft model).
+        dtype: ``float32`` | ``bfloat16`` | ``float16``.
+        device: torch device string.
+    Raises:
+        CheckpointError: target or drafter checkpoint missing / unsupported / corrupted.
+        DrafterError: the drafter's vocabulary does not fit the target's.
+    """
+
+    def __init__(self, target_dir, drafter_dir=None, dtype: str = "float32", device: str = "cpu"):
+        self.target_dir = Path(target_dir)
+        self.drafter_dir = Path(drafter_dir) if drafter_dir else None
+        self.dtype, self.device = dtype, device
+        self.target = load_model(self.target_dir, dtype, device)
+        self.tokenizer = load_tokenizer(self.target_dir)
+        self.draft_model = None
+        if self.drafter_dir is not None:
+            check_drafter_fits(self.target_dir, self.drafter_dir, self.tokenizer)
+            self.draft_model = load_model(self.drafter_dir, dtype, device)
+
+    def eos_ids(self) -> list[int]:
+        """EOS ids: the target config's, else the tokenizer's eos_token_id."""
+        ids = list(self.target.args.eos_token_ids)
+        if not ids and self.tokenizer.eos_token_id is not None:
+            ids = [self.tokenizer.eos_token_id]
+        return ids
+
+    def system(self, config: SystemConfig, **engine_kw) -> Engine:
+        """An engine running ``config`` on this deployment's weights.
+
+        Raises:
+            DrafterError: ``draft_model`` requested but the deployment has no draft model.
+        """
+        drafter = None
+        if config.drafter == "ngram":
+            drafter = NgramDrafter(config.ngram_max, config.ngram_min, max_matches=max(config.top_k, 1))
+        elif config.drafter == "draft_model":
+            if self.draft_model is None:
+                raise DrafterError("drafter 'draft_model' needs a draft model checkpoint (--drafter-path)")
+            drafter = DraftModelDrafter(self.draft_model, top_k=config.top_k)
+        engine_kw.setdefault("eos_ids", self.eos_ids())
+        return Engine(self.target, config, drafter, **engine_kw)
+
+
+def check_drafter_fits(target_dir, drafter_dir, target_tokenizer=None) -> None:
+    """Raise :class:`DrafterError` unless the drafter shares the target's vocabulary.
+
+    Checks the vocab sizes in both config.json files and, when the drafter directory has tokenizer files,
+    that both tokenizers map the same strings to the same ids.
+    """
+    ta, da = read_args(target_dir), read_args(drafter_dir)
+    if ta.vocab_size != da.vocab_size:
+        raise DrafterError(
+            f"drafter vocabulary ({da.vocab_size} ids) does not fit the target's ({ta.vocab_size} ids)"
+        )
+    if target_tokenizer is not None and any(Path(drafter_dir).glob("tokenizer*.json")):
+        if load_tokenizer(drafter_dir).get_vocab() != target_tokenizer.get_vocab():
+            raise DrafterError("drafter tokenizer differs from the target's: token ids would not match")

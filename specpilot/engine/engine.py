@@ -1,0 +1,179 @@
+"""The decoding engine: AR greedy and speculative decoding with chain or tree verification (§1.1, §4.2).
+
+One request at a time. Invariant between steps: the target cache holds the K/V of every committed token
+but the last (``cache.length == len(committed) - 1``), so that a step's root row feeds the last committed
+token. A speculative step:
+
+1. the drafter proposes a lattice from the committed tokens; a tree builder picks at most N nodes;
+2. one exact pass runs the rows [root] + nodes with position ids prefix_len + depth and an ancestor mask;
+3. greedy acceptance walks from the root to the child whose token equals the row's argmax, then appends
+   the argmax of the last accepted row (the bonus); one host read per step;
+4. the accepted path's K/V are moved into place (the cache equals a fresh prefill of the committed tokens);
+5. EOS, stop ids and max_new_tokens are checked on every accepted token; output ends at the first stop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ..config import SystemConfig
+from ..errors import PromptError
+from ..mechanisms.trees import Tree, build_tree
+from .model import Transformer, region
+from .types import Generation
+
+
+class Engine:
+    """A target, an optional drafter and a :class:`SystemConfig`.
+
+    Args:
+        target: the target :class:`Transformer` (its weights are the exact pass).
+        config: which drafter / tree builder / budget to use.
+        drafter: an object with ``reset()`` and ``propose(committed, depth) -> Lattice | None``; None = AR.
+        eos_ids: token ids that end a request (default: the target config's eos_token_id).
+        max_len: context length in tokens (default: the target's max_position_embeddings, at most 4096).
+        logits_hook: test-only: a function applied to the exact pass's logits ``[R, V]`` before the
+            argmax (used to plant defects the controller and token forcing must catch).
+
+    Attributes:
+        step_hook: test-only: called as ``step_hook(engine, committed)`` after every exact pass, with
+            the cache holding every committed token but the last (used to check R8 / R11).
+    """
+
+    def __init__(
+        self,
+        target: Transformer,
+        config: SystemConfig,
+        drafter=None,
+        eos_ids: list[int] | None = None,
+        max_len: int | None = None,
+        logits_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
+        self.target, self.config, self.drafter = target, config, drafter
+        self.eos_ids = set(target.args.eos_token_ids if eos_ids is None else eos_ids)
+        self.max_len = max_len or min(target.args.max_position_embeddings, 4096)
+        self.cache = target.new_cache(self.max_len + config.nodes + 1)
+        self.logits_hook = logits_hook
+        self.step_hook = None
+
+    # -- one pass ---------------------------------------------------------------------------------
+    def _argmax(self, tokens, positions, start, mask, prof) -> torch.Tensor:
+        hidden = self.target.forward(tokens, positions, self.cache, start, mask, prof)
+        logits = self.target.logits(hidden, prof)
+        if self.logits_hook is not None:
+            logits = self.logits_hook(logits)
+        with region(prof, "other"):
+            return logits.argmax(dim=-1)
+
+    def check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """Raise :class:`PromptError` for an empty prompt, bad ids, or one that does not fit the context."""
+        if len(prompt_ids) == 0:
+            raise PromptError("the prompt is empty")
+        vocab = self.target.args.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise PromptError(f"prompt token ids must lie in [0, {vocab})")
+        if max_new_tokens < 1:
+            raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(prompt_ids) + max_new_tokens > self.max_len:
+            raise PromptError(
+                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {max_new_tokens} exceeds the "
+                f"context of {self.max_len} tokens"
+            )
+
+    # -- a request --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stop_ids: list[int] | None = None,
+        prof=None,
+    ) -> Generation:
+        """Greedy decoding of one request; lossless: output == AR greedy (exactly, in float32 on the CPU).
+
+        Args:
+            prompt_ids: prompt token ids (non-empty).
+            max_new_tokens: most tokens to generate (≥ 1).
+            stop_ids: extra ids that end the request (kept in the output, like EOS).
+            prof: optional step profiler (``region(name)``), for the cost model (§3.2).
+        Returns:
+            :class:`Generation` with tokens, steps, per-step accepted counts, stop reason, wall times (s).
+        Raises:
+            PromptError: empty prompt, ids out of range, or prompt + max_new_tokens beyond the context.
+        """
+        self.check_prompt(prompt_ids, max_new_tokens)
+        stops = self.eos_ids | set(stop_ids or ())
+        dev = self.target.device
+        t0 = time.perf_counter()
+        self.cache.length = 0
+        if self.drafter is not None:
+            self.drafter.reset()
+        p = len(prompt_ids)
+        first = self._argmax(
+            torch.tensor(prompt_ids, device=dev), torch.arange(p, device=dev), 0, None, prof
+        )[-1].item()
+        self.cache.length = p
+        committed = list(prompt_ids) + [first]
+        out = Generation(tokens=[first], steps=0)
+        out.prefill_s = time.perf_counter() - t0
+        if first in stops:
+            out.stop_reason = "eos" if first in self.eos_ids else "stop"
+        while out.stop_reason == "length" and len(out.tokens) < max_new_tokens:
+            new = self._step(committed, max_new_tokens - len(out.tokens), prof)
+            kept = []
+            for tok in new:
+                kept.append(tok)
+                if tok in stops:
+                    out.stop_reason = "eos" if tok in self.eos_ids else "stop"
+                    break
+                if len(out.tokens) + len(kept) >= max_new_tokens:
+                    break
+            committed += kept
+            out.tokens += kept
+            out.steps += 1
+            out.accepted.append(len(kept))
+            self.cache.length = min(self.cache.length, len(committed) - 1)
+            if self.step_hook is not None:
+                self.step_hook(self, committed)
+        out.time_s = time.perf_counter() - t0
+        out.cache_length = self.cache.length
+        self.cache.length = 0  # the request's slots are free again (R14)
+        return out
+
+    def _step(self, committed: list[int], remaining: int, prof) -> list[int]:
+        """One exact pass; returns the accepted draft tokens + the bonus (before the stop checks)."""
+        cfg, dev = self.config, self.target.device
+        start = len(committed) - 1
+        assert self.cache.length == start, "cache must hold every committed token but the last"
+        tree = Tree()
+        if self.drafter is not None and remaining > 1:
+            with region(prof, "drafter"):
+                depth = min(cfg.depth, remaining - 1)
+                lattice = self.drafter.propose(committed, depth)
+            if lattice is not None:
+                with region(prof, "other"):
+                    tree = build_tree(cfg.tree, lattice, cfg.nodes)
+        with region(prof, "other"):
+            r = len(tree) + 1
+            tokens = torch.tensor([committed[-1]] + tree.tokens, device=dev)
+            positions = torch.tensor([start] + [start + d for d in tree.depths], device=dev)
+            mask = None
+            if len(tree):
+                mask = torch.ones(r, start + r, dtype=torch.bool, device=dev)
+                mask[:, start:] = tree.ancestor_mask(dev)
+        argmax = self._argmax(tokens, positions, start, mask, prof).tolist()  # the one host read
+        with region(prof, "other"):
+            kids = tree.child_maps()
+            path, row = [0], 0
+            while argmax[row] in kids[row]:
+                row = kids[row][argmax[row]]
+                path.append(row)
+            new = [tree.tokens[i - 1] for i in path[1:]] + [argmax[row]]
+            if len(path) > 1:
+                self.cache.keep_path(start, torch.tensor(path))
+            else:
+                self.cache.length = start + 1
+        return new
