@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random checkpoints (float32, CPU) saved in HF layout and loaded by our loader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def save_tiny(path, model_type="qwen3", vocab=64, hidden=64, layers=2, heads=4, kv_heads=2, seed=0, **kw):
+    """Save a tiny random HF causal LM of ``model_type`` to ``path``; returns ``path`` (str)."""
+    import transformers as tf
+
+    cls = {"qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+           "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}[model_type]
+    torch.manual_seed(seed)
+    cfg = cls[0](vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                 max_position_embeddings=512, **kw)
+    cls[1](cfg).eval().save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """``(target_dir, drafter_dir)``: a 2-layer target and a 1-layer drafter, vocab 64."""
+    root = tmp_path_factory.mktemp("tiny")
+    t = save_tiny(root / "target", hidden=64, layers=2, seed=1)
+    d = save_tiny(root / "drafter", hidden=32, layers=1, heads=2, kv_heads=1, seed=2)
+    return t, d
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_dirs):
+    """``(target, drafter)`` :class:`Transformer` s in float32."""
+    from specpilot.engine.checkpoint import load_model
+
+    return load_model(tiny_dirs[0]), load_model(tiny_dirs[1])
+
+
+def random_prompts(n, vocab=64, length=12, seed=0):
+    """``n`` random prompts (lists of ids) of ``length`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
