@@ -81,7 +81,7 @@ def build_corpus(
         stdlib_root: override of the stdlib directory (tests).
     Returns:
         ``(text, meta)``: documents joined by :data:`EOS`; meta records the Python version, stdlib path
-        and file count, the GSM8K file and its sha256, counts, the seed, the cap and the text's sha256.
+        and file count, the GSM8K file and its sha256, document counts (before and after the cap), the seed, the cap and the text's sha256.
     Raises:
         SpecPilotError: missing GSM8K file or unreadable records.
     """
@@ -93,6 +93,7 @@ def build_corpus(
     text = EOS.join(docs)
     if max_chars is not None and len(text) > max_chars:
         text = text[:max_chars]
+    kept = text.count(EOS) + 1 if text else 0
     gpath = Path(gsm8k).resolve()
     meta = {
         "python_version": sys.version.split()[0],
@@ -104,6 +105,7 @@ def build_corpus(
         "gsm8k_sha256": hashlib.sha256(gpath.read_bytes()).hexdigest(),
         "gsm8k_documents": len(math_docs),
         "documents": len(docs),
+        "documents_kept": kept,
         "separator": EOS,
         "seed": seed,
         "max_chars": max_chars,

@@ -245,13 +245,14 @@ def train(
             opt.step()
             pending.append(loss.detach())
             last = step + 1 == steps
-            if len(pending) >= 25 or last:  # fetch losses in groups: no host sync every step
+            eval_now = bool(eval_every) and ((step + 1) % eval_every == 0 or last)
+            if len(pending) >= 25 or last or eval_now:  # fetch losses in groups: no host sync every step
                 losses += torch.stack(pending).float().cpu().tolist()
                 pending.clear()
                 bar.update(task, completed=step + 1, loss=f"{np.mean(losses[-25:]):.3f}")
                 if time_limit_s is not None and time.time() - t_train > time_limit_s and not last:
                     stopped_early = True
-            if eval_every and ((step + 1) % eval_every == 0 or last or stopped_early):
+            if eval_now or (eval_every and stopped_early):
                 v = evaluate()
                 if v is not None:
                     val_curve.append((step + 1, v))
@@ -306,7 +307,8 @@ def train(
         "schedule": "linear warmup, cosine to 0.1 x lr",
         "optimizer": "AdamW(betas=(0.9, 0.95), grad clip 1.0)",
         "precision": "bf16 autocast" if amp else "float32",
-        "final_train_loss": float(np.mean(tail)) if tail else None,
+        "initial_train_loss": float(np.mean(losses[:10])) if losses else None,
+        "final_train_loss": float(np.mean(tail)) if tail else None,  # mean of the last 50 steps
         "final_heldout_loss": val_curve[-1][1] if val_curve else None,
         "heldout_curve": val_curve,
         "train_wall_s": round(train_s, 2),
