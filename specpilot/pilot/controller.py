@@ -109,7 +109,8 @@ def paired_run(
         :class:`PairedRun`; per-request throughput = len(tokens) / mean wall time (tokens/s).
     Raises:
         ValueError: no requests, ``repeats < 1``, a run taking no measurable time, or a request on
-            which a system produced no tokens (its throughput ratio is undefined).
+            which a system produced no tokens (its throughput ratio is undefined); whatever
+            ``run_a`` / ``run_b`` raise propagates.
     """
     if not requests or repeats < 1:
         raise ValueError("paired_run needs at least one request and repeats >= 1")
@@ -170,7 +171,8 @@ def _gain_and_bound(requests, tps_a, tps_b) -> tuple[dict[str, float], float, fl
 
     for method in ("BCa", "percentile"):
         with warnings.catch_warnings():
-            warnings.simplefilter("error")
+            warnings.simplefilter("error", stats.DegenerateDataWarning)
+            warnings.simplefilter("error", RuntimeWarning)
             try:
                 res = stats.bootstrap(
                     tuple(samples), statistic, n_resamples=N_RESAMPLES, vectorized=True, paired=False,

@@ -1,0 +1,54 @@
+"""Report writer."""
+
+import json
+
+import numpy as np
+
+from specpilot.pilot.report import write_report
+
+REPORT = {
+    "device": "cpu (2 cores)",
+    "ar_tokens_per_s": 41.5, "stock_tokens_per_s": 63.2, "sealed_tokens_per_s": 97.8,
+    "speedup_vs_ar": 2.357, "speedup_vs_stock": 1.547, "speedup_ci_low": 1.512,
+    "tau": 3.21, "c": 1.362, "sigma": 0.0012,
+    "ceiling": {"tree": 1.8, "kernel": 1.3, "outside": 1.1},
+    "token_forcing": {"mismatch_rate": 0.0, "events": 0, "event_rate": 0.0, "delta": 0.125,
+                      "tokens": 4096, "stock_mismatch_rate": 0.0, "passed": True},
+    "entries": [{"id": "best-first", "title": "best-first tree", "gain": 1.4, "requires": []}, "budget-16"],
+    "candidates": [
+        {"round": 1, "name": "best_first N=16", "gain": 1.41, "lower_bound": 1.38, "bar": 0.012,
+         "outputs_differ": False, "forcing_passed": True, "tau": 3.0, "c": 1.3, "approved": True,
+         "reason": "approved: ..."},
+        {"round": 1, "name": "chain D=8", "gain": 1.004, "lower_bound": 0.99, "bar": 0.012, "approved": False},
+    ],
+    "rounds": [{"round": 1, "ceiling": {"tree": 2.5, "kernel": 1.3, "outside": 1.1}, "attacked": "tree"},
+               {"round": 2, "ceiling": {"tree": 1.8, "kernel": 1.3, "outside": 1.1}, "attacked": "tree"}],
+    "tau_curve": {"chain": {1: 1.0, 4: 2.1, 8: 2.4}, "best_first": {"1": 1.0, "4": 2.5, "16": 3.2}},
+    "c_curve": {1: 1.0, 4: 1.1, 16: 1.36, 64: np.float64(2.2)},
+}
+
+
+def test_writes_everything(tmp_path):
+    out = write_report(tmp_path / "rep", REPORT, {})
+    names = {"report.json", "report.md", "tau_vs_n.png", "c_vs_n.png", "ceiling.png"}
+    assert set(out) == names
+    for n in names:
+        assert (tmp_path / "rep" / n).stat().st_size > 0
+    for n in ("tau_vs_n.png", "c_vs_n.png", "ceiling.png"):
+        assert (tmp_path / "rep" / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    js = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert js["sealed_tokens_per_s"] == 97.8 and js["c_curve"]["64"] == 2.2
+    md = (tmp_path / "rep" / "report.md").read_text()
+    for s in ("97.8", "63.2", "41.5", "2.357", "1.547", "1.512", "3.210", "1.362", "0.125",
+              "best_first N=16", "chain D=8", "rejected", "`best-first`", "`budget-16`", "![ceiling](ceiling.png)"):
+        assert s in md, s
+    assert "| 1.800 | 1.300 | 1.100 | 2.574 |" in md  # ceiling factors and their product
+
+
+def test_missing_parts_do_not_crash(tmp_path):
+    out = write_report(tmp_path, {"ar_tokens_per_s": 10.0, "token_forcing": {"delta": 0.25}, "c_curve": {}})
+    assert set(out) == {"report.json", "report.md"}  # no plot data: plots skipped
+    md = (tmp_path / "report.md").read_text()
+    assert "10.0" in md and "—" in md and "- none" in md
+    out = write_report(tmp_path / "p", {}, {"c_vs_n": {2: 1.05, 8: 1.2}})  # plot data passed separately
+    assert "c_vs_n.png" in out
