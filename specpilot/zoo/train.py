@@ -8,11 +8,12 @@ Hugging Face checkpoint in bfloat16 (config.json, model.safetensors, tokenizer f
 
 from __future__ import annotations
 
+from ..provenance import git_commit  # noqa: F401  (re-exported for the recipe)
+
 import json
 import math
 import random
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,20 +64,6 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float = 0.1)
         return lr * (step + 1) / warmup
     t = (step - warmup) / max(1, steps - warmup)
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
-
-
-def git_commit(repo: Path | None = None) -> str:
-    """``git rev-parse HEAD`` of the repository holding this package (suffix ``-dirty`` when modified), or ``unknown``."""
-    cwd = repo or Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
-        if head.returncode != 0:
-            return "unknown"
-        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                            capture_output=True, text=True, timeout=10)
-        return head.stdout.strip() + ("-dirty" if st.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def load_tokens(path: str | Path) -> tuple[np.ndarray, dict]:

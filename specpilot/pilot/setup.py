@@ -1,0 +1,50 @@
+"""Pilot setup: the request set, exact-pass timing by rows, versions and commit for the report."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..data.benchmarks import load_mix
+from ..provenance import git_commit, versions  # noqa: F401  (used by the pilot)
+from .controller import Req
+
+
+def build_requests(dep, per_benchmark: int, max_new_tokens: int) -> list[Req]:
+    """The pilot's request set: the first ``per_benchmark`` prompts of every bundled benchmark.
+
+    MT-Bench goes through the tokenizer's chat template when it has one. Prompts are tokenized without
+    special tokens; requests whose prompt would not fit the context are skipped.
+    """
+    reqs = []
+    limit = min(dep.target.args.max_position_embeddings, 4096) - max_new_tokens
+    for r in load_mix(per_benchmark, tokenizer=dep.tokenizer):
+        ids = dep.tokenizer(r.text, add_special_tokens=False)["input_ids"]
+        if 0 < len(ids) <= limit:
+            reqs.append(Req(r.benchmark, r.index, tuple(ids), max_new_tokens))
+    return reqs
+
+
+@torch.inference_mode()
+def measure_verify_ms(model, prefix_len: int, rows=(1, 2, 4, 8, 16, 32), repeats: int = 12) -> dict[int, float]:
+    """Median ms of one exact pass (forward + LM head + argmax + host read) by row count (c(N) curve, §3.2).
+
+    Rows form a full-prefix tree mask at ``prefix_len`` committed slots, as in a verification step.
+    """
+    dev = model.device
+    cache = model.new_cache(prefix_len + max(rows) + 1)
+    model.forward(torch.zeros(prefix_len, dtype=torch.long, device=dev), torch.arange(prefix_len, device=dev), cache, 0)
+    out = {}
+    for r in rows:
+        toks = torch.arange(r, device=dev) % model.args.vocab_size
+        pos = prefix_len + torch.arange(r, device=dev)
+        mask = torch.ones(r, prefix_len + r, dtype=torch.bool, device=dev)
+        times = []
+        for i in range(repeats + 2):
+            t0 = time.perf_counter()
+            model.logits(model.forward(toks, pos, cache, prefix_len, mask)).argmax(-1).tolist()
+            if i >= 2:
+                times.append(1e3 * (time.perf_counter() - t0))
+        out[r] = sorted(times)[len(times) // 2]
+    return out

@@ -1,0 +1,44 @@
+"""Provenance of results and artifacts: the repository commit and library versions."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+
+def git_commit(repo: Path | None = None) -> str:
+    """``git rev-parse HEAD`` of the repository holding this package, ``-dirty`` when tracked files changed.
+
+    Where there is no git checkout (a copied working tree on a GPU machine), the ``SPECPILOT_COMMIT``
+    environment variable is used; otherwise ``unknown``.
+    """
+    cwd = repo or Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        if head.returncode == 0:
+            st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                                capture_output=True, text=True, timeout=10)
+            return head.stdout.strip() + ("-dirty" if st.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("SPECPILOT_COMMIT", "unknown")
+
+
+def versions() -> dict:
+    """Versions of python, torch, transformers, triton (if present) and specpilot, for JSON results."""
+    import torch
+    import transformers
+
+    from . import __version__
+
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "specpilot": __version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out
