@@ -113,6 +113,12 @@ def pilot(
 
 def main() -> None:
     """Console entry point: runs the Typer app, turning SpecPilotError into a one-line error."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # our own errors say what matters
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
     try:
         app(standalone_mode=False)
     except SpecPilotError as e:

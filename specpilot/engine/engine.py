@@ -98,7 +98,7 @@ class Engine:
             prompt_ids: prompt token ids (non-empty).
             max_new_tokens: most tokens to generate (≥ 1).
             stop_ids: extra ids that end the request (kept in the output, like EOS).
-            prof: optional step profiler (``region(name)``), for the cost model (§3.2).
+            prof: optional step profiler (``region(name)``) of the decode steps, for the cost model (§3.2).
         Returns:
             :class:`Generation` with tokens, steps, per-step accepted counts, stop reason, wall times (s).
         Raises:
@@ -112,8 +112,8 @@ class Engine:
         if self.drafter is not None:
             self.drafter.reset()
         p = len(prompt_ids)
-        first = self._argmax(
-            torch.tensor(prompt_ids, device=dev), torch.arange(p, device=dev), 0, None, prof
+        first = self._argmax(  # the prefill is not part of a decode step's profile
+            torch.tensor(prompt_ids, device=dev), torch.arange(p, device=dev), 0, None, None
         )[-1].item()
         self.cache.length = p
         committed = list(prompt_ids) + [first]
@@ -122,7 +122,7 @@ class Engine:
         if first in stops:
             out.stop_reason = "eos" if first in self.eos_ids else "stop"
         while out.stop_reason == "length" and len(out.tokens) < max_new_tokens:
-            new = self._step(committed, max_new_tokens - len(out.tokens), prof)
+            new, rows = self._step(committed, max_new_tokens - len(out.tokens), prof)
             kept = []
             for tok in new:
                 kept.append(tok)
@@ -135,6 +135,7 @@ class Engine:
             out.tokens += kept
             out.steps += 1
             out.accepted.append(len(kept))
+            out.rows.append(rows)
             self.cache.length = min(self.cache.length, len(committed) - 1)
             if self.step_hook is not None:
                 self.step_hook(self, committed)
@@ -143,8 +144,8 @@ class Engine:
         self.cache.length = 0  # the request's slots are free again (R14)
         return out
 
-    def _step(self, committed: list[int], remaining: int, prof) -> list[int]:
-        """One exact pass; returns the accepted draft tokens + the bonus (before the stop checks)."""
+    def _step(self, committed: list[int], remaining: int, prof) -> tuple[list[int], int]:
+        """One exact pass; returns (accepted draft tokens + the bonus, before the stop checks; rows)."""
         cfg, dev = self.config, self.target.device
         start = len(committed) - 1
         assert self.cache.length == start, "cache must hold every committed token but the last"
@@ -176,4 +177,4 @@ class Engine:
                 self.cache.keep_path(start, torch.tensor(path))
             else:
                 self.cache.length = start + 1
-        return new
+        return new, r

@@ -13,6 +13,7 @@ class Generation:
         tokens: generated token ids (the prompt excluded; a stop token that ended it included).
         steps: exact passes after the prefill (one per speculative step / AR decode step).
         accepted: tokens committed by each of those passes (len == steps; bonus included).
+        rows: rows verified by each of those passes (root + tree nodes).
         stop_reason: ``eos`` | ``stop`` | ``length``.
         time_s: wall time of the whole request (prefill included), seconds.
         prefill_s: wall time of the prefill pass, seconds.
@@ -23,6 +24,7 @@ class Generation:
     tokens: list[int]
     steps: int
     accepted: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
     stop_reason: str = "length"
     time_s: float = 0.0
     prefill_s: float = 0.0

@@ -4,7 +4,8 @@ Expected keys of the report dict (every one optional; missing parts are shown as
 
 - ``device`` (str or dict), ``deployment`` (dict: target, drafter, dtype, batch, ...).
 - ``ar_tokens_per_s``, ``stock_tokens_per_s``, ``sealed_tokens_per_s``: throughput (tokens/s).
-- ``speedup_vs_ar``, ``speedup_vs_stock``: ratios; ``speedup_ci_low``: 95% lower bound of speedup_vs_stock.
+- ``speedup_vs_ar``, ``speedup_vs_stock``: ratios; ``speedup_ci_low``: 95% lower bound of speedup_vs_ar;
+  ``speedup_vs_stock_ci_low``: 95% lower bound of speedup_vs_stock (paired bootstrap, §3.3).
 - ``tau``: tokens per exact pass of the sealed system; ``c``: its c(N) = T_step(N) / T_AR.
 - ``sealed_label``, ``sealed_seal``: the sealed system's label and SHA-256 seal.
 - ``ceiling``: ``{tree, kernel, outside}`` factors of the sealed system (§3.2).
@@ -63,12 +64,12 @@ def _curve(d) -> tuple[list[float], list[float]]:
 def _headline(r: dict) -> list[str]:
     speed = r.get("speedup_vs_stock")
     rows = [
-        "| system | tokens/s | speedup vs AR | speedup vs stock |",
+        "| system | tokens/s | speedup vs AR (95% lower bound) | speedup vs stock (95% lower bound) |",
         "|---|---:|---:|---:|",
         f"| AR | {_num(r.get('ar_tokens_per_s'), '{:.1f}')} | 1.000 | — |",
         f"| stock | {_num(r.get('stock_tokens_per_s'), '{:.1f}')} | {_stock_vs_ar(r)} | 1.000 |",
-        f"| sealed | {_num(r.get('sealed_tokens_per_s'), '{:.1f}')} | {_num(r.get('speedup_vs_ar'))} | "
-        f"{_num(speed)} (95% lower bound {_num(r.get('speedup_ci_low'))}) |",
+        f"| sealed | {_num(r.get('sealed_tokens_per_s'), '{:.1f}')} | {_num(r.get('speedup_vs_ar'))} "
+        f"({_num(r.get('speedup_ci_low'))}) | {_num(speed)} ({_num(r.get('speedup_vs_stock_ci_low'))}) |",
         "",
         f"- τ (tokens per exact pass): **{_num(r.get('tau'))}**; c(N) = T_step / T_AR: **{_num(r.get('c'))}**",
     ]
@@ -110,14 +111,14 @@ def _markdown(r: dict, images: list[str]) -> str:
     cands = r.get("candidates") or []
     if cands:
         md += ["## Candidates (§3.3)", "",
-               "| round | candidate | gain | 95% low | bar | output differs | forcing | τ | c | verdict |",
+               "| round | candidate | gain | 95% low | bar | output differs | forcing | predicted τ | predicted c | verdict |",
                "|---:|---|---:|---:|---:|---|---|---:|---:|---|"]
         for c in cands:
             verdict = "approved" if c.get("approved") else "rejected"
             reason = str(c.get("reason", "")).replace("|", "/").removeprefix(verdict).lstrip(": ")
             md.append(f"| {c.get('round', '—')} | {c.get('name', '—')} | {_num(c.get('gain'))} | "
                       f"{_num(c.get('lower_bound'))} | {_pct(c.get('bar'))} | {_num(c.get('outputs_differ'))} | "
-                      f"{_num(c.get('forcing_passed'))} | {_num(c.get('tau'))} | {_num(c.get('c'))} | "
+                      f"{_num(c.get('forcing_passed'))} | {_num((c.get('predicted') or {}).get('tau', c.get('tau')))} | {_num((c.get('predicted') or {}).get('c', c.get('c')))} | "
                       f"{verdict}{': ' + reason if reason else ''} |")
         md.append("")
     rounds = r.get("rounds") or []

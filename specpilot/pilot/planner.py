@@ -1,0 +1,118 @@
+"""The built-in planner (§3.1, §3.2): candidates aimed at the largest ceiling factor, ranked by the cost model.
+
+Each round the master step reads the ceiling's three factors and picks a direction; candidates are the
+mechanism options that move that factor (tree: builder, budget N, top-K, depth; kernel / outside: cheaper
+steps: fewer rows, fewer draft positions, a cheaper drafter). Each candidate's τ comes from exact replay
+(no target pass) and its c(N) from measured pass times, so the planner ranks by predicted speedup
+τ / c and sends only the best few to the controller, which alone decides.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import SystemConfig
+from .replay import Recording, replay
+
+#: Option grid the planner searches (kept small: every candidate costs a paired run).
+NODES = (2, 4, 6, 8, 12, 16, 24, 32)
+TOP_K = (2, 4, 8)
+DEPTH = (3, 4, 6, 8, 10)
+
+
+@dataclass
+class Prediction:
+    """Cost-model prediction for one config: ``tau`` (replay), ``c`` and ``speedup`` = τ / c over AR."""
+
+    tau: float
+    c: float
+    speedup: float
+
+    def to_dict(self) -> dict:
+        return {"tau": self.tau, "c": self.c, "speedup": self.speedup}
+
+
+class Planner:
+    """Predicts τ, c and speedup of configs and proposes candidates for a direction.
+
+    Args:
+        recordings: ``{(drafter, top_k_recorded): Recording}`` from :func:`specpilot.pilot.replay.record`.
+            For ``draft_model`` one recording at the largest K serves every K; for ``ngram`` one per K.
+        verify_ms: ``{rows: ms}`` measured time of one exact pass (forward + LM head + argmax) by rows.
+        ar_ms: measured AR step time, ms (the unit of c).
+    """
+
+    def __init__(self, recordings: dict[tuple[str, int], Recording], verify_ms: dict[int, float], ar_ms: float):
+        self.recordings, self.ar_ms = recordings, ar_ms
+        self.rows = np.array(sorted(verify_ms), dtype=float)
+        self.ms = np.array([verify_ms[r] for r in sorted(verify_ms)], dtype=float)
+        self.overhead_ms = max(ar_ms - float(self.ms[0]), 0.0)  # per-step work outside the pass
+
+    def verify_time(self, rows: int) -> float:
+        """Interpolated exact-pass time for ``rows`` rows, ms."""
+        return float(np.interp(rows, self.rows, self.ms))
+
+    def recording(self, cfg: SystemConfig) -> Recording | None:
+        """The recording that replays ``cfg`` exactly, or None."""
+        if cfg.drafter == "ngram":
+            return self.recordings.get(("ngram", cfg.top_k))
+        for (kind, k), rec in self.recordings.items():
+            if kind == cfg.drafter and k >= cfg.top_k and rec.depth >= cfg.depth:
+                return rec
+        return None
+
+    def predict(self, cfg: SystemConfig) -> Prediction | None:
+        """Predicted τ (exact replay), c and speedup of ``cfg``; None when it cannot be replayed."""
+        rec = self.recording(cfg)
+        if rec is None:
+            return None
+        tau, _ = replay(rec, cfg)
+        draft = rec.draft_ms * (cfg.depth / rec.depth if cfg.drafter == "draft_model" else 1.0)
+        rows = 1 + min(cfg.nodes, cfg.depth if cfg.tree == "chain" else cfg.nodes)
+        c = (self.overhead_ms + self.verify_time(rows) + draft) / self.ar_ms
+        return Prediction(tau, c, tau / c)
+
+    def oracle_tau(self, cfg: SystemConfig) -> float:
+        """τ of the top-K oracle with ``cfg``'s drafter and N, at the largest recorded depth and K (§2.4)."""
+        best = 0.0
+        for (kind, k), rec in self.recordings.items():
+            if kind == cfg.drafter:
+                probe = cfg.model_copy(update={"depth": rec.depth, "top_k": k})
+                best = max(best, replay(rec, probe, policy="oracle")[0])
+        return best
+
+    def space(self, incumbent: SystemConfig, direction: str) -> list[SystemConfig]:
+        """Configs one step from ``incumbent`` that move ``direction`` (``tree`` | ``kernel`` | ``outside``)."""
+        drafters = sorted({kind for kind, _ in self.recordings})
+        out = []
+        if direction == "tree":
+            for d, n, k, dep in itertools.product(drafters, NODES, TOP_K, DEPTH):
+                out.append(incumbent.model_copy(update={"drafter": d, "tree": "best_first", "nodes": n, "top_k": k, "depth": dep}))
+            for d, dep in itertools.product(drafters, DEPTH):
+                out.append(incumbent.model_copy(update={"drafter": d, "tree": "chain", "nodes": dep, "top_k": 1, "depth": dep}))
+        else:  # kernel / outside: no kernel mechanism on this build; make the step cheaper instead
+            for d in drafters:
+                for n in NODES:
+                    if n < incumbent.nodes:
+                        out.append(incumbent.model_copy(update={"drafter": d, "nodes": n}))
+                for dep in DEPTH:
+                    if dep < incumbent.depth:
+                        out.append(incumbent.model_copy(update={"drafter": d, "depth": dep, "nodes": min(incumbent.nodes, dep) if incumbent.tree == "chain" else incumbent.nodes}))
+        return [c for c in out if c != incumbent]
+
+    def propose(self, incumbent: SystemConfig, direction: str, tried: set[str], k: int) -> list[tuple[SystemConfig, Prediction]]:
+        """The ``k`` untried candidates of ``direction`` with the highest predicted speedup above the incumbent's."""
+        base = self.predict(incumbent)
+        floor = base.speedup if base else 0.0
+        ranked = []
+        for cfg in self.space(incumbent, direction):
+            if cfg.seal() in tried:
+                continue
+            p = self.predict(cfg)
+            if p is not None and p.speedup > floor:
+                ranked.append((cfg, p))
+        ranked.sort(key=lambda cp: -cp[1].speedup)
+        return ranked[:k]

@@ -1,0 +1,122 @@
+"""Exact replay: τ of any tree policy without running the target again (§2.4, §4.2).
+
+Greedy decoding is deterministic, so the target's greedy continuation of every prefix of an AR output is
+that output itself. Record once, per request and per committed length m, the drafter's lattice at the
+prefix ``prompt + ar[:m]``; then simulate the engine's step sequence for a policy (tree builder, N, depth,
+top-K): build the tree, accept the longest path that matches the AR output, add the bonus. The step
+bookkeeping mirrors :meth:`specpilot.engine.engine.Engine.generate` exactly, so replay τ equals the
+engine's τ on the same prompts (tested). The ``oracle`` policy accepts while the AR token is anywhere in
+the lattice's candidates (the top-K oracle of §2.4).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..config import SystemConfig
+from ..drafters.lattice import Lattice
+from ..mechanisms.trees import build_tree
+
+
+class TruncatedLattice(Lattice):
+    """A lattice cut to its first ``depth`` positions and ``top_k`` candidates per position.
+
+    For a sequential drafter (greedy top-1 chain), this equals drafting ``depth`` positions with
+    ``top_k`` candidates, so one recording at the largest depth / top-K serves every smaller policy.
+    """
+
+    def __init__(self, base: Lattice, depth: int, top_k: int):
+        self.base, self.depth, self.top_k = base, min(depth, base.depth), top_k
+
+    def children(self, path):
+        return self.base.children(path)[: self.top_k] if len(path) < self.depth else []
+
+
+@dataclass
+class Recording:
+    """Lattices of one drafter along AR outputs.
+
+    Attributes:
+        prompts / ar: prompt ids and AR output ids per request.
+        lattices: per request, ``{committed_len_after_prompt: Lattice | None}`` at the recorded depth / K.
+        depth / top_k: what was recorded (policies may use less).
+        draft_ms: mean wall time of one ``propose`` call, ms.
+    """
+
+    prompts: list[list[int]]
+    ar: list[list[int]]
+    lattices: list[dict[int, Lattice | None]] = field(default_factory=list)
+    depth: int = 0
+    top_k: int = 0
+    draft_ms: float = 0.0
+
+
+def record(drafter, prompts, ar_outputs, depth: int, top_k: int) -> Recording:
+    """Propose a lattice at every committed length of every AR output (one drafter pass per position).
+
+    Args:
+        drafter: an object with ``reset()`` / ``propose(committed, depth)`` built with ``top_k`` candidates.
+        prompts / ar_outputs: lists of token-id lists.
+        depth / top_k: the largest depth and K any replayed policy will use.
+    """
+    rec = Recording([list(p) for p in prompts], [list(a) for a in ar_outputs], depth=depth, top_k=top_k)
+    calls, t_total = 0, 0.0
+    for prompt, ar in zip(rec.prompts, rec.ar):
+        drafter.reset()
+        lats = {}
+        for m in range(1, len(ar)):
+            t0 = time.perf_counter()
+            lats[m] = drafter.propose(prompt + ar[:m], depth)
+            t_total += time.perf_counter() - t0
+            calls += 1
+        rec.lattices.append(lats)
+    rec.draft_ms = 1e3 * t_total / max(calls, 1)
+    return rec
+
+
+def replay(rec: Recording, config: SystemConfig, policy: str | None = None) -> tuple[float, int]:
+    """τ of ``config`` (tree builder, nodes, depth, top_k) on the recording: ``(tau, steps)``.
+
+    ``policy="oracle"`` replaces the tree with the top-K oracle limited to ``min(nodes, depth)`` positions.
+    Mirrors the engine: after the prefill token, each step drafts ``min(depth, remaining − 1)`` positions
+    (none when one token remains), accepts the matching path plus the bonus, and cuts at the request's end.
+
+    Raises:
+        ValueError: when ``config`` asks for more depth or candidates than were recorded.
+    """
+    if config.depth > rec.depth or config.top_k > rec.top_k:
+        raise ValueError(f"recorded depth {rec.depth} / top-K {rec.top_k} cannot replay {config.label()}")
+    total_tokens = total_steps = 0
+    for ar, lats in zip(rec.ar, rec.lattices):
+        m = 1  # the prefill committed ar[0]
+        while m < len(ar):
+            remaining = len(ar) - m
+            lat = lats.get(m) if remaining > 1 else None
+            n_acc = 0
+            if lat is not None:
+                lat = TruncatedLattice(lat, min(config.depth, remaining - 1), config.top_k)
+                n_acc = _accepted(lat, ar[m:], config, policy)
+            kept = min(n_acc + 1, remaining)
+            total_tokens += kept
+            total_steps += 1
+            m += kept
+    return (total_tokens / total_steps if total_steps else 0.0), total_steps
+
+
+def _accepted(lat: Lattice, target: list[int], config: SystemConfig, policy: str | None) -> int:
+    """Drafted tokens accepted at one step: the longest tree path equal to ``target``'s prefix."""
+    if policy == "oracle":
+        path: tuple[int, ...] = ()
+        limit = min(config.nodes, lat.depth)
+        while len(path) < limit and len(path) < len(target):
+            if target[len(path)] not in {t for t, _ in lat.children(path)}:
+                break
+            path += (target[len(path)],)
+        return len(path)
+    tree = build_tree(config.tree, lat, config.nodes)
+    kids, row, n = tree.child_maps(), 0, 0
+    while n < len(target) and target[n] in kids[row]:
+        row = kids[row][target[n]]
+        n += 1
+    return n

@@ -1,0 +1,309 @@
+"""``specpilot pilot``: the SpecPilot procedure end to end on one device (§3).
+
+Phase 0 measures AR and stock, the stock A/A noise σ and the near-tie threshold δ. Each round then
+profiles the incumbent (cost model, ceiling, §3.2), lets the planner propose candidates aimed at the
+largest factor, and hands each to the controller (paired A B B A runs, bootstrap lower bound, §3.3) and to
+token forcing (§3.4). Approved candidates become memory entries (§3.5); the last incumbent is sealed,
+re-measured against AR and stock, audited, reproduced from stock + entries, and reported.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from ..config import SystemConfig
+from ..engine.deployment import Deployment
+from . import controller as ctl
+from .costmodel import build_ceiling, step_counts
+from .forcing import Scorer, audit, delta_from_phase0, forcing_verdict
+from .memory import Entry, Evidence, Memory
+from .planner import Planner
+from .profiler import StepProfiler, measure_peaks
+from .replay import record
+from .report import write_report
+from .setup import build_requests, git_commit, measure_verify_ms, versions
+
+
+@dataclass
+class PilotOptions:
+    """Options of one pilot run (CLI flags of ``specpilot pilot``)."""
+
+    target: Path
+    drafter: Path | None = None
+    out: Path = Path("specpilot-report")
+    quick: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    overrides: dict | None = None
+
+    @property
+    def plan(self) -> dict:
+        """Request-set size and search effort: ``--quick`` is a smoke run of a few minutes on 2 cores.
+
+        ``overrides`` replaces any of: per_benchmark, max_new_tokens, rounds, candidates, depth_max.
+        """
+        if self.quick:
+            plan = {"per_benchmark": 2, "max_new_tokens": 48, "rounds": 1, "candidates": 2, "depth_max": 8}
+        else:
+            plan = {"per_benchmark": 5, "max_new_tokens": 96, "rounds": 3, "candidates": 3, "depth_max": 10}
+        return {**plan, **(self.overrides or {})}
+
+
+class Pilot:
+    """State of one pilot run; :meth:`run` does the whole procedure and returns the report dict."""
+
+    def __init__(self, opts: PilotOptions, console: Console | None = None):
+        self.o, self.con = opts, console or Console(stderr=True)
+        self.dep = Deployment(opts.target, opts.drafter, dtype=opts.dtype, device=opts.device)
+        self.drafter_kind = "draft_model" if self.dep.draft_model is not None else "ngram"
+        self.stock = SystemConfig.stock(self.drafter_kind, depth=6, dtype=opts.dtype)
+        self.ar = SystemConfig.ar(dtype=opts.dtype)
+        self.engines: dict[str, object] = {}
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def say(self, phase: str, msg: str) -> None:
+        self.con.print(f"[bold cyan]{phase}[/] {msg}")
+
+    def engine(self, cfg: SystemConfig):
+        key = cfg.seal()
+        if key not in self.engines:
+            self.engines[key] = self.dep.system(cfg)
+        return self.engines[key]
+
+    def runner(self, cfg: SystemConfig):
+        eng = self.engine(cfg)
+        return lambda req: eng.generate(list(req.prompt_ids), req.max_new_tokens)
+
+    def paired(self, a: SystemConfig, b: SystemConfig, label: str) -> ctl.PairedRun:
+        from rich.progress import Progress
+
+        with Progress(console=self.con, transient=True) as bar:
+            task = bar.add_task(f"paired run {label}", total=2 * len(self.reqs))
+            run_b = self.runner(b)
+
+            def counted(req):
+                out = run_b(req)
+                bar.advance(task)
+                return out
+
+            return ctl.paired_run(self.runner(a), counted, self.reqs)
+
+    def outputs(self, run: ctl.PairedRun, which: str = "b"):
+        outs = run.outputs_b if which == "b" else run.outputs_a
+        return [(r.prompt_ids, o, r.benchmark) for r, o in zip(run.requests, outs)]
+
+    def measure(self, cfg: SystemConfig, n: int | None = None) -> dict:
+        """τ, mean rows and ms per step (prefill excluded) of ``cfg`` over the first ``n`` requests."""
+        eng, steps, toks, rows, ms = self.engine(cfg), 0, 0, 0, 0.0
+        for req in self.reqs[: n or len(self.reqs)]:
+            g = eng.generate(list(req.prompt_ids), req.max_new_tokens)
+            steps, toks, rows = steps + g.steps, toks + sum(g.accepted), rows + sum(g.rows)
+            ms += 1e3 * (g.time_s - g.prefill_s)
+        return {"tau": toks / max(steps, 1), "rows": rows / max(steps, 1), "step_ms": ms / max(steps, 1), "steps": steps}
+
+    # -- the procedure ---------------------------------------------------------------------------
+    def run(self) -> dict:
+        o, plan = self.o, self.o.plan
+        torch.manual_seed(o.seed)
+        self.say("setup", f"target {o.target}  drafter {o.drafter or 'ngram'}  device {o.device}  dtype {o.dtype}")
+        self.peaks = measure_peaks(o.device, self.dep.target.dtype, seconds_budget=1.5)
+        self.say("setup", f"peaks: {self.peaks.flops_per_s / 1e9:.1f} GFLOP/s, {self.peaks.bytes_per_s / 1e9:.1f} GB/s")
+        self.reqs = build_requests(self.dep, plan["per_benchmark"], plan["max_new_tokens"])
+        self.say("setup", f"{len(self.reqs)} requests from {sorted({r.benchmark for r in self.reqs})}")
+
+        # Phase 0
+        self.say("phase 0", "AR vs stock (paired A B B A)")
+        ar_stock = self.paired(self.ar, self.stock, "AR vs stock")
+        ar_out = [list(x) for x in ar_stock.outputs_a]
+        self.say("phase 0", f"stock {self.stock.label()}: {ar_stock.gain:.3f}x AR (95% lower bound {ar_stock.lower_bound:.3f})")
+        self.phase0 = {"stock_vs_ar_gain": ar_stock.gain, "stock_vs_ar_lower_bound": ar_stock.lower_bound}
+        aa = self.paired(self.stock, self.stock, "stock A/A")
+        self.sigma = ctl.noise_from_aa(aa)
+        self.say("phase 0", f"stock A/A gain {aa.gain:.4f}: noise σ = {self.sigma:.4f}")
+        self.phase0.update({"aa_gain": aa.gain, "aa_lower_bound": aa.lower_bound, "sigma": self.sigma})
+        self.scorer = Scorer(self.dep.target)
+        prompts = [list(r.prompt_ids) for r in self.reqs]
+        self.delta = delta_from_phase0(self.scorer, prompts, ar_out, [list(x) for x in ar_stock.outputs_b])
+        self.stock_forcing = audit(self.scorer, self.outputs(ar_stock), self.delta)
+        self.phase0.update({"delta": self.delta, "stock_forcing": self.stock_forcing.to_dict()})
+        self.say("phase 0", f"δ = {self.delta}; stock mismatch rate {self.stock_forcing.mismatch_rate:.3%}, events {self.stock_forcing.events}")
+
+        # cost model inputs: AR step, pass time by rows, lattices for replay
+        ar_m = self.measure(self.ar, n=4)
+        verify_ms = measure_verify_ms(self.dep.target, prefix_len=200, rows=(1, 2, 4, 8, 16, 24, 32, 48, 64))
+        self.c_curve = {r - 1: ms / verify_ms[1] for r, ms in verify_ms.items() if r > 1}
+        recs = {}
+        depth_max = plan["depth_max"]
+        for k in (1, 2, 4, 8):
+            recs[("ngram", k)] = record(self.dep.system(SystemConfig(drafter="ngram", top_k=k, depth=depth_max, nodes=depth_max)).drafter,
+                                         prompts, ar_out, depth_max, k)
+        if self.dep.draft_model is not None:
+            self.say("cost model", "recording draft-model lattices along the AR outputs (exact replay)")
+            dm = self.dep.system(SystemConfig(drafter="draft_model", top_k=8, depth=depth_max, nodes=depth_max)).drafter
+            recs[("draft_model", 8)] = record(dm, prompts, ar_out, depth_max, 8)
+        self.planner = Planner(recs, verify_ms, ar_m["step_ms"])
+        self.tau_curve = self.tau_curves()
+
+        incumbent, entries, candidates, rounds, tried = self.stock, [], [], [], {self.stock.seal()}
+        memory = Memory(o.out / "memory")
+        for rnd in range(1, plan["rounds"] + 1):
+            ceil, inc_m = self.ceiling(incumbent, ar_m["step_ms"])
+            f = ceil.factors()
+            order = sorted(f, key=f.get, reverse=True)
+            self.say(f"round {rnd}", "ceiling " + ", ".join(f"{k} {v:.2f}" for k, v in f.items()) + f"  -> attack {order[0]}")
+            proposals, attacked = [], order[0]
+            for direction in order:
+                proposals = self.planner.propose(incumbent, direction, tried, plan["candidates"])
+                if proposals:
+                    attacked = direction
+                    break
+                self.say(f"round {rnd}", f"no candidate predicted to help for {direction}; next factor")
+            rounds.append({"round": rnd, "ceiling": f, "attacked": attacked, "incumbent": incumbent.label(),
+                           "tau": inc_m["tau"], "c": inc_m["step_ms"] / ar_m["step_ms"],
+                           "tokens_per_s": 1e3 * inc_m["tau"] / inc_m["step_ms"], "detail": ceil.to_dict()})
+            best = None
+            for i, (cand, pred) in enumerate(proposals, 1):
+                tried.add(cand.seal())
+                self.say(f"round {rnd}", f"candidate {i}/{len(proposals)}: {cand.label()} (predicted τ {pred.tau:.2f}, c {pred.c:.2f}, {pred.speedup:.2f}x AR)")
+                run = self.paired(incumbent, cand, cand.label())
+                forcing = audit(self.scorer, self.outputs(run), self.delta)
+                passed, reasons = forcing_verdict(forcing, self.stock_forcing)
+                v = ctl.approve(run, self.sigma, passed)
+                self.say(f"round {rnd}", ("[green]" if v.approved else "[red]") + v.reason + "[/]")
+                row = {"round": rnd, "name": cand.label(), "config": cand.model_dump(), "predicted": pred.to_dict(),
+                       "gain": run.gain, "lower_bound": run.lower_bound, "bar": v.bar, "outputs_differ": run.outputs_differ,
+                       "forcing_passed": passed, "forcing_reasons": reasons, "mismatch_rate": forcing.mismatch_rate,
+                       "approved": v.approved, "reason": v.reason}
+                candidates.append(row)
+                if v.approved and (best is None or run.lower_bound > best[1].lower_bound):
+                    best = (cand, run, forcing, row)
+            if best is not None:
+                cand, run, forcing, row = best
+                entry = self.entry(rnd, incumbent, cand, run, forcing, [e.id for e in entries])
+                memory.add(entry, overwrite=True)
+                entries.append(entry)
+                row["entry"] = entry.id
+                self.say(f"round {rnd}", f"approved {entry.id}: {incumbent.label()} -> {cand.label()}")
+                incumbent = cand
+            rounds[-1]["approved"] = best[3]["name"] if best else None
+        return self.seal(incumbent, entries, memory, candidates, rounds, ar_m)
+
+    def tau_curves(self) -> dict:
+        """τ vs N by exact replay, per tree builder, for the deployment's drafter (report plot)."""
+        out = {}
+        kind = self.drafter_kind
+        k = 8 if kind == "draft_model" else 4
+        depth = self.o.plan["depth_max"]
+        for builder in ("chain", "best_first", "oracle"):
+            curve = {}
+            for n in (1, 2, 4, 6, 8, 12, 16, 24, 32):
+                if builder == "chain" and n > depth:
+                    continue
+                cfg = SystemConfig(drafter=kind, tree="chain" if builder == "chain" else "best_first", nodes=n,
+                                   depth=min(n, depth) if builder == "chain" else depth, top_k=1 if builder == "chain" else k)
+                if builder == "oracle":
+                    curve[n] = self.planner.oracle_tau(cfg)
+                else:
+                    p = self.planner.predict(cfg)
+                    curve[n] = p.tau if p else None
+            out[f"{kind}/{builder}"] = curve
+        return out
+
+    def ceiling(self, cfg: SystemConfig, ar_ms: float):
+        """Profile ``cfg``'s decode steps by kernel class and assemble its ceiling (§3.2)."""
+        m = self.measure(cfg, n=4)
+        eng, prof = self.engine(cfg), StepProfiler(self.o.device)
+        steps, prefix = 0, []
+        for req in self.reqs[:2]:
+            g = eng.generate(list(req.prompt_ids), req.max_new_tokens, prof=prof)
+            steps += g.steps
+            prefix.append(len(req.prompt_ids) + len(g.tokens) // 2)
+        totals = prof.totals_ms()
+        d_args = self.dep.draft_model.args if cfg.drafter == "draft_model" else None
+        counts = step_counts(self.dep.target.args, max(1, round(m["rows"])), int(sum(prefix) / len(prefix)),
+                             self.dep.target.dtype.itemsize, drafter_args=d_args, drafter_passes=cfg.depth)
+        tau_best = max(self.planner.oracle_tau(cfg), m["tau"])
+        ceil = build_ceiling(totals, counts, self.peaks, m["step_ms"], m["tau"], tau_best, steps=max(steps, 1),
+                             ar_ms=ar_ms, rows=round(m["rows"]))
+        return ceil, m
+
+    def entry(self, rnd, incumbent, cand, run, forcing, requires) -> Entry:
+        """A memory entry for an approved candidate (§3.5): delta relative to the incumbent."""
+        delta = cand.delta(incumbent)
+        slug = "-".join(f"{k}-{v}" for k, v in sorted(delta.items())).replace("_", "").lower()[:60]
+        return Entry(
+            id=f"r{rnd}-{slug}", title=f"{incumbent.label()} -> {cand.label()}", mechanism=cand.tree,
+            requires=list(requires), delta=delta, options={k: getattr(cand, k) for k in ("nodes", "depth", "top_k")},
+            evidence=Evidence(gain=run.gain, lower_bound=run.lower_bound, bar=ctl.BASE_BAR + 2 * self.sigma,
+                              sigma=self.sigma, forcing=forcing.to_dict(), deployment=self.deployment(),
+                              date=_dt.date.today().isoformat()),
+            base=self.stock.model_dump(), system=cand.model_dump(),
+            limits=["measured on this deployment and device only; re-tune and re-measure on a new one"],
+            not_verified=["batching (batch 1 only)", "other dtypes / devices than the one in evidence"],
+        )
+
+    def deployment(self) -> dict:
+        return {"target": str(self.o.target), "drafter": str(self.o.drafter) if self.o.drafter else "ngram",
+                "device": self.o.device, "dtype": self.o.dtype, "batch": 1}
+
+    def seal(self, sealed, entries, memory, candidates, rounds, ar_m) -> dict:
+        """Seal the final system, re-measure it against AR and stock, audit it and write the report."""
+        o = self.o
+        o.out.mkdir(parents=True, exist_ok=True)
+        self.say("seal", f"sealed system {sealed.label()} ({sealed.seal()[:12]})")
+        vs_ar = self.paired(self.ar, sealed, "AR vs sealed")
+        vs_stock = self.paired(self.stock, sealed, "stock vs sealed")
+        forcing = audit(self.scorer, self.outputs(vs_stock), self.delta)
+        passed, reasons = forcing_verdict(forcing, self.stock_forcing)
+        check = memory.check_all(self.stock, sealed, [e.id for e in entries])
+        self.say("seal", f"{vs_ar.gain:.3f}x AR (lower bound {vs_ar.lower_bound:.3f}), {vs_stock.gain:.3f}x stock "
+                 f"(lower bound {vs_stock.lower_bound:.3f}); token forcing {'passed' if passed else 'FAILED'}; "
+                 f"reproduction check {'ok' if check.ok else 'FAILED'}")
+        ceil, m = self.ceiling(sealed, ar_m["step_ms"])
+        tps = lambda run, w: len(run.requests) / sum(1 / t for t in (run.tps_a if w == "a" else run.tps_b))
+        system = {"config": sealed.model_dump(), "label": sealed.label(), "seal": sealed.seal(),
+                  "entries": [e.id for e in entries], "deployment": self.deployment(),
+                  "commit": git_commit(), "date": _dt.datetime.now().isoformat(timespec="seconds")}
+        report = {
+            "device": {"type": o.device, "name": self.peaks.device_name, "threads": torch.get_num_threads(),
+                       "platform": platform.platform(), "peaks": self.peaks.to_dict()},
+            "versions": versions(), "commit": system["commit"], "deployment": self.deployment(),
+            "requests": len(self.reqs), "max_new_tokens": o.plan["max_new_tokens"], "quick": o.quick,
+            "ar_tokens_per_s": tps(vs_ar, "a"), "stock_tokens_per_s": tps(vs_stock, "a"),
+            "sealed_tokens_per_s": tps(vs_stock, "b"),
+            "speedup_vs_ar": vs_ar.gain, "speedup_ci_low": vs_ar.lower_bound,
+            "speedup_vs_stock": vs_stock.gain, "speedup_vs_stock_ci_low": vs_stock.lower_bound,
+            "phase0": self.phase0,
+            "sealed_label": sealed.label(), "sealed_seal": sealed.seal(), "stock_label": self.stock.label(),
+            "tau": m["tau"], "c": m["step_ms"] / ar_m["step_ms"], "ar_step_ms": ar_m["step_ms"], "step_ms": m["step_ms"],
+            "rows": m["rows"], "ceiling": {**ceil.factors(), "value": ceil.ceiling, "detail": ceil.to_dict()},
+            "sigma": self.sigma,
+            "token_forcing": {**forcing.to_dict(), "stock_mismatch_rate": self.stock_forcing.mismatch_rate,
+                              "stock_event_rate": self.stock_forcing.event_rate, "stock_events": self.stock_forcing.events,
+                              "passed": passed, "reasons": reasons},
+            "reproduction_check": {"entries": check.entries, "sealed": check.sealed, "ok": check.ok},
+            "entries": [{"id": e.id, "title": e.title, "gain": e.evidence.gain, "lower_bound": e.evidence.lower_bound,
+                         "requires": e.requires, "delta": e.delta} for e in entries],
+            "candidates": candidates, "rounds": rounds, "tau_curve": self.tau_curve, "c_curve": self.c_curve,
+        }
+        write_report(o.out, report)
+        (o.out / "system.json").write_text(__import__("json").dumps(system, indent=2))
+        self.say("done", f"report in {o.out}/report.md")
+        return report
+
+
+def run_pilot(opts: PilotOptions) -> dict:
+    """Run the pilot and write the report directory; returns the report dict.
+
+    Raises:
+        SpecPilotError: bad checkpoint directories or drafter (see :class:`Deployment`).
+    """
+    return Pilot(opts).run()

@@ -1,0 +1,69 @@
+"""The command line: ``generate --json`` and one-line errors (no traceback) for bad input."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from specpilot import cli
+
+from .conftest import save_tiny
+
+
+def run_cli(monkeypatch, capsys, *args):
+    monkeypatch.setattr(sys, "argv", ["specpilot", *args])
+    capsys.readouterr()  # drop what fixtures printed
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_bundled(monkeypatch, capsys):
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "--prompt", "def add(a, b):", "--drafter", "ngram",
+                             "--tree", "best_first", "--nodes", "8", "--max-new-tokens", "16", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert len(res["tokens"]) <= 16 and res["steps"] >= 1 and res["tau"] >= 1.0 and isinstance(res["text"], str)
+
+
+def test_generate_matches_ar(monkeypatch, capsys):
+    outs = []
+    for drafter in ("none", "draft_model"):
+        code, out, err = run_cli(monkeypatch, capsys, "generate", "--prompt", "Question: 3 + 4 =", "--drafter", drafter,
+                                 "--max-new-tokens", "20", "--json")
+        assert code == 0, err
+        outs.append(json.loads(out)["tokens"])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("case", ["missing", "model_type", "empty", "too_long", "vocab", "bad_tree"])
+def test_bad_input_is_one_line_error(monkeypatch, capsys, tmp_path, case):
+    args = ["generate", "--prompt", "hello", "--max-new-tokens", "4"]
+    if case == "missing":
+        args += ["--target", str(tmp_path / "nope")]
+    elif case == "model_type":
+        d = tmp_path / "gpt2ish"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+        args += ["--target", str(d)]
+    elif case == "empty":
+        args[2] = "   "
+    elif case == "too_long":
+        args[2] = "x = 1\n" * 3000
+    elif case == "vocab":
+        drafter = save_tiny(tmp_path / "drafter", vocab=97)
+        args += ["--drafter", "draft_model", "--drafter-path", drafter, "--target",
+                 str(__import__("specpilot.zoo", fromlist=["x"]).bundled_target_dir())]
+    elif case == "bad_tree":
+        args += ["--tree", "bushy"]
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err

@@ -1,0 +1,112 @@
+"""The procedure with real engines: controller decisions, token forcing of a planted defect, exact replay,
+and the whole pilot on the bundled models with a tiny plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specpilot.config import SystemConfig
+from specpilot.engine.deployment import Deployment
+from specpilot.pilot import controller as ctl
+from specpilot.pilot.forcing import Scorer, audit, forcing_verdict
+from specpilot.pilot.replay import record, replay
+from specpilot.pilot.setup import build_requests
+from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
+
+
+@pytest.fixture(scope="module")
+def dep():
+    return Deployment(bundled_target_dir(), bundled_drafter_dir())
+
+
+@pytest.fixture(scope="module")
+def reqs(dep):
+    return build_requests(dep, per_benchmark=2, max_new_tokens=32)
+
+
+def runner(engine):
+    return lambda req: engine.generate(list(req.prompt_ids), req.max_new_tokens)
+
+
+def test_controller_never_approves_a_vs_a_and_approves_a_real_2x(dep, reqs):
+    stock = dep.system(SystemConfig.stock("ngram"))
+    aa = ctl.paired_run(runner(stock), runner(stock), reqs)
+    sigma = ctl.noise_from_aa(aa)
+    assert not ctl.approve(aa, sigma, None).approved
+    aa2 = ctl.paired_run(runner(stock), runner(dep.system(SystemConfig.stock("ngram"))), reqs)
+    assert not ctl.approve(aa2, sigma, None).approved
+
+    def twice(req):  # a system doing all its work twice: B (once) is a real 2x change
+        runner(stock)(req)
+        return runner(stock)(req)
+
+    run = ctl.paired_run(twice, runner(stock), reqs)
+    v = ctl.approve(run, sigma, None)
+    assert v.approved, v.reason
+    assert 1.6 < run.gain < 2.4
+
+
+def test_token_forcing_passes_stock_and_rejects_planted_bias(dep, reqs):
+    scorer = Scorer(dep.target)
+    stock = dep.system(SystemConfig.stock("ngram"))
+    stock_out = [(r.prompt_ids, stock.generate(list(r.prompt_ids), r.max_new_tokens).tokens, r.benchmark) for r in reqs]
+    stock_stats = audit(scorer, stock_out, 0.125)
+    assert stock_stats.mismatch_rate == 0.0  # float32 on the CPU: stock is exactly the scorer's argmax
+    best = dep.system(SystemConfig(drafter="ngram", tree="best_first", nodes=16, depth=8, top_k=4))
+    out = [(r.prompt_ids, best.generate(list(r.prompt_ids), r.max_new_tokens).tokens, r.benchmark) for r in reqs]
+    assert forcing_verdict(audit(scorer, out, 0.125), stock_stats)[0]
+    bias = torch.zeros(dep.target.args.vocab_size)
+    bias[torch.arange(0, dep.target.args.vocab_size, 7)] = 1.5  # a small bias on every 7th token id
+    defect = dep.system(SystemConfig.stock("ngram"), logits_hook=lambda logits: logits + bias)
+    bad = [(r.prompt_ids, defect.generate(list(r.prompt_ids), r.max_new_tokens).tokens, r.benchmark) for r in reqs]
+    stats = audit(scorer, bad, 0.125)
+    passed, reasons = forcing_verdict(stats, stock_stats)
+    assert not passed and stats.mismatches > 0, reasons
+    # and the controller does not approve it even if it were faster: its output differs and forcing fails
+    run = ctl.paired_run(runner(stock), runner(defect), reqs)
+    assert run.outputs_differ and not ctl.approve(run, 0.0, passed).approved
+
+
+@pytest.mark.parametrize("cfg", [
+    SystemConfig.stock("ngram"),
+    SystemConfig(drafter="ngram", tree="best_first", nodes=12, depth=6, top_k=4),
+    SystemConfig.stock("draft_model", depth=4),
+    SystemConfig(drafter="draft_model", tree="best_first", nodes=10, depth=5, top_k=3),
+], ids=lambda c: c.label())
+def test_replay_tau_equals_live_tau(dep, reqs, cfg):
+    prompts = [list(r.prompt_ids) for r in reqs]
+    ar = [dep.system(SystemConfig.ar()).generate(p, 32).tokens for p in prompts]
+    depth_max, k_max = 8, (cfg.top_k if cfg.drafter == "ngram" else 4)
+    rec = record(dep.system(cfg.model_copy(update={"top_k": k_max})).drafter, prompts, ar, depth_max, k_max)
+    tau, steps = replay(rec, cfg)
+    eng = dep.system(cfg)
+    gens = [eng.generate(p, 32) for p in prompts]
+    live_steps = sum(g.steps for g in gens)
+    assert steps == live_steps
+    assert tau == pytest.approx(sum(sum(g.accepted) for g in gens) / live_steps)
+
+
+def test_pilot_end_to_end_tiny_plan(tmp_path):
+    from specpilot.pilot.run import PilotOptions, run_pilot
+
+    out = tmp_path / "report"
+    opts = PilotOptions(target=bundled_target_dir(), drafter=bundled_drafter_dir(), out=out, quick=True,
+                        overrides={"per_benchmark": 2, "max_new_tokens": 24, "rounds": 1, "candidates": 1, "depth_max": 6})
+    rep = run_pilot(opts)
+    for f in ("report.md", "report.json", "system.json", "tau_vs_n.png", "c_vs_n.png", "ceiling.png"):
+        assert (out / f).is_file(), f
+    data = json.loads((out / "report.json").read_text())
+    for key in ("ar_tokens_per_s", "stock_tokens_per_s", "sealed_tokens_per_s", "speedup_vs_ar", "speedup_vs_stock",
+                "speedup_ci_low", "tau", "c", "ceiling", "token_forcing", "entries", "device"):
+        assert key in data, key
+    for f in ("tree", "kernel", "outside"):
+        assert data["ceiling"][f] > 0
+    for f in ("mismatch_rate", "events", "delta"):
+        assert f in data["token_forcing"]
+    assert data["token_forcing"]["passed"] and data["reproduction_check"]["ok"]
+    assert data["ar_tokens_per_s"] > 0 and data["sealed_tokens_per_s"] > 0
+    system = json.loads((out / "system.json").read_text())
+    assert system["seal"] == SystemConfig(**system["config"]).seal() == rep["sealed_seal"]
