@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels are tested in Triton's interpreter on the CPU; the switch must be set before triton is
+    # first imported anywhere (tests/test_tree_attention.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def save_tiny(path, model_type="qwen3", vocab=64, hidden=64, layers=2, heads=4, kv_heads=2, seed=0, **kw):

@@ -284,3 +284,38 @@ def test_lattice_and_tree_invariants():
                 assert abs(score(t.path(i)) - t.scores[i]) < 1e-9
         c = build_chain(lat, 4)
         assert c.tokens == top.indices[:4, 0].tolist() and c.parents == [-1, 0, 1, 2]
+
+
+# -- row buckets / static path (issue 4, R13) --------------------------------------------------------
+@pytest.mark.parametrize("cfg", SYSTEMS, ids=lambda c: c.label())
+def test_padded_buckets_equal_unpadded(tiny_models, cfg):
+    """Passes padded to row buckets through the static path (the CUDA-graph path, run eagerly on the CPU)
+    give the same tokens as unpadded dynamic passes."""
+    target, drafter_model = tiny_models
+    eng = Engine(target, cfg, make_drafter(cfg, drafter_model), eos_ids=[], buckets=True)
+    assert eng.runner is not None
+    eng.step_hook = cache_matches_prefill
+    for prompt in random_prompts(3, V, length=10, seed=17):
+        assert eng.generate(prompt, 30).tokens == ar_tokens(target, prompt, 30)
+
+
+def test_r13_rows_outside_buckets_fall_back(tiny_models, monkeypatch):
+    from specpilot.engine import graphs
+
+    target, drafter_model = tiny_models
+    cfg = SystemConfig(drafter="draft_model", tree="best_first", nodes=12, depth=6, top_k=4)
+    eng = Engine(target, cfg, DraftModelDrafter(drafter_model, 4), eos_ids=[], buckets=True)
+    eng.runner.buckets = (1, 2, 4)  # trees above 3 nodes exceed every bucket: eager fallback
+    calls = {"static": 0, "fallback": 0}
+    real_run = eng.runner.run
+
+    def counting(*a, **k):
+        out = real_run(*a, **k)
+        calls["static" if out is not None else "fallback"] += 1
+        return out
+
+    eng.runner.run = counting
+    prompt = random_prompts(1, V, seed=19)[0]
+    assert eng.generate(prompt, 30).tokens == ar_tokens(target, prompt, 30)
+    assert calls["fallback"] > 0
+    assert graphs.bucket_for(5, (1, 2, 4)) is None and graphs.bucket_for(3, (1, 2, 4)) == 4

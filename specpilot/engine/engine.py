@@ -37,6 +37,8 @@ class Engine:
         max_len: context length in tokens (default: the target's max_position_embeddings, at most 4096).
         logits_hook: test-only: a function applied to the exact pass's logits ``[R, V]`` before the
             argmax (used to plant defects the controller and token forcing must catch).
+        buckets: run decode passes padded to row buckets through the static path, replayed as CUDA
+            graphs on CUDA (:mod:`specpilot.engine.graphs`); rows above the largest bucket run eagerly.
 
     Attributes:
         step_hook: test-only: called as ``step_hook(engine, committed)`` after every exact pass, with
@@ -51,17 +53,39 @@ class Engine:
         eos_ids: list[int] | None = None,
         max_len: int | None = None,
         logits_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        buckets: bool = False,
     ):
         self.target, self.config, self.drafter = target, config, drafter
         self.eos_ids = set(target.args.eos_token_ids if eos_ids is None else eos_ids)
         self.max_len = max_len or min(target.args.max_position_embeddings, 4096)
-        self.cache = target.new_cache(self.max_len + config.nodes + 1)
+        from .graphs import BUCKETS, BucketRunner
+
+        self.cache = target.new_cache(self.max_len + max(config.nodes + 1, BUCKETS[-1]))
+        self.runner = None
+        if buckets and not getattr(drafter, "target_layers", None) and logits_hook is None:
+            self.runner = BucketRunner(target, self.cache, BUCKETS, graphs=True, output="argmax")
         self.logits_hook = logits_hook
         self.step_hook = None
+        # a drafter that reads target hidden states (block drafters, §1.1) names the layers it wants
+        self.feature_layers = tuple(getattr(drafter, "target_layers", ()) or ())
+        self._feats: list[torch.Tensor] = []
+
+    def _observe(self, rows: torch.Tensor | None, start: int) -> None:
+        """Hand the drafter the target features of newly committed cache slots ``[start, start + k)``.
+
+        ``rows`` are the pass's row indices of those slots (None: all rows, as in the prefill). The features
+        are ``[k, len(feature_layers) * hidden]``; only drafters with ``target_layers`` receive them.
+        """
+        if not self.feature_layers:
+            return
+        f = torch.cat(self._feats, dim=-1)
+        self.drafter.observe(f if rows is None else f[rows.to(f.device)], start)
 
     # -- one pass ---------------------------------------------------------------------------------
     def _argmax(self, tokens, positions, start, mask, prof) -> torch.Tensor:
-        hidden = self.target.forward(tokens, positions, self.cache, start, mask, prof)
+        self._feats = []
+        hidden = self.target.forward(tokens, positions, self.cache, start, mask, prof,
+                                     features=self._feats, feature_layers=self.feature_layers)
         logits = self.target.logits(hidden, prof)
         if self.logits_hook is not None:
             logits = self.logits_hook(logits)
@@ -116,6 +140,7 @@ class Engine:
             torch.tensor(prompt_ids, device=dev), torch.arange(p, device=dev), 0, None, None
         )[-1].item()
         self.cache.length = p
+        self._observe(None, 0)
         committed = list(prompt_ids) + [first]
         out = Generation(tokens=[first], steps=0)
         out.prefill_s = time.perf_counter() - t0
@@ -157,15 +182,23 @@ class Engine:
             if lattice is not None:
                 with region(prof, "other"):
                     tree = build_tree(cfg.tree, lattice, cfg.nodes)
-        with region(prof, "other"):
-            r = len(tree) + 1
-            tokens = torch.tensor([committed[-1]] + tree.tokens, device=dev)
-            positions = torch.tensor([start] + [start + d for d in tree.depths], device=dev)
-            mask = None
-            if len(tree):
-                mask = torch.ones(r, start + r, dtype=torch.bool, device=dev)
-                mask[:, start:] = tree.ancestor_mask(dev)
-        argmax = self._argmax(tokens, positions, start, mask, prof).tolist()  # the one host read
+        r = len(tree) + 1
+        tok_list = [committed[-1]] + tree.tokens
+        pos_list = [start] + [start + d for d in tree.depths]
+        out = None
+        if self.runner is not None:  # padded static pass (a CUDA graph replay on CUDA)
+            with region(prof, "other"):
+                out = self.runner.run(tok_list, pos_list, start, tree.ancestor_mask() if len(tree) else None)
+        if out is None:
+            with region(prof, "other"):
+                tokens = torch.tensor(tok_list, device=dev)
+                positions = torch.tensor(pos_list, device=dev)
+                mask = None
+                if len(tree):
+                    mask = torch.ones(r, start + r, dtype=torch.bool, device=dev)
+                    mask[:, start:] = tree.ancestor_mask(dev)
+            out = self._argmax(tokens, positions, start, mask, prof)
+        argmax = out.tolist()  # the one host read
         with region(prof, "other"):
             kids = tree.child_maps()
             path, row = [0], 0
@@ -173,8 +206,10 @@ class Engine:
                 row = kids[row][argmax[row]]
                 path.append(row)
             new = [tree.tokens[i - 1] for i in path[1:]] + [argmax[row]]
+            rows_t = torch.tensor(path)
             if len(path) > 1:
-                self.cache.keep_path(start, torch.tensor(path))
+                self.cache.keep_path(start, rows_t)
             else:
                 self.cache.length = start + 1
+            self._observe(rows_t, start)
         return new, r

@@ -183,10 +183,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.args = args
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask, prof=None):
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, start, mask, prof=None):
         """``x [R, hidden]``; writes this layer's K/V at slots ``[start, start+R)``; returns ``[R, hidden]``.
 
-        ``mask`` is ``[R, start + R]`` bool (True = may attend) or None for causal rows.
+        Dynamic path (``start`` an int): ``mask`` is ``[R, start + R]`` bool (True = may attend) or None for
+        causal rows; masked SDPA over ``cache[:start + R]``. Static path (``start`` a 0-d long tensor, for
+        CUDA graphs): ``mask`` is the ``[R, R]`` tree mask among the rows; every row sees the whole prefix;
+        tree attention reads only the valid slots (:mod:`specpilot.kernels.tree_attention`).
         """
         a = self.args
         r = x.shape[0]
@@ -198,6 +201,8 @@ class Attention(nn.Module):
             if a.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(start, torch.Tensor):
+            return self._static_attention(q, k, v, cache, layer, start, mask, prof)
         with region(prof, "attention"):
             cache.k[layer, start : start + r] = k
             cache.v[layer, start : start + r] = v
@@ -211,6 +216,21 @@ class Attention(nn.Module):
                 mask = causal_mask(start, r, x.device)
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, attn_mask=mask)
             o = o[0].transpose(0, 1).reshape(r, a.n_heads * a.head_dim)
+        with region(prof, "projections"):
+            return self.o_proj(o)
+
+
+    def _static_attention(self, q, k, v, cache, layer, start, tree_mask, prof):
+        """Static-shape attention: K/V written by ``index_copy_`` at ``start + arange(R)``; no host sync."""
+        from ..kernels.tree_attention import attention
+
+        a, r = self.args, q.shape[0]
+        with region(prof, "attention"):
+            slots = start + torch.arange(r, device=q.device)
+            cache.k[layer].index_copy_(0, slots, k)
+            cache.v[layer].index_copy_(0, slots, v)
+            o = attention(q, cache.k[layer], cache.v[layer], start, tree_mask, a.head_dim**-0.5)
+            o = o.reshape(r, a.n_heads * a.head_dim)
         with region(prof, "projections"):
             return self.o_proj(o)
 
@@ -317,6 +337,8 @@ class Transformer(nn.Module):
         start: int,
         mask: torch.Tensor | None = None,
         prof=None,
+        features: list | None = None,
+        feature_layers: tuple[int, ...] = (),
     ) -> torch.Tensor:
         """Final-norm hidden states of a set of rows.
 
@@ -324,22 +346,31 @@ class Transformer(nn.Module):
             tokens: ``[R] long`` token ids of the rows.
             positions: ``[R] long`` position ids (prefix_len + depth for tree rows, §4.2).
             cache: the request's cache; rows' K/V are written to slots ``[start, start + R)``.
-            start: number of committed slots the rows attend to (the cache prefix).
+            start: number of committed slots the rows attend to (the cache prefix); an int, or a 0-d long
+                device tensor for the static (CUDA-graph) path, where ``mask`` is then the ``[R, R]`` tree mask.
             mask: ``[R, start + R] bool`` (True = may attend); None = causal over the rows.
             prof: optional step profiler with ``region(name)`` (cost model, §3.2).
+            features / feature_layers: when ``feature_layers`` is non-empty, the outputs of those decoder
+                layers (0-based) are appended to the list ``features`` as ``[R, hidden_size]`` tensors, in
+                the order given (the context a block drafter reads, DFlash-style, §1.1).
         Returns:
             ``[R, hidden_size]`` in the model dtype.
         Raises:
             ValueError: when the rows do not fit the cache.
         """
         r = tokens.shape[0]
-        if start + r > cache.max_len:
+        if not isinstance(start, torch.Tensor) and start + r > cache.max_len:
             raise ValueError(f"{start + r} slots needed, cache holds {cache.max_len}")
         with region(prof, "other"):
             x = self.model.embed_tokens(tokens)
             cos, sin = self.rope(positions, x.dtype)
+        captured = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, i, start, mask, prof)
+            if i in feature_layers:
+                captured[i] = x
+        if feature_layers:
+            features.extend(captured[i] for i in feature_layers)
         with region(prof, "norms_elementwise"):
             return self.model.norm(x)
 

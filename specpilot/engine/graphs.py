@@ -1,0 +1,116 @@
+"""Row buckets and CUDA graphs for the exact pass (issue 4; gpt-fast / vLLM-style graph replay).
+
+A pass of R rows is padded to the next bucket size B ≥ R and run through the model's static path
+(``start`` a device tensor, an ``[B, B]`` tree mask): shapes depend only on B, so one CUDA graph per bucket
+replays any step. Padding rows attend only to themselves and the prefix, and their K/V land in slots past
+the real rows, which nothing reads; their outputs are dropped. Row counts above the largest bucket fall
+back to the eager dynamic path (R13). On the CPU the same padded static path runs without graphs, which is
+how CI tests that padding never changes the tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .model import KVCache, Transformer
+
+#: Default row buckets (rows of one exact pass).
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def bucket_for(rows: int, buckets=BUCKETS) -> int | None:
+    """The smallest bucket ≥ ``rows``, or None when ``rows`` exceeds every bucket (eager fallback)."""
+    for b in buckets:
+        if b >= rows:
+            return b
+    return None
+
+
+class BucketRunner:
+    """Runs exact passes padded to row buckets, replaying one CUDA graph per bucket on CUDA.
+
+    Args:
+        model: the :class:`Transformer`.
+        cache: its cache; must hold ``max_len + max(buckets)`` slots (padding rows write past the rows).
+        buckets: row buckets (increasing).
+        graphs: capture CUDA graphs (CUDA only; ignored on the CPU).
+        output: ``argmax`` (``[R] long``, the target's verify step) or ``logits`` (``[R, V] float32``).
+    """
+
+    def __init__(self, model: Transformer, cache: KVCache, buckets=BUCKETS, graphs: bool = True,
+                 output: str = "argmax"):
+        self.model, self.cache, self.buckets, self.output = model, cache, tuple(buckets), output
+        self.dev = model.device
+        self.graphs = graphs and self.dev.type == "cuda"
+        self._static: dict[int, dict] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    def _buffers(self, b: int) -> dict:
+        if b not in self._static:
+            dev = self.dev
+            self._static[b] = {
+                "tokens": torch.zeros(b, dtype=torch.long, device=dev),
+                "positions": torch.zeros(b, dtype=torch.long, device=dev),
+                "start": torch.zeros((), dtype=torch.long, device=dev),
+                "mask": torch.eye(b, dtype=torch.bool, device=dev),
+                "out": None,
+            }
+        return self._static[b]
+
+    def _body(self, s: dict) -> torch.Tensor:
+        hidden = self.model.forward(s["tokens"], s["positions"], self.cache, s["start"], s["mask"])
+        logits = self.model.logits(hidden)
+        return logits.argmax(dim=-1) if self.output == "argmax" else logits
+
+    def _capture(self, b: int) -> None:
+        s = self._buffers(b)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm up (Triton autotune / cuBLAS handles) outside the capture
+                self._body(s)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            s["out"] = self._body(s)
+        self._pool = g.pool()
+        self._graphs[b] = g
+
+    @torch.inference_mode()
+    def run(self, tokens: list[int], positions: list[int], start: int, tree_mask: torch.Tensor | None):
+        """One pass of R rows at prefix ``start``; returns ``[R]`` argmax or ``[R, V]`` logits on the
+        device, or None when R exceeds the largest bucket (the caller then runs the eager path).
+
+        Args:
+            tokens / positions: R token ids and position ids (host lists: one small copy to the device).
+            start: committed slots (the rows' K/V go to ``[start, start + R)``).
+            tree_mask: ``[R, R] bool`` (host) among the rows; None = causal (chains, prompt chunks).
+        Raises:
+            ValueError: when padded rows would not fit the cache.
+        """
+        r = len(tokens)
+        b = bucket_for(r, self.buckets)
+        if b is None:
+            return None
+        if start + b > self.cache.max_len:
+            raise ValueError(f"bucket {b} at prefix {start} exceeds the cache of {self.cache.max_len} slots")
+        s = self._buffers(b)
+        host = torch.zeros(2, b, dtype=torch.long)
+        host[0, :r] = torch.tensor(tokens)
+        host[1, :] = positions[0]  # padding rows: any valid position
+        host[1, :r] = torch.tensor(positions)
+        mask = torch.eye(b, dtype=torch.bool)
+        mask[:r, :r] = torch.ones(r, r, dtype=torch.bool).tril() if tree_mask is None else tree_mask
+        s["tokens"].copy_(host[0])
+        s["positions"].copy_(host[1])
+        s["start"].fill_(start)
+        s["mask"].copy_(mask)
+        if self.graphs:
+            if b not in self._graphs:
+                self._capture(b)
+            self._graphs[b].replay()
+            out = s["out"]
+        else:
+            out = self._body(s)
+        return out[:r]

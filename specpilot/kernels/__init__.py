@@ -1,0 +1,5 @@
+"""GPU kernels (Triton) next to their plain-PyTorch references; see each module's docstring."""
+
+from .tree_attention import attention, pack_tree_mask, tree_attention, tree_attention_reference
+
+__all__ = ["attention", "pack_tree_mask", "tree_attention", "tree_attention_reference"]

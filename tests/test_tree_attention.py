@@ -1,0 +1,236 @@
+"""Tree attention: the Triton kernel against the PyTorch reference, the reference against SDPA.
+
+Without CUDA the kernel runs in Triton's interpreter on the CPU: TRITON_INTERPRET=1 must be set before
+triton is first imported (triton.language's own helpers are decorated then), so tests/conftest.py sets it
+when there is no CUDA. With CUDA the same tests run compiled on the GPU. bf16 is GPU-only (numpy, under the interpreter, has none).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _fix_interpreter_index():
+    """Triton 3.6's interpreter does ``int(array_of_shape_1)`` for a runtime loop bound (a loaded scalar),
+    which numpy >= 2.4 rejects (triton-lang/triton#9171, fixed upstream by #9172). Patch it for tests."""
+    from triton.runtime import interpreter as it
+
+    orig = it._patch_lang_tensor
+    if getattr(orig, "_specpilot_shim", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._specpilot_shim = True
+    it._patch_lang_tensor = patched
+
+
+if not CUDA:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(triton.language.standard.zeros, InterpretedFunction):
+        raise RuntimeError("TRITON_INTERPRET=1 must be set before triton is first imported (tests/conftest.py "
+                           "sets it when there is no CUDA); run this file with TRITON_INTERPRET=1")
+    _fix_interpreter_index()
+ta = importlib.import_module("specpilot.kernels.tree_attention")
+
+
+def tree_mask_from_parents(parents: list[int], n_pad: int = 0) -> torch.Tensor:
+    """``[R + n_pad, R + n_pad]`` bool ancestor-or-self mask; padded rows see only themselves."""
+    r = len(parents) + n_pad
+    m = torch.eye(r, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        while p >= 0:
+            m[i, p] = True
+            p = parents[p]
+    return m
+
+
+def random_case(gen, r, h, kvh, d, s, prefix, dtype, n_pad=0):
+    """Random q and cache (slots >= prefix + R filled with NaN: never read) and a random tree mask."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, r - n_pad)]
+    mask = tree_mask_from_parents(parents, n_pad)
+    q = torch.randn(r, h, d, generator=gen).to(dtype)
+    k = torch.randn(s, kvh, d, generator=gen).to(dtype)
+    v = torch.randn(s, kvh, d, generator=gen).to(dtype)
+    k[prefix + r:] = float("nan")
+    v[prefix + r:] = float("nan")
+    return q.to(DEV), k.to(DEV), v.to(DEV), mask.to(DEV)
+
+
+# (R, H, KVH, D, S, prefix, dtype, kernel overrides); BLOCK_N 16 makes short prefixes span several blocks
+CASES = [
+    (1, 4, 1, 16, 64, 0, torch.float32, {}),
+    (1, 8, 2, 16, 128, 77, torch.float32, dict(block_n=16)),
+    (1, 8, 2, 16, 128, 77, torch.float32, dict(block_n=16, num_splits=3)),
+    (3, 4, 4, 16, 64, 33, torch.float32, dict(block_n=16)),
+    (3, 8, 4, 64, 64, 16, torch.float32, dict(block_n=16, num_splits=2)),
+    (8, 4, 2, 16, 128, 50, torch.float32, dict(block_n=16, block_m=16)),
+    (8, 8, 1, 16, 128, 120, torch.float32, dict(block_n=32, num_splits=4)),
+    (8, 8, 2, 64, 96, 0, torch.float32, dict(block_n=16, num_splits=2)),
+    (3, 8, 2, 64, 128, 45, torch.float16, dict(block_n=16)),
+    (8, 4, 1, 64, 128, 61, torch.float16, dict(block_n=16, num_splits=3)),
+    (40, 4, 2, 16, 128, 29, torch.float32, dict(block_n=16, num_splits=2)),  # tree spans two mask words
+]
+
+
+@pytest.mark.parametrize("r,h,kvh,d,s,prefix,dtype,kw", CASES)
+def test_kernel_matches_reference(r, h, kvh, d, s, prefix, dtype, kw):
+    gen = torch.Generator().manual_seed(1000 * r + 10 * h + prefix)
+    q, k, v, mask = random_case(gen, r, h, kvh, d, s, prefix, dtype)
+    scale = d ** -0.5
+    ref = ta.tree_attention_reference(q, k, v, prefix, mask, scale)
+    plen = torch.tensor(prefix, dtype=torch.int32 if prefix % 2 else torch.int64, device=DEV)
+    out = ta.tree_attention(q, k, v, plen, mask, scale, **kw)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert not out.isnan().any()
+    tol = 2e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    again = ta.tree_attention(q, k, v, plen, mask, scale, **kw)
+    assert torch.equal(out, again)  # deterministic: fixed-order reduction, no atomics
+
+
+def test_random_sweep():
+    """Random shapes, prefixes, block sizes and splits (trees spanning several KV blocks included)."""
+    gen = torch.Generator().manual_seed(2024)
+    pick = lambda xs: xs[int(torch.randint(0, len(xs), (1,), generator=gen))]  # noqa: E731
+    for _ in range(16):
+        r, h, d, dtype = pick([1, 3, 8, 40]), pick([4, 8]), pick([16, 64]), pick([torch.float32, torch.float16])
+        kvh = pick([k for k in (1, 2, 4) if h % k == 0])
+        s = 128
+        prefix = int(torch.randint(0, s - r + 1, (1,), generator=gen))
+        kw = dict(block_m=pick([16, 32, 64]), block_n=pick([16, 32, 64]), num_splits=pick([1, 2, 3, 5]))
+        q, k, v, mask = random_case(gen, r, h, kvh, d, s, prefix, dtype)
+        plen = torch.tensor(prefix, device=DEV)
+        out = ta.tree_attention(q, k, v, plen, mask, d ** -0.5, **kw)
+        ref = ta.tree_attention_reference(q, k, v, prefix, mask, d ** -0.5)
+        tol = 2e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol,
+                                   msg=lambda m: f"{(r, h, kvh, d, prefix, dtype, kw)}: {m}")
+        assert torch.equal(out, ta.tree_attention(q, k, v, plen, mask, d ** -0.5, **kw))
+
+
+def test_split_and_prefix_change_without_new_shapes():
+    """Same tensors and launch, only the device-side prefix length changes (as under CUDA graph replay)."""
+    gen = torch.Generator().manual_seed(7)
+    r, h, kvh, d, s = 3, 8, 2, 16, 128
+    q, k, v, mask = random_case(gen, r, h, kvh, d, s, 125 - r, torch.float32)
+    plen = torch.zeros((), dtype=torch.int64, device=DEV)
+    for prefix in (0, 5, 64, 100):
+        plen.fill_(prefix)
+        out = ta.tree_attention(q, k[: s], v[: s], plen, mask, 0.25, block_n=16, num_splits=4)
+        # the rows' K/V sit at [prefix, prefix + R): build the reference from the same cache
+        ref = ta.tree_attention_reference(q, k, v, prefix, mask, 0.25)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_pack_tree_mask():
+    gen = torch.Generator().manual_seed(5)
+    for r in (1, 31, 32, 33, 70, 256):
+        mask = torch.rand(r, r, generator=gen) < 0.5
+        words = ta.pack_tree_mask(mask)
+        assert words.dtype == torch.int32 and words.shape == (r, (r + 31) // 32)
+        bits = (words[:, :, None].long() >> torch.arange(32)) & 1  # bit 31 included (negative words)
+        assert torch.equal(bits.view(r, -1)[:, :r].bool(), mask)
+    q, k, v, mask = random_case(gen, 40, 4, 2, 16, 128, 9, torch.float32)
+    plen = torch.tensor(9, device=DEV)
+    a = ta.tree_attention(q, k, v, plen, mask, 0.25, block_n=16)
+    assert torch.equal(a, ta.tree_attention(q, k, v, plen, ta.pack_tree_mask(mask), 0.25, block_n=16))
+
+
+def test_padded_rows_no_nan():
+    """Padding rows (mask: only themselves, or nothing at all) give finite output; at L = 0 with no
+    allowed slot the row is zeros in both implementations."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, mask = random_case(gen, 8, 4, 2, 16, 64, 0, torch.float32, n_pad=3)
+    mask[-1, -1] = False  # a row that may attend nothing
+    plen = torch.zeros((), dtype=torch.int32, device=DEV)
+    out = ta.tree_attention(q, k, v, plen, mask, 0.25, block_n=16)
+    ref = ta.tree_attention_reference(q, k, v, 0, mask, 0.25)
+    assert torch.isfinite(out).all() and torch.isfinite(ref).all()
+    assert (out[-1] == 0).all() and (ref[-1] == 0).all()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("r,h,kvh,prefix", [(1, 4, 2, 0), (3, 8, 2, 17), (8, 8, 8, 40), (8, 4, 1, 9)])
+def test_reference_equals_sdpa(r, h, kvh, prefix):
+    gen = torch.Generator().manual_seed(r + prefix)
+    q, k, v, mask = random_case(gen, r, h, kvh, 16, 64, prefix, torch.float32)
+    q, k, v, mask = q.cpu(), k.cpu(), v.cpu(), mask.cpu()
+    n = prefix + r
+    full = torch.cat([torch.ones(r, prefix, dtype=torch.bool), mask], dim=1)  # [R, L + R]
+    g = h // kvh
+    keys = k[:n].transpose(0, 1).repeat_interleave(g, dim=0)[None]
+    vals = v[:n].transpose(0, 1).repeat_interleave(g, dim=0)[None]
+    sdpa = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, attn_mask=full, scale=0.3)
+    ref = ta.tree_attention_reference(q, k, v, torch.tensor(prefix), mask, 0.3)
+    torch.testing.assert_close(ref, sdpa[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_errors_and_dispatch():
+    q = torch.randn(2, 6, 16)
+    k = torch.randn(32, 4, 16)
+    m = torch.ones(2, 2, dtype=torch.bool).tril()
+    with pytest.raises(ValueError):
+        ta.tree_attention_reference(q, k, k, 3, m, 0.25)  # 6 % 4 != 0
+    q, k = torch.randn(2, 4, 80), torch.randn(32, 2, 80)
+    with pytest.raises(ValueError):
+        ta.tree_attention(q, k, k, torch.tensor(3), m, 0.1)  # head_dim 80
+    with pytest.raises(ValueError):
+        ta.tree_attention_reference(q, k, k, 3, m[:1], 0.1)  # mask shape
+    with pytest.raises(ValueError):
+        ta.tree_attention_reference(q, k, k, 31, m, 0.1)  # L + R > S
+    # dispatch on the CPU is the reference (an unsupported head_dim on CUDA also falls back)
+    assert torch.equal(ta.attention(q, k, k, 3, m, 0.1), ta.tree_attention_reference(q, k, k, 3, m, 0.1))
+
+
+def test_default_config():
+    # Qwen3-8B shapes (H=32, KVH=8, D=128), a 4096-slot cache
+    small = ta.default_config(1, 4, 8, 4096, 128)
+    assert small["num_splits"] > 1 and small["block_m"] == 16
+    big = ta.default_config(256, 4, 8, 4096, 128)
+    assert big["num_splits"] == 1 and big["block_m"] == 64
+    assert ta.default_config(1, 4, 8, 64, 128)["num_splits"] == 1  # tiny cache: nothing to split
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("r", [1, 8, 33, 256])
+@pytest.mark.parametrize("prefix", [0, 511, 2048])
+def test_bf16_cuda_qwen_shapes(r, prefix):
+    gen = torch.Generator().manual_seed(r)
+    q, k, v, mask = random_case(gen, r, 32, 8, 128, 4096, prefix, torch.bfloat16)
+    out = ta.tree_attention(q, k, v, torch.tensor(prefix, device=DEV), mask, 128 ** -0.5)
+    ref = ta.tree_attention_reference(q, k, v, prefix, mask, 128 ** -0.5)
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+    assert torch.equal(out, ta.tree_attention(q, k, v, torch.tensor(prefix, device=DEV), mask, 128 ** -0.5))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_graph_replay_any_prefix():
+    gen = torch.Generator().manual_seed(0)
+    r, s = 16, 2048
+    q, k, v, mask = random_case(gen, r, 32, 8, 128, s, s - r, torch.bfloat16)
+    plen = torch.tensor(100, device=DEV)
+    ta.tree_attention(q, k, v, plen, mask, 0.1)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ta.tree_attention(q, k, v, plen, mask, 0.1)
+    for prefix in (0, 100, 700, s - r):
+        plen.fill_(prefix)
+        graph.replay()
+        ref = ta.tree_attention(q, k, v, torch.tensor(prefix, device=DEV), mask, 0.1)
+        assert torch.equal(out, ref)
