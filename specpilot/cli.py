@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -30,22 +30,26 @@ app.add_typer(_zoo_app(), name="zoo", help="Bundled default models: paths and th
 def _default_dirs(target: Optional[Path], drafter: str, drafter_path: Optional[Path]):
     from .zoo import bundled_drafter_dir, bundled_target_dir
 
+    from .zoo import bundled_block_dir
+
     if target is None:
         target = bundled_target_dir()
         if drafter == "draft_model" and drafter_path is None:
             drafter_path = bundled_drafter_dir()
-    if drafter == "draft_model" and drafter_path is None:
-        raise SpecPilotError("--drafter draft_model needs --drafter-path DIR with a target other than the bundled one")
-    return target, (drafter_path if drafter == "draft_model" else None)
+        if drafter == "block" and drafter_path is None:
+            drafter_path = bundled_block_dir()
+    if drafter in ("draft_model", "block") and drafter_path is None:
+        raise SpecPilotError(f"--drafter {drafter} needs --drafter-path DIR with a target other than the bundled one")
+    return target, (drafter_path if drafter in ("draft_model", "block") else None)
 
 
 @app.command()
 def generate(
     prompt: str = typer.Option(..., help="Prompt text."),
     target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: the bundled target)."),
-    drafter: str = typer.Option("ngram", help="none | ngram | draft_model"),
-    drafter_path: Optional[Path] = typer.Option(None, help="Draft model checkpoint directory."),
-    tree: str = typer.Option("chain", help="chain | best_first"),
+    drafter: str = typer.Option("ngram", help="none | ngram | draft_model | block"),
+    drafter_path: Optional[Path] = typer.Option(None, help="Draft model or block drafter checkpoint directory."),
+    tree: str = typer.Option("chain", help="chain | best_first | ddtree_marginal | eagle2_topk | sequoia"),
     nodes: int = typer.Option(6, help="Tree budget N (drafted nodes per exact pass)."),
     depth: int = typer.Option(6, help="Draft positions per step."),
     top_k: int = typer.Option(4, help="Candidates per draft position."),
@@ -59,10 +63,12 @@ def generate(
     from .config import SystemConfig
     from .engine.deployment import Deployment
 
-    if drafter not in ("none", "ngram", "draft_model"):
-        raise SpecPilotError(f"unknown drafter {drafter!r} (choose none, ngram or draft_model)")
-    if tree not in ("chain", "best_first"):
-        raise SpecPilotError(f"unknown tree builder {tree!r} (choose chain or best_first)")
+    from .mechanisms.trees import BUILDERS
+
+    if drafter not in ("none", "ngram", "draft_model", "block"):
+        raise SpecPilotError(f"unknown drafter {drafter!r} (choose none, ngram, draft_model or block)")
+    if tree not in BUILDERS:
+        raise SpecPilotError(f"unknown tree builder {tree!r} (choose {', '.join(BUILDERS)})")
     try:
         cfg = SystemConfig(drafter=drafter, tree=tree, nodes=nodes, depth=depth,
                            top_k=1 if tree == "chain" else top_k, dtype=dtype)
@@ -99,6 +105,7 @@ def pilot(
     device: str = typer.Option("cpu", help="torch device."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16"),
     seed: int = typer.Option(0, help="Seed for request sampling and bootstrap."),
+    block: Optional[List[Path]] = typer.Option(None, help="Block drafter directory the planner may propose (repeatable)."),
 ):
     """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
     from .pilot.run import PilotOptions, run_pilot
@@ -108,7 +115,60 @@ def pilot(
         from .zoo import bundled_drafter_dir, bundled_target_dir
 
         tdir, ddir = bundled_target_dir(), ddir or bundled_drafter_dir()
-    run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed))
+    run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
+                           blocks=tuple(block or ())))
+
+
+@app.command("train-drafter")
+def train_drafter_cmd(
+    kind: str = typer.Option("block", help="block | block_markov"),
+    block: int = typer.Option(16, help="Block size B (positions drafted per pass)."),
+    out: Path = typer.Option(..., help="Output directory (config.json + model.safetensors + provenance)."),
+    target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: bundled)."),
+    tokens: Path = typer.Option(Path("work/zoo/tokens.npy"), help="Training tokens (specpilot zoo tokenize)."),
+    steps: int = typer.Option(600, help="Optimizer steps."),
+    batch_size: int = typer.Option(16, help="Sequences per step."),
+    anchors: int = typer.Option(4, help="Anchor positions (blocks) per sequence."),
+    lr: float = typer.Option(2e-3, help="Peak learning rate."),
+    n_seqs: int = typer.Option(1536, help="Training-text snippets continued greedily by the target."),
+    gen_len: int = typer.Option(80, help="Greedy tokens generated per snippet."),
+    markov_rank: int = typer.Option(16, help="Rank of the Markov head (block_markov)."),
+    data_cache: Optional[Path] = typer.Option(None, help="Cache file for the generated data (.pt)."),
+    device: str = typer.Option("cpu", help="torch device (cpu, cuda)."),
+    seed: int = typer.Option(0, help="Seed."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+):
+    """Train a block drafter (DFlash-style; block_markov: + DSpark Markov head) on the target's greedy outputs."""
+    import shlex
+
+    from .drafters.train_block import train_drafter
+    from .zoo import bundled_target_dir
+
+    cmd = "specpilot " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    prov = train_drafter(target or bundled_target_dir(), out, kind=kind, block=block, steps=steps,
+                         batch_size=batch_size, anchors=anchors, lr=lr, n_seqs=n_seqs, gen_len=gen_len,
+                         markov_rank=markov_rank, seed=seed, tokens_path=tokens, device=device, command=cmd,
+                         quiet=quiet, data_cache=data_cache)
+    print(json.dumps({k: prov[k] for k in ("kind", "block_size", "parameters", "initial_heldout_loss",
+                                           "final_heldout_loss", "final_heldout_top1_acc_pos0")}))
+
+
+@app.command()
+def replay(
+    target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: bundled)."),
+    drafter: Optional[List[Path]] = typer.Option(None, help="Block drafter directories (default: bundled block + block_markov)."),
+    per_benchmark: int = typer.Option(4, help="Prompts per bundled benchmark."),
+    max_new_tokens: int = typer.Option(64, help="AR tokens per prompt."),
+    out: Path = typer.Option(Path("specpilot-replay"), help="Directory for table.md, table.json and tau.png."),
+    as_json: bool = typer.Option(False, "--json", help="Print the table as a JSON list of rows."),
+):
+    """Exact replay (§2.4, §4.2): τ of chain / best_first / eagle2_topk / sequoia / ddtree_marginal / oracle."""
+    from .pilot.replay_table import replay_table
+    from .zoo import bundled_block_dir, bundled_block_markov_dir, bundled_target_dir
+
+    dirs = list(drafter) if drafter else [bundled_block_dir(), bundled_block_markov_dir()]
+    rows, md = replay_table(target or bundled_target_dir(), dirs, per_benchmark, max_new_tokens, out)
+    print(json.dumps(rows) if as_json else md)
 
 
 def main() -> None:

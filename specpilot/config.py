@@ -13,17 +13,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-DrafterKind = Literal["none", "ngram", "draft_model"]
-TreeKind = Literal["chain", "best_first"]
+DrafterKind = Literal["none", "ngram", "draft_model", "block"]
+TreeKind = Literal["chain", "best_first", "ddtree_marginal", "eagle2_topk", "sequoia"]
 
 
 class SystemConfig(BaseModel):
     """One speculative decoding system (a point in the planner's search space).
 
     Attributes:
-        drafter: ``none`` (AR greedy), ``ngram`` (prompt lookup) or ``draft_model`` (small causal LM).
-        drafter_path: checkpoint directory of the draft model (``None``: the bundled drafter).
-        tree: tree builder over the drafter's lattice: ``chain`` (stock, §1.1) or ``best_first`` (§4.2).
+        drafter: ``none`` (AR greedy), ``ngram`` (prompt lookup), ``draft_model`` (small causal LM) or
+            ``block`` (DFlash-style block drafter; its checkpoint says whether it has a Markov head).
+        drafter_path: checkpoint directory of the draft model / block drafter (``None``: the deployment's).
+        tree: tree builder over the drafter's lattice: ``chain`` (stock, §1.1), ``best_first`` (§4.2),
+            ``ddtree_marginal``, ``eagle2_topk`` or ``sequoia`` (see :mod:`specpilot.mechanisms.trees`).
         nodes: tree budget N, the number of drafted nodes verified per exact pass (root excluded).
         depth: draft positions per step (the lattice's length); a tree's depth is at most this.
         top_k: candidates per draft position kept in the lattice.

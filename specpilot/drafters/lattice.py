@@ -3,8 +3,10 @@
 A lattice has ``depth`` draft positions. ``children(path)`` gives the candidate tokens for the position
 after ``path`` (a tuple of already chosen draft tokens, ``()`` for the first position) with their
 log-probs, best first. A positional lattice ignores ``path`` (its candidates at position k are the
-drafter's top-K at k); a trie lattice (n-gram) conditions on the whole path; a Markov lattice would
-condition on ``path[-1]``. Tree builders need nothing else.
+drafter's top-K at k); a trie lattice (n-gram) conditions on the whole path; a Markov lattice (block
+drafter with a Markov head, DSpark-style) conditions on ``path[-1]``. ``marginal(path)`` gives parent-free
+scores (DDTree's, used by ``ddtree_marginal``); it equals ``children`` for lattices without a Markov head.
+Tree builders need nothing else.
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ class Lattice:
     def children(self, path: tuple[int, ...]) -> list[tuple[int, float]]:
         """Candidates ``[(token, log_prob), ...]`` for position ``len(path)``, best first; ``[]`` if none."""
         raise NotImplementedError
+
+    def marginal(self, path: tuple[int, ...]) -> list[tuple[int, float]]:
+        """Parent-free candidates ``[(token, log_prob)]`` for position ``len(path)``, best first.
+
+        Defaults to :meth:`children` (lattices whose scores do not use a Markov head).
+        """
+        return self.children(path)
 
 
 class PositionalLattice(Lattice):
@@ -73,3 +82,71 @@ class TrieLattice(Lattice):
 
     def children(self, path: tuple[int, ...]) -> list[tuple[int, float]]:
         return self._kids.get(tuple(path), [])
+
+
+class MarkovLattice(Lattice):
+    """Block-drafter lattice with a Markov head (DSpark-style, §1.1, §2.3): scores depend on the parent token.
+
+    Args:
+        tokens: ``[D, K] long`` candidates per position: the top-K of the base (marginal) distribution.
+        marginal: ``[D, K] float`` their base log-probs (no Markov bias).
+        cond: ``[D, K, K] float``: ``cond[d, j, c]`` = log p(tokens[d, c] | parent = tokens[d-1, j]) with the
+            Markov bias of the parent, log-softmax over the FULL vocabulary (exact renormalization, not
+            over the K candidates). Row ``d = 0`` uses ``cond[0, 0]`` (parent = the anchor token).
+        anchor: the last committed token (parent of position 0).
+        top_k: candidates returned per position (cut after sorting by the conditioned score).
+
+    ``children(path)``: the K candidates of position ``len(path)`` re-sorted by their score given
+    ``path[-1]`` (or the anchor), first ``top_k``. A parent that is not a candidate of the previous
+    position has no stored scores (tree paths never contain one): ValueError.
+    """
+
+    def __init__(self, tokens: torch.Tensor, marginal: torch.Tensor, cond: torch.Tensor, anchor: int, top_k: int):
+        self.depth, self.top_k, self.anchor = int(tokens.shape[0]), top_k, anchor
+        self._tok = tokens.tolist()
+        self._marg = marginal.tolist()
+        self._cond = cond
+        self._index = [{t: j for j, t in reversed(list(enumerate(row)))} for row in self._tok]
+        self._memo: dict[tuple[int, int], list[tuple[int, float]]] = {}
+
+    def _parent_row(self, d: int, parent: int) -> int:
+        if d == 0:
+            if parent != self.anchor:
+                raise ValueError(f"position 0's parent must be the anchor {self.anchor}, got {parent}")
+            return 0
+        j = self._index[d - 1].get(parent)
+        if j is None:
+            raise ValueError(f"token {parent} is not a candidate of position {d - 1}")
+        return j
+
+    def score(self, position: int, parent_token: int, candidates) -> torch.Tensor:
+        """Log-probs ``[len(candidates)] float32`` of candidate tokens at ``position`` given ``parent_token``.
+
+        Raises:
+            ValueError: a candidate outside the position's top-K, or an unknown parent.
+        """
+        j = self._parent_row(position, parent_token)
+        idx = []
+        for c in candidates:
+            if c not in self._index[position]:
+                raise ValueError(f"token {c} is not a candidate of position {position}")
+            idx.append(self._index[position][c])
+        return self._cond[position, j, idx].float()
+
+    def children(self, path: tuple[int, ...]) -> list[tuple[int, float]]:
+        d = len(path)
+        if d >= self.depth:
+            return []
+        j = self._parent_row(d, path[-1] if d else self.anchor)
+        key = (d, j)
+        if key not in self._memo:
+            row = self._cond[d, j].tolist()
+            order = sorted(range(len(row)), key=lambda c: -row[c])  # stable: base rank breaks ties
+            self._memo[key] = [(self._tok[d][c], row[c]) for c in order[: self.top_k]]
+        return self._memo[key]
+
+    def marginal(self, path: tuple[int, ...]) -> list[tuple[int, float]]:
+        d = len(path)
+        if d >= self.depth:
+            return []
+        return list(zip(self._tok[d], self._marg[d]))[: self.top_k]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import SystemConfig
+from ..drafters.block import BlockDrafter, is_block_dir, load_block
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NgramDrafter
 from ..errors import DrafterError
@@ -21,21 +22,30 @@ class Deployment:
 
     Args:
         target_dir: local HF checkpoint directory of the target.
-        drafter_dir: local HF checkpoint directory of the draft model (None: no draft model).
+        drafter_dir: local HF checkpoint directory of the draft model (None: no draft model); a block
+            drafter directory (``"specpilot_drafter": "block"`` in its config.json) is taken as a block dir.
         dtype: ``float32`` | ``bfloat16`` | ``float16``.
         device: torch device string.
+        block_dirs: block drafter directories (DFlash-style, with or without a Markov head); the first is
+            the default of ``SystemConfig(drafter="block")`` without ``drafter_path``.
     Raises:
         CheckpointError: target or drafter checkpoint missing / unsupported / corrupted.
-        DrafterError: the drafter's vocabulary does not fit the target's.
+        DrafterError: the drafter's vocabulary does not fit the target's (or a block drafter's hidden size /
+            vocabulary / layer indices do not fit).
     """
 
-    def __init__(self, target_dir, drafter_dir=None, dtype: str = "float32", device: str = "cpu"):
+    def __init__(self, target_dir, drafter_dir=None, dtype: str = "float32", device: str = "cpu", block_dirs=()):
         self.target_dir = Path(target_dir)
         self.drafter_dir = Path(drafter_dir) if drafter_dir else None
         self.dtype, self.device = dtype, device
         self.target = load_model(self.target_dir, dtype, device)
         self.tokenizer = load_tokenizer(self.target_dir)
         self.draft_model = None
+        self.block_dirs = [Path(b) for b in block_dirs]
+        if self.drafter_dir is not None and is_block_dir(self.drafter_dir):
+            self.block_dirs.insert(0, self.drafter_dir)
+            self.drafter_dir = None
+        self._blocks = {str(b.resolve()): load_block(b, self.target) for b in self.block_dirs}
         if self.drafter_dir is not None:
             check_drafter_fits(self.target_dir, self.drafter_dir, self.tokenizer)
             self.draft_model = load_model(self.drafter_dir, dtype, device)
@@ -46,6 +56,21 @@ class Deployment:
         if not ids and self.tokenizer.eos_token_id is not None:
             ids = [self.tokenizer.eos_token_id]
         return ids
+
+    def block_net(self, path=None):
+        """The loaded block drafter network of ``path`` (None: the first block dir), loading it once.
+
+        Raises:
+            DrafterError: no block drafter given, or it does not fit the target.
+        """
+        if path is None:
+            if not self.block_dirs:
+                raise DrafterError("drafter 'block' needs a block drafter directory (--drafter-path)")
+            path = self.block_dirs[0]
+        key = str(Path(path).resolve())
+        if key not in self._blocks:
+            self._blocks[key] = load_block(path, self.target)
+        return self._blocks[key]
 
     def system(self, config: SystemConfig, **engine_kw) -> Engine:
         """An engine running ``config`` on this deployment's weights.
@@ -60,6 +85,8 @@ class Deployment:
             if self.draft_model is None:
                 raise DrafterError("drafter 'draft_model' needs a draft model checkpoint (--drafter-path)")
             drafter = DraftModelDrafter(self.draft_model, top_k=config.top_k)
+        elif config.drafter == "block":
+            drafter = BlockDrafter(self.block_net(config.drafter_path), self.target, top_k=config.top_k)
         engine_kw.setdefault("eos_ids", self.eos_ids())
         return Engine(self.target, config, drafter, **engine_kw)
 

@@ -1,8 +1,9 @@
 """The built-in planner (§3.1, §3.2): candidates aimed at the largest ceiling factor, ranked by the cost model.
 
 Each round the master step reads the ceiling's three factors and picks a direction; candidates are the
-mechanism options that move that factor (tree: builder, budget N, top-K, depth; kernel / outside: cheaper
-steps: fewer rows, fewer draft positions, a cheaper drafter). Each candidate's τ comes from exact replay
+mechanism options that move that factor (tree: drafter, builder, budget N, top-K, depth; outside: cheaper
+steps: fewer rows, fewer draft positions, a cheaper drafter; kernel: none in this CPU build, so the round
+moves on to the next factor and says so). Each candidate's τ comes from exact replay
 (no target pass) and its c(N) from measured pass times, so the planner ranks by predicted speedup
 τ / c and sends only the best few to the controller, which alone decides.
 """
@@ -21,18 +22,27 @@ from .replay import Recording, replay
 NODES = (2, 4, 6, 8, 12, 16, 24, 32)
 TOP_K = (2, 4, 8)
 DEPTH = (3, 4, 6, 8, 10)
+#: Block drafters (issue 3): block sizes (lattice depth) and builders the planner proposes.
+BLOCK_DEPTH = (8, 12, 16)
+BLOCK_TREES = ("chain", "best_first", "ddtree_marginal", "eagle2_topk")
 
 
 @dataclass
 class Prediction:
-    """Cost-model prediction for one config: ``tau`` (replay), ``c`` and ``speedup`` = τ / c over AR."""
+    """Cost-model prediction for one config: ``tau`` (replay), ``c`` and ``speedup`` = τ / c over AR.
+
+    ``c_screened`` / ``speedup_screened`` are filled by the pilot's live screening (measured step time).
+    """
 
     tau: float
     c: float
     speedup: float
+    c_screened: float | None = None
+    speedup_screened: float | None = None
 
     def to_dict(self) -> dict:
-        return {"tau": self.tau, "c": self.c, "speedup": self.speedup}
+        return {"tau": self.tau, "c": self.c, "speedup": self.speedup, "c_screened": self.c_screened,
+                "speedup_screened": self.speedup_screened}
 
 
 class Planner:
@@ -40,7 +50,8 @@ class Planner:
 
     Args:
         recordings: ``{(drafter, top_k_recorded): Recording}`` from :func:`specpilot.pilot.replay.record`.
-            For ``draft_model`` one recording at the largest K serves every K; for ``ngram`` one per K.
+            For ``draft_model`` one recording at the largest K serves every K; for ``ngram`` one per K; a
+            block drafter is keyed ``("block:<dir>", 16)`` with ``rec.drafter_path`` set to its directory.
         verify_ms: ``{rows: ms}`` measured time of one exact pass (forward + LM head + argmax) by rows.
         ar_ms: measured AR step time, ms (the unit of c).
     """
@@ -58,7 +69,14 @@ class Planner:
     def recording(self, cfg: SystemConfig) -> Recording | None:
         """The recording that replays ``cfg`` exactly, or None."""
         if cfg.drafter == "ngram":
-            return self.recordings.get(("ngram", cfg.top_k))
+            rec = self.recordings.get(("ngram", cfg.top_k))
+            return rec if rec is not None and rec.depth >= cfg.depth else None
+        if cfg.drafter == "block":
+            for (kind, k), rec in self.recordings.items():
+                if kind.startswith("block") and rec.drafter_path == cfg.drafter_path and k >= cfg.top_k \
+                        and rec.depth >= cfg.depth:
+                    return rec
+            return None
         for (kind, k), rec in self.recordings.items():
             if kind == cfg.drafter and k >= cfg.top_k and rec.depth >= cfg.depth:
                 return rec
@@ -85,23 +103,40 @@ class Planner:
         return best
 
     def space(self, incumbent: SystemConfig, direction: str) -> list[SystemConfig]:
-        """Configs one step from ``incumbent`` that move ``direction`` (``tree`` | ``kernel`` | ``outside``)."""
-        drafters = sorted({kind for kind, _ in self.recordings})
+        """Configs one step from ``incumbent`` that move ``direction``.
+
+        ``tree``: raise τ (drafter, builder, budget N, top-K, depth). ``outside``: make the step cheaper
+        (fewer rows or draft positions, a cheaper drafter). ``kernel``: kernel mechanisms (none registered
+        in this build: W12 and the certified INT8 head come with the GPU path), so no candidates.
+        """
+        drafters = sorted({kind for kind, _ in self.recordings if not kind.startswith("block")})
+        blocks = [rec for (kind, _), rec in self.recordings.items() if kind.startswith("block")]
         out = []
+
+        def path(d):
+            return incumbent.drafter_path if d == incumbent.drafter else None
+
         if direction == "tree":
+            for rec in blocks:  # block drafters: kind (checkpoint), block size (depth), builder, N
+                for dep in sorted({d for d in BLOCK_DEPTH if d <= rec.depth} | {rec.depth}):
+                    base = {"drafter": "block", "drafter_path": rec.drafter_path, "top_k": 16, "depth": dep}
+                    out.append(incumbent.model_copy(update={**base, "tree": "chain", "nodes": dep}))
+                    for tree, n in itertools.product(BLOCK_TREES[1:], NODES):
+                        out.append(incumbent.model_copy(update={**base, "tree": tree, "nodes": n}))
             for d, n, k, dep in itertools.product(drafters, NODES, TOP_K, DEPTH):
-                out.append(incumbent.model_copy(update={"drafter": d, "tree": "best_first", "nodes": n, "top_k": k, "depth": dep}))
+                out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": None, "tree": "best_first", "nodes": n, "top_k": k, "depth": dep}))
             for d, dep in itertools.product(drafters, DEPTH):
-                out.append(incumbent.model_copy(update={"drafter": d, "tree": "chain", "nodes": dep, "top_k": 1, "depth": dep}))
-        else:  # kernel / outside: no kernel mechanism on this build; make the step cheaper instead
-            for d in drafters:
+                out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": None, "tree": "chain", "nodes": dep, "top_k": 1, "depth": dep}))
+        elif direction == "outside":
+            for d in drafters + (["block"] if incumbent.drafter == "block" else []):
                 for n in NODES:
                     if n < incumbent.nodes:
-                        out.append(incumbent.model_copy(update={"drafter": d, "nodes": n}))
+                        out.append(incumbent.model_copy(update={"drafter": d, "nodes": n, "drafter_path": path(d)}))
                 for dep in DEPTH:
                     if dep < incumbent.depth:
-                        out.append(incumbent.model_copy(update={"drafter": d, "depth": dep, "nodes": min(incumbent.nodes, dep) if incumbent.tree == "chain" else incumbent.nodes}))
-        return [c for c in out if c != incumbent]
+                        nodes = min(incumbent.nodes, dep) if incumbent.tree == "chain" else incumbent.nodes
+                        out.append(incumbent.model_copy(update={"drafter": d, "depth": dep, "nodes": nodes, "drafter_path": path(d)}))
+        return list(dict.fromkeys(c for c in out if c != incumbent))
 
     def propose(self, incumbent: SystemConfig, direction: str, tried: set[str], k: int) -> list[tuple[SystemConfig, Prediction]]:
         """The ``k`` untried candidates of ``direction`` with the highest predicted speedup above the incumbent's."""

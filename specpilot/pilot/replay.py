@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from ..config import SystemConfig
 from ..drafters.lattice import Lattice
 from ..mechanisms.trees import build_tree
@@ -31,6 +33,10 @@ class TruncatedLattice(Lattice):
 
     def children(self, path):
         return self.base.children(path)[: self.top_k] if len(path) < self.depth else []
+
+    def marginal(self, path):
+        """Parent-free candidates, cut the same way (Markov conditioning stays in :meth:`children`)."""
+        return self.base.marginal(path)[: self.top_k] if len(path) < self.depth else []
 
 
 @dataclass
@@ -50,22 +56,41 @@ class Recording:
     depth: int = 0
     top_k: int = 0
     draft_ms: float = 0.0
+    drafter_path: str | None = None
 
 
-def record(drafter, prompts, ar_outputs, depth: int, top_k: int) -> Recording:
+def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None) -> Recording:
     """Propose a lattice at every committed length of every AR output (one drafter pass per position).
 
     Args:
         drafter: an object with ``reset()`` / ``propose(committed, depth)`` built with ``top_k`` candidates.
         prompts / ar_outputs: lists of token-id lists.
         depth / top_k: the largest depth and K any replayed policy will use.
+        target: the target :class:`~specpilot.engine.model.Transformer`; required for a drafter with
+            ``target_layers`` (block drafters): the target runs once causally over prompt + AR output to
+            give every prefix's features (equal, up to float rounding, to those the engine hands it).
+    Raises:
+        ValueError: a block drafter without ``target``.
     """
     rec = Recording([list(p) for p in prompts], [list(a) for a in ar_outputs], depth=depth, top_k=top_k)
+    layers = tuple(getattr(drafter, "target_layers", ()) or ())
+    if layers and target is None:
+        raise ValueError("recording a block drafter needs the target (its hidden states are the context)")
     calls, t_total = 0, 0.0
     for prompt, ar in zip(rec.prompts, rec.ar):
         drafter.reset()
+        if layers:
+            seq = prompt + ar
+            feats: list = []
+            with torch.inference_mode():
+                target.forward(torch.tensor(seq[:-1], device=target.device),
+                               torch.arange(len(seq) - 1, device=target.device), target.new_cache(len(seq)), 0,
+                               features=feats, feature_layers=layers)
+            drafter.observe(torch.cat(feats, -1), 0)
         lats = {}
         for m in range(1, len(ar)):
+            if layers:
+                drafter.length = len(prompt) + m - 1  # context = committed[:-1], as in the engine
             t0 = time.perf_counter()
             lats[m] = drafter.propose(prompt + ar[:m], depth)
             t_total += time.perf_counter() - t0
@@ -120,3 +145,11 @@ def _accepted(lat: Lattice, target: list[int], config: SystemConfig, policy: str
         row = kids[row][target[n]]
         n += 1
     return n
+
+
+def profile_steps(rec: Recording, depth: int | None = None):
+    """``(lattice, target tokens)`` per recorded position, for :func:`~specpilot.mechanisms.trees.acceptance_profile`."""
+    for ar, lats in zip(rec.ar, rec.lattices):
+        for m, lat in lats.items():
+            if lat is not None:
+                yield (TruncatedLattice(lat, depth or lat.depth, rec.top_k), ar[m:])

@@ -111,14 +111,14 @@ def _markdown(r: dict, images: list[str]) -> str:
     cands = r.get("candidates") or []
     if cands:
         md += ["## Candidates (§3.3)", "",
-               "| round | candidate | gain | 95% low | bar | output differs | forcing | predicted τ | predicted c | verdict |",
+               "| round | candidate | gain | 95% low | bar | output differs | forcing | replay τ | screened c | verdict |",
                "|---:|---|---:|---:|---:|---|---|---:|---:|---|"]
         for c in cands:
             verdict = "approved" if c.get("approved") else "rejected"
             reason = str(c.get("reason", "")).replace("|", "/").removeprefix(verdict).lstrip(": ")
             md.append(f"| {c.get('round', '—')} | {c.get('name', '—')} | {_num(c.get('gain'))} | "
                       f"{_num(c.get('lower_bound'))} | {_pct(c.get('bar'))} | {_num(c.get('outputs_differ'))} | "
-                      f"{_num(c.get('forcing_passed'))} | {_num((c.get('predicted') or {}).get('tau', c.get('tau')))} | {_num((c.get('predicted') or {}).get('c', c.get('c')))} | "
+                      f"{_num(c.get('forcing_passed'))} | {_num((c.get('predicted') or {}).get('tau', c.get('tau')))} | {_num((c.get('predicted') or {}).get('c_screened') or (c.get('predicted') or {}).get('c', c.get('c')))} | "
                       f"{verdict}{': ' + reason if reason else ''} |")
         md.append("")
     rounds = r.get("rounds") or []

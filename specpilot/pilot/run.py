@@ -43,6 +43,7 @@ class PilotOptions:
     dtype: str = "float32"
     seed: int = 0
     overrides: dict | None = None
+    blocks: tuple = ()  # issue 3: block drafter directories the planner may propose (kind, block size, builder)
 
     @property
     def plan(self) -> dict:
@@ -51,9 +52,9 @@ class PilotOptions:
         ``overrides`` replaces any of: per_benchmark, max_new_tokens, rounds, candidates, depth_max.
         """
         if self.quick:
-            plan = {"per_benchmark": 2, "max_new_tokens": 48, "rounds": 1, "candidates": 2, "depth_max": 8}
+            plan = {"per_benchmark": 2, "max_new_tokens": 32, "rounds": 1, "candidates": 2, "depth_max": 8}
         else:
-            plan = {"per_benchmark": 5, "max_new_tokens": 96, "rounds": 3, "candidates": 3, "depth_max": 10}
+            plan = {"per_benchmark": 4, "max_new_tokens": 64, "rounds": 3, "candidates": 3, "depth_max": 10}
         return {**plan, **(self.overrides or {})}
 
 
@@ -62,7 +63,7 @@ class Pilot:
 
     def __init__(self, opts: PilotOptions, console: Console | None = None):
         self.o, self.con = opts, console or Console(stderr=True)
-        self.dep = Deployment(opts.target, opts.drafter, dtype=opts.dtype, device=opts.device)
+        self.dep = Deployment(opts.target, opts.drafter, dtype=opts.dtype, device=opts.device, block_dirs=opts.blocks)
         self.drafter_kind = "draft_model" if self.dep.draft_model is not None else "ngram"
         self.stock = SystemConfig.stock(self.drafter_kind, depth=6, dtype=opts.dtype)
         self.ar = SystemConfig.ar(dtype=opts.dtype)
@@ -100,10 +101,14 @@ class Pilot:
         outs = run.outputs_b if which == "b" else run.outputs_a
         return [(r.prompt_ids, o, r.benchmark) for r, o in zip(run.requests, outs)]
 
+    def spread(self, n: int | None):
+        """``n`` requests evenly spread over the request set (all of them for None)."""
+        return self.reqs if not n else self.reqs[:: max(1, len(self.reqs) // n)][:n]
+
     def measure(self, cfg: SystemConfig, n: int | None = None) -> dict:
-        """τ, mean rows and ms per step (prefill excluded) of ``cfg`` over the first ``n`` requests."""
+        """τ, mean rows and ms per step (prefill excluded) of ``cfg`` over ``n`` requests spread over the set."""
         eng, steps, toks, rows, ms = self.engine(cfg), 0, 0, 0, 0.0
-        for req in self.reqs[: n or len(self.reqs)]:
+        for req in self.spread(n):
             g = eng.generate(list(req.prompt_ids), req.max_new_tokens)
             steps, toks, rows = steps + g.steps, toks + sum(g.accepted), rows + sum(g.rows)
             ms += 1e3 * (g.time_s - g.prefill_s)
@@ -149,6 +154,11 @@ class Pilot:
             self.say("cost model", "recording draft-model lattices along the AR outputs (exact replay)")
             dm = self.dep.system(SystemConfig(drafter="draft_model", top_k=8, depth=depth_max, nodes=depth_max)).drafter
             recs[("draft_model", 8)] = record(dm, prompts, ar_out, depth_max, 8)
+        for bd in self.dep.block_dirs:  # issue 3: block drafters, recorded at their full block for replay
+            self.say("cost model", f"recording block-drafter lattices of {bd} (exact replay)")
+            bdr = self.dep.system(SystemConfig(drafter="block", drafter_path=str(bd), top_k=16)).drafter
+            recs[(f"block:{bd}", 16)] = record(bdr, prompts, ar_out, bdr.cfg.block_size, 16, target=self.dep.target)
+            recs[(f"block:{bd}", 16)].drafter_path = str(bd)
         self.planner = Planner(recs, verify_ms, ar_m["step_ms"])
         self.tau_curve = self.tau_curves()
 
@@ -161,18 +171,22 @@ class Pilot:
             self.say(f"round {rnd}", "ceiling " + ", ".join(f"{k} {v:.2f}" for k, v in f.items()) + f"  -> attack {order[0]}")
             proposals, attacked = [], order[0]
             for direction in order:
-                proposals = self.planner.propose(incumbent, direction, tried, plan["candidates"])
+                proposals = self.planner.propose(incumbent, direction, tried, 3 * plan["candidates"])
+                proposals = self.screen(proposals, inc_m, ar_m["step_ms"], plan["candidates"])
                 if proposals:
                     attacked = direction
                     break
-                self.say(f"round {rnd}", f"no candidate predicted to help for {direction}; next factor")
+                why = ("no kernel mechanism is registered in this build" if direction == "kernel"
+                       else "no untried candidate is predicted to beat the incumbent")
+                self.say(f"round {rnd}", f"{direction}: {why}; next factor")
             rounds.append({"round": rnd, "ceiling": f, "attacked": attacked, "incumbent": incumbent.label(),
                            "tau": inc_m["tau"], "c": inc_m["step_ms"] / ar_m["step_ms"],
                            "tokens_per_s": 1e3 * inc_m["tau"] / inc_m["step_ms"], "detail": ceil.to_dict()})
             best = None
             for i, (cand, pred) in enumerate(proposals, 1):
                 tried.add(cand.seal())
-                self.say(f"round {rnd}", f"candidate {i}/{len(proposals)}: {cand.label()} (predicted τ {pred.tau:.2f}, c {pred.c:.2f}, {pred.speedup:.2f}x AR)")
+                self.say(f"round {rnd}", f"candidate {i}/{len(proposals)}: {cand.label()} (replay τ {pred.tau:.2f}, "
+                         f"screened c {pred.c_screened:.2f}: {pred.speedup_screened:.2f}x AR predicted)")
                 run = self.paired(incumbent, cand, cand.label())
                 forcing = audit(self.scorer, self.outputs(run), self.delta)
                 passed, reasons = forcing_verdict(forcing, self.stock_forcing)
@@ -195,6 +209,21 @@ class Pilot:
                 incumbent = cand
             rounds[-1]["approved"] = best[3]["name"] if best else None
         return self.seal(incumbent, entries, memory, candidates, rounds, ar_m)
+
+    def screen(self, proposals, inc_m: dict, ar_ms: float, k: int):
+        """Time each proposal's decode steps live on a few requests (c); keep the ``k`` whose replay τ / c
+        beats the incumbent's measured τ / c. The cost model's c misses per-step overheads that only a
+        live step shows; the controller still decides."""
+        inc = inc_m["tau"] * ar_ms / inc_m["step_ms"]
+        kept = []
+        for cfg, pred in proposals:
+            m = self.measure(cfg, n=3)
+            pred.c_screened = m["step_ms"] / ar_ms
+            pred.speedup_screened = pred.tau / pred.c_screened
+            if pred.speedup_screened > inc:
+                kept.append((cfg, pred))
+        kept.sort(key=lambda cp: -cp[1].speedup_screened)
+        return kept[:k]
 
     def tau_curves(self) -> dict:
         """τ vs N by exact replay, per tree builder, for the deployment's drafter (report plot)."""
@@ -222,11 +251,11 @@ class Pilot:
         m = self.measure(cfg, n=4)
         eng, prof = self.engine(cfg), StepProfiler(self.o.device)
         steps, prefix = 0, []
-        for req in self.reqs[:2]:
+        for req in self.spread(4):  # the same requests as the unprofiled step time above
             g = eng.generate(list(req.prompt_ids), req.max_new_tokens, prof=prof)
             steps += g.steps
             prefix.append(len(req.prompt_ids) + len(g.tokens) // 2)
-        totals = prof.totals_ms()
+        totals = prof.calibrated_totals_ms()  # less the profiler's own per-region cost
         d_args = self.dep.draft_model.args if cfg.drafter == "draft_model" else None
         counts = step_counts(self.dep.target.args, max(1, round(m["rows"])), int(sum(prefix) / len(prefix)),
                              self.dep.target.dtype.itemsize, drafter_args=d_args, drafter_passes=cfg.depth)

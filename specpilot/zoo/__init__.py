@@ -22,4 +22,14 @@ def bundled_drafter_dir() -> Path:
     return ASSETS / "drafter"
 
 
-__all__ = ["ASSETS", "bundled_target_dir", "bundled_drafter_dir"]
+def bundled_block_dir() -> Path:
+    """Directory of the bundled block drafter (DFlash-style, ``specpilot/zoo/assets/block``)."""
+    return ASSETS / "block"
+
+
+def bundled_block_markov_dir() -> Path:
+    """Directory of the bundled block drafter with a Markov head (``specpilot/zoo/assets/block_markov``)."""
+    return ASSETS / "block_markov"
+
+
+__all__ = ["ASSETS", "bundled_target_dir", "bundled_drafter_dir", "bundled_block_dir", "bundled_block_markov_dir"]

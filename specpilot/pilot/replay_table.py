@@ -1,0 +1,116 @@
+"""The replay table of ``specpilot replay`` (§2.4, §4.2): τ of tree policies on block-drafter lattices.
+
+For each block drafter and bundled benchmark, the lattices along the target's AR greedy outputs are recorded
+once (:func:`specpilot.pilot.replay.record`), then τ (tokens per exact pass after the prefill) is computed
+exactly for each policy at B = 8 and 16 draft positions: chain (N = B), best_first at N = 8, 16, 32, 63,
+eagle2_topk at 16, sequoia at 16, ddtree_marginal at 32, and the top-16 oracle. The Sequoia shape uses the
+positional acceptance profile measured on the same recording (in-sample: optimistic for sequoia).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import SystemConfig
+from ..data.benchmarks import BENCHMARKS, load_requests
+from ..engine.deployment import Deployment
+from ..mechanisms.trees import acceptance_profile, set_sequoia_profile
+from .replay import Recording, profile_steps, record, replay
+
+#: (policy, nodes) per block size B; ``None`` nodes = B (the chain and the oracle).
+POLICIES = [("chain", None), ("best_first", 8), ("best_first", 16), ("best_first", 32), ("best_first", 63),
+            ("eagle2_topk", 16), ("sequoia", 16), ("ddtree_marginal", 32), ("oracle", None)]
+BLOCKS = (8, 16)
+
+
+def _sub(rec: Recording, idx: list[int]) -> Recording:
+    """The recording restricted to requests ``idx``."""
+    return Recording([rec.prompts[i] for i in idx], [rec.ar[i] for i in idx], [rec.lattices[i] for i in idx],
+                     rec.depth, rec.top_k, rec.draft_ms, rec.drafter_path)
+
+
+def replay_table(target_dir, drafter_dirs, per_benchmark: int = 4, max_new_tokens: int = 64,
+                 out: str | Path | None = None, device: str = "cpu") -> tuple[list[dict], str]:
+    """Record and replay; returns ``(rows, markdown)`` and writes ``table.json``, ``table.md``, ``tau.png``.
+
+    Rows: ``{drafter, benchmark (or "all"), block, policy, nodes, tau, steps}``, float32 CPU by default.
+    Raises:
+        SpecPilotError (CheckpointError / DrafterError): bad target or drafter directories.
+    """
+    dep = Deployment(target_dir, block_dirs=drafter_dirs, dtype="float32", device=device)
+    tok = dep.tokenizer
+    reqs = [r for b in BENCHMARKS for r in load_requests(b, per_benchmark, tok)]
+    prompts = [tok(r.text, add_special_tokens=False)["input_ids"] for r in reqs]
+    ar_eng = dep.system(SystemConfig.ar())
+    ar = [ar_eng.generate(p, max_new_tokens).tokens for p in prompts]
+    groups = {b: [i for i, r in enumerate(reqs) if r.benchmark == b] for b in BENCHMARKS}
+    groups["all"] = list(range(len(reqs)))
+    rows = []
+    for d in dep.block_dirs:
+        drafter = dep.system(SystemConfig(drafter="block", drafter_path=str(d), top_k=16)).drafter
+        depth = max(BLOCKS)
+        rec = record(drafter, prompts, ar, depth, 16, target=dep.target)
+        name = d.name if d.name == drafter.cfg.kind else f"{d.name} ({drafter.cfg.kind})"
+        for b in BLOCKS:
+            set_sequoia_profile(acceptance_profile(profile_steps(rec, b), b))
+            try:
+                for policy, nodes in POLICIES:
+                    n = b if nodes is None else nodes
+                    tree = "best_first" if policy == "oracle" else policy
+                    cfg = SystemConfig(drafter="block", drafter_path=str(d), tree=tree, nodes=n, depth=b, top_k=16)
+                    for bench, idx in groups.items():
+                        tau, steps = replay(_sub(rec, idx), cfg, "oracle" if policy == "oracle" else None)
+                        rows.append({"drafter": name, "benchmark": bench, "block": b, "policy": policy, "nodes": n,
+                                     "tau": round(tau, 4), "steps": steps})
+            finally:
+                set_sequoia_profile(None)
+    md = _markdown(rows, len(reqs), max_new_tokens)
+    if out is not None:
+        o = Path(out)
+        o.mkdir(parents=True, exist_ok=True)
+        (o / "table.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (o / "table.md").write_text(md + "\n")
+        _plot(rows, o / "tau.png")
+    return rows, md
+
+
+def _markdown(rows: list[dict], n_prompts: int, max_new: int) -> str:
+    benches = list(BENCHMARKS) + ["all"]
+    lines = [f"τ by exact replay ({n_prompts} prompts, ≤ {max_new} AR tokens each; float32 CPU)", "",
+             "| drafter | B | policy | N | " + " | ".join(benches) + " |",
+             "|---|---:|---|---:|" + "---:|" * len(benches)]
+    keyed = {(r["drafter"], r["block"], r["policy"], r["nodes"], r["benchmark"]): r["tau"] for r in rows}
+    seen = []
+    for r in rows:
+        k = (r["drafter"], r["block"], r["policy"], r["nodes"])
+        if k not in seen:
+            seen.append(k)
+    for k in seen:
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | " + " | ".join(f"{keyed[(*k, b)]:.2f}" for b in benches) + " |")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    """Bar chart of τ (all benchmarks pooled) per policy, one panel per drafter, bars per B."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    drafters = list(dict.fromkeys(r["drafter"] for r in rows))
+    labels = [f"{p} {'B' if n is None else n}" for p, n in POLICIES]
+    fig, axes = plt.subplots(1, len(drafters), figsize=(6 * len(drafters), 4), squeeze=False)
+    for ax, dname in zip(axes[0], drafters):
+        for j, b in enumerate(BLOCKS):
+            vals = [next(r["tau"] for r in rows if r["drafter"] == dname and r["block"] == b and r["policy"] == p
+                         and r["nodes"] == (b if n is None else n) and r["benchmark"] == "all") for p, n in POLICIES]
+            ax.bar(np.arange(len(vals)) + 0.4 * j, vals, 0.4, label=f"B = {b}")
+        ax.set_xticks(np.arange(len(labels)) + 0.2, labels, rotation=60, ha="right", fontsize=8)
+        ax.set_ylabel("τ (tokens per exact pass)")
+        ax.set_title(dname)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
