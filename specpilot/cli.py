@@ -105,7 +105,7 @@ def pilot(
     device: str = typer.Option("cpu", help="torch device."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16"),
     seed: int = typer.Option(0, help="Seed for request sampling and bootstrap."),
-    block: Optional[List[Path]] = typer.Option(None, help="Block drafter directory the planner may propose (repeatable)."),
+    block: Optional[List[Path]] = typer.Option(None, help="Block drafter directory the planner may propose (repeatable; default with the bundled target: the bundled block and block_markov drafters)."),
 ):
     """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
     from .pilot.run import PilotOptions, run_pilot
@@ -114,7 +114,11 @@ def pilot(
     if tdir is None:
         from .zoo import bundled_drafter_dir, bundled_target_dir
 
+        from .zoo import bundled_block_dir, bundled_block_markov_dir
+
         tdir, ddir = bundled_target_dir(), ddir or bundled_drafter_dir()
+        if block is None:
+            block = [bundled_block_dir(), bundled_block_markov_dir()]
     run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
                            blocks=tuple(block or ())))
 
