@@ -156,3 +156,16 @@ def build(
                          batch_size=batch_size, seq_len=seq_len, lr=lr, device=device, seed=seed,
                          overrides=_overrides(override), command=_command(), quiet=quiet)
         console.print(f"{out / preset}: {prov['parameters'] / 1e6:.2f}M params, train loss {prov['final_train_loss']:.3f}")
+
+
+@app.command("random")
+def random_cmd(
+    arch: str = typer.Option(..., help="qwen3-8b | llama-3.1-8b | qwen3-32b"),
+    out: Path = typer.Option(..., help="output checkpoint directory"),
+    seed: int = typer.Option(0, help="RNG seed"),
+):
+    """Write an HF checkpoint directory with random bf16 weights of a real architecture (for timing)."""
+    from .random_ckpt import write_random_checkpoint
+
+    d = write_random_checkpoint(arch, out, seed=seed)
+    console.print(f"{d}: random {arch} weights written")

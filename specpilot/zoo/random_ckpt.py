@@ -1,0 +1,119 @@
+"""Real architectures without weights: HF checkpoint directories with random weights of a real shape.
+
+For timing only (issue 4): the shapes, dtypes and file layout are those of the public checkpoints, the
+values are N(0, 0.02) (norm weights 1). No tokenizer is written; benchmarks feed token ids directly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import SpecPilotError
+
+#: Public architectures (config.json fields of the released checkpoints).
+ARCHS: dict[str, dict] = {
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "qwen3-32b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 5120,
+        "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": 128000, "eos_token_id": 128009,
+    },
+}
+
+
+def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape of a llama / qwen2 / qwen3 checkpoint with config ``cfg`` (HF names)."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
+            p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nh * d),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        })
+        if cfg["model_type"] == "qwen3":
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if cfg["model_type"] == "qwen2":
+            for k, n_out in (("q", nh * d), ("k", nkv * d), ("v", nkv * d)):
+                shapes[p + f"self_attn.{k}_proj.bias"] = (n_out,)
+    if not cfg.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def write_random_checkpoint(arch: str, out: str | Path, seed: int = 0, shard_bytes: int = 4 << 30,
+                            device: str | None = None, overrides: dict | None = None) -> Path:
+    """Write ``out/config.json`` + sharded bf16 safetensors (+ index) with random weights of ``arch``.
+
+    Args:
+        arch: a key of :data:`ARCHS`.
+        out: output directory (created).
+        seed: RNG seed. shard_bytes: largest shard size in bytes.
+        device: where to draw the random numbers (default: cuda if available; the file is the same layout).
+        overrides: config fields to replace (tests use it to shrink an architecture).
+    Returns:
+        the output directory.
+    Raises:
+        SpecPilotError: unknown ``arch``.
+    """
+    from safetensors.torch import save_file
+
+    if arch not in ARCHS:
+        raise SpecPilotError(f"unknown architecture {arch!r} (choose {', '.join(ARCHS)})")
+    cfg = {**ARCHS[arch], "torch_dtype": "bfloat16", **(overrides or {})}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    shapes = tensor_shapes(cfg)
+    shards, cur, cur_bytes = [], {}, 0
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
+        nb = t.numel() * 2
+        if cur and cur_bytes + nb > shard_bytes:
+            shards.append(cur)
+            cur, cur_bytes = {}, 0
+        cur[name] = t
+        cur_bytes += nb
+    shards.append(cur)
+    index, total = {}, 0
+    for k, shard in enumerate(shards, 1):
+        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        for name, t in shard.items():
+            index[name] = fname
+            total += t.numel() * 2
+    if len(shards) > 1:
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=2))
+    (out / "RANDOM_WEIGHTS.txt").write_text(
+        f"Random N(0, 0.02) bf16 weights with the shapes of {arch} (seed {seed}); for timing only.\n")
+    return out
