@@ -175,6 +175,24 @@ def replay(
     print(json.dumps(rows) if as_json else md)
 
 
+@app.command()
+def bench(
+    target: Path = typer.Option(..., help="Checkpoint directory (e.g. from `specpilot zoo random`)."),
+    device: str = typer.Option("cuda", help="torch device."),
+    dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16"),
+    prefix: int = typer.Option(512, help="Prompt length in tokens."),
+    new_tokens: int = typer.Option(128, help="Tokens generated per system."),
+    out: Path = typer.Option(Path("bench/results"), help="Directory for the JSON result and PNG."),
+    transformers_generate: bool = typer.Option(True, "--transformers/--no-transformers", help="Also time transformers' generate."),
+):
+    """Our AR and speculative systems side by side with transformers' generate; c(N) by rows; byte floor."""
+    from .benchmark import run_bench
+
+    res = run_bench(target, device, dtype, prefix, new_tokens, out, with_transformers=transformers_generate)
+    print(json.dumps({k: res[k] for k in ("device", "ar_ms_per_step", "ar_tokens_per_s", "byte_floor_ms", "percent_of_floor")}
+                     | {"c_33": res["c"].get(32), "c_64": res["c"].get(64)}, indent=1))
+
+
 def main() -> None:
     """Console entry point: runs the Typer app, turning SpecPilotError into a one-line error."""
     import os

@@ -1,0 +1,146 @@
+"""``specpilot bench``: our AR and speculative systems side by side with transformers ``generate`` (issue 4).
+
+One checkpoint, one device, one run: the exact pass's time by rows (c(N) for N = 1..256, through the
+row-bucket static path, CUDA graphs on CUDA), the byte floor of an AR step from the measured copy
+bandwidth and matmul rate, our systems' tokens/s and ms per step, and transformers' ``generate`` (AR and
+prompt lookup) on the same prompt. Writes JSON (and a PNG of c(N)) under ``out``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .config import SystemConfig
+from .drafters.ngram import NgramDrafter
+from .engine.checkpoint import DTYPES, load_model
+from .engine.engine import Engine
+from .engine.graphs import BUCKETS, BucketRunner
+from .pilot.costmodel import floors_ms, pass_counts
+from .pilot.profiler import measure_peaks
+from .provenance import git_commit, versions
+
+
+def _sync(dev) -> None:
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def pass_ms_by_rows(model, prefix_len: int, rows=BUCKETS, repeats: int = 20) -> dict[int, float]:
+    """Median ms of one exact pass (forward + LM head + argmax + host read) per row count, static path."""
+    cache = model.new_cache(prefix_len + max(rows) + 1)
+    dev = model.device
+    with torch.inference_mode():
+        model.forward(torch.zeros(prefix_len, dtype=torch.long, device=dev), torch.arange(prefix_len, device=dev), cache, 0)
+    runner = BucketRunner(model, cache, rows, graphs=True)
+    out = {}
+    for r in rows:
+        toks, pos = [i % model.args.vocab_size for i in range(r)], list(range(prefix_len, prefix_len + r))
+        mask = torch.ones(r, r, dtype=torch.bool).tril()
+        ts = []
+        for i in range(repeats + 3):
+            _sync(dev)
+            t0 = time.perf_counter()
+            runner.run(toks, pos, prefix_len, mask).tolist()
+            if i >= 3:
+                ts.append(1e3 * (time.perf_counter() - t0))
+        out[r] = sorted(ts)[len(ts) // 2]
+    return out
+
+
+def _ours(model, cfg: SystemConfig, prompt: list[int], new: int, buckets: bool) -> dict:
+    drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min, max_matches=cfg.top_k) if cfg.drafter == "ngram" else None
+    eng = Engine(model, cfg, drafter, eos_ids=[], buckets=buckets)
+    eng.generate(prompt, 8)  # warm-up (graph capture)
+    _sync(model.device)
+    g = eng.generate(prompt, new)
+    decode_s = g.time_s - g.prefill_s
+    return {"system": cfg.label(), "tokens_per_s": g.tokens_per_s, "decode_tokens_per_s": (len(g.tokens) - 1) / decode_s,
+            "ms_per_step": 1e3 * decode_s / max(g.steps, 1), "tau": g.tau, "steps": g.steps,
+            "prefill_ms": 1e3 * g.prefill_s, "tokens": g.tokens}
+
+
+def _hf(ckpt, dtype: str, device: str, prompt: list[int], new: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=DTYPES[dtype]).to(device).eval()
+    ids = torch.tensor([prompt], device=device)
+    out = {}
+    for name, kw in (("ar", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": 10})):
+        gen = lambda n: hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+        gen(4)
+        _sync(device)
+        t0 = time.perf_counter()
+        res = gen(new)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        toks = res[0, len(prompt):].tolist()
+        out[name] = {"tokens_per_s": len(toks) / dt, "time_s": dt, "tokens": toks}
+    del hf
+    return out
+
+
+def run_bench(ckpt, device: str = "cuda", dtype: str = "bfloat16", prefix_len: int = 512, new_tokens: int = 128,
+              out_dir: str | Path = "bench/results", rows=BUCKETS, with_transformers: bool = True, seed: int = 0) -> dict:
+    """Run the side-by-side benchmark and write ``out_dir/bench_<name>_<device>_<date>.json`` (+ PNG).
+
+    Returns the result dict: ``device``, ``versions``, ``commit``, ``checkpoint``, ``ar_ms_per_step``,
+    ``byte_floor_ms`` (AR step, from measured peaks), ``pass_ms`` and ``c`` (rows → ms and ratio to 1 row),
+    ``systems`` (ours), ``transformers`` (AR and prompt lookup), ``percent_of_floor``.
+
+    Raises:
+        CheckpointError: bad checkpoint directory.
+    """
+    model = load_model(ckpt, dtype, device)
+    peaks = measure_peaks(device, DTYPES[dtype], seconds_budget=2.0)
+    counts = pass_counts(model.args, 1, prefix_len, torch.finfo(DTYPES[dtype]).bits // 8)
+    floor = sum(floors_ms(counts, peaks).values())
+    pass_ms = pass_ms_by_rows(model, prefix_len, rows)
+    g = torch.Generator().manual_seed(seed)
+    # a prompt with repeats, so prompt lookup has something to find (random weights rarely repeat themselves)
+    base = torch.randint(0, model.args.vocab_size, (prefix_len // 4,), generator=g).tolist()
+    prompt = (base * 4)[:prefix_len]
+    systems = [_ours(model, SystemConfig.ar(dtype=dtype), prompt, new_tokens, buckets=True),
+               _ours(model, SystemConfig.ar(dtype=dtype), prompt, new_tokens // 4, buckets=False) | {"system": "AR (eager, no graphs)"},
+               _ours(model, SystemConfig.stock("ngram", dtype=dtype), prompt, new_tokens, buckets=True),
+               _ours(model, SystemConfig(drafter="ngram", tree="best_first", nodes=32, depth=8, top_k=8, dtype=dtype),
+                     prompt, new_tokens, buckets=True)]
+    ar_ms = systems[0]["ms_per_step"]
+    res = {
+        "device": peaks.device_name, "versions": versions(), "commit": git_commit(),
+        "date": _dt.datetime.now().isoformat(timespec="seconds"), "checkpoint": str(ckpt), "dtype": dtype,
+        "prefix_len": prefix_len, "new_tokens": new_tokens, "peaks": peaks.to_dict(),
+        "ar_ms_per_step": ar_ms, "ar_tokens_per_s": 1e3 / ar_ms, "byte_floor_ms": floor,
+        "percent_of_floor": 100 * floor / ar_ms, "pass_ms": pass_ms,
+        "c": {r: ms / pass_ms[min(pass_ms)] for r, ms in pass_ms.items()},
+        "systems": systems,
+    }
+    if with_transformers:
+        res["transformers"] = _hf(ckpt, dtype, device, prompt, new_tokens)
+        res["ar_equals_transformers"] = systems[0]["tokens"] == res["transformers"]["ar"]["tokens"]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_{Path(ckpt).name}_{torch.device(device).type}_{_dt.date.today().isoformat()}"
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
+    _plot(res, out / f"{stem}.png")
+    return res
+
+
+def _plot(res: dict, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.add_subplot()
+    rows = sorted(res["c"])
+    ax.plot(rows, [res["c"][r] for r in rows], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows per exact pass (N + 1)")
+    ax.set_ylabel("c = T_pass(rows) / T_pass(1)")
+    ax.set_title(f"{Path(res['checkpoint']).name} on {res['device']}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
