@@ -3,7 +3,9 @@
 The controller is the only judge of speed. Candidates reach it as two plain callables ``run(req) ->
 Generation``; it times every call itself with a clock bound at import (a candidate that replaces
 ``time.perf_counter`` afterwards, or reports a false ``Generation.time_s``, changes nothing), interleaves
-A B B A per request on one device so slow drift cancels, and compares outputs token for token.
+A B B A per request on one device so slow drift cancels, and compares outputs token for token. A
+request's time for a system is the fastest of its runs: interference from other processes only ever adds
+time, so the minimum is the estimator least disturbed by it (hyperfine and criterion report it too).
 Everything here is a pure function of its arguments: no global mutable state.
 
 Isolation inside one Python process is best effort (nothing can stop code that rewrites this module's
@@ -106,7 +108,8 @@ def paired_run(
         requests: the request set (at least one); gain is averaged per ``req.benchmark``.
         repeats: ABBA blocks per request, so each system runs ``2 * repeats`` times per request.
     Returns:
-        :class:`PairedRun`; per-request throughput = len(tokens) / mean wall time (tokens/s).
+        :class:`PairedRun`; per-request throughput = len(tokens) / fastest wall time of that system's runs
+        (tokens/s).
     Raises:
         ValueError: no requests, ``repeats < 1``, a run taking no measurable time, or a request on
             which a system produced no tokens (its throughput ratio is undefined); whatever
@@ -127,10 +130,10 @@ def paired_run(
         nd_a |= any(t != toks["a"][0] for t in toks["a"])
         nd_b |= any(t != toks["b"][0] for t in toks["b"])
         for key, tps, out in (("a", tps_a, out_a), ("b", tps_b, out_b)):
-            mean_s = sum(secs[key]) / len(secs[key])
-            if mean_s <= 0:
+            best_s = min(secs[key])
+            if best_s <= 0:
                 raise ValueError(f"request {req.benchmark}#{req.index}: run took no measurable time")
-            tps.append(len(toks[key][0]) / mean_s)
+            tps.append(len(toks[key][0]) / best_s)
             out.append(toks[key][0])
     bench_gain, gain, low, method = _gain_and_bound(requests, tps_a, tps_b)
     return PairedRun(

@@ -139,15 +139,23 @@ class Planner:
         return list(dict.fromkeys(c for c in out if c != incumbent))
 
     def propose(self, incumbent: SystemConfig, direction: str, tried: set[str], k: int) -> list[tuple[SystemConfig, Prediction]]:
-        """The ``k`` untried candidates of ``direction`` with the highest predicted speedup above the incumbent's."""
-        base = self.predict(incumbent)
-        floor = base.speedup if base else 0.0
-        ranked = []
+        """Untried candidates of ``direction``: the ``k`` with the highest predicted speedup *per drafter*
+        (kind and checkpoint), best first overall.
+
+        Taking the best of each drafter family, rather than the global top ``k``, keeps one biased cost
+        estimate (the analytic c of a drafter whose step overheads it misses) from crowding out the other
+        drafters; the pilot's live screening and the controller decide between them.
+        """
+        families: dict[tuple, list] = {}
         for cfg in self.space(incumbent, direction):
             if cfg.seal() in tried:
                 continue
             p = self.predict(cfg)
-            if p is not None and p.speedup > floor:
-                ranked.append((cfg, p))
-        ranked.sort(key=lambda cp: -cp[1].speedup)
-        return ranked[:k]
+            if p is not None:
+                families.setdefault((cfg.drafter, cfg.drafter_path), []).append((cfg, p))
+        picked = []
+        for fam in families.values():
+            fam.sort(key=lambda cp: -cp[1].speedup)
+            picked += fam[:k]
+        picked.sort(key=lambda cp: -cp[1].speedup)
+        return picked

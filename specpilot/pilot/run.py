@@ -171,7 +171,7 @@ class Pilot:
             self.say(f"round {rnd}", "ceiling " + ", ".join(f"{k} {v:.2f}" for k, v in f.items()) + f"  -> attack {order[0]}")
             proposals, attacked = [], order[0]
             for direction in order:
-                proposals = self.planner.propose(incumbent, direction, tried, 3 * plan["candidates"])
+                proposals = self.planner.propose(incumbent, direction, tried, plan["candidates"])
                 proposals = self.screen(proposals, inc_m, ar_m["step_ms"], plan["candidates"])
                 if proposals:
                     attacked = direction
