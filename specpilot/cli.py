@@ -27,6 +27,14 @@ def _zoo_app():
 app.add_typer(_zoo_app(), name="zoo", help="Bundled default models: paths and the training recipe.")
 
 
+def _pydantic_message(e: ValueError) -> str:
+    """One line naming each invalid field and its constraint, e.g. ``--nodes: Input should be >= 1``."""
+    errors = getattr(e, "errors", None)
+    if not callable(errors):
+        return str(e).splitlines()[0]
+    return "; ".join(f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}" for err in errors())
+
+
 def _default_dirs(target: Optional[Path], drafter: str, drafter_path: Optional[Path]):
     from .zoo import bundled_drafter_dir, bundled_target_dir
 
@@ -73,8 +81,10 @@ def generate(
         cfg = SystemConfig(drafter=drafter, tree=tree, nodes=nodes, depth=depth,
                            top_k=1 if tree == "chain" else top_k, dtype=dtype)
     except ValueError as e:
-        raise SpecPilotError(f"invalid option: {str(e).splitlines()[-1].strip()}") from None
+        raise SpecPilotError(f"invalid option: {_pydantic_message(e)}") from None
     tdir, ddir = _default_dirs(target, drafter, drafter_path)
+    if ddir is not None:
+        cfg = cfg.model_copy(update={"drafter_path": str(ddir)})
     dep = Deployment(tdir, ddir, dtype=dtype, device=device)
     tok = dep.tokenizer
     if not prompt.strip():
@@ -208,10 +218,8 @@ def main() -> None:
         sys.exit(2)
     except typer.Abort:
         sys.exit(130)
-    except Exception as e:  # click usage errors in non-standalone mode
-        import click
-
-        if isinstance(e, click.ClickException):
+    except Exception as e:  # usage errors of the parser (click's or typer's vendored click) in non-standalone mode
+        if hasattr(e, "show") and isinstance(getattr(e, "exit_code", None), int):
             e.show()
             sys.exit(e.exit_code)
         raise

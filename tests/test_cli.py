@@ -67,3 +67,21 @@ def test_bad_input_is_one_line_error(monkeypatch, capsys, tmp_path, case):
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "--prompt", "x", "--nodes", "-3"], "--nodes"),
+    (["generate", "--prompt", "x", "--dtype", "bogus"], "--dtype"),
+    (["generate", "--prompt", "x", "--device", "bogus"], "device"),
+    (["generate", "--prompt", "x", "--device", "cuda:7"], "cuda"),
+])
+def test_bad_options_name_the_option(monkeypatch, capsys, args, needle):
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+
+
+@pytest.mark.parametrize("args", [["generate"], ["generate", "--prompt", "x", "--nodes", "abc"], ["pilot", "--bogus"]])
+def test_parser_errors_are_not_tracebacks(monkeypatch, capsys, args):
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 2 and "Traceback" not in err and err.strip()

@@ -37,7 +37,7 @@ class Deployment:
     def __init__(self, target_dir, drafter_dir=None, dtype: str = "float32", device: str = "cpu", block_dirs=()):
         self.target_dir = Path(target_dir)
         self.drafter_dir = Path(drafter_dir) if drafter_dir else None
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device = dtype, check_device(device)
         self.target = load_model(self.target_dir, dtype, device)
         self.tokenizer = load_tokenizer(self.target_dir)
         self.draft_model = None
@@ -105,3 +105,20 @@ def check_drafter_fits(target_dir, drafter_dir, target_tokenizer=None) -> None:
     if target_tokenizer is not None and any(Path(drafter_dir).glob("tokenizer*.json")):
         if load_tokenizer(drafter_dir).get_vocab() != target_tokenizer.get_vocab():
             raise DrafterError("drafter tokenizer differs from the target's: token ids would not match")
+
+
+def check_device(device: str) -> str:
+    """``device`` if torch can use it here; else :class:`SpecPilotError` (e.g. ``cuda`` without a GPU)."""
+    import torch
+
+    from ..errors import SpecPilotError
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise SpecPilotError(f"unknown device {device!r} (e.g. cpu, cuda, cuda:1)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpecPilotError(f"device {device!r} requested but no CUDA GPU is available here")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SpecPilotError(f"device {device!r} does not exist ({torch.cuda.device_count()} GPUs here)")
+    return device

@@ -145,6 +145,61 @@ def paired_run(
     )
 
 
+@dataclass(frozen=True)
+class InterleavedRun:
+    """Result of :func:`interleaved_run`: per system, per-request throughput (tokens/s) and outputs.
+
+    ``tokens_per_s(name)`` is the geometric mean over benchmarks of the geometric mean over the benchmark's
+    requests, so ``tokens_per_s(b) / tokens_per_s(a)`` equals ``gain(a, b)`` exactly.
+    """
+
+    requests: tuple[Req, ...]
+    tps: dict[str, tuple[float, ...]]
+    outputs: dict[str, tuple[tuple[int, ...], ...]]
+
+    def tokens_per_s(self, name: str) -> float:
+        """Headline throughput of ``name`` (tokens/s), consistent with :meth:`gain`."""
+        groups: dict[str, list[float]] = {}
+        for req, t in zip(self.requests, self.tps[name]):
+            groups.setdefault(req.benchmark, []).append(math.log(t))
+        return math.exp(sum(sum(v) / len(v) for v in groups.values()) / len(groups))
+
+    def gain(self, a: str, b: str) -> tuple[float, float]:
+        """(gain of ``b`` over ``a``, its one-sided 95% lower bound) by the paired bootstrap of §3.3."""
+        _, g, low, _ = _gain_and_bound(self.requests, self.tps[a], self.tps[b])
+        return g, low
+
+
+def interleaved_run(runs: dict[str, Callable[[Req], object]], requests: Sequence[Req]) -> InterleavedRun:
+    """Run several systems on the same requests, interleaved per request in a palindrome (A B C C B A),
+    so drift cancels for every pair; a request's time per system is the fastest of its two runs.
+
+    Used for the seal's headline (AR, stock and sealed measured in one run, §5.1).
+
+    Raises:
+        ValueError: no systems or requests, or a run that produced no tokens / took no time.
+    """
+    if not runs or not requests:
+        raise ValueError("interleaved_run needs systems and requests")
+    names = list(runs)
+    tps = {n: [] for n in names}
+    outs = {n: [] for n in names}
+    for req in requests:
+        secs = {n: [] for n in names}
+        toks = {}
+        for n in names + names[::-1]:
+            t, dt = _timed(runs[n], req)
+            secs[n].append(dt)
+            toks.setdefault(n, t)
+        for n in names:
+            if not toks[n] or min(secs[n]) <= 0:
+                raise ValueError(f"request {req.benchmark}#{req.index}: {n} produced no tokens or took no time")
+            tps[n].append(len(toks[n]) / min(secs[n]))
+            outs[n].append(toks[n])
+    return InterleavedRun(tuple(requests), {n: tuple(v) for n, v in tps.items()},
+                          {n: tuple(v) for n, v in outs.items()})
+
+
 def _gain_and_bound(requests, tps_a, tps_b) -> tuple[dict[str, float], float, float, str]:
     """Per-benchmark gains, overall gain and its one-sided 95% lower bound.
 
