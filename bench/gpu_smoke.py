@@ -14,8 +14,8 @@ import torch
 
 from specpilot.config import SystemConfig
 from specpilot.engine.deployment import Deployment
-from specpilot.engine.model import ModelArgs, Transformer, rope_inv_freq
 from specpilot.pilot.profiler import StepProfiler, measure_peaks
+from specpilot.zoo.random_ckpt import random_transformer
 from specpilot.provenance import git_commit, versions
 from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
 
@@ -61,19 +61,7 @@ except Exception as e:  # report, keep going
 
 # 2. Qwen3-8B architecture, random weights
 try:
-    args = ModelArgs(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                     n_heads=32, n_kv_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True, max_position_embeddings=4096)
-    with torch.device("meta"):
-        m = Transformer(args)
-    m = m.to_empty(device=dev).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.02)
-        for mod in m.modules():
-            if hasattr(mod, "eps"):
-                mod.weight.fill_(1.0)
-    m.inv_freq = rope_inv_freq(args).to(dev)
-    m.eval().requires_grad_(False)
+    m = random_transformer("qwen3-8b", dev)
     wbytes = sum(p.numel() * p.element_size() for p in m.parameters())
     peaks = measure_peaks(dev, torch.bfloat16, seconds_budget=2.0)
     out["peaks"] = peaks.to_dict()

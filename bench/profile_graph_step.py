@@ -12,20 +12,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from specpilot.engine.graphs import BucketRunner
-from specpilot.engine.model import ModelArgs, Transformer, rope_inv_freq
+from specpilot.zoo.random_ckpt import random_transformer
 from specpilot.provenance import git_commit, versions
 
 dev = "cuda"
-args = ModelArgs(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                 n_heads=32, n_kv_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True, max_position_embeddings=4096)
-with torch.device("meta"):
-    m = Transformer(args)
-m = m.to_empty(device=dev).to(torch.bfloat16)
-with torch.no_grad():
-    for p in m.parameters():
-        p.normal_(0, 0.02)
-m.inv_freq = rope_inv_freq(args).to(dev)
-m.eval().requires_grad_(False)
+m = random_transformer("qwen3-8b", dev)
 L = 512
 cache = m.new_cache(4096 + 256)
 with torch.inference_mode():

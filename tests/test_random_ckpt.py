@@ -38,3 +38,14 @@ def test_full_size_shapes_count_parameters():
 def test_unknown_arch_is_a_clear_error(tmp_path):
     with pytest.raises(SpecPilotError, match="unknown architecture"):
         write_random_checkpoint("gpt-5", tmp_path)
+
+
+def test_random_transformer_in_memory():
+    from specpilot.zoo.random_ckpt import random_transformer
+
+    m = random_transformer("llama-3.1-8b", device="cpu", dtype=torch.float32, overrides=SMALL)
+    assert m.args.rope_scaling is not None and m.args.num_layers == 2
+    w = m.model.layers[0].mlp.down_proj.weight
+    assert 0.015 < w.std().item() < 0.025 and torch.all(m.model.norm.weight == 1)
+    hidden = m(torch.arange(8), torch.arange(8), m.new_cache(16), 0)
+    assert torch.isfinite(m.logits(hidden)).all()

@@ -117,3 +117,30 @@ def write_random_checkpoint(arch: str, out: str | Path, seed: int = 0, shard_byt
     (out / "RANDOM_WEIGHTS.txt").write_text(
         f"Random N(0, 0.02) bf16 weights with the shapes of {arch} (seed {seed}); for timing only.\n")
     return out
+
+
+def random_transformer(arch: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                       overrides: dict | None = None):
+    """Our :class:`~specpilot.engine.model.Transformer` of ``arch`` with random N(0, 0.02) weights (norms 1),
+    built directly on ``device`` without writing files (for timing scripts).
+
+    Raises:
+        SpecPilotError: unknown ``arch``.
+    """
+    from ..engine.model import ModelArgs, Transformer, rope_inv_freq
+
+    if arch not in ARCHS:
+        raise SpecPilotError(f"unknown architecture {arch!r} (choose {', '.join(ARCHS)})")
+    args = ModelArgs.from_hf({**ARCHS[arch], **(overrides or {})})
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02)
+    model.inv_freq = rope_inv_freq(args).to(device)
+    return model.eval().requires_grad_(False)
