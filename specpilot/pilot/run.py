@@ -135,6 +135,9 @@ class Pilot:
         self.sigma = ctl.noise_from_aa(aa)
         self.say("phase 0", f"stock A/A gain {aa.gain:.4f}: noise σ = {self.sigma:.4f}")
         self.phase0.update({"aa_gain": aa.gain, "aa_lower_bound": aa.lower_bound, "sigma": self.sigma})
+        if self.sigma > 0.05:
+            self.say("phase 0", f"[yellow]warning: stock noise σ = {self.sigma:.1%} is high (another busy process?); "
+                     f"only gains above {0.01 + 2 * self.sigma:.0%} can be approved in this run[/]")
         self.scorer = Scorer(self.dep.target)
         prompts = [list(r.prompt_ids) for r in self.reqs]
         self.delta = delta_from_phase0(self.scorer, prompts, ar_out, [list(x) for x in ar_stock.outputs_b])
