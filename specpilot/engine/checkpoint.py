@@ -72,7 +72,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(
-    path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"
+    path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu", fuse: bool = True
 ) -> Transformer:
     """Build our :class:`Transformer` from checkpoint directory ``path``.
 
@@ -80,6 +80,7 @@ def load_model(
         path: local checkpoint directory.
         dtype: ``float32`` | ``bfloat16`` | ``float16`` for weights and activations.
         device: torch device.
+        fuse: fuse q/k/v and gate/up into one GEMM each (:meth:`Transformer.fuse_projections`).
     Raises:
         CheckpointError: missing files, unsupported model_type, missing or mis-shaped tensors.
     """
@@ -104,7 +105,8 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(DTYPES[dtype])
     model.inv_freq = rope_inv_freq(args).to(device)  # built on the meta device above
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    return model.fuse_projections() if fuse else model
 
 
 def load_tokenizer(path: str | Path):

@@ -194,9 +194,13 @@ class Attention(nn.Module):
         a = self.args
         r = x.shape[0]
         with region(prof, "projections"):
-            q = self.q_proj(x).view(r, a.n_heads, a.head_dim)
-            k = self.k_proj(x).view(r, a.n_kv_heads, a.head_dim)
-            v = self.v_proj(x).view(r, a.n_kv_heads, a.head_dim)
+            if hasattr(self, "qkv_proj"):
+                q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = q.reshape(r, a.n_heads, a.head_dim)
+            k = k.reshape(r, a.n_kv_heads, a.head_dim)
+            v = v.reshape(r, a.n_kv_heads, a.head_dim)
         with region(prof, "norms_elementwise"):
             if a.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -219,6 +223,22 @@ class Attention(nn.Module):
         with region(prof, "projections"):
             return self.o_proj(o)
 
+
+    def fuse(self) -> None:
+        """Replace q/k/v_proj by one ``qkv_proj`` (weights concatenated on the output dim): one GEMM instead
+        of three, same results up to GEMM blocking. Idempotent."""
+        if hasattr(self, "qkv_proj"):
+            return
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None)
+        fused = fused.to(device=parts[0].weight.device, dtype=parts[0].weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([p.weight for p in parts]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        self.qkv_split = [p.out_features for p in parts]
+        self.qkv_proj = fused.requires_grad_(False)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def _static_attention(self, q, k, v, cache, layer, start, tree_mask, prof):
         """Static-shape attention: K/V written by ``index_copy_`` at ``start + arange(R)``; no host sync."""
@@ -245,10 +265,27 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
 
+    def fuse(self) -> None:
+        """Replace gate/up_proj by one ``gate_up_proj`` (one GEMM instead of two). Idempotent."""
+        if hasattr(self, "gate_up_proj"):
+            return
+        g, u = self.gate_proj, self.up_proj
+        fused = nn.Linear(g.in_features, 2 * g.out_features, bias=g.bias is not None)
+        fused = fused.to(device=g.weight.device, dtype=g.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([g.weight, u.weight]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([g.bias, u.bias]))
+        self.gate_up_proj = fused.requires_grad_(False)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x, prof=None):
         """``x [R, hidden]`` -> ``[R, hidden]``."""
         with region(prof, "projections"):
-            g, u = self.gate_proj(x), self.up_proj(x)
+            if hasattr(self, "gate_up_proj"):
+                g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+            else:
+                g, u = self.gate_proj(x), self.up_proj(x)
         with region(prof, "norms_elementwise"):
             y = F.silu(g) * u
         with region(prof, "projections"):
@@ -316,6 +353,13 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    def fuse_projections(self) -> "Transformer":
+        """Fuse q/k/v and gate/up projections of every layer (fewer, larger GEMMs; issue 4). Returns self."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     def new_cache(self, max_len: int) -> KVCache:
         """A zeroed static cache of ``max_len`` slots in the model's dtype and device."""

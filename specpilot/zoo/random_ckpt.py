@@ -120,9 +120,9 @@ def write_random_checkpoint(arch: str, out: str | Path, seed: int = 0, shard_byt
 
 
 def random_transformer(arch: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                       overrides: dict | None = None):
+                       overrides: dict | None = None, fuse: bool = True):
     """Our :class:`~specpilot.engine.model.Transformer` of ``arch`` with random N(0, 0.02) weights (norms 1),
-    built directly on ``device`` without writing files (for timing scripts).
+    built directly on ``device`` without writing files (for timing scripts); ``fuse`` as in ``load_model``.
 
     Raises:
         SpecPilotError: unknown ``arch``.
@@ -143,4 +143,5 @@ def random_transformer(arch: str, device: str = "cuda", dtype: torch.dtype = tor
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02)
     model.inv_freq = rope_inv_freq(args).to(device)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    return model.fuse_projections() if fuse else model
