@@ -19,37 +19,16 @@ from .config import SystemConfig
 from .drafters.ngram import NgramDrafter
 from .engine.checkpoint import DTYPES, load_model
 from .engine.engine import Engine
-from .engine.graphs import BUCKETS, BucketRunner
+from .engine.graphs import BUCKETS
 from .pilot.costmodel import floors_ms, pass_counts
 from .pilot.profiler import measure_peaks
+from .pilot.setup import measure_verify_ms
 from .provenance import git_commit, versions
 
 
 def _sync(dev) -> None:
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()
-
-
-def pass_ms_by_rows(model, prefix_len: int, rows=BUCKETS, repeats: int = 20) -> dict[int, float]:
-    """Median ms of one exact pass (forward + LM head + argmax + host read) per row count, static path."""
-    cache = model.new_cache(prefix_len + max(rows) + 1)
-    dev = model.device
-    with torch.inference_mode():
-        model.forward(torch.zeros(prefix_len, dtype=torch.long, device=dev), torch.arange(prefix_len, device=dev), cache, 0)
-    runner = BucketRunner(model, cache, rows, graphs=True)
-    out = {}
-    for r in rows:
-        toks, pos = [i % model.args.vocab_size for i in range(r)], list(range(prefix_len, prefix_len + r))
-        mask = torch.ones(r, r, dtype=torch.bool).tril()
-        ts = []
-        for i in range(repeats + 3):
-            _sync(dev)
-            t0 = time.perf_counter()
-            runner.run(toks, pos, prefix_len, mask).tolist()
-            if i >= 3:
-                ts.append(1e3 * (time.perf_counter() - t0))
-        out[r] = sorted(ts)[len(ts) // 2]
-    return out
 
 
 def _ours(model, cfg: SystemConfig, prompt: list[int], new: int, buckets: bool) -> dict:
@@ -99,7 +78,7 @@ def run_bench(ckpt, device: str = "cuda", dtype: str = "bfloat16", prefix_len: i
     peaks = measure_peaks(device, DTYPES[dtype], seconds_budget=2.0)
     counts = pass_counts(model.args, 1, prefix_len, torch.finfo(DTYPES[dtype]).bits // 8)
     floor = sum(floors_ms(counts, peaks).values())
-    pass_ms = pass_ms_by_rows(model, prefix_len, rows)
+    pass_ms = measure_verify_ms(model, prefix_len, rows, repeats=20, static=True)
     g = torch.Generator().manual_seed(seed)
     # a prompt with repeats, so prompt lookup has something to find (random weights rarely repeat themselves)
     base = torch.randint(0, model.args.vocab_size, (prefix_len // 4,), generator=g).tolist()

@@ -27,24 +27,39 @@ def build_requests(dep, per_benchmark: int, max_new_tokens: int) -> list[Req]:
 
 
 @torch.inference_mode()
-def measure_verify_ms(model, prefix_len: int, rows=(1, 2, 4, 8, 16, 32), repeats: int = 12) -> dict[int, float]:
+def measure_verify_ms(model, prefix_len: int, rows=(1, 2, 4, 8, 16, 32), repeats: int = 12,
+                      static: bool = False) -> dict[int, float]:
     """Median ms of one exact pass (forward + LM head + argmax + host read) by row count (c(N) curve, §3.2).
 
-    Rows form a full-prefix tree mask at ``prefix_len`` committed slots, as in a verification step.
+    Rows attend to ``prefix_len`` committed slots and causally among themselves. ``static=False`` times the
+    dynamic path the CPU engine uses; ``static=True`` the row-bucket path (CUDA graphs on CUDA), as the
+    engine runs with ``buckets=True``.
     """
+    from ..engine.graphs import BucketRunner
+
     dev = model.device
     cache = model.new_cache(prefix_len + max(rows) + 1)
     model.forward(torch.zeros(prefix_len, dtype=torch.long, device=dev), torch.arange(prefix_len, device=dev), cache, 0)
+    runner = BucketRunner(model, cache, rows, graphs=True) if static else None
     out = {}
     for r in rows:
-        toks = torch.arange(r, device=dev) % model.args.vocab_size
-        pos = prefix_len + torch.arange(r, device=dev)
+        tok_list, pos_list = [i % model.args.vocab_size for i in range(r)], list(range(prefix_len, prefix_len + r))
+        toks, pos = torch.tensor(tok_list, device=dev), torch.tensor(pos_list, device=dev)
         mask = torch.ones(r, prefix_len + r, dtype=torch.bool, device=dev)
+        mask[:, prefix_len:] = torch.ones(r, r, dtype=torch.bool, device=dev).tril()
+
+        def one_pass():
+            if runner is not None:
+                return runner.run(tok_list, pos_list, prefix_len, None).tolist()
+            return model.logits(model.forward(toks, pos, cache, prefix_len, mask)).argmax(-1).tolist()
+
         times = []
-        for i in range(repeats + 2):
+        for i in range(repeats + 3):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
-            model.logits(model.forward(toks, pos, cache, prefix_len, mask)).argmax(-1).tolist()
-            if i >= 2:
+            one_pass()
+            if i >= 3:
                 times.append(1e3 * (time.perf_counter() - t0))
         out[r] = sorted(times)[len(times) // 2]
     return out
