@@ -312,6 +312,31 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h, prof)
 
 
+    def forward_fused(self, x, delta, cos, sin, cache, layer, start, tree_words):
+        """Static path with fused kernels (CUDA; the Triton interpreter in tests), issue 4.
+
+        The residual add is deferred into the next norm: takes the residual stream ``x [R, hidden]`` and
+        the previous layer's pending output ``delta`` (None for the first layer) and returns
+        ``(x, delta)`` with this layer's MLP output pending. ``start`` is the 0-d long prefix length,
+        ``tree_words`` the packed ``[R, ceil(R/32)]`` int32 tree mask. Same math as :meth:`forward` up to
+        rounding (see :mod:`specpilot.kernels.fused`). 8 launches per layer (+1 split-KV combine).
+        """
+        from ..kernels import fused
+        from ..kernels.gemm import linear
+        from ..kernels.tree_attention import tree_attention
+
+        attn, a = self.self_attn, self.self_attn.args
+        h, x = fused.add_rmsnorm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
+        qkv = linear(h, attn.qkv_proj)
+        qn = (attn.q_norm.weight, attn.k_norm.weight) if a.qk_norm else (None, None)
+        q = fused.qk_norm_rope_store(qkv, *qn, cos, sin, cache.k[layer], cache.v[layer], start, a.n_heads,
+                                     a.n_kv_heads, a.rms_norm_eps)
+        o = tree_attention(q, cache.k[layer], cache.v[layer], start, tree_words, a.head_dim**-0.5)
+        o = linear(o.reshape(x.shape[0], a.n_heads * a.head_dim), attn.o_proj)
+        h, x = fused.add_rmsnorm(x, o, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return x, linear(fused.silu_mul(linear(h, self.mlp.gate_up_proj)), self.mlp.down_proj)
+
+
 class Backbone(nn.Module):
     """Embedding, decoder layers and final norm (HF's ``model.*``)."""
 
@@ -345,6 +370,19 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # float32 on purpose and not a buffer, so ``.to(bfloat16)`` leaves it exact
         self.inv_freq = rope_inv_freq(args)
+        #: fused Triton kernels on the static path: None = on CUDA when triton is installed; True / False
+        #: force it (tests run it on the CPU in the Triton interpreter). Needs fused projections.
+        self.use_kernels: bool | None = None
+
+    def kernels_on(self, x: torch.Tensor) -> bool:
+        """Whether the static path of a pass over ``x`` runs the fused kernels (see ``use_kernels``)."""
+        if not hasattr(self.model.layers[0].self_attn, "qkv_proj"):
+            return False
+        if self.use_kernels is not None:
+            return self.use_kernels
+        from ..kernels.fused import triton
+
+        return x.is_cuda and triton is not None and self.args.head_dim in (64, 128)
 
     @property
     def device(self) -> torch.device:
@@ -409,6 +447,8 @@ class Transformer(nn.Module):
             x = self.model.embed_tokens(tokens)
             cos, sin = self.rope(positions, x.dtype)
         captured = {}
+        if isinstance(start, torch.Tensor) and self.kernels_on(x):
+            return self._forward_fused(x, cos, sin, cache, start, mask, captured, features, feature_layers)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, i, start, mask, prof)
             if i in feature_layers:
@@ -417,6 +457,21 @@ class Transformer(nn.Module):
             features.extend(captured[i] for i in feature_layers)
         with region(prof, "norms_elementwise"):
             return self.model.norm(x)
+
+    def _forward_fused(self, x, cos, sin, cache, start, mask, captured, features, feature_layers):
+        """The static path through :meth:`DecoderLayer.forward_fused` (the tree mask packed once per pass)."""
+        from ..kernels import fused
+        from ..kernels.tree_attention import pack_tree_mask
+
+        words = pack_tree_mask(mask)
+        delta = None
+        for i, layer in enumerate(self.model.layers):
+            x, delta = layer.forward_fused(x, delta, cos, sin, cache, i, start, words)
+            if i in feature_layers:
+                captured[i] = x + delta
+        if feature_layers:
+            features.extend(captured[i] for i in feature_layers)
+        return fused.add_rmsnorm(x, delta, self.model.norm.weight, self.model.norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor, prof=None) -> torch.Tensor:
         """LM head: ``hidden [R, hidden_size]`` -> logits ``[R, vocab_size]`` float32."""
