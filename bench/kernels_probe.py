@@ -16,10 +16,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 from specpilot.engine.graphs import BUCKETS, BucketRunner
 from specpilot.kernels import gemm
+from specpilot.pilot.kernel_profile import profile_kernels
 from specpilot.pilot.setup import measure_verify_ms
 from specpilot.provenance import git_commit, versions
 from specpilot.zoo.random_ckpt import random_transformer
@@ -92,16 +92,26 @@ def gemm_table(sweep: bool) -> list[dict]:
 
 
 def pass_variants(model) -> dict:
+    """Exact-pass ms by rows (engine buckets, graphs) for the kernel variants."""
+    from specpilot.kernels import tree_attention as ta
+
+    rows = tuple(sorted({*BUCKETS, 33}))
+    real_cfg = ta.default_config
+
+    def few_splits(r, g, kvh, s, d, num_sms=132):
+        cfg = real_cfg(r, g, kvh, s, d, num_sms)
+        return cfg | {"num_splits": 1} if r * g >= 64 else cfg
+
     out = {}
-    real_max = gemm.MAX_ROWS
-    for name, kernels, skinny in (("op_by_op", False, False), ("fused_cublas", True, False), ("fused_skinny", True, True)):
-        model.use_kernels = kernels
-        gemm.MAX_ROWS = real_max if skinny else 0
+    for name, kernels, skinny, attn_cfg in (("op_by_op", False, False, real_cfg), ("fused_cublas", True, False, real_cfg),
+                                            ("fused_skinny", True, True, real_cfg),
+                                            ("fused_cublas_attn_nosplit_m64", True, False, few_splits)):
+        model.use_kernels, model.skinny_gemm, ta.default_config = kernels, skinny, attn_cfg
         t0 = time.time()
-        out[name] = measure_verify_ms(model, 512, BUCKETS, repeats=20, static=True)
+        out[name] = measure_verify_ms(model, 512, rows, repeats=20, static=True)
         print(name, {r: round(v, 3) for r, v in out[name].items()}, f"({time.time() - t0:.0f} s)", flush=True)
         torch.cuda.empty_cache()
-    model.use_kernels, gemm.MAX_ROWS = None, real_max
+    model.use_kernels, model.skinny_gemm, ta.default_config = None, False, real_cfg
     return out
 
 
@@ -112,29 +122,7 @@ def profile_pass(model, rows: int) -> dict:
     runner = BucketRunner(model, cache, graphs=True)
     toks, pos = list(range(rows)), list(range(512, 512 + rows))
     mask = torch.ones(rows, rows, dtype=torch.bool).tril()
-    for _ in range(3):
-        runner.run(toks, pos, 512, mask).tolist()
-    n = 20
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        runner.run(toks, pos, 512, mask).tolist()
-    wall = (time.perf_counter() - t0) * 1e3 / n
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            runner.run(toks, pos, 512, mask).tolist()
-        torch.cuda.synchronize()
-    by_name = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            d = by_name.setdefault(ev.name[:90], [0, 0.0])
-            d[0] += 1
-            d[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-    kern = sum(v[1] for v in by_name.values()) / n / 1e3
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
-    return {"rows": rows, "wall_ms_per_pass": wall, "kernel_ms_per_pass": kern, "wall_over_kernels": wall / kern,
-            "kernels_per_pass": sum(v[0] for v in by_name.values()) / n,
-            "top": [{"name": k, "calls_per_pass": v[0] / n, "us_per_pass": v[1] / n} for k, v in top]}
+    return {"rows": rows} | profile_kernels(lambda: runner.run(toks, pos, 512, mask).tolist()).to_dict()
 
 
 def main():
@@ -148,8 +136,8 @@ def main():
     json.dump(res, open(out_path, "w"), indent=1)
     res["profile"] = [profile_pass(model, 1), profile_pass(model, 33)]
     for p in res["profile"]:
-        print("profile", p["rows"], "wall", round(p["wall_ms_per_pass"], 3), "kernels", round(p["kernel_ms_per_pass"], 3),
-              "n", p["kernels_per_pass"], flush=True)
+        print("profile", p["rows"], "wall", round(p["wall_ms"], 3), "kernels", round(p["kernel_ms"], 3),
+              "n", p["kernels"], {k: round(v, 3) for k, v in p["by_class_ms"].items()}, flush=True)
     json.dump(res, open(out_path, "w"), indent=1)
 
 

@@ -63,8 +63,24 @@ def _hf(ckpt, dtype: str, device: str, prompt: list[int], new: int) -> dict:
     return out
 
 
+def _ar_step_profile(model, prompt: list[int], dtype: str, steps: int = 32) -> dict:
+    """Kernel profile of one AR decode step through the engine (graphs): generate ``steps + 1`` tokens
+    minus generate 1 token (the prefill), per step. ``wall_over_kernels`` is the launch-gap check."""
+    from .pilot.kernel_profile import CLASSES, profile_kernels
+
+    eng = Engine(model, SystemConfig.ar(dtype=dtype), None, eos_ids=[], buckets=True)
+    long = profile_kernels(lambda: eng.generate(prompt, steps + 1), calls=3, warmup=1)
+    short = profile_kernels(lambda: eng.generate(prompt, 1), calls=3, warmup=1)
+    wall = (long.wall_ms - short.wall_ms) / steps
+    kern = (long.kernel_ms - short.kernel_ms) / steps
+    return {"steps": steps, "wall_ms_per_step": wall, "kernel_ms_per_step": kern, "wall_over_kernels": wall / kern,
+            "kernels_per_step": (long.kernels - short.kernels) / steps,
+            "by_class_ms": {c: (long.by_class_ms[c] - short.by_class_ms[c]) / steps for c in CLASSES},
+            "top_kernels_of_generate": long.top}
+
+
 def run_bench(ckpt, device: str = "cuda", dtype: str = "bfloat16", prefix_len: int = 512, new_tokens: int = 128,
-              out_dir: str | Path = "bench/results", rows=BUCKETS, with_transformers: bool = True, seed: int = 0) -> dict:
+              out_dir: str | Path = "bench/results", rows=tuple(sorted({*BUCKETS, 33})), with_transformers: bool = True, seed: int = 0) -> dict:
     """Run the side-by-side benchmark and write ``out_dir/bench_<name>_<device>_<date>.json`` (+ PNG).
 
     Returns the result dict: ``device``, ``versions``, ``commit``, ``checkpoint``, ``ar_ms_per_step``,
@@ -98,6 +114,10 @@ def run_bench(ckpt, device: str = "cuda", dtype: str = "bfloat16", prefix_len: i
         "c": {r: ms / pass_ms[min(pass_ms)] for r, ms in pass_ms.items()},
         "systems": systems,
     }
+    res["kernels"] = {"fused": model.kernels_on(torch.zeros(1, device=device)), "skinny_gemm": model.skinny_gemm,
+                      "buckets": list(BUCKETS)}
+    if torch.device(device).type == "cuda":
+        res["ar_step_profile"] = _ar_step_profile(model, prompt, dtype)
     if with_transformers:
         res["transformers"] = _hf(ckpt, dtype, device, prompt, new_tokens)
         res["ar_equals_transformers"] = systems[0]["tokens"] == res["transformers"]["ar"]["tokens"]

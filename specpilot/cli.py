@@ -200,7 +200,9 @@ def bench(
 
     res = run_bench(target, device, dtype, prefix, new_tokens, out, with_transformers=transformers_generate)
     print(json.dumps({k: res[k] for k in ("device", "ar_ms_per_step", "ar_tokens_per_s", "byte_floor_ms", "percent_of_floor")}
-                     | {"c_33": res["c"].get(32), "c_64": res["c"].get(64)}, indent=1))
+                     | {"c_33": res["c"].get(33), "c_64": res["c"].get(64)}
+                     | ({"step_over_kernels": res["ar_step_profile"]["wall_over_kernels"]} if "ar_step_profile" in res else {}),
+                     indent=1))
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import torch
 from .model import KVCache, Transformer
 
 #: Default row buckets (rows of one exact pass).
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 96, 128, 192, 256)
 
 
 def bucket_for(rows: int, buckets=BUCKETS) -> int | None:
@@ -47,21 +47,20 @@ class BucketRunner:
         self._pool = None
 
     def _buffers(self, b: int) -> dict:
+        """Static inputs of bucket ``b``: views of one device buffer ``io`` (tokens, positions, start, the
+        ``[b, b]`` mask as 0/1), filled by one copy from a pinned host twin per step."""
         if b not in self._static:
-            dev = self.dev
-            self._static[b] = {
-                "tokens": torch.zeros(b, dtype=torch.long, device=dev),
-                "positions": torch.zeros(b, dtype=torch.long, device=dev),
-                "start": torch.zeros((), dtype=torch.long, device=dev),
-                "mask": torch.eye(b, dtype=torch.bool, device=dev),
-                "out": None,
-            }
+            n = 2 * b + 1 + b * b
+            io = torch.zeros(n, dtype=torch.long, device=self.dev)
+            host = torch.zeros(n, dtype=torch.long, pin_memory=self.dev.type == "cuda")
+            self._static[b] = {"io": io, "host": host, "tokens": io[:b], "positions": io[b:2 * b],
+                               "start": io[2 * b], "mask01": io[2 * b + 1:].view(b, b), "out": None}
         return self._static[b]
 
     def _body(self, s: dict) -> torch.Tensor:
-        hidden = self.model.forward(s["tokens"], s["positions"], self.cache, s["start"], s["mask"])
-        logits = self.model.logits(hidden)
-        return logits.argmax(dim=-1) if self.output == "argmax" else logits
+        mask = s["mask01"] != 0
+        hidden = self.model.forward(s["tokens"], s["positions"], self.cache, s["start"], mask)
+        return self.model.greedy(hidden) if self.output == "argmax" else self.model.logits(hidden)
 
     def _capture(self, b: int) -> None:
         s = self._buffers(b)
@@ -96,16 +95,16 @@ class BucketRunner:
         if start + b > self.cache.max_len:
             raise ValueError(f"bucket {b} at prefix {start} exceeds the cache of {self.cache.max_len} slots")
         s = self._buffers(b)
-        host = torch.zeros(2, b, dtype=torch.long)
-        host[0, :r] = torch.tensor(tokens)
-        host[1, :] = positions[0]  # padding rows: any valid position
-        host[1, :r] = torch.tensor(positions)
-        mask = torch.eye(b, dtype=torch.bool)
-        mask[:r, :r] = torch.ones(r, r, dtype=torch.bool).tril() if tree_mask is None else tree_mask
-        s["tokens"].copy_(host[0])
-        s["positions"].copy_(host[1])
-        s["start"].fill_(start)
-        s["mask"].copy_(mask)
+        host = s["host"]
+        host[:r] = torch.tensor(tokens)
+        host[b:2 * b] = positions[0]  # padding rows: any valid position
+        host[b:b + r] = torch.tensor(positions)
+        host[2 * b] = start
+        mask = host[2 * b + 1:].view(b, b)
+        mask.zero_()
+        mask.diagonal().fill_(1)  # padding rows see themselves
+        mask[:r, :r] = torch.ones(r, r, dtype=torch.long).tril() if tree_mask is None else tree_mask
+        s["io"].copy_(host, non_blocking=True)  # the one host-to-device copy of a step
         if self.graphs:
             if b not in self._graphs:
                 self._capture(b)

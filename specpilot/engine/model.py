@@ -312,17 +312,17 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h, prof)
 
 
-    def forward_fused(self, x, delta, cos, sin, cache, layer, start, tree_words):
+    def forward_fused(self, x, delta, cos, sin, cache, layer, start, tree_words, linear):
         """Static path with fused kernels (CUDA; the Triton interpreter in tests), issue 4.
 
         The residual add is deferred into the next norm: takes the residual stream ``x [R, hidden]`` and
         the previous layer's pending output ``delta`` (None for the first layer) and returns
         ``(x, delta)`` with this layer's MLP output pending. ``start`` is the 0-d long prefix length,
-        ``tree_words`` the packed ``[R, ceil(R/32)]`` int32 tree mask. Same math as :meth:`forward` up to
+        ``tree_words`` the packed ``[R, ceil(R/32)]`` int32 tree mask, ``linear(x, nn.Linear)`` the projection
+        (:func:`~specpilot.kernels.gemm.cublas_linear` or :func:`~specpilot.kernels.gemm.linear`). Same math as :meth:`forward` up to
         rounding (see :mod:`specpilot.kernels.fused`). 8 launches per layer (+1 split-KV combine).
         """
         from ..kernels import fused
-        from ..kernels.gemm import linear
         from ..kernels.tree_attention import tree_attention
 
         attn, a = self.self_attn, self.self_attn.args
@@ -373,6 +373,10 @@ class Transformer(nn.Module):
         #: fused Triton kernels on the static path: None = on CUDA when triton is installed; True / False
         #: force it (tests run it on the CPU in the Triton interpreter). Needs fused projections.
         self.use_kernels: bool | None = None
+        #: projections of the fused path through :func:`specpilot.kernels.gemm.linear` (the skinny Triton
+        #: GEMM for 1-64 rows) instead of cuBLAS. Off: on the H200 cuBLAS is as fast or faster for bf16
+        #: (``bench/results/kernels_probe_*.json``); the kernel is the base of the W12 GEMM (issue 5).
+        self.skinny_gemm = False
 
     def kernels_on(self, x: torch.Tensor) -> bool:
         """Whether the static path of a pass over ``x`` runs the fused kernels (see ``use_kernels``)."""
@@ -463,15 +467,24 @@ class Transformer(nn.Module):
         from ..kernels import fused
         from ..kernels.tree_attention import pack_tree_mask
 
+        from ..kernels.gemm import cublas_linear, linear
+
         words = pack_tree_mask(mask)
+        lin = linear if self.skinny_gemm else cublas_linear
         delta = None
         for i, layer in enumerate(self.model.layers):
-            x, delta = layer.forward_fused(x, delta, cos, sin, cache, i, start, words)
+            x, delta = layer.forward_fused(x, delta, cos, sin, cache, i, start, words, lin)
             if i in feature_layers:
                 captured[i] = x + delta
         if feature_layers:
             features.extend(captured[i] for i in feature_layers)
         return fused.add_rmsnorm(x, delta, self.model.norm.weight, self.model.norm.eps)[0]
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Argmax token ids ``[R] long`` of the LM head for ``hidden [R, hidden_size]``, computed on logits in
+        the model dtype: the float32 cast of :meth:`logits` is exact, so the argmax (first index on ties) is
+        the same, without writing and re-reading ``R x vocab`` float32 logits."""
+        return self.lm_head(hidden).argmax(dim=-1)
 
     def logits(self, hidden: torch.Tensor, prof=None) -> torch.Tensor:
         """LM head: ``hidden [R, hidden_size]`` -> logits ``[R, vocab_size]`` float32."""

@@ -49,18 +49,19 @@ def _num_sms(device_index: int | None) -> int:
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     """Launch parameters for ``[m, k] @ [n, k]ᵀ`` from static shapes only.
 
-    BLOCK_M: the rows rounded up to 16/32/64. BLOCK_N 64, BLOCK_K 128. SPLIT_K: the smallest power of two
-    that puts at least two programs on every SM, keeping at least 4 K-blocks per split and dividing K
-    into whole blocks (H200 sweep: ``bench/gemm_sweep.py``).
+    BLOCK_M: the rows rounded up to 16/32/64. BLOCK_N 64, BLOCK_K 128, 5 stages. SPLIT_K: the smallest
+    power of two that puts a program on every SM, keeping at least 4 K-blocks per split and dividing K
+    into whole blocks. From the H200 sweep of ``bench/kernels_probe.py --sweep``: deeper pipelines beat
+    more splits (every split costs a reduction launch).
     """
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = 64, 128
     n_blocks = -(-n // block_n)
     k_blocks = -(-k // block_k)
     split = 1
-    while n_blocks * split < 2 * num_sms and k_blocks % (2 * split) == 0 and k_blocks // (2 * split) >= 4:
+    while n_blocks * split < num_sms and k_blocks % (2 * split) == 0 and k_blocks // (2 * split) >= 4:
         split *= 2
-    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4)
+    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=5)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **overrides) -> torch.Tensor:
@@ -105,6 +106,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             part, bias if bias is not None else out, out, m * n, n, SPLIT_K=split, BLOCK=block,
             HAS_BIAS=bias is not None, num_warps=4)
     return out
+
+
+def cublas_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """``layer(x)`` through ``F.linear`` (cuBLAS on CUDA); same signature as :func:`linear`."""
+    return F.linear(x, layer.weight, layer.bias)
 
 
 def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:

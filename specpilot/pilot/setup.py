@@ -35,12 +35,13 @@ def measure_verify_ms(model, prefix_len: int, rows=(1, 2, 4, 8, 16, 32), repeats
     dynamic path the CPU engine uses; ``static=True`` the row-bucket path (CUDA graphs on CUDA), as the
     engine runs with ``buckets=True``.
     """
-    from ..engine.graphs import BucketRunner
+    from ..engine.graphs import BUCKETS, BucketRunner
 
     dev = model.device
-    cache = model.new_cache(prefix_len + max(rows) + 1)
+    cache = model.new_cache(prefix_len + max(*rows, BUCKETS[-1]) + 1)
     model.forward(torch.zeros(prefix_len, dtype=torch.long, device=dev), torch.arange(prefix_len, device=dev), cache, 0)
-    runner = BucketRunner(model, cache, rows, graphs=True) if static else None
+    # the engine's buckets: a row count between buckets is timed padded, as the engine runs it
+    runner = BucketRunner(model, cache, BUCKETS, graphs=True) if static else None
     out = {}
     for r in rows:
         tok_list, pos_list = [i % model.args.vocab_size for i in range(r)], list(range(prefix_len, prefix_len + r))

@@ -1,0 +1,127 @@
+"""GPU kernel time by kernel class, from the PyTorch profiler (issue 4 item 4, paper §3.2).
+
+Inside a replayed CUDA graph there are no Python regions to time, so on the GPU the step is profiled
+by kernel: every CUDA kernel the profiler records is put in a class by its name
+(:func:`kernel_class`), and the step's wall time is compared with the sum of its kernels' times
+(``wall_over_kernels``: 1.0 means no launch gaps or host stalls; issue 4 asks ≤ 1.05).
+
+The LM head is a GEMM like the projections; it is told apart by position: the GEMMs between the final
+norm and the argmax of a pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+CLASSES = ("projections", "attention", "lm_head", "norms_elementwise", "drafter", "other")
+_GEMM = ("gemm", "nvjet", "cutlass", "splitk", "split_k", "sm90_xmma", "cublas", "_skinny")
+_ATTN = ("tree_attn", "_combine", "flash", "fmha", "attention", "sdpa")
+_NORM = ("rmsnorm", "norm_kernel")
+_ELEMENTWISE = ("rope", "silu", "elementwise", "copy", "index", "cat", "reduce", "mul", "add", "pow", "rsqrt",
+                "where", "fill")
+
+
+def kernel_class(name: str) -> str:
+    """Class of a CUDA kernel by its (mangled or Triton) name: ``projections`` (any GEMM; see the module
+    docstring for the LM head), ``attention``, ``norms_elementwise`` or ``other``."""
+    n = name.lower()
+    if any(k in n for k in _ATTN):
+        return "attention"
+    if any(k in n for k in _GEMM):
+        return "projections"
+    if any(k in n for k in _NORM + _ELEMENTWISE):
+        return "norms_elementwise"
+    return "other"
+
+
+@dataclass
+class KernelProfile:
+    """Kernel time of ``calls`` calls of one function (all times ms per call).
+
+    wall_ms: host wall time per call measured without the profiler; kernel_ms: summed kernel time per
+    call; by_class_ms: kernel time per class; kernels: kernel launches per call; top: the largest
+    kernels ``[{name, class, calls, us}]`` per call.
+    """
+
+    wall_ms: float
+    kernel_ms: float
+    kernels: float
+    by_class_ms: dict[str, float] = field(default_factory=dict)
+    top: list[dict] = field(default_factory=list)
+
+    @property
+    def wall_over_kernels(self) -> float:
+        """Wall time over kernel time (1.0 = the device never idles during the call)."""
+        return self.wall_ms / self.kernel_ms if self.kernel_ms > 0 else float("inf")
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"wall_over_kernels": self.wall_over_kernels}
+
+
+def _kernel_events(prof) -> list[tuple[float, str, float]]:
+    """``(start_us, name, duration_us)`` of every CUDA kernel / memcpy the profiler saw, in time order."""
+    out = []
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            dur = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+            out.append((ev.time_range.start, ev.name, dur))
+    return sorted(out)
+
+
+def _classify_passes(events) -> list[tuple[str, str, float]]:
+    """``(name, class, us)`` per kernel, the LM head relabelled: the GEMMs between an ``ArgMax`` kernel
+    (the verify step's greedy read) and the last norm kernel (``rmsnorm`` / ``rsqrt``) before it."""
+    labelled = [(name, kernel_class(name), dur) for _, name, dur in events]
+    last_norm = None
+    for i, (name, cls, dur) in enumerate(labelled):
+        n = name.lower()
+        if "rmsnorm" in n or "rsqrt" in n:
+            last_norm = i
+        elif "argmax" in n and last_norm is not None:
+            for j in range(last_norm + 1, i):
+                if labelled[j][1] == "projections":
+                    labelled[j] = (labelled[j][0], "lm_head", labelled[j][2])
+            last_norm = None
+    return labelled
+
+
+def profile_kernels(fn, calls: int = 20, warmup: int = 3) -> KernelProfile:
+    """Profile ``fn()`` (which must synchronise or read back its result) on CUDA.
+
+    Args:
+        fn: the step, e.g. one graph replay plus its host read.
+        calls: calls timed (wall) and then profiled (kernels).
+    Returns: :class:`KernelProfile`, ms per call.
+    Raises: RuntimeError without CUDA.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("profile_kernels needs CUDA")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / calls
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    labelled = _classify_passes(_kernel_events(prof))
+    by_class = {c: 0.0 for c in CLASSES}
+    by_name: dict[str, list] = {}
+    for name, cls, dur in labelled:
+        by_class[cls] += dur / 1e3 / calls
+        d = by_name.setdefault(name[:100], [cls, 0, 0.0])
+        d[1] += 1
+        d[2] += dur
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][2])[:20]
+    return KernelProfile(
+        wall_ms=wall, kernel_ms=sum(by_class.values()), kernels=len(labelled) / calls, by_class_ms=by_class,
+        top=[{"name": n, "class": c, "calls": k / calls, "us": us / calls} for n, (c, k, us) in top])
