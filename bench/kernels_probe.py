@@ -93,7 +93,9 @@ def gemm_table(sweep: bool) -> list[dict]:
 
 def pass_variants(model) -> dict:
     """Exact-pass ms by rows (engine buckets, graphs) for the kernel variants."""
-    from specpilot.kernels import tree_attention as ta
+    import importlib
+
+    ta = importlib.import_module("specpilot.kernels.tree_attention")
 
     rows = tuple(sorted({*BUCKETS, 33}))
     real_cfg = ta.default_config
@@ -134,7 +136,7 @@ def main():
     res["pass_ms"] = pass_variants(model)
     res["c"] = {v: {r: t / d[1] for r, t in d.items()} for v, d in res["pass_ms"].items()}
     json.dump(res, open(out_path, "w"), indent=1)
-    res["profile"] = [profile_pass(model, 1), profile_pass(model, 33)]
+    res["profile"] = [profile_pass(model, r) for r in (1, 2, 33, 64)]
     for p in res["profile"]:
         print("profile", p["rows"], "wall", round(p["wall_ms"], 3), "kernels", round(p["kernel_ms"], 3),
               "n", p["kernels"], {k: round(v, 3) for k, v in p["by_class_ms"].items()}, flush=True)

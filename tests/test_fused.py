@@ -104,7 +104,7 @@ def test_fused_static_pass_matches_plain(tiny_dirs):
     torch.testing.assert_close(v1, v0, atol=1e-5, rtol=1e-5)
 
 
-def test_engine_with_fused_kernels_equals_ar(tiny_models, monkeypatch):
+def test_engine_with_fused_kernels_equals_ar(tiny_dirs, monkeypatch):
     """Speculative decoding through padded buckets with the fused kernels gives AR's tokens (float32)."""
     from specpilot.config import SystemConfig
     from specpilot.drafters.draft_model import DraftModelDrafter
@@ -118,7 +118,9 @@ def test_engine_with_fused_kernels_equals_ar(tiny_models, monkeypatch):
     calls = []
     real = DecoderLayer.forward_fused
     monkeypatch.setattr(DecoderLayer, "forward_fused", lambda self, *a: calls.append(1) or real(self, *a))
-    target, drafter = tiny_models
+    from specpilot.engine.checkpoint import load_model
+
+    target, drafter = load_model(tiny_dirs[0], device=DEV), load_model(tiny_dirs[1], device=DEV)
     cfg = SystemConfig(drafter="draft_model", tree="best_first", nodes=6, depth=3, top_k=2)
     try:
         target.use_kernels = True
