@@ -79,6 +79,25 @@ def _ar_step_profile(model, prompt: list[int], dtype: str, steps: int = 32) -> d
             "top_kernels_of_generate": long.top}
 
 
+@torch.inference_mode()
+def _pass_profiles(model, prefix_len: int, rows=(1, 33, 64)) -> dict:
+    """Kernel profiles of the bare exact pass (graph replay + host read) at a few row counts; gives c(N)
+    from summed kernel time (``c_kernels``), free of host jitter, next to the wall-clock c."""
+    from .engine.graphs import BucketRunner
+    from .pilot.kernel_profile import profile_kernels
+
+    dev = model.device
+    cache = model.new_cache(prefix_len + BUCKETS[-1] + 1)
+    model.forward(torch.zeros(prefix_len, dtype=torch.long, device=dev), torch.arange(prefix_len, device=dev), cache, 0)
+    runner = BucketRunner(model, cache, BUCKETS, graphs=True)
+    out = {}
+    for r in rows:
+        toks, pos = list(range(r)), list(range(prefix_len, prefix_len + r))
+        out[r] = profile_kernels(lambda: runner.run(toks, pos, prefix_len, None).tolist()).to_dict()
+        out[r].pop("top")
+    return out
+
+
 def run_bench(ckpt, device: str = "cuda", dtype: str = "bfloat16", prefix_len: int = 512, new_tokens: int = 128,
               out_dir: str | Path = "bench/results", rows=tuple(sorted({*BUCKETS, 33})), with_transformers: bool = True, seed: int = 0) -> dict:
     """Run the side-by-side benchmark and write ``out_dir/bench_<name>_<device>_<date>.json`` (+ PNG).
@@ -118,6 +137,9 @@ def run_bench(ckpt, device: str = "cuda", dtype: str = "bfloat16", prefix_len: i
                       "buckets": list(BUCKETS)}
     if torch.device(device).type == "cuda":
         res["ar_step_profile"] = _ar_step_profile(model, prompt, dtype)
+        res["pass_profiles"] = _pass_profiles(model, prefix_len)
+        k1 = res["pass_profiles"][1]["kernel_ms"]
+        res["c_kernels"] = {r: p["kernel_ms"] / k1 for r, p in res["pass_profiles"].items()}
     if with_transformers:
         res["transformers"] = _hf(ckpt, dtype, device, prompt, new_tokens)
         res["ar_equals_transformers"] = systems[0]["tokens"] == res["transformers"]["ar"]["tokens"]

@@ -319,3 +319,24 @@ def test_r13_rows_outside_buckets_fall_back(tiny_models, monkeypatch):
     assert eng.generate(prompt, 30).tokens == ar_tokens(target, prompt, 30)
     assert calls["fallback"] > 0
     assert graphs.bucket_for(5, (1, 2, 4)) is None and graphs.bucket_for(3, (1, 2, 4)) == 4
+
+
+def test_static_draft_model_matches_dynamic(tiny_models):
+    """The draft model's static mode (row-bucket catch-up + device-fed drafting loop; CUDA graphs on CUDA)
+    proposes the same lattices as the dynamic path, request after request, and the engine output is AR's."""
+    target, drafter_model = tiny_models
+    dyn, sta = DraftModelDrafter(drafter_model, 3, static=False), DraftModelDrafter(drafter_model, 3, static=True)
+    for prompt in random_prompts(2, V, length=9, seed=29):
+        committed = list(prompt)
+        for step in range(4):
+            a, b = dyn.propose(committed, 4), sta.propose(committed, 4)
+            assert [[t for t, _ in row] for row in a._rows] == [[t for t, _ in row] for row in b._rows]
+            lp_a = torch.tensor([[p for _, p in row] for row in a._rows])
+            lp_b = torch.tensor([[p for _, p in row] for row in b._rows])
+            torch.testing.assert_close(lp_a, lp_b, atol=1e-5, rtol=1e-5)
+            committed += [row[0][0] for row in a._rows[: step % 3 + 1]]  # accept a varying prefix of the chain
+        dyn.reset(), sta.reset()
+    cfg = SystemConfig(drafter="draft_model", tree="best_first", nodes=8, depth=4, top_k=3)
+    eng = Engine(target, cfg, DraftModelDrafter(drafter_model, 3, static=True), eos_ids=[])
+    prompt = random_prompts(1, V, seed=31)[0]
+    assert eng.generate(prompt, 25).tokens == ar_tokens(target, prompt, 25)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from ..config import SystemConfig
 from ..drafters.block import BlockDrafter, is_block_dir, load_block
 from ..drafters.draft_model import DraftModelDrafter
@@ -88,6 +90,7 @@ class Deployment:
         elif config.drafter == "block":
             drafter = BlockDrafter(self.block_net(config.drafter_path), self.target, top_k=config.top_k)
         engine_kw.setdefault("eos_ids", self.eos_ids())
+        engine_kw.setdefault("buckets", torch.device(self.device).type == "cuda")  # CUDA graphs per row bucket
         return Engine(self.target, config, drafter, **engine_kw)
 
 

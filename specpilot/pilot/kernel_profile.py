@@ -125,3 +125,20 @@ def profile_kernels(fn, calls: int = 20, warmup: int = 3) -> KernelProfile:
     return KernelProfile(
         wall_ms=wall, kernel_ms=sum(by_class.values()), kernels=len(labelled) / calls, by_class_ms=by_class,
         top=[{"name": n, "class": c, "calls": k / calls, "us": us / calls} for n, (c, k, us) in top])
+
+
+@torch.inference_mode()
+def pass_class_fractions(model, rows: int, prefix_len: int) -> dict[str, float]:
+    """Fraction of a graph-replayed exact pass's kernel time per class (rows padded to the engine's
+    bucket, ``prefix_len`` committed slots). The pilot splits the engine's ``exact_pass`` region (one
+    graph replay, timed with CUDA events inside real steps) by these fractions: inside a graph there are
+    no regions to time. Raises RuntimeError without CUDA."""
+    from ..engine.graphs import BUCKETS, BucketRunner
+
+    dev = model.device
+    cache = model.new_cache(prefix_len + BUCKETS[-1] + 1)
+    model.forward(torch.zeros(prefix_len, dtype=torch.long, device=dev), torch.arange(prefix_len, device=dev), cache, 0)
+    runner = BucketRunner(model, cache, BUCKETS, graphs=True)
+    toks, pos = list(range(rows)), list(range(prefix_len, prefix_len + rows))
+    prof = profile_kernels(lambda: runner.run(toks, pos, prefix_len, None).tolist(), calls=10)
+    return {k: v / prof.kernel_ms for k, v in prof.by_class_ms.items() if v > 0}

@@ -260,6 +260,17 @@ class Pilot:
             steps += g.steps
             prefix.append(len(req.prompt_ids) + len(g.tokens) // 2)
         totals = prof.calibrated_totals_ms()  # less the profiler's own per-region cost
+        if "exact_pass" in totals:  # one graph replay per step: split by the pass's kernel classes
+            exact = totals.pop("exact_pass")
+            if self.dep.target.device.type == "cuda":
+                from .kernel_profile import pass_class_fractions
+
+                rows = min(max(1, round(m["rows"])), 256)
+                fractions = pass_class_fractions(self.dep.target, rows, int(sum(prefix) / len(prefix)))
+            else:
+                fractions = {"other": 1.0}
+            for k, f in fractions.items():
+                totals[k] = totals.get(k, 0.0) + exact * f
         d_args = self.dep.draft_model.args if cfg.drafter == "draft_model" else None
         counts = step_counts(self.dep.target.args, max(1, round(m["rows"])), int(sum(prefix) / len(prefix)),
                              self.dep.target.dtype.itemsize, drafter_args=d_args, drafter_passes=cfg.depth)

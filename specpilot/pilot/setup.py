@@ -29,7 +29,8 @@ def build_requests(dep, per_benchmark: int, max_new_tokens: int) -> list[Req]:
 @torch.inference_mode()
 def measure_verify_ms(model, prefix_len: int, rows=(1, 2, 4, 8, 16, 32), repeats: int = 12,
                       static: bool = False) -> dict[int, float]:
-    """Median ms of one exact pass (forward + LM head + argmax + host read) by row count (c(N) curve, §3.2).
+    """Median ms of one exact pass (forward + LM head + argmax + host read) by row count (c(N) curve, §3.2),
+    timed in ``repeats`` interleaved rounds after 3 warm-up passes per row count.
 
     Rows attend to ``prefix_len`` committed slots and causally among themselves. ``static=False`` times the
     dynamic path the CPU engine uses; ``static=True`` the row-bucket path (CUDA graphs on CUDA), as the
@@ -42,25 +43,29 @@ def measure_verify_ms(model, prefix_len: int, rows=(1, 2, 4, 8, 16, 32), repeats
     model.forward(torch.zeros(prefix_len, dtype=torch.long, device=dev), torch.arange(prefix_len, device=dev), cache, 0)
     # the engine's buckets: a row count between buckets is timed padded, as the engine runs it
     runner = BucketRunner(model, cache, BUCKETS, graphs=True) if static else None
-    out = {}
+    passes = {}
     for r in rows:
         tok_list, pos_list = [i % model.args.vocab_size for i in range(r)], list(range(prefix_len, prefix_len + r))
         toks, pos = torch.tensor(tok_list, device=dev), torch.tensor(pos_list, device=dev)
         mask = torch.ones(r, prefix_len + r, dtype=torch.bool, device=dev)
         mask[:, prefix_len:] = torch.ones(r, r, dtype=torch.bool, device=dev).tril()
 
-        def one_pass():
+        def one_pass(tok_list=tok_list, pos_list=pos_list, toks=toks, pos=pos, mask=mask):
             if runner is not None:
                 return runner.run(tok_list, pos_list, prefix_len, None).tolist()
             return model.logits(model.forward(toks, pos, cache, prefix_len, mask)).argmax(-1).tolist()
 
-        times = []
-        for i in range(repeats + 3):
+        for _ in range(3):  # warm-up (graph capture)
+            one_pass()
+        passes[r] = one_pass
+    # interleaved rounds (every row count once per round), so drift in clocks or load hits all alike
+    times = {r: [] for r in rows}
+    for _ in range(repeats):
+        for r in rows:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            one_pass()
-            if i >= 3:
-                times.append(1e3 * (time.perf_counter() - t0))
-        out[r] = sorted(times)[len(times) // 2]
+            passes[r]()
+            times[r].append(1e3 * (time.perf_counter() - t0))
+    out = {r: sorted(t)[len(t) // 2] for r, t in times.items()}
     return out
