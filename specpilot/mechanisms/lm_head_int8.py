@@ -68,7 +68,7 @@ def _eps(k: int, u_in: float, u_acc: float, u_out: float) -> float:
 
 @dataclass
 class HeadStats:
-    """Counters over all :meth:`CertifiedInt8Head.argmax` calls.
+    """Counters over all :meth:`CertifiedInt8Head.argmax` calls (§4.1 certified head).
 
     Attributes:
         calls, rows: calls and rows of h seen.
@@ -124,7 +124,8 @@ class CertifiedInt8Head:
         self.stats = HeadStats()
 
     def exact_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The engine's exact head: ``F.linear(h.to(W.dtype), W).float()``, ``[R, V]`` float32."""
+        """The engine's exact head (§4.1 reference): ``h [R, H]`` -> ``F.linear(h.to(W.dtype), W).float()``,
+        ``[R, V]`` float32 logits."""
         return F.linear(h.to(self.weight.dtype), self.weight).float()
 
     def _units(self) -> tuple[float, float]:
@@ -143,11 +144,13 @@ class CertifiedInt8Head:
         return u_in, (2.0**-23 if cuda else 2.0**-24)
 
     def bounds(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Approximate logits and their certified error: ``(a [R, V] float32, E [R, V] float64)`` with
-        ``|exact_logits(h) - a| <= E`` elementwise (for finite h without overflow).
+        """INT8 approximate logits and their certified error (§4.1): ``(a [R, V] float32, E [R, V] float64)``
+        with ``|exact_logits(h) - a| <= E`` elementwise (logit units; for finite h without overflow).
 
         Args:
             h: ``[R, H]`` hidden states (cast to W's dtype first, as the engine's head does).
+        Raises:
+            SpecPilotError: bf16/fp16 CUDA reductions in reduced precision (no sound bound).
         """
         he = h.to(self.weight.dtype)
         hf = he.float()

@@ -56,12 +56,12 @@ _CHUNK = 1 << 22  # weights per encode/decode band (bounds the int32 temporaries
 
 
 class W12FormatError(CheckpointError):
-    """A W12 tensor or directory is malformed, corrupted, truncated, or its source is not bfloat16."""
+    """A W12 tensor or directory (§4.1) is malformed, corrupted, truncated, or its source is not bfloat16."""
 
 
 @dataclass
 class W12Tensor:
-    """One W12-encoded bf16 weight (§4.1).
+    """One W12-encoded bf16 weight ``[N, K]`` (§4.1).
 
     Attributes:
         records: uint8 ``[ceil(N/128), ceil(K/64), 12288]``, layout in the module docstring.
@@ -128,7 +128,8 @@ class W12Tensor:
 
 
 def sha256_of(w: torch.Tensor) -> str:
-    """Hex sha256 of a CPU tensor's row-major bytes (any dtype; little-endian as stored in safetensors)."""
+    """Hex sha256 (str) of a tensor's row-major bytes (any dtype and device; little-endian, as safetensors stores
+    them); the source hash W12 checks against (§4.1). Raises nothing."""
     t = w.detach().cpu().contiguous().reshape(-1)
     return hashlib.sha256(memoryview(t.view(torch.uint8).numpy())).hexdigest()
 

@@ -35,7 +35,8 @@ _SKIP = ("embed", "norm", "wte", "wpe")
 
 
 def is_linear_weight(name: str, t: torch.Tensor, tied: bool) -> bool:
-    """Whether tensor ``name`` is converted (rule in the module docstring); ``tied``: tie_word_embeddings."""
+    """Whether tensor ``name`` (any shape/dtype) is a linear weight that W12 converts (§4.1; rule in the module
+    docstring); ``tied``: the config's tie_word_embeddings. Raises nothing."""
     if t.dim() != 2 or not t.is_floating_point() or not name.endswith(".weight"):
         return False
     if any(s in name for s in _SKIP):
@@ -78,7 +79,7 @@ def _totals(entries: list[dict]) -> dict:
 
 
 def pack_dir(src: str | Path, out: str | Path) -> dict:
-    """Write the W12 form of checkpoint directory ``src`` to the new or empty directory ``out``.
+    """Write the W12 form (§4.1) of checkpoint directory ``src`` to the new or empty directory ``out``.
 
     Returns:
         The manifest (also written to ``out/w12.json``).
@@ -166,7 +167,7 @@ def _header_size(path: Path) -> int:
 
 
 def read_manifest(d: str | Path) -> dict:
-    """Parsed ``w12.json`` of W12 directory ``d``. Raises W12FormatError when missing or invalid."""
+    """Parsed ``w12.json`` manifest (§4.1) of W12 directory ``d``. Raises W12FormatError when missing or invalid."""
     p = Path(d) / MANIFEST
     if not Path(d).is_dir():
         raise W12FormatError(f"directory not found: {d}")
@@ -199,7 +200,8 @@ def _restore_entry(name: str, e: dict, tensors: dict[str, torch.Tensor]) -> torc
 
 
 def load_w12_state_dict(d: str | Path) -> dict[str, torch.Tensor]:
-    """The decoded state dict of a W12 directory (CPU tensors, source dtypes), every tensor hash-checked.
+    """The decoded state dict of a W12 directory (§4.1: checked bit for bit at load), CPU tensors in their
+    source dtypes, every converted tensor checked against the sha256 of its source.
 
     W12 tensors come back as bf16 under their source names; raw and unconverted tensors as stored.
 
@@ -230,7 +232,7 @@ def load_w12_state_dict(d: str | Path) -> dict[str, torch.Tensor]:
 
 
 def verify_dir(d: str | Path, source: str | Path | None = None) -> dict:
-    """Restore every listed tensor of W12 directory ``d`` and compare it bit for bit with its stored sha256
+    """§4.1 verify: restore every listed tensor of W12 directory ``d``, compare it bit for bit with its stored sha256
     and, with ``source``, with the source checkpoint (every tensor, converted or not).
 
     Returns:
