@@ -27,6 +27,15 @@ def _zoo_app():
 app.add_typer(_zoo_app(), name="zoo", help="Bundled default models: paths and the training recipe.")
 
 
+def _w12_app():
+    from .w12.cli import app as w12
+
+    return w12
+
+
+app.add_typer(_w12_app(), name="w12", help="W12 lossless 12-bit weights: pack and verify checkpoint directories.")
+
+
 def _pydantic_message(e: ValueError) -> str:
     """One line naming each invalid field and its constraint, e.g. ``--nodes: Input should be >= 1``."""
     errors = getattr(e, "errors", None)

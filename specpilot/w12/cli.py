@@ -1,0 +1,69 @@
+"""``specpilot w12``: pack a checkpoint directory to W12 and verify one (§4.1; typer sub-app).
+
+``verify`` exits 0 when every tensor is bit-exact, 1 when one is not; errors (missing manifest, truncated
+or unreadable file) are one line with exit status 2 (see :mod:`specpilot.cli`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(help="W12 lossless 12-bit weights: pack a checkpoint directory, verify one.", no_args_is_help=True)
+
+
+@app.command()
+def pack(
+    src: Path = typer.Argument(..., help="Safetensors checkpoint directory (any model)."),
+    out: Path = typer.Argument(..., help="New or empty output directory."),
+):
+    """Convert the linear-layer bf16 weights of SRC to W12 in OUT and copy every other file unchanged."""
+    from .pack import pack_dir
+
+    t = pack_dir(src, out)["totals"]
+    print(f"{out}: {t['tensors_w12']} tensors W12, {t['tensors_raw']} kept raw (not bf16); "
+          f"{t['weights']:,} weights at {t['bits_per_weight']:.4f} bits/weight, escape rate {t['escape_rate']:.3g}")
+
+
+@app.command()
+def verify(
+    directory: Path = typer.Argument(..., help="W12 directory written by `specpilot w12 pack`."),
+    source: Optional[Path] = typer.Option(None, "--source", help="Also compare every tensor with this source directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+):
+    """Restore every tensor and compare it bit for bit with its stored sha256 (and --source)."""
+    from .pack import verify_dir
+
+    rep = verify_dir(directory, source)
+    if as_json:
+        print(json.dumps(rep))
+    else:
+        _print_table(rep)
+    if not rep["bit_exact"]:
+        sys.exit(1)
+
+
+def _print_table(rep: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    tab = Table(show_footer=True)
+    tab.add_column("tensor", footer="total")
+    tab.add_column("shape")
+    tab.add_column("encoding", footer=f"{rep['tensors_w12']} w12, {rep['tensors_raw']} raw")
+    tab.add_column("bits/weight", justify="right", footer=f"{rep['bits_per_weight']:.4f}")
+    tab.add_column("escapes", justify="right", footer=f"{rep['escapes']:,}")
+    tab.add_column("escape rate", justify="right", footer=f"{rep['escape_rate']:.3g}")
+    tab.add_column("bit-exact", footer="yes" if rep["bit_exact"] else "NO")
+    for r in rep["tensors"]:
+        ok = "yes" if r["bit_exact"] else f"NO ({r['error']})"
+        tab.add_row(r["name"], "x".join(map(str, r["shape"])), f"{r['encoding']} ({r['dtype']})",
+                    f"{r['bits_per_weight']:.4f}", f"{r['escapes']:,}", f"{r['escape_rate']:.3g}", ok)
+    con = Console(width=max(120, Console().width))
+    con.print(tab)
+    if rep["source_checked"]:
+        con.print(f"unconverted tensors match the source: {'yes' if rep['unconverted_match_source'] else 'NO'}")
