@@ -1,4 +1,4 @@
-"""The ``specpilot`` command line: generate, pilot, audit, replay, bench, train-drafter, zoo.
+"""The ``specpilot`` command line: generate, pilot, audit, memory, replay, bench, train-drafter, zoo.
 
 Every user error (:class:`~specpilot.errors.SpecPilotError`) is printed as one line ``error: ...`` on
 stderr with exit status 2, never as a traceback.
@@ -25,6 +25,15 @@ def _zoo_app():
 
 
 app.add_typer(_zoo_app(), name="zoo", help="Bundled default models: paths and the training recipe.")
+
+
+def _memory_app():
+    from .pilot.memory_cli import app as memory
+
+    return memory
+
+
+app.add_typer(_memory_app(), name="memory", help="Memory of verified entries (§3.5): list, show, check.")
 
 
 def _pydantic_message(e: ValueError) -> str:

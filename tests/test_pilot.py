@@ -82,6 +82,11 @@ def test_pilot_end_to_end_tiny_plan(tmp_path):
     for f in ("mismatch_rate", "events", "delta"):
         assert f in data["token_forcing"]
     assert data["token_forcing"]["passed"] and data["reproduction_check"]["ok"]
+    from specpilot.pilot.memory import Memory
+
+    mem = Memory(out / "memory")  # entries in the directory layout of §3.5, each reproducing on its own
+    for i in data["reproduction_check"]["entries"]:
+        assert (out / "memory" / i / "delta.json").is_file() and mem.reproduce(i).ok, i
     assert data["ar_tokens_per_s"] > 0 and data["sealed_tokens_per_s"] > 0
     system = json.loads((out / "system.json").read_text())
     assert system["seal"] == SystemConfig(**system["config"]).seal() == rep["sealed_seal"]
