@@ -173,3 +173,22 @@ def test_skipped_verification_is_rejected(p0, dep, reqs):
 
     j = judge(p0, slow_stock(dep), make, reqs)
     fast_enough_but_rejected_by_forcing(j)
+
+
+def test_bf16_verification_flips_only_near_ties_and_is_caught_by_the_rate_rule(p0, dep):
+    """Verifying with a bf16 copy of this tiny float32 target flips only near-ties (margins < 0.1 nat, no
+    events), on ~1% of tokens: only the 0.5 pp mismatch-rate rule catches it, and it needs a few hundred
+    tokens to (a measured finding, not a guarantee; the FP8 case above is caught by both rules)."""
+    from specpilot.engine.checkpoint import load_model
+    from specpilot.engine.engine import Engine
+    from specpilot.pilot.forcing import audit, forcing_verdict
+
+    low = Engine(load_model(bundled_target_dir(), "bfloat16"), STOCK, dep.system(STOCK).drafter, eos_ids=dep.eos_ids())
+    reqs = build_requests(dep, per_benchmark=4, max_new_tokens=32)
+    outs = [(r.prompt_ids, low.generate(list(r.prompt_ids), 32).tokens, r.benchmark) for r in reqs]
+    c = p0.controller
+    stats = audit(c.scorer, outs, c.delta)
+    passed, reasons = forcing_verdict(stats, c.stock_forcing)
+    assert stats.tokens >= 400 and stats.mismatches > 0 and stats.events == 0
+    assert max(stats.top_margins) < 2 * c.delta
+    assert not passed and len(reasons) == 1 and "mismatch rate" in reasons[0]
