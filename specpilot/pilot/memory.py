@@ -129,6 +129,7 @@ class Reproduction:
 
     @property
     def ok(self) -> bool:
+        """True iff the entry reproduced its recorded system exactly."""
         return self.status == "reproduced"
 
     @property
