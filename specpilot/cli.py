@@ -1,4 +1,4 @@
-"""The ``specpilot`` command line: generate, pilot, zoo.
+"""The ``specpilot`` command line: generate, pilot, audit, memory, replay, bench, train-drafter, zoo.
 
 Every user error (:class:`~specpilot.errors.SpecPilotError`) is printed as one line ``error: ...`` on
 stderr with exit status 2, never as a traceback.
@@ -34,6 +34,15 @@ def _w12_app():
 
 
 app.add_typer(_w12_app(), name="w12", help="W12 lossless 12-bit weights: pack and verify checkpoint directories.")
+
+
+def _memory_app():
+    from .pilot.memory_cli import app as memory
+
+    return memory
+
+
+app.add_typer(_memory_app(), name="memory", help="Memory of verified entries (§3.5): list, show, check.")
 
 
 def _pydantic_message(e: ValueError) -> str:
@@ -142,6 +151,36 @@ def pilot(
                            blocks=tuple(block or ())))
 
 
+@app.command()
+def audit(
+    target: Path = typer.Option(..., help="Target checkpoint directory (the scorer: its weights, FP32 LM head)."),
+    outputs: Path = typer.Option(..., help="JSONL file, one {\"prompt_ids\": [...], \"output_ids\": [...]} per line (optional \"benchmark\")."),
+    delta: Optional[float] = typer.Option(None, help="Near-tie threshold δ in nats (default: the floor 1/8)."),
+    reference: Optional[Path] = typer.Option(None, help="Reference engine's outputs (same form) as the baseline of both rules; default: the scorer (zero mismatches)."),
+    device: str = typer.Option("cpu", help="torch device of the scorer."),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (the LM head is FP32 in any case)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+):
+    """Token forcing (§3.4) of any engine's outputs: mismatches, events (margin >= 2δ), both reject rules.
+
+    Exit status 0 when the outputs pass, 1 when they are rejected, 2 on bad input.
+    """
+    from .engine.deployment import check_device
+    from .pilot.audit import audit_outputs, render
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise SpecPilotError(f"--dtype: unknown dtype {dtype!r} (choose float32, bfloat16 or float16)")
+    res = audit_outputs(target, outputs, delta, reference, check_device(device), dtype)
+    if as_json:
+        print(json.dumps(res))
+    else:
+        from rich.console import Console
+
+        render(res, Console())
+    if not res["passed"]:
+        raise typer.Exit(1)
+
+
 @app.command("train-drafter")
 def train_drafter_cmd(
     kind: str = typer.Option("block", help="block | block_markov"),
@@ -223,7 +262,7 @@ def main() -> None:
 
     hf_logging.set_verbosity_error()
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # a command's typer.Exit(n) comes back as n in this mode
     except SpecPilotError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -234,6 +273,8 @@ def main() -> None:
             e.show()
             sys.exit(e.exit_code)
         raise
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Memory entries on disk (§3.5)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -89,3 +91,154 @@ def test_cycles_and_missing(tmp_path):
     m.add(entry("bad", {"nodes": 0}))
     with pytest.raises(MemoryEntryError, match="does not apply"):
         m.apply(STOCK, ["bad"])
+
+
+# -- code (patch) entries and the ``specpilot memory`` command ------------------------------------
+
+def git(repo, *args):
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def code(tmp_path):
+    """A git repo: stock commit, then two approved changes (the second edits a line the first added)."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    git(repo, "config", "user.email", "t@example.com")
+    git(repo, "config", "user.name", "t")
+    (repo / "engine.py").write_text("def step():\n    return 1\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "stock")
+    stock = git(repo, "rev-parse", "HEAD")
+    (repo / "engine.py").write_text("def step():\n    return tree()\n")
+    git(repo, "commit", "-qam", "tree")
+    p1, t1 = git(repo, "diff", "HEAD~1", "HEAD") + "\n", git(repo, "rev-parse", "HEAD^{tree}")
+    (repo / "engine.py").write_text("def step():\n    return tree(w12=True)\n")
+    git(repo, "commit", "-qam", "w12")
+    p2, t2 = git(repo, "diff", "HEAD~1", "HEAD") + "\n", git(repo, "rev-parse", "HEAD^{tree}")
+    return repo, stock, (p1, t1), (p2, t2)
+
+
+def patch_entry(id, patch, stock, tree, requires=()):
+    return Entry.model_validate({**entry(id, {}, requires).model_dump(), "kind": "patch", "delta": patch,
+                                 "base": {"commit": stock}, "system": {"tree": tree}})
+
+
+def test_patch_entries_reproduce_and_fail_honestly(code, tmp_path):
+    repo, stock, (p1, t1), (p2, t2) = code
+    m = Memory(tmp_path / "mem")
+    m.add(patch_entry("tree", p1, stock, t1))
+    m.add(patch_entry("w12", p2, stock, t2, requires=["tree"]))
+    assert (tmp_path / "mem" / "w12" / "delta.patch").read_text() == p2
+    assert "delta" not in json.loads((tmp_path / "mem" / "w12" / "entry.json").read_text())
+    assert m.get("w12").delta == p2 and m.get("w12").kind == "patch"
+    assert [m.reproduce(i, repo).status for i in ("tree", "w12")] == ["reproduced", "reproduced"]
+    assert m.apply(STOCK, ["w12"]) == STOCK  # code entries do not change the config
+    git(repo, "checkout", "-q", stock)  # the check reads the stock commit, not the work tree
+    assert m.reproduce("w12", repo).ok
+    # without its requirement the second patch does not apply to stock
+    m.add(patch_entry("w12-alone", p2, stock, t2))
+    r = m.reproduce("w12-alone", repo)
+    assert r.status == "does not apply" and "w12-alone" in r.detail and r.failed
+    # a recorded tree that the chain does not rebuild
+    m.add(patch_entry("liar", p1, stock, t2))
+    r = m.reproduce("liar", repo)
+    assert r.status == "differs" and t2[:12] in r.detail
+    # a repository without the stock commit: not checkable, said so, not a failure
+    other = tmp_path / "other"
+    other.mkdir()
+    git(other, "init", "-q")
+    r = m.reproduce("tree", other)
+    assert r.status == "not checkable" and stock[:12] in r.detail and not r.failed and not r.ok
+    with pytest.raises(ValueError):
+        patch_entry("bad", p1, stock, None)
+
+
+def test_config_entry_on_top_of_a_code_entry(code, tmp_path):
+    repo, stock, (p1, t1), _ = code
+    m = Memory(tmp_path / "mem")
+    m.add(patch_entry("tree", p1, stock, t1))
+    big = STOCK.apply({"nodes": 16})
+    m.add(entry("budget-16", {"nodes": 16}, requires=["tree"], system=big))
+    assert m.reproduce("budget-16", repo).status == "reproduced" and m.apply(STOCK, ["budget-16"]) == big
+
+
+def run_cli(monkeypatch, capsys, *args):
+    from specpilot import cli
+
+    monkeypatch.setattr(sys, "argv", ["specpilot", *args])
+    capsys.readouterr()
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_memory_cli_list_show_check(monkeypatch, capsys, code, tmp_path):
+    repo, stock, (p1, t1), (p2, t2) = code
+    d = tmp_path / "mem"
+    m = Memory(d)
+    tree_cfg = STOCK.apply({"tree": "best_first", "top_k": 4})
+    m.add(entry("best-first", {"tree": "best_first", "top_k": 4}, system=tree_cfg))
+    m.add(patch_entry("tree", p1, stock, t1))
+    m.add(patch_entry("w12", p2, stock, t2, requires=["tree"]))
+    rc, out, err = run_cli(monkeypatch, capsys, "memory", "list", str(d), "--json")
+    rows = json.loads(out)
+    assert rc == 0 and [r["id"] for r in rows] == ["best-first", "tree", "w12"]
+    assert rows[2]["kind"] == "patch" and rows[2]["requires"] == ["tree"] and rows[0]["gain"] == 1.1
+    rc, out, err = run_cli(monkeypatch, capsys, "memory", "list", str(d))
+    assert rc == 0 and "best-first" in out and "w12" in out
+    rc, out, err = run_cli(monkeypatch, capsys, "memory", "show", str(d), "w12")
+    assert rc == 0 and "tree(w12=True)" in out and "requires: [\"tree\"]" in out
+    rc, out, err = run_cli(monkeypatch, capsys, "memory", "show", str(d), "best-first", "--json")
+    assert rc == 0 and json.loads(out)["delta"] == {"tree": "best_first", "top_k": 4}
+    rc, out, err = run_cli(monkeypatch, capsys, "memory", "check", str(d), "--repo", str(repo), "--json")
+    assert rc == 0 and {r["id"]: r["status"] for r in json.loads(out)} == dict.fromkeys(["best-first", "tree", "w12"], "reproduced")
+    rc, out, err = run_cli(monkeypatch, capsys, "memory", "check", str(d), "--repo", str(repo))
+    assert rc == 0 and "3 reproduced, 0 not checkable, 0 failed" in out
+    # a broken entry: its required entry is missing
+    m.add(entry("budget-16", {"nodes": 16}, requires=["gone"], system=tree_cfg.apply({"nodes": 16})))
+    rc, out, err = run_cli(monkeypatch, capsys, "memory", "check", str(d), "--repo", str(repo), "--json")
+    res = {r["id"]: r for r in json.loads(out)}
+    assert rc == 1 and res["budget-16"]["status"] == "broken"
+    assert res["budget-16"]["detail"] == "entry 'budget-16' requires missing entry 'gone'"
+    assert res["w12"]["status"] == "reproduced"
+    rc, out, err = run_cli(monkeypatch, capsys, "memory", "check", str(d), "--repo", str(repo))
+    assert rc == 1 and "requires missing entry 'gone'" in out and "1 failed" in out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["memory", "list", "NOPE"], "memory directory not found"),
+    (["memory", "show", "MEM", "nope"], "no memory entry 'nope'"),
+    (["memory", "show", "MEM", "broken"], "corrupted"),
+])
+def test_memory_cli_errors(monkeypatch, capsys, tmp_path, args, needle):
+    m = Memory(tmp_path / "mem")
+    m.add(entry("ok", {"nodes": 8}, system=STOCK.apply({"nodes": 8})))
+    (tmp_path / "mem" / "broken").mkdir()
+    (tmp_path / "mem" / "broken" / "entry.json").write_text("{}")
+    args = [str(tmp_path / "mem") if a == "MEM" else str(tmp_path / a) if a == "NOPE" else a for a in args]
+    rc, out, err = run_cli(monkeypatch, capsys, *args)
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+
+
+def test_legacy_entry_with_inline_delta_is_read_as_config(tmp_path):
+    """Entries written before the directory layout of issue 6 kept the config delta inside entry.json."""
+    tree = STOCK.apply({"tree": "best_first", "top_k": 4})
+    d = tmp_path / "mem" / "old"
+    d.mkdir(parents=True)
+    meta = entry("old", {"tree": "best_first", "top_k": 4}, system=tree).model_dump(mode="json")
+    del meta["kind"]
+    (d / "entry.json").write_text(json.dumps(meta))
+    m = Memory(tmp_path / "mem")
+    e = m.get("old")
+    assert e.kind == "config" and e.delta == {"tree": "best_first", "top_k": 4}
+    assert m.reproduce("old").status == "reproduced"
+    (d / "entry.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "delta"}))
+    with pytest.raises(MemoryEntryError, match="delta.json is missing"):
+        m.get("old")

@@ -1,33 +1,68 @@
-"""The controller: paired runs, gain with a bootstrap lower bound, and the approval rule (paper §3.3).
+"""The controller: the only judge of speed (paper §3.3), with token forcing (§3.4) on the same path.
 
-The controller is the only judge of speed. Candidates reach it as two plain callables ``run(req) ->
-Generation``; it times every call itself with a clock bound at import (a candidate that replaces
-``time.perf_counter`` afterwards, or reports a false ``Generation.time_s``, changes nothing), interleaves
-A B B A per request on one device so slow drift cancels, and compares outputs token for token. A
-request's time for a system is the fastest of its runs: interference from other processes only ever adds
-time, so the minimum is the estimator least disturbed by it (hyperfine and criterion report it too).
-Everything here is a pure function of its arguments: no global mutable state.
+**Interface.** A system reaches the controller as a *factory* ``make() -> system`` whose
+``system.generate(prompt_ids: list[int], max_new_tokens: int)`` returns an object with ``.tokens`` (the
+engine's :class:`~specpilot.engine.types.Generation`; nothing else of it is read). The controller builds
+each system itself, once per paired run (untimed, with no request in sight), warms it with one untimed
+request, then times, compares and audits it. Callers get :func:`phase0` (stock noise σ, near-tie δ,
+stock's forcing figures) and :meth:`Controller.judge` (paired run + token forcing + approval rule), the
+path the pilot uses for every candidate; :func:`paired_run`, :func:`interleaved_run` and :func:`approve`
+are its parts.
 
-Isolation inside one Python process is best effort (nothing can stop code that rewrites this module's
-function objects); the planner therefore only gets :func:`paired_run` and :func:`approve` to call.
+**What a candidate cannot do to earn an approval** (each has an adversarial test in
+``tests/test_adversarial.py``):
+
+1. *Replay outputs cached from an earlier run, or precomputed at construction.* Every timed run gets a
+   fresh variant of its request: the prompt prefixed with ``SALT_TOKENS`` token ids drawn, at that moment,
+   from the OS entropy source (``random.SystemRandom``); each system runs each variant exactly once, and
+   the request order is shuffled from the same source. No timed prompt was seen before or can be
+   predicted, so a prompt -> output cache never hits. A and B run the same variants (A B on the first,
+   B A on the second: A B B A), so the pairing stays exact.
+2. *Work outside the timed region.* The timed region is the whole ``generate`` call, reading every output
+   token into a host ``tuple[int]`` (lazy outputs are computed here) and a device synchronisation (queued
+   GPU work is charged to the system that queued it). A system that leaves a Python thread running after
+   its construction or after a call returns (work, or interference with the other system, that no timer
+   covers) is rejected.
+3. *Tamper with the timer.* The clock, the device synchronisation and the thread listing are bound when
+   this module is imported; ``Generation.time_s`` is never read.
+4. *Change the output slightly* (a logit bias, low-precision verification, skipped verification). B's
+   tokens are compared with A's on every variant; if any differ, the bar is 3% and token forcing of all B
+   outputs against the FP32-head scorer must pass. Equal tokens need no forcing: A is stock (audited in
+   Phase 0) or an incumbent that passed this same check, and in float32 on the CPU both equal AR exactly.
+   Neither A's outputs nor the scorer's are handed to B.
+5. *Be nondeterministic.* Each system re-runs ``recheck`` random variants untimed; different tokens reject.
+
+A request's throughput for a system is the highest over its runs (one per variant): interference from
+other processes only ever lowers throughput, so the maximum is the estimator least disturbed by it.
+
+**Limits.** All of this holds inside one Python process only: a candidate that rewrites this module's
+objects, walks the garbage collector to reach A's outputs, or mutates the target weights it shares with
+the scorer is beyond it; A and B in separate processes (or on two devices, swapped, as in the paper) is
+not implemented. Threads are Python threads: work in native threads or subprocesses is not seen. The
+salt is no secret scheme: a cheat that strips it and replays an output cached for the unsalted prompt is
+fast and correct wherever the salt did not change the output (about 40% of variants on the bundled
+models) and is caught by token forcing only through the variants where it did. Timings on a shared CPU
+include other processes' interference (raising σ and so the bar).
 """
 
 from __future__ import annotations
 
 import math
+import random
+import sys
+import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
-from scipy import stats
+from .bootstrap import gain_and_bound
+from .forcing import ForcingStats, Scorer, audit, delta_from_phase0, forcing_verdict
 
-CONFIDENCE = 0.95
-BOOTSTRAP_SEED = 20240917
-N_RESAMPLES = 4999
 BASE_BAR = 0.01  # approve iff lower_bound - 1 > 1% + 2 sigma (§3.3)
 CHANGED_OUTPUT_BAR = 0.03  # bar when B's output differs from A's (§3.3)
+SALT_TOKENS = 4  # random token ids prefixed to every timed prompt
+
+Factory = Callable[[], object]
 
 
 @dataclass(frozen=True)
@@ -37,7 +72,7 @@ class Req:
     Attributes:
         benchmark: name of the benchmark the prompt comes from (gain is averaged per benchmark).
         index: index of the request within its benchmark.
-        prompt_ids: prompt token ids.
+        prompt_ids: prompt token ids (the controller prefixes a fresh salt for every timed run).
         max_new_tokens: generation budget (tokens).
     """
 
@@ -47,115 +82,209 @@ class Req:
     max_new_tokens: int
 
 
+def _device_sync() -> None:
+    """Wait for queued CUDA work when CUDA is in use (no-op on the CPU)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _build(make: Factory, _enum=threading.enumerate) -> tuple[object, set[str]]:
+    """``make()`` untimed; returns (system, names of threads it started that are still running)."""
+    before = set(_enum())
+    system = make()
+    return system, {t.name for t in _enum() if t not in before}
+
+
+def _timed(system, prompt: tuple[int, ...], max_new: int, _clock=time.perf_counter, _sync=_device_sync,
+           _enum=threading.enumerate) -> tuple[tuple[int, ...], float, set[str]]:
+    """Time ``system.generate`` with the import-time clock, tokens read to the host and the device synced
+    inside the timed region; returns (tokens, seconds, names of threads it left running)."""
+    before = set(_enum())
+    t0 = _clock()
+    gen = system.generate(list(prompt), max_new)
+    tokens = tuple(int(t) for t in gen.tokens)
+    _sync()
+    dt = _clock() - t0
+    return tokens, dt, {t.name for t in _enum() if t not in before}
+
+
+def _salter(vocab_size: int, avoid_ids, rng) -> Callable[[Sequence[int]], tuple[int, ...]]:
+    """A function prefixing ``SALT_TOKENS`` fresh random ids (in ``[0, vocab_size)``, not in ``avoid_ids``)."""
+    allowed = vocab_size - len({int(t) for t in avoid_ids if 0 <= int(t) < vocab_size})
+    if vocab_size < 1 or allowed < 2:
+        raise ValueError(f"need at least two salt token ids, got vocab_size {vocab_size} and {len(avoid_ids)} avoided")
+    avoid = frozenset(int(t) for t in avoid_ids)
+
+    def salted(prompt: Sequence[int]) -> tuple[int, ...]:
+        salt: list[int] = []
+        while len(salt) < SALT_TOKENS:
+            t = rng.randrange(vocab_size)
+            if t not in avoid:
+                salt.append(t)
+        return tuple(salt) + tuple(int(t) for t in prompt)
+
+    return salted
+
+
+@dataclass(frozen=True)
+class _Measured:
+    prompts: tuple  # [request][variant] salted prompt
+    tokens: dict  # name -> [request][variant] tokens
+    tps: dict  # name -> per-request throughput (tokens/s)
+    outside: dict  # name -> sorted thread names left running
+    nondeterministic: dict  # name -> bool
+
+
+def _run_systems(makers: dict[str, Factory], requests: Sequence[Req], vocab_size: int, avoid_ids, repeats: int,
+                 rng, recheck: int, progress) -> _Measured:
+    """Build, warm, time (palindromic order per variant pair) and recheck every system; see the module doc."""
+    if not makers or not requests or repeats < 1:
+        raise ValueError("the controller needs systems, at least one request and repeats >= 1")
+    rng = rng if rng is not None else random.SystemRandom()
+    salted = _salter(vocab_size, avoid_ids, rng)
+    names = list(makers)
+    systems, outside = {}, {n: set() for n in names}
+    for n in names:
+        systems[n], left = _build(makers[n])
+        outside[n] |= left
+    for n in names:  # warm-up (allocators, lazy init, graph capture): untimed, on a fresh variant
+        req = requests[rng.randrange(len(requests))]
+        outside[n] |= _timed(systems[n], salted(req.prompt_ids), req.max_new_tokens)[2]
+    order = list(range(len(requests)))
+    rng.shuffle(order)
+    prompts = [[] for _ in requests]
+    toks = {n: [[] for _ in requests] for n in names}
+    secs = {n: [[] for _ in requests] for n in names}
+    for i in order:
+        req = requests[i]
+        for _ in range(repeats):
+            for seq in (names, names[::-1]):
+                p = salted(req.prompt_ids)
+                prompts[i].append(p)
+                for n in seq:
+                    t, dt, left = _timed(systems[n], p, req.max_new_tokens)
+                    toks[n][i].append(t)
+                    secs[n][i].append(dt)
+                    outside[n] |= left
+                    if progress is not None:
+                        progress()
+    tps = {n: [] for n in names}
+    for n in names:
+        for i, req in enumerate(requests):
+            rates = [len(t) / s for t, s in zip(toks[n][i], secs[n][i]) if t and s > 0]
+            if len(rates) != len(toks[n][i]):
+                raise ValueError(f"request {req.benchmark}#{req.index}: {n} produced no tokens or took no time")
+            tps[n].append(max(rates))
+    cells = [(i, v) for i in range(len(requests)) for v in range(len(prompts[i]))]
+    picks = rng.sample(cells, min(recheck, len(cells)))
+    nondet = {n: False for n in names}
+    for n in names:
+        for i, v in picks:
+            t, _, left = _timed(systems[n], prompts[i][v], requests[i].max_new_tokens)
+            nondet[n] |= t != toks[n][i][v]
+            outside[n] |= left
+    return _Measured(
+        prompts=tuple(tuple(p) for p in prompts),
+        tokens={n: tuple(tuple(v) for v in toks[n]) for n in names},
+        tps={n: tuple(v) for n, v in tps.items()},
+        outside={n: tuple(sorted(v)) for n, v in outside.items()},
+        nondeterministic=nondet,
+    )
+
+
+def _samples(requests, prompts, outputs) -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
+    return [(p, o, r.benchmark) for r, ps, os_ in zip(requests, prompts, outputs) for p, o in zip(ps, os_)]
+
+
 @dataclass(frozen=True)
 class PairedRun:
     """Result of :func:`paired_run` (§3.3). Throughputs in output tokens/s of controller-measured wall time.
 
     Attributes:
-        requests: the requests, in order.
-        tps_a / tps_b: per-request throughput of A / B (tokens/s).
-        outputs_a / outputs_b: per-request output tokens of A / B (from their first run).
-        outputs_differ: B's tokens != A's on at least one request.
-        nondeterministic_a / nondeterministic_b: a system's repeated runs of one request disagreed.
+        requests: the requests, in the caller's order (they ran in a shuffled order).
+        prompts: ``[request][variant]`` the salted prompts that were run (2 variants per repeat).
+        outputs_a / outputs_b: ``[request][variant]`` output tokens of A / B.
+        tps_a / tps_b: per-request throughput of A / B (tokens/s; the highest over the variants).
+        outputs_differ: B's tokens != A's on at least one variant.
+        nondeterministic_a / nondeterministic_b: an untimed re-run of a variant gave other tokens.
+        outside_a / outside_b: names of Python threads the system left running (work outside the timer).
         benchmark_gain: per benchmark, the geometric mean over its requests of tps_b / tps_a.
         gain: geometric mean over benchmarks of ``benchmark_gain``.
         lower_bound: 95% one-sided lower confidence bound of ``gain`` (stratified paired bootstrap);
-            NaN when no benchmark has two requests (no bound can be computed).
+            NaN when no benchmark has two requests.
         ci_method: ``BCa``, ``percentile``, ``degenerate`` (all ratios equal) or ``none``.
     """
 
     requests: tuple[Req, ...]
+    prompts: tuple[tuple[tuple[int, ...], ...], ...]
+    outputs_a: tuple[tuple[tuple[int, ...], ...], ...]
+    outputs_b: tuple[tuple[tuple[int, ...], ...], ...]
     tps_a: tuple[float, ...]
     tps_b: tuple[float, ...]
-    outputs_a: tuple[tuple[int, ...], ...]
-    outputs_b: tuple[tuple[int, ...], ...]
     outputs_differ: bool
     nondeterministic_a: bool
     nondeterministic_b: bool
+    outside_a: tuple[str, ...]
+    outside_b: tuple[str, ...]
     benchmark_gain: dict[str, float]
     gain: float
     lower_bound: float
     ci_method: str
 
-
-@dataclass(frozen=True)
-class Verdict:
-    """Decision of :func:`approve`: ``approved``, a one-line ``reason``, the run's ``gain`` and
-    ``lower_bound`` (ratios, 1.0 = equal speed) and the ``bar`` that ``lower_bound - 1`` had to exceed."""
-
-    approved: bool
-    reason: str
-    gain: float
-    lower_bound: float
-    bar: float
+    def samples(self, which: str = "b") -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
+        """``(prompt_ids, output_ids, benchmark)`` of every variant run by ``which`` (``a`` or ``b``): the
+        input of token forcing (:func:`specpilot.pilot.forcing.audit`)."""
+        return _samples(self.requests, self.prompts, self.outputs_a if which == "a" else self.outputs_b)
 
 
-def _timed(run: Callable, req: Req, _clock=time.perf_counter) -> tuple[tuple[int, ...], float]:
-    """Call ``run(req)`` between two reads of the import-time clock; return (tokens, seconds)."""
-    t0 = _clock()
-    gen = run(req)
-    dt = _clock() - t0
-    return tuple(int(t) for t in gen.tokens), dt
-
-
-def paired_run(
-    run_a: Callable[[Req], object], run_b: Callable[[Req], object], requests: Sequence[Req], repeats: int = 1
-) -> PairedRun:
-    """Paired run of systems A and B on one device, interleaved A B B A per request (§3.3).
+def paired_run(make_a: Factory, make_b: Factory, requests: Sequence[Req], vocab_size: int, *,
+               avoid_ids=(), repeats: int = 1, recheck: int = 1, rng=None,
+               progress: Callable[[], None] | None = None) -> PairedRun:
+    """Paired run of systems A and B on one device, A B B A per request on fresh salted variants (§3.3).
 
     Args:
-        run_a / run_b: ``run(req) -> Generation`` (only ``.tokens`` is read; time is measured here).
+        make_a / make_b: factories of the two systems (see the module doc); each is built once.
         requests: the request set (at least one); gain is averaged per ``req.benchmark``.
-        repeats: ABBA blocks per request, so each system runs ``2 * repeats`` times per request.
+        vocab_size: salt ids are drawn from ``[0, vocab_size)``; avoid_ids: ids never used as salt (EOS,
+            special tokens).
+        repeats: A B B A blocks per request (each block runs two fresh variants).
+        recheck: variants each system re-runs untimed to check determinism.
+        rng: source of salts, order and recheck picks; default ``random.SystemRandom()`` (OS entropy).
+            Pass a seeded ``random.Random`` only for reproducible tests.
+        progress: called (outside the timed region) after every timed run.
     Returns:
-        :class:`PairedRun`; per-request throughput = len(tokens) / fastest wall time of that system's runs
-        (tokens/s).
+        :class:`PairedRun`.
     Raises:
-        ValueError: no requests, ``repeats < 1``, a run taking no measurable time, or a request on
-            which a system produced no tokens (its throughput ratio is undefined); whatever
-            ``run_a`` / ``run_b`` raise propagates.
+        ValueError: no requests, ``repeats < 1``, fewer than two usable salt ids, or a run that produced
+            no tokens; whatever the systems raise propagates.
     """
-    if not requests or repeats < 1:
-        raise ValueError("paired_run needs at least one request and repeats >= 1")
-    tps_a, tps_b, out_a, out_b = [], [], [], []
-    nd_a = nd_b = False
-    for req in requests:
-        toks = {"a": [], "b": []}
-        secs = {"a": [], "b": []}
-        for _ in range(repeats):
-            for key, run in (("a", run_a), ("b", run_b), ("b", run_b), ("a", run_a)):
-                t, s = _timed(run, req)
-                toks[key].append(t)
-                secs[key].append(s)
-        nd_a |= any(t != toks["a"][0] for t in toks["a"])
-        nd_b |= any(t != toks["b"][0] for t in toks["b"])
-        for key, tps, out in (("a", tps_a, out_a), ("b", tps_b, out_b)):
-            best_s = min(secs[key])
-            if best_s <= 0:
-                raise ValueError(f"request {req.benchmark}#{req.index}: run took no measurable time")
-            tps.append(len(toks[key][0]) / best_s)
-            out.append(toks[key][0])
-    bench_gain, gain, low, method = _gain_and_bound(requests, tps_a, tps_b)
+    m = _run_systems({"a": make_a, "b": make_b}, requests, vocab_size, avoid_ids, repeats, rng, recheck, progress)
+    bench_gain, gain, low, method = gain_and_bound([r.benchmark for r in requests], m.tps["a"], m.tps["b"])
     return PairedRun(
-        requests=tuple(requests), tps_a=tuple(tps_a), tps_b=tuple(tps_b),
-        outputs_a=tuple(out_a), outputs_b=tuple(out_b),
-        outputs_differ=any(a != b for a, b in zip(out_a, out_b)),
-        nondeterministic_a=nd_a, nondeterministic_b=nd_b,
+        requests=tuple(requests), prompts=m.prompts, outputs_a=m.tokens["a"], outputs_b=m.tokens["b"],
+        tps_a=m.tps["a"], tps_b=m.tps["b"], outputs_differ=m.tokens["a"] != m.tokens["b"],
+        nondeterministic_a=m.nondeterministic["a"], nondeterministic_b=m.nondeterministic["b"],
+        outside_a=m.outside["a"], outside_b=m.outside["b"],
         benchmark_gain=bench_gain, gain=gain, lower_bound=low, ci_method=method,
     )
 
 
 @dataclass(frozen=True)
 class InterleavedRun:
-    """Result of :func:`interleaved_run`: per system, per-request throughput (tokens/s) and outputs.
+    """Result of :func:`interleaved_run`: per system, per-request throughput (tokens/s), outputs per
+    variant, threads left running and the determinism flag.
 
     ``tokens_per_s(name)`` is the geometric mean over benchmarks of the geometric mean over the benchmark's
     requests, so ``tokens_per_s(b) / tokens_per_s(a)`` equals ``gain(a, b)`` exactly.
     """
 
     requests: tuple[Req, ...]
+    prompts: tuple[tuple[tuple[int, ...], ...], ...]
     tps: dict[str, tuple[float, ...]]
-    outputs: dict[str, tuple[tuple[int, ...], ...]]
+    outputs: dict[str, tuple[tuple[tuple[int, ...], ...], ...]]
+    outside: dict[str, tuple[str, ...]]
+    nondeterministic: dict[str, bool]
 
     def tokens_per_s(self, name: str) -> float:
         """Headline throughput of ``name`` (tokens/s), consistent with :meth:`gain`."""
@@ -166,83 +295,26 @@ class InterleavedRun:
 
     def gain(self, a: str, b: str) -> tuple[float, float]:
         """(gain of ``b`` over ``a``, its one-sided 95% lower bound) by the paired bootstrap of §3.3."""
-        _, g, low, _ = _gain_and_bound(self.requests, self.tps[a], self.tps[b])
+        _, g, low, _ = gain_and_bound([r.benchmark for r in self.requests], self.tps[a], self.tps[b])
         return g, low
 
+    def samples(self, name: str) -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
+        """``(prompt_ids, output_ids, benchmark)`` of every variant run by ``name``."""
+        return _samples(self.requests, self.prompts, self.outputs[name])
 
-def interleaved_run(runs: dict[str, Callable[[Req], object]], requests: Sequence[Req]) -> InterleavedRun:
-    """Run several systems on the same requests, interleaved per request in a palindrome (A B C C B A),
-    so drift cancels for every pair; a request's time per system is the fastest of its two runs.
+
+def interleaved_run(makers: dict[str, Factory], requests: Sequence[Req], vocab_size: int, *, avoid_ids=(),
+                    recheck: int = 1, rng=None, progress: Callable[[], None] | None = None) -> InterleavedRun:
+    """Run several systems on the same requests, in a palindrome per request (A B C on one fresh variant,
+    C B A on another), so drift cancels for every pair; same guarantees as :func:`paired_run`.
 
     Used for the seal's headline (AR, stock and sealed measured in one run, §5.1).
 
     Raises:
-        ValueError: no systems or requests, or a run that produced no tokens / took no time.
+        ValueError: no systems or requests, or a run that produced no tokens.
     """
-    if not runs or not requests:
-        raise ValueError("interleaved_run needs systems and requests")
-    names = list(runs)
-    tps = {n: [] for n in names}
-    outs = {n: [] for n in names}
-    for req in requests:
-        secs = {n: [] for n in names}
-        toks = {}
-        for n in names + names[::-1]:
-            t, dt = _timed(runs[n], req)
-            secs[n].append(dt)
-            toks.setdefault(n, t)
-        for n in names:
-            if not toks[n] or min(secs[n]) <= 0:
-                raise ValueError(f"request {req.benchmark}#{req.index}: {n} produced no tokens or took no time")
-            tps[n].append(len(toks[n]) / min(secs[n]))
-            outs[n].append(toks[n])
-    return InterleavedRun(tuple(requests), {n: tuple(v) for n, v in tps.items()},
-                          {n: tuple(v) for n, v in outs.items()})
-
-
-def _gain_and_bound(requests, tps_a, tps_b) -> tuple[dict[str, float], float, float, str]:
-    """Per-benchmark gains, overall gain and its one-sided 95% lower bound.
-
-    The statistic works on log ratios: log gain = mean over benchmarks of the mean log(tps_b / tps_a) of
-    the benchmark's requests. Each request's A and B stay together (its ratio is resampled as one unit:
-    the pairing), and requests are resampled only within their benchmark (stratified): each benchmark
-    is passed to ``scipy.stats.bootstrap`` as its own sample, which scipy resamples independently. A
-    benchmark with a single request cannot be resampled; it enters the statistic as a constant.
-    """
-    groups: dict[str, list[float]] = {}
-    for req, a, b in zip(requests, tps_a, tps_b):
-        if a <= 0 or b <= 0:
-            raise ValueError(f"request {req.benchmark}#{req.index}: zero throughput (empty output?)")
-        groups.setdefault(req.benchmark, []).append(math.log(b / a))
-    bench_gain = {k: math.exp(sum(v) / len(v)) for k, v in groups.items()}
-    n_bench = len(groups)
-    gain = math.exp(sum(math.log(g) for g in bench_gain.values()) / n_bench)
-    samples = [np.asarray(v) for v in groups.values() if len(v) >= 2]
-    const = sum(v[0] for v in groups.values() if len(v) == 1)
-    if not samples:
-        return bench_gain, gain, float("nan"), "none"
-    if all(np.ptp(s) == 0 for s in samples):
-        return bench_gain, gain, gain, "degenerate"
-
-    def statistic(*xs, axis=-1):
-        return (sum(np.mean(x, axis=axis) for x in xs) + const) / n_bench
-
-    for method in ("BCa", "percentile"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", stats.DegenerateDataWarning)
-            warnings.simplefilter("error", RuntimeWarning)
-            try:
-                res = stats.bootstrap(
-                    tuple(samples), statistic, n_resamples=N_RESAMPLES, vectorized=True, paired=False,
-                    confidence_level=CONFIDENCE, alternative="greater", method=method,
-                    rng=np.random.default_rng(BOOTSTRAP_SEED),
-                )
-            except (Warning, ValueError, FloatingPointError):
-                continue
-        low = float(res.confidence_interval.low)
-        if math.isfinite(low):
-            return bench_gain, gain, math.exp(low), method
-    return bench_gain, gain, float("nan"), "none"
+    m = _run_systems(dict(makers), requests, vocab_size, avoid_ids, 1, rng, recheck, progress)
+    return InterleavedRun(tuple(requests), m.prompts, m.tps, m.tokens, m.outside, m.nondeterministic)
 
 
 def noise_from_aa(aa: PairedRun) -> float:
@@ -261,12 +333,26 @@ def noise_from_aa(aa: PairedRun) -> float:
     return max(abs(aa.gain - 1.0), aa.gain - aa.lower_bound)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """Decision of :func:`approve`: ``approved``, a one-line ``reason``, the run's ``gain`` and
+    ``lower_bound`` (ratios, 1.0 = equal speed) and the ``bar`` that ``lower_bound - 1`` had to exceed."""
+
+    approved: bool
+    reason: str
+    gain: float
+    lower_bound: float
+    bar: float
+
+
 def approve(run: PairedRun, sigma: float, forcing_passed: bool | None) -> Verdict:
     """The approval rule of §3.3 for candidate B against incumbent A.
 
-    Approve iff ``lower_bound - 1 > 0.01 + 2σ``. When B's output differs from A's on any request, the
+    Approve iff ``lower_bound - 1 > 0.01 + 2σ``. When B's output differs from A's on any variant, the
     bar is ``max(0.03, 0.01 + 2σ)`` and token forcing (§3.4) must have passed (``forcing_passed is
-    True``; ``None`` = not run = reject). A nondeterministic system, or a run without a bound, is rejected.
+    True``; ``None`` = not run = reject); output equal to A's on every variant needs no forcing (A was
+    audited when it was approved; stock in Phase 0). Rejected in any case: a system that left threads
+    running (work outside the timed region), a nondeterministic system, a run without a bound.
 
     Args:
         run: the paired run (A = incumbent, B = candidate).
@@ -286,9 +372,13 @@ def approve(run: PairedRun, sigma: float, forcing_passed: bool | None) -> Verdic
     def verdict(ok: bool, reason: str) -> Verdict:
         return Verdict(ok, reason, run.gain, run.lower_bound, bar)
 
+    for who, left in (("A", run.outside_a), ("B", run.outside_b)):
+        if left:
+            return verdict(False, f"rejected: {who} left threads running after its call returned "
+                                  f"({', '.join(left)}): work outside the timed region")
     if run.nondeterministic_a or run.nondeterministic_b:
         which = " and ".join(s for s, f in (("A", run.nondeterministic_a), ("B", run.nondeterministic_b)) if f)
-        return verdict(False, f"rejected: {which} gave different tokens on repeated runs (nondeterministic)")
+        return verdict(False, f"rejected: {which} gave different tokens on a re-run (nondeterministic)")
     if not math.isfinite(run.lower_bound):
         return verdict(False, "rejected: no confidence bound (need two requests in a benchmark)")
     if run.outputs_differ and forcing_passed is not True:
@@ -299,3 +389,75 @@ def approve(run: PairedRun, sigma: float, forcing_passed: bool | None) -> Verdic
     if margin > bar:
         return verdict(True, f"approved: {figures}")
     return verdict(False, f"rejected: lower bound below the bar ({figures})")
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What :meth:`Controller.judge` decided: the paired ``run``, B's token-forcing figures ``forcing``
+    (:class:`ForcingStats`), ``forcing_passed`` with the failed rules in ``forcing_reasons``, and the
+    :class:`Verdict`."""
+
+    run: PairedRun
+    forcing: ForcingStats
+    forcing_passed: bool
+    forcing_reasons: tuple[str, ...]
+    verdict: Verdict
+
+
+@dataclass(frozen=True)
+class Controller:
+    """The judging path with the facts Phase 0 fixed (§3.3, §3.4); build it with :func:`phase0`.
+
+    Attributes:
+        sigma: stock A/A noise σ (fraction). delta: near-tie threshold δ (nats).
+        scorer: the FP32-head :class:`Scorer` (stock target). stock_forcing: stock's forcing figures.
+        vocab_size / avoid_ids: salt token range and the ids never used as salt.
+    """
+
+    sigma: float
+    delta: float
+    scorer: Scorer
+    stock_forcing: ForcingStats
+    vocab_size: int
+    avoid_ids: frozenset[int] = frozenset()
+
+    def judge(self, make_a: Factory, make_b: Factory, requests: Sequence[Req], *, repeats: int = 1, rng=None,
+              progress: Callable[[], None] | None = None) -> Judgement:
+        """Candidate B against incumbent A: paired run, token forcing of every B output, approval rule.
+
+        Raises:
+            ValueError: as :func:`paired_run`.
+        """
+        run = paired_run(make_a, make_b, requests, self.vocab_size, avoid_ids=self.avoid_ids, repeats=repeats,
+                         rng=rng, progress=progress)
+        forcing = audit(self.scorer, run.samples("b"), self.delta)
+        passed, reasons = forcing_verdict(forcing, self.stock_forcing)
+        return Judgement(run, forcing, passed, tuple(reasons), approve(run, self.sigma, passed))
+
+
+@dataclass(frozen=True)
+class Phase0:
+    """Phase 0 (§3.3, §3.4): ``ar_stock`` (A = AR, B = stock), ``aa`` (stock A/A) and the ``controller``."""
+
+    ar_stock: PairedRun
+    aa: PairedRun
+    controller: Controller
+
+
+def phase0(make_ar: Factory, make_stock: Factory, requests: Sequence[Req], scorer: Scorer, vocab_size: int, *,
+           avoid_ids=(), rng=None, progress: Callable[[], None] | None = None) -> Phase0:
+    """Measure AR vs stock and stock vs itself; fix σ (:func:`noise_from_aa`), δ (the largest scorer margin
+    where stock first diverges from AR, rounded up to 1/8) and stock's token-forcing figures.
+
+    Raises:
+        ValueError: as :func:`paired_run`, or no benchmark with two requests (σ has no bound).
+    """
+    kw = {"avoid_ids": avoid_ids, "rng": rng, "progress": progress}
+    ar_stock = paired_run(make_ar, make_stock, requests, vocab_size, **kw)
+    aa = paired_run(make_stock, make_stock, requests, vocab_size, **kw)
+    sigma = noise_from_aa(aa)
+    ar, stock = ar_stock.samples("a"), ar_stock.samples("b")
+    delta = delta_from_phase0(scorer, [p for p, _, _ in ar], [o for _, o, _ in ar], [o for _, o, _ in stock])
+    stock_forcing = audit(scorer, stock, delta)
+    ctl = Controller(sigma, delta, scorer, stock_forcing, vocab_size, frozenset(int(t) for t in avoid_ids))
+    return Phase0(ar_stock, aa, ctl)

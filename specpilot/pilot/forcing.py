@@ -120,10 +120,12 @@ class ForcingStats:
 
     @property
     def mismatch_rate(self) -> float:
+        """Mismatches per output token (fraction; 0.0 when no tokens)."""
         return self.mismatches / self.tokens if self.tokens else 0.0
 
     @property
     def event_rate(self) -> float:
+        """Events (mismatches with margin >= 2δ) per output token (fraction; 0.0 when no tokens)."""
         return self.events / self.tokens if self.tokens else 0.0
 
     def to_dict(self) -> dict:

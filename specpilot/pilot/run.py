@@ -2,9 +2,11 @@
 
 Phase 0 measures AR and stock, the stock A/A noise σ and the near-tie threshold δ. Each round then
 profiles the incumbent (cost model, ceiling, §3.2), lets the planner propose candidates aimed at the
-largest factor, and hands each to the controller (paired A B B A runs, bootstrap lower bound, §3.3) and to
-token forcing (§3.4). Approved candidates become memory entries (§3.5); the last incumbent is sealed,
-re-measured against AR and stock, audited, reproduced from stock + entries, and reported.
+largest factor, and hands each to the controller and token forcing on one path
+(:meth:`specpilot.pilot.controller.Controller.judge`: paired A B B A runs on fresh salted prompts, bootstrap
+lower bound, §3.3, §3.4); the controller builds every system itself from a factory. Approved candidates
+become memory entries (§3.5); the last incumbent is sealed, re-measured against AR and stock, audited,
+reproduced from stock + entries, and reported.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..config import SystemConfig
 from ..engine.deployment import Deployment
 from . import controller as ctl
 from .costmodel import build_ceiling, step_counts
-from .forcing import Scorer, audit, delta_from_phase0, forcing_verdict
+from .forcing import Scorer, audit, forcing_verdict
 from .memory import Entry, Evidence, Memory
 from .planner import Planner
 from .profiler import StepProfiler, measure_peaks
@@ -79,27 +81,28 @@ class Pilot:
             self.engines[key] = self.dep.system(cfg)
         return self.engines[key]
 
-    def runner(self, cfg: SystemConfig):
-        eng = self.engine(cfg)
-        return lambda req: eng.generate(list(req.prompt_ids), req.max_new_tokens)
+    def factory(self, cfg: SystemConfig):
+        """A factory the controller calls to build a fresh system of ``cfg`` (it builds, times and audits it)."""
+        return lambda: self.dep.system(cfg)
 
-    def paired(self, a: SystemConfig, b: SystemConfig, label: str) -> ctl.PairedRun:
+    def salt_kw(self) -> dict:
+        """The controller's salt range: the target's vocabulary less EOS and the tokenizer's special ids."""
+        avoid = set(self.dep.eos_ids()) | set(getattr(self.dep.tokenizer, "all_special_ids", []) or [])
+        return {"vocab_size": self.dep.target.args.vocab_size, "avoid_ids": frozenset(avoid)}
+
+    def progress(self, label: str, runs: int):
+        """A transient progress bar of ``runs`` timed runs; returns (context manager, advance callback)."""
         from rich.progress import Progress
 
-        with Progress(console=self.con, transient=True) as bar:
-            task = bar.add_task(f"paired run {label}", total=2 * len(self.reqs))
-            run_b = self.runner(b)
+        bar = Progress(console=self.con, transient=True)
+        task = bar.add_task(label, total=runs)
+        return bar, lambda: bar.advance(task)
 
-            def counted(req):
-                out = run_b(req)
-                bar.advance(task)
-                return out
-
-            return ctl.paired_run(self.runner(a), counted, self.reqs)
-
-    def outputs(self, run: ctl.PairedRun, which: str = "b"):
-        outs = run.outputs_b if which == "b" else run.outputs_a
-        return [(r.prompt_ids, o, r.benchmark) for r, o in zip(run.requests, outs)]
+    def judge(self, a: SystemConfig, b: SystemConfig, label: str) -> ctl.Judgement:
+        """Candidate ``b`` against incumbent ``a`` through the controller (§3.3) and token forcing (§3.4)."""
+        bar, advance = self.progress(f"paired run {label}", 4 * len(self.reqs))
+        with bar:
+            return self.controller.judge(self.factory(a), self.factory(b), self.reqs, progress=advance)
 
     def spread(self, n: int | None):
         """``n`` requests evenly spread over the request set (all of them for None)."""
@@ -122,28 +125,32 @@ class Pilot:
         self.say("setup", f"target {o.target}  drafter {o.drafter or 'ngram'}  device {o.device}  dtype {o.dtype}")
         self.peaks = measure_peaks(o.device, self.dep.target.dtype, seconds_budget=1.5)
         self.say("setup", f"peaks: {self.peaks.flops_per_s / 1e9:.1f} GFLOP/s, {self.peaks.bytes_per_s / 1e9:.1f} GB/s")
-        self.reqs = build_requests(self.dep, plan["per_benchmark"], plan["max_new_tokens"])
+        context = min(self.dep.target.args.max_position_embeddings, 4096)  # the engine's max_len
+        self.reqs = [r for r in build_requests(self.dep, plan["per_benchmark"], plan["max_new_tokens"])
+                     if len(r.prompt_ids) + ctl.SALT_TOKENS + r.max_new_tokens <= context]  # room for the salt
         self.say("setup", f"{len(self.reqs)} requests from {sorted({r.benchmark for r in self.reqs})}")
 
         # Phase 0
-        self.say("phase 0", "AR vs stock (paired A B B A)")
-        ar_stock = self.paired(self.ar, self.stock, "AR vs stock")
-        ar_out = [list(x) for x in ar_stock.outputs_a]
+        self.say("phase 0", "AR vs stock and stock A/A (paired A B B A on salted prompts)")
+        self.scorer = Scorer(self.dep.target)
+        bar, advance = self.progress("phase 0 paired runs", 8 * len(self.reqs))
+        with bar:
+            p0 = ctl.phase0(self.factory(self.ar), self.factory(self.stock), self.reqs, self.scorer,
+                            progress=advance, **self.salt_kw())
+        ar_stock, aa, self.controller = p0.ar_stock, p0.aa, p0.controller
+        self.sigma, self.delta, self.stock_forcing = self.controller.sigma, self.controller.delta, self.controller.stock_forcing
         self.say("phase 0", f"stock {self.stock.label()}: {ar_stock.gain:.3f}x AR (95% lower bound {ar_stock.lower_bound:.3f})")
-        self.phase0 = {"stock_vs_ar_gain": ar_stock.gain, "stock_vs_ar_lower_bound": ar_stock.lower_bound}
-        aa = self.paired(self.stock, self.stock, "stock A/A")
-        self.sigma = ctl.noise_from_aa(aa)
+        self.phase0 = {"stock_vs_ar_gain": ar_stock.gain, "stock_vs_ar_lower_bound": ar_stock.lower_bound,
+                       "aa_gain": aa.gain, "aa_lower_bound": aa.lower_bound, "sigma": self.sigma}
         self.say("phase 0", f"stock A/A gain {aa.gain:.4f}: noise σ = {self.sigma:.4f}")
-        self.phase0.update({"aa_gain": aa.gain, "aa_lower_bound": aa.lower_bound, "sigma": self.sigma})
         if self.sigma > 0.05:
             self.say("phase 0", f"[yellow]warning: stock noise σ = {self.sigma:.1%} is high (another busy process?); "
                      f"only gains above {0.01 + 2 * self.sigma:.0%} can be approved in this run[/]")
-        self.scorer = Scorer(self.dep.target)
-        prompts = [list(r.prompt_ids) for r in self.reqs]
-        self.delta = delta_from_phase0(self.scorer, prompts, ar_out, [list(x) for x in ar_stock.outputs_b])
-        self.stock_forcing = audit(self.scorer, self.outputs(ar_stock), self.delta)
         self.phase0.update({"delta": self.delta, "stock_forcing": self.stock_forcing.to_dict()})
         self.say("phase 0", f"δ = {self.delta}; stock mismatch rate {self.stock_forcing.mismatch_rate:.3%}, events {self.stock_forcing.events}")
+        # replay inputs: the first salted variant of every request and AR's output on it
+        prompts = [list(ps[0]) for ps in ar_stock.prompts]
+        ar_out = [list(os_[0]) for os_ in ar_stock.outputs_a]
 
         # cost model inputs: AR step, pass time by rows, lattices for replay
         ar_m = self.measure(self.ar, n=4)
@@ -191,10 +198,8 @@ class Pilot:
                 tried.add(cand.seal())
                 self.say(f"round {rnd}", f"candidate {i}/{len(proposals)}: {cand.label()} (replay τ {pred.tau:.2f}, "
                          f"screened c {pred.c_screened:.2f}: {pred.speedup_screened:.2f}x AR predicted)")
-                run = self.paired(incumbent, cand, cand.label())
-                forcing = audit(self.scorer, self.outputs(run), self.delta)
-                passed, reasons = forcing_verdict(forcing, self.stock_forcing)
-                v = ctl.approve(run, self.sigma, passed)
+                j = self.judge(incumbent, cand, cand.label())
+                run, forcing, passed, reasons, v = j.run, j.forcing, j.forcing_passed, list(j.forcing_reasons), j.verdict
                 self.say(f"round {rnd}", ("[green]" if v.approved else "[red]") + v.reason + "[/]")
                 row = {"round": rnd, "name": cand.label(), "config": cand.model_dump(), "predicted": pred.to_dict(),
                        "gain": run.gain, "lower_bound": run.lower_bound, "bar": v.bar, "outputs_differ": run.outputs_differ,
@@ -303,17 +308,13 @@ class Pilot:
         o = self.o
         o.out.mkdir(parents=True, exist_ok=True)
         self.say("seal", f"sealed system {sealed.label()} ({sealed.seal()[:12]})")
-        from rich.progress import Progress
-
-        with Progress(console=self.con, transient=True) as bar:
-            task = bar.add_task("AR, stock, sealed interleaved", total=len(self.reqs))
-            runs = {"ar": self.runner(self.ar), "stock": self.runner(self.stock), "sealed": self.runner(sealed)}
-            last = runs["sealed"]
-            runs["sealed"] = lambda req: (bar.advance(task, 0.5), last(req))[1]
-            final = ctl.interleaved_run(runs, self.reqs)
+        bar, advance = self.progress("AR, stock, sealed interleaved", 6 * len(self.reqs))
+        with bar:
+            makers = {"ar": self.factory(self.ar), "stock": self.factory(self.stock), "sealed": self.factory(sealed)}
+            final = ctl.interleaved_run(makers, self.reqs, progress=advance, **self.salt_kw())
         vs_ar = final.gain("ar", "sealed")
         vs_stock = final.gain("stock", "sealed")
-        outputs = [(r.prompt_ids, o, r.benchmark) for r, o in zip(self.reqs, final.outputs["sealed"])]
+        outputs = final.samples("sealed")
         forcing = audit(self.scorer, outputs, self.delta)
         passed, reasons = forcing_verdict(forcing, self.stock_forcing)
         check = memory.check_all(self.stock, sealed, [e.id for e in entries])
@@ -334,8 +335,10 @@ class Pilot:
             "sealed_tokens_per_s": final.tokens_per_s("sealed"),
             "speedup_vs_ar": vs_ar[0], "speedup_ci_low": vs_ar[1],
             "speedup_vs_stock": vs_stock[0], "speedup_vs_stock_ci_low": vs_stock[1],
-            "headline_method": "AR, stock and sealed interleaved per request (A S X X S A), fastest of two runs; "
+            "headline_method": "AR, stock and sealed interleaved per request on two fresh salted variants "
+                               "(A S X on one, X S A on the other), a request's tokens/s the higher of its two runs; "
                                "tokens/s = geometric mean over benchmarks of per-request tokens/s",
+            "headline_flags": {"threads_left_running": final.outside, "nondeterministic": final.nondeterministic},
             "phase0": self.phase0,
             "sealed_label": sealed.label(), "sealed_seal": sealed.seal(), "stock_label": self.stock.label(),
             "tau": m["tau"], "c": m["step_ms"] / ar_m["step_ms"], "ar_step_ms": ar_m["step_ms"], "step_ms": m["step_ms"],

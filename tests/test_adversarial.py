@@ -1,0 +1,194 @@
+"""Adversarial tests of the controller (§3.3, issue 6): cheating candidates on the bundled models (CPU,
+float32) go through the pilot's own path — Phase 0, then ``Controller.judge`` (paired run + token
+forcing + approval rule) — and must be rejected; A vs A is not approved, a real 2x is.
+
+Where a cheat would be rejected for being slow anyway, A is given a planted 2x slowdown, so the test
+fails unless the defence under test is what rejects it (asserted through the verdict's reason)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from specpilot.config import SystemConfig
+from specpilot.engine.deployment import Deployment
+from specpilot.pilot import controller as ctl
+from specpilot.pilot.forcing import Scorer
+from specpilot.pilot.setup import build_requests
+from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
+
+from .cheats import Lazy, Memo, Saboteur, SkipVerify, SuffixMemo, Twice, biased, fp8_logits
+
+STOCK = SystemConfig.stock("ngram")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two threads make each paired run ~5x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def dep():
+    return Deployment(bundled_target_dir(), bundled_drafter_dir())
+
+
+@pytest.fixture(scope="module")
+def reqs(dep):
+    return [r for r in build_requests(dep, per_benchmark=4, max_new_tokens=16) if r.benchmark in ("humaneval", "mbpp")]
+
+
+@pytest.fixture(scope="module")
+def p0(dep, reqs):
+    avoid = set(dep.eos_ids()) | set(dep.tokenizer.all_special_ids)
+    return ctl.phase0(lambda: dep.system(SystemConfig.ar()), lambda: dep.system(STOCK), reqs, Scorer(dep.target),
+                      dep.target.args.vocab_size, avoid_ids=avoid, rng=random.Random(0))
+
+
+def stock(dep):
+    return lambda: dep.system(STOCK)
+
+
+def slow_stock(dep):
+    return lambda: Twice(dep.system(STOCK))
+
+
+def judge(p0, make_a, make_b, reqs, progress=None, seed=1):
+    return p0.controller.judge(make_a, make_b, reqs, rng=random.Random(seed), progress=progress)
+
+
+def test_phase0_on_cpu_float32(p0):
+    c = p0.controller
+    assert not p0.ar_stock.outputs_differ  # lossless stock == AR exactly in float32
+    assert c.delta == 0.125 and c.stock_forcing.mismatches == 0 and c.stock_forcing.tokens > 0
+    assert 0 <= c.sigma < 0.5
+
+
+def test_a_vs_a_is_not_approved(p0, dep, reqs):
+    j = judge(p0, stock(dep), stock(dep), reqs)
+    assert not j.run.outputs_differ and j.forcing_passed
+    assert not j.verdict.approved, j.verdict.reason
+
+
+def test_a_real_2x_is_approved(p0, dep, reqs):
+    j = judge(p0, slow_stock(dep), stock(dep), reqs)
+    assert j.verdict.approved, j.verdict.reason
+    assert 1.5 < j.run.gain < 2.6
+
+
+# -- (1) outputs cached from an earlier run / (2a) precomputed at construction ----------------------
+
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def test_outputs_cached_from_an_earlier_run_earn_nothing(p0, dep, reqs):
+    Memo.cache.clear()
+    earlier = Memo(dep.system(STOCK))
+    first = [timed(lambda r=r: earlier.generate(list(r.prompt_ids), r.max_new_tokens)) for r in reqs]  # earlier run
+    again = [timed(lambda r=r: earlier.generate(list(r.prompt_ids), r.max_new_tokens)) for r in reqs]
+    assert sum(again) < sum(first) / 10  # replaying works against a timer that repeats prompts
+    Memo.hits, seen = 0, []
+    j = judge(p0, stock(dep), lambda: Memo(dep.system(STOCK)), reqs, progress=lambda: seen.append(Memo.hits))
+    assert seen[-1] == 0  # not one timed run was a replay
+    assert not j.verdict.approved and "below the bar" in j.verdict.reason, j.verdict.reason
+    assert j.run.gain < 1.25
+
+
+def test_outputs_precomputed_at_construction_earn_nothing(p0, dep, reqs):
+    Memo.cache.clear()
+    public = [(r.prompt_ids, r.max_new_tokens) for r in reqs]  # the bundled prompts are public
+    Memo.hits, seen = 0, []
+    j = judge(p0, stock(dep), lambda: Memo(dep.system(STOCK), precompute=public), reqs,
+              progress=lambda: seen.append(Memo.hits))
+    assert len(Memo.cache) >= len(public) and seen[-1] == 0
+    assert not j.verdict.approved and "below the bar" in j.verdict.reason, j.verdict.reason
+
+
+def test_salt_stripping_replay_is_caught_by_token_forcing(p0, dep, reqs):
+    Memo.cache.clear()
+    public = [(r.prompt_ids, r.max_new_tokens) for r in reqs]
+    Memo.hits, seen = 0, []
+    j = judge(p0, stock(dep), lambda: SuffixMemo(dep.system(STOCK), precompute=public), reqs,
+              progress=lambda: seen.append(Memo.hits))
+    assert seen[-1] == 1 + 2 * len(reqs)  # the warm-up and every timed B run were replays: fast
+    assert j.run.outputs_differ and not j.forcing_passed, j.forcing_reasons
+    assert not j.verdict.approved and "token forcing failed" in j.verdict.reason
+
+
+# -- (2) work outside the timed region -----------------------------------------------------------
+
+def test_lazy_output_is_charged_to_its_system(p0, dep, reqs):
+    lazy, r = Lazy(dep.system(STOCK)), reqs[0]
+    assert timed(lambda: lazy.generate(list(r.prompt_ids), r.max_new_tokens)) < 0.002  # a naive timer sees ~0
+    j = judge(p0, stock(dep), lambda: Lazy(dep.system(STOCK)), reqs)
+    assert not j.verdict.approved and "below the bar" in j.verdict.reason, j.verdict.reason
+    assert j.run.gain < 1.25
+
+
+def test_thread_left_running_is_rejected(p0, dep, reqs):
+    stop = threading.Event()
+    try:
+        j = judge(p0, stock(dep), lambda: Saboteur(dep.system(STOCK), stop), reqs)
+    finally:
+        stop.set()
+    assert "saboteur" in j.run.outside_b
+    assert not j.verdict.approved and "outside the timed region" in j.verdict.reason, j.verdict.reason
+
+
+# -- (3) logit bias, (4) low-precision verification, (5) skipped verification ---------------------
+
+def fast_enough_but_rejected_by_forcing(j):
+    assert j.run.outputs_differ
+    assert j.run.lower_bound - 1 > j.verdict.bar, "speed alone would not have approved it: test is void"
+    assert not j.forcing_passed and j.forcing_reasons
+    assert not j.verdict.approved and "token forcing failed" in j.verdict.reason, j.verdict.reason
+
+
+def test_logit_bias_is_rejected(p0, dep, reqs):
+    hook = biased(dep.target.args.vocab_size)
+    j = judge(p0, slow_stock(dep), lambda: dep.system(STOCK, logits_hook=hook), reqs)
+    fast_enough_but_rejected_by_forcing(j)
+
+
+def test_low_precision_verification_is_rejected(p0, dep, reqs):
+    j = judge(p0, slow_stock(dep), lambda: dep.system(STOCK, logits_hook=fp8_logits), reqs)
+    fast_enough_but_rejected_by_forcing(j)
+    assert j.forcing.events > 0  # FP8 flips tokens far from a tie (margin >= 2δ)
+
+
+def test_skipped_verification_is_rejected(p0, dep, reqs):
+    def make():
+        honest = dep.system(STOCK)
+        return SkipVerify(dep.target, STOCK, honest.drafter, eos_ids=dep.eos_ids())
+
+    j = judge(p0, slow_stock(dep), make, reqs)
+    fast_enough_but_rejected_by_forcing(j)
+
+
+def test_bf16_verification_flips_only_near_ties_and_is_caught_by_the_rate_rule(p0, dep):
+    """Verifying with a bf16 copy of this tiny float32 target flips only near-ties (margins < 0.1 nat, no
+    events), on ~1% of tokens: only the 0.5 pp mismatch-rate rule catches it, and it needs a few hundred
+    tokens to (a measured finding, not a guarantee; the FP8 case above is caught by both rules)."""
+    from specpilot.engine.checkpoint import load_model
+    from specpilot.engine.engine import Engine
+    from specpilot.pilot.forcing import audit, forcing_verdict
+
+    low = Engine(load_model(bundled_target_dir(), "bfloat16"), STOCK, dep.system(STOCK).drafter, eos_ids=dep.eos_ids())
+    reqs = build_requests(dep, per_benchmark=4, max_new_tokens=32)
+    outs = [(r.prompt_ids, low.generate(list(r.prompt_ids), 32).tokens, r.benchmark) for r in reqs]
+    c = p0.controller
+    stats = audit(c.scorer, outs, c.delta)
+    passed, reasons = forcing_verdict(stats, c.stock_forcing)
+    assert stats.tokens >= 400 and stats.mismatches > 0 and stats.events == 0
+    assert max(stats.top_margins) < 2 * c.delta
+    assert not passed and len(reasons) == 1 and "mismatch rate" in reasons[0]
