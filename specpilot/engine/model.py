@@ -162,6 +162,17 @@ class KVCache:
         self.length = start + k
 
 
+def _sdpa_backends(device: torch.device):
+    """SDPA backends for the dynamic path (prefill, eager fallback): on CUDA, memory-efficient attention or
+    the math kernel, not cuDNN, which builds a plan per new sequence length (a fresh prompt length would pay
+    it on its first request). A no-op context on the CPU."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def region(prof, name: str):
     """Profiling region ``name`` of a step (a no-op context when ``prof`` is None)."""
     return prof.region(name) if prof is not None else contextlib.nullcontext()
@@ -218,7 +229,8 @@ class Attention(nn.Module):
                 vals = vals.repeat_interleave(rep, dim=1)
             if mask is None:
                 mask = causal_mask(start, r, x.device)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, attn_mask=mask)
+            with _sdpa_backends(x.device):
+                o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, attn_mask=mask)
             o = o[0].transpose(0, 1).reshape(r, a.n_heads * a.head_dim)
         with region(prof, "projections"):
             return self.o_proj(o)
