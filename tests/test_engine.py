@@ -340,3 +340,25 @@ def test_static_draft_model_matches_dynamic(tiny_models):
     eng = Engine(target, cfg, DraftModelDrafter(drafter_model, 3, static=True), eos_ids=[])
     prompt = random_prompts(1, V, seed=31)[0]
     assert eng.generate(prompt, 25).tokens == ar_tokens(target, prompt, 25)
+
+
+def test_pipelined_ar_through_buckets_equals_ar(tiny_models, monkeypatch):
+    """AR through the row-bucket runner with the next step queued before the host read (the GPU path's
+    pipelined AR) gives AR's tokens, keeps the cache equal to a fresh prefill after every step, honours
+    stops and max_new_tokens, and really runs the pipelined generator."""
+    from specpilot.engine.graphs import BucketRunner
+
+    target, _ = tiny_models
+    calls = []
+    real = BucketRunner.ar_tokens
+    monkeypatch.setattr(BucketRunner, "ar_tokens", lambda self, *a: calls.append(a) or real(self, *a))
+    eng = Engine(target, SystemConfig.ar(), None, eos_ids=[], buckets=True)
+    eng.step_hook = cache_matches_prefill
+    for prompt in random_prompts(3, V, length=7, seed=37):
+        ref = ar_tokens(target, prompt, 20)
+        g = eng.generate(prompt, 20)
+        assert g.tokens == ref and g.steps == 19 and g.cache_length == len(prompt) + 19
+        stop = ref[9]
+        got = eng.generate(prompt, 20, stop_ids=[stop]).tokens
+        assert got == ref[: ref.index(stop) + 1]
+    assert len(calls) >= 3  # at least every full-length request (a stop at the first token needs no step)

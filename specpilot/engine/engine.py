@@ -146,6 +146,8 @@ class Engine:
         out.prefill_s = time.perf_counter() - t0
         if first in stops:
             out.stop_reason = "eos" if first in self.eos_ids else "stop"
+        if self._pipelined_ar(prof) and out.stop_reason == "length" and len(out.tokens) < max_new_tokens:
+            self._generate_ar(committed, out, max_new_tokens, stops)
         while out.stop_reason == "length" and len(out.tokens) < max_new_tokens:
             new, rows = self._step(committed, max_new_tokens - len(out.tokens), prof)
             kept = []
@@ -168,6 +170,28 @@ class Engine:
         out.cache_length = self.cache.length
         self.cache.length = 0  # the request's slots are free again (R14)
         return out
+
+    def _pipelined_ar(self, prof) -> bool:
+        """AR through the row-bucket runner with steps queued ahead (:meth:`BucketRunner.ar_tokens`): no
+        drafter, no profiler (the cost model profiles plain steps)."""
+        return self.runner is not None and self.drafter is None and prof is None
+
+    def _generate_ar(self, committed: list[int], out: Generation, max_new_tokens: int, stops: set[int]) -> None:
+        """Pipelined AR steps until a stop or ``max_new_tokens``; same bookkeeping as the step loop."""
+        gen = self.runner.ar_tokens(committed[-1], len(committed) - 1, max_new_tokens - len(out.tokens))
+        for tok in gen:
+            committed.append(tok)
+            out.tokens.append(tok)
+            out.steps += 1
+            out.accepted.append(1)
+            out.rows.append(1)
+            self.cache.length = len(committed) - 1
+            if self.step_hook is not None:
+                self.step_hook(self, committed)
+            if tok in stops:
+                out.stop_reason = "eos" if tok in self.eos_ids else "stop"
+                break
+        gen.close()
 
     def _step(self, committed: list[int], remaining: int, prof) -> tuple[list[int], int]:
         """One exact pass; returns (accepted draft tokens + the bonus, before the stop checks; rows)."""

@@ -117,3 +117,52 @@ class BucketRunner:
         else:
             out = self._body(s)
         return out[:r]
+
+    @torch.inference_mode()
+    def ar_tokens(self, token: int, start: int, limit: int):
+        """AR greedy decoding, pipelined: yields up to ``limit`` tokens (ints) following ``token``.
+
+        ``token`` is the last committed token and ``start`` its slot (= committed length - 1). Step i+1's
+        pass is queued on the device (its input token copied from step i's argmax on the device, position
+        and slot advanced on the device) *before* the host reads step i's token, so the GPU never waits
+        for the host between steps (issue 4: no gaps between steps). A queued step past a stop is harmless:
+        it writes K/V only at the slot after the last committed token, which the cache never counts. Each
+        yielded token is the argmax of an exact one-row pass over exactly the committed prefix, as in
+        :meth:`run`. Closing the generator early is the way to stop.
+
+        Raises:
+            ValueError: when ``start + limit`` rows would not fit the cache.
+        """
+        if start + limit + 1 > self.cache.max_len:
+            raise ValueError(f"{limit} AR steps from slot {start} exceed the cache of {self.cache.max_len} slots")
+        s = self._buffers(1)
+        host = s["host_np"]
+        host[:4] = (token, start, start, 1)  # tokens, positions, start, mask of bucket 1
+        s["io"].copy_(s["host"], non_blocking=True)
+        if self.graphs and 1 not in self._graphs:
+            self._capture(1)
+        cuda = self.dev.type == "cuda"
+        read = torch.zeros(max(limit, 1), dtype=torch.long, pin_memory=cuda)
+
+        def launch(i):
+            if self.graphs:
+                self._graphs[1].replay()
+                out = s["out"]
+            else:
+                out = self._body(s)
+            read[i : i + 1].copy_(out, non_blocking=True)
+            done = torch.cuda.Event() if cuda else None
+            if done is not None:
+                done.record()
+            s["tokens"].copy_(out)  # the next step's input, on the device
+            s["positions"].add_(1)
+            s["start"].add_(1)
+            return done
+
+        pending = launch(0) if limit > 0 else None
+        for i in range(limit):
+            nxt = launch(i + 1) if i + 1 < limit else None
+            if pending is not None:
+                pending.synchronize()
+            yield int(read[i])
+            pending = nxt
