@@ -11,9 +11,12 @@ from pathlib import Path
 def git_commit(repo: Path | None = None) -> str:
     """``git rev-parse HEAD`` of the repository holding this package, ``-dirty`` when tracked files changed.
 
-    Where there is no git checkout (a copied working tree on a GPU machine), the ``SPECPILOT_COMMIT``
-    environment variable is used; otherwise ``unknown``.
+    ``SPECPILOT_COMMIT``, when set, wins: a working tree copied to a GPU machine may carry a stale
+    ``.git`` of an older commit with every later change showing as ``-dirty``. Without git and without the
+    variable: ``unknown``.
     """
+    if os.environ.get("SPECPILOT_COMMIT"):
+        return os.environ["SPECPILOT_COMMIT"]
     cwd = repo or Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
