@@ -77,8 +77,12 @@ def w12_gemm_reference(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | Non
     """
     if x.shape[-1] != w12.shape[1]:
         raise W12GemmError(f"activations have {x.shape[-1]} features, the W12 weight {w12.shape} wants {w12.shape[1]}")
-    w = decode(w12, check=False).float()
-    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    return _linear_f32(x, decode(w12, check=False), bias)
+
+
+def _linear_f32(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` in float32, cast to x's dtype (in float32: exactly ``nn.Linear``'s call)."""
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
 def codes_at(w12: W12Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -206,8 +210,10 @@ class W12Linear(nn.Module):
     leaves them alone), and ``bias`` ``[N]`` or None.
 
     Forward: :func:`w12_gemm` on CUDA for bf16 / float32 activations, in chunks of 256 rows; elsewhere
-    (the CPU, float16) :func:`w12_gemm_reference`, which decodes the weight on every call and caches nothing
-    (the CPU path exists for correctness tests: in float32 it is bitwise ``nn.Linear`` with the decoded weight).
+    the reference, :func:`w12_gemm_reference` (in float32 bitwise ``nn.Linear`` with the decoded weight). On
+    CUDA (float16 activations) the reference decodes on every call and caches nothing; on the CPU, where the
+    path exists for correctness tests and a full decode per pass would dominate, the decoded bf16 weight is
+    kept after the first call (2 more bytes a weight, not a buffer: ``state_dict`` holds the records only).
     ``use_kernel``: None = as above; True forces the kernel (the Triton interpreter on the CPU in tests);
     False forces the reference.
     """
@@ -227,6 +233,7 @@ class W12Linear(nn.Module):
             raise W12GemmError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")
         self.register_buffer("bias", None if bias is None else bias.detach().to(w12.records.device))
         self.use_kernel: bool | None = None
+        self._dense: torch.Tensor | None = None  # CPU only: the decoded weight, see the class docstring
 
     @classmethod
     def from_w12(cls, w12: W12Tensor, bias: torch.Tensor | None = None) -> "W12Linear":
@@ -270,7 +277,11 @@ class W12Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0 or not self._kernel_ok(x2):
-            y = w12_gemm_reference(x2, self.w12(), self.bias)
+            w = self._dense if self._dense is not None and self._dense.device == self.records.device else None
+            if w is None:
+                w = self.decoded_weight()
+                self._dense = None if w.is_cuda else w
+            y = _linear_f32(x2, w, self.bias)
         else:
             esc = (self.esc_row_ptr, self.esc_k, self.esc_delta_bits.view(torch.float32))
             y = torch.cat([w12_gemm(x2[i:i + MAX_ROWS], self.w12(), self.bias, escapes=esc)
