@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .tritonutil import CUDA, DEV, triton  # noqa: F401
+from .tritonutil import DEV
 
 from specpilot.config import SystemConfig
 from specpilot.drafters.draft_model import DraftModelDrafter

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SpecPilotError
-from ..w12.format import (NIBBLE_BYTES, RECORD_BYTES, RECORD_COLS, RECORD_ROWS, VIEW_BYTES, W12FormatError,
-                          W12Tensor, decode, encode)
+from ..w12.format import (RECORD_BYTES, RECORD_COLS, RECORD_ROWS, VIEW_BYTES, W12FormatError, W12Tensor, decode,
+                          encode)
 from .gemm import _num_sms
 
 try:
@@ -90,10 +90,11 @@ def codes_at(w12: W12Tensor, flat: torch.Tensor) -> torch.Tensor:
     alone (no escape patching): the saturated codes at escape positions. Plain PyTorch. Returns bf16 ``[E]``."""
     k = w12.shape[1]
     n, c = flat // k, flat % k
-    rec = w12.records[n // RECORD_ROWS, c // RECORD_COLS]  # [E, 12288]
-    r, cc = (n % RECORD_ROWS)[:, None], (c % RECORD_COLS)[:, None]
-    v = rec.gather(1, r * RECORD_COLS + cc)[:, 0].to(torch.int32)
-    p = rec.gather(1, VIEW_BYTES + r * (RECORD_COLS // 2) + cc // 2)[:, 0].to(torch.int32)
+    rec = (n // RECORD_ROWS * w12.records.shape[1] + c // RECORD_COLS) * RECORD_BYTES  # byte offset of the record
+    r, cc = n % RECORD_ROWS, c % RECORD_COLS
+    flat_rec = w12.records.reshape(-1)
+    v = flat_rec[rec + r * RECORD_COLS + cc].to(torch.int32)
+    p = flat_rec[rec + VIEW_BYTES + r * (RECORD_COLS // 2) + cc // 2].to(torch.int32)
     nib = (p >> (4 * (c % 2))) & 15
     e = w12.base[n].to(torch.int32) + ((v >> 3) & 15)
     bits = ((v >> 7) << 15) | (e << 7) | ((v & 7) << 4) | nib
