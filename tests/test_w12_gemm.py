@@ -41,7 +41,7 @@ def code_matrix(t: W12Tensor) -> torch.Tensor:
 
 
 def assert_within_rounding(out, x, t, bias=None):
-    """``|out - ref| <= 2 γ_{K+E+3} Σ_k |x| (|w| + |c|)`` element by element (module docstring), ``ref`` the
+    """``|out - ref| <= 2 γ_{K+E+3} (Σ_k |x| (|w| + |c|) + |b|)`` element by element (module docstring), ``ref`` the
     reference; plus one rounding of the output dtype for bf16 outputs."""
     ref = w12_gemm_reference(x, t, bias).double()
     w, c = decode(t, check=False).double(), code_matrix(t)
@@ -49,7 +49,7 @@ def assert_within_rounding(out, x, t, bias=None):
     u = 2.0**-24
     nk = k + t.num_escapes + 3
     gamma = nk * u / (1 - nk * u)
-    bound = 2 * gamma * (x.double().abs() @ (w.abs() + c.abs()).T)
+    bound = 2 * gamma * (x.double().abs() @ (w.abs() + c.abs()).T + (0 if bias is None else bias.double().abs()))
     if out.dtype != torch.float32:
         bound = bound + 2.0**-8 * ref.abs() * 2
     err = (out.double() - ref).abs()
@@ -123,6 +123,12 @@ def test_nonfinite_escapes_propagate_like_the_reference():
         assert out[0, 5].isnan() and out[1, 5].isinf() and out[1, 1] == float("-inf") and out[:, 3].isnan().all()
         fin = ref.isfinite()
         torch.testing.assert_close(out[fin], ref[fin], atol=1e-5, rtol=1e-5)
+    # infinite activations: non-finite exactly where the reference is, NaN where it is NaN
+    xi = x.clone()
+    xi[2, 20], xi[3, 5] = float("inf"), float("-inf")
+    out, ref = w12_gemm(xi, t).cpu(), w12_gemm_reference(xi.cpu(), _cpu(t))
+    assert torch.equal(out.isfinite(), ref.isfinite()) and bool(out[ref.isnan()].isnan().all())
+    assert not bool(out[2:4].isfinite().any()) and bool(out[:2].isfinite().any())
 
 
 def test_escape_table_and_codes():

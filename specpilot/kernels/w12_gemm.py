@@ -23,16 +23,22 @@ are no atomics, so two runs give bitwise identical outputs.
 
 Rounding guarantee (float32 accumulation, unit ``u = 2^-24``, ``γ_n = n u / (1 - n u)``): for every output
 ``y[m, n]`` with finite activations and weights and no overflow,
-``|y - y_ref| <= 2 γ_{K+E_n+3} Σ_k |x_mk| (|w_nk| + |c_nk|)``, where ``y_ref`` is the reference (decode,
-then a float32 matmul, any summation order), ``E_n`` the channel's escapes, and ``c_nk = w_nk`` off the
-escapes; before the final cast to the output dtype. Saturated codes lie in the channel's window, so the
-bound is that of the channel's own weights (tests check it element by element).
+``|y - y_ref| <= 2 γ_{K+E_n+3} (Σ_k |x_mk| (|w_nk| + |c_nk|) + |b_n|)``, where ``y_ref`` is the reference
+(decode, then a float32 matmul, any summation order), ``E_n`` the channel's escapes, ``c_nk = w_nk`` off
+the escapes and ``b`` the bias; before the final cast to the output dtype. (Both results are within
+``γ`` of the exact sum: the reference by ``γ_K (Σ|x||w| + |b|)``, this kernel by ``γ (Σ_k |x_k||c_k| + Σ_e
+|x_e| (|w_e| + |c_e|) + |b|)``, counting the rounding of ``d_e`` and of each product; together at most twice
+the bracket.) Saturated codes lie in the channel's window, so the bound is that of the channel's own
+weights; tests check it element by element.
 
-Non-finite weights (±inf, NaN escapes) and activations. ``d_e`` is then ±inf / NaN and the escape term
-``x[m, k_e] * d_e`` is exactly the reference's product term (NaN when ``x = 0`` and ``w = ±inf``, or for any NaN),
-added to a finite main sum: the output is NaN where the reference's is NaN and ±inf (same sign) where
-the reference's is ±inf. (A finite ``y_ref`` that overflows float32 in one order and not the other is
-outside the guarantee, as for any two float32 GEMMs.)
+Non-finite weights (±inf, NaN escapes). ``d_e`` is then ±inf / NaN and, for finite activations, the
+escape term ``x[m, k_e] * d_e`` is exactly the reference's product term (NaN when ``x = 0`` and
+``w = ±inf``, or for any NaN), added to a finite main sum: the output is NaN where the reference's is NaN
+and ±inf (same sign) where the reference's is ±inf. Non-finite activations: the output is non-finite
+exactly where the reference's is and NaN where it is NaN, but may be NaN where the reference's is ±inf
+(an infinite activation meeting a non-zero escape below the window: saturated code and correction give
+infinities of opposite signs). A finite ``y_ref`` that overflows float32 in one order and not the other
+is outside the guarantee, as for any two float32 GEMMs.
 
 - :func:`w12_gemm_reference`: decode (:func:`specpilot.w12.format.decode`) then a float32 ``F.linear``,
   the oracle; in float32 it is exactly what ``nn.Linear`` computes with the decoded weight.
