@@ -31,6 +31,9 @@ class SystemConfig(BaseModel):
         top_k: candidates per draft position kept in the lattice.
         ngram_max / ngram_min: longest / shortest suffix the n-gram drafter matches.
         dtype: dtype of target and drafter weights and activations.
+        w12: the target's projection layers (q/k/v/o, gate/up/down; not the LM head or embeddings) run from
+            W12 lossless 12-bit weights (§4.1, :mod:`specpilot.mechanisms.w12`), in AR and speculative
+            decoding alike. Needs bf16-valued target weights (a bf16 checkpoint, in any ``dtype``).
 
     Raises:
         pydantic.ValidationError: on out-of-range values (e.g. ``nodes < 1``).
@@ -47,6 +50,7 @@ class SystemConfig(BaseModel):
     ngram_max: int = Field(default=4, ge=1, le=16)
     ngram_min: int = Field(default=1, ge=1, le=16)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    w12: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "SystemConfig":
@@ -74,11 +78,18 @@ class SystemConfig(BaseModel):
         return SystemConfig(**{**self.model_dump(), **delta})
 
     def seal(self) -> str:
-        """SHA-256 of the canonical JSON of this config (the seal of §3.3)."""
-        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()
+        """SHA-256 of the canonical JSON of this config (the seal of §3.3). Fields added later (``w12``) enter
+        only when set, so configs sealed before they existed keep their seals."""
+        d = {k: v for k, v in self.model_dump().items() if not (k in _LATER_FIELDS and v == _LATER_FIELDS[k])}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def label(self) -> str:
-        """Short human label, e.g. ``ngram/best_first N=16 D=6 k=4``."""
+        """Short human label, e.g. ``ngram/best_first N=16 D=6 k=4`` (``+w12`` appended when w12 is on)."""
+        w12 = " +w12" if self.w12 else ""
         if self.drafter == "none":
-            return "AR"
-        return f"{self.drafter}/{self.tree} N={self.nodes} D={self.depth} k={self.top_k}"
+            return "AR" + w12
+        return f"{self.drafter}/{self.tree} N={self.nodes} D={self.depth} k={self.top_k}{w12}"
+
+
+#: fields added after configs were first sealed, with the default that leaves them out of the seal
+_LATER_FIELDS = {"w12": False}

@@ -51,13 +51,25 @@ def read_args(path: str | Path) -> ModelArgs:
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the ``*.safetensors`` files in ``path`` (on the CPU, stored dtype).
+    """All tensors of the ``*.safetensors`` files in ``path`` (on the CPU, stored dtype). A W12 directory
+    (one with ``w12.json``, written by ``specpilot w12 pack``; §4.1) is decoded, every converted tensor
+    checked bit for bit against the sha256 of its source, so it yields the source checkpoint's tensors.
 
     Raises:
-        CheckpointError: if there is no safetensors file or one is truncated / corrupted.
+        CheckpointError: if there is no safetensors file or one is truncated / corrupted (for a W12 directory:
+            a :class:`~specpilot.w12.format.W12FormatError` naming the directory and the bad tensor).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    from ..w12.format import W12FormatError
+    from ..w12.pack import MANIFEST, load_w12_state_dict
+
+    if (Path(path) / MANIFEST).is_file():
+        try:
+            return load_w12_state_dict(path)
+        except W12FormatError as e:
+            raise W12FormatError(f"W12 checkpoint {path}: {e}") from None
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -77,7 +89,8 @@ def load_model(
     """Build our :class:`Transformer` from checkpoint directory ``path``.
 
     Args:
-        path: local checkpoint directory.
+        path: local checkpoint directory (a W12 directory is decoded and hash-checked, see
+            :func:`read_state_dict`; the model holds plain weights: the ``w12`` mechanism re-encodes them).
         dtype: ``float32`` | ``bfloat16`` | ``float16`` for weights and activations.
         device: torch device.
         fuse: fuse q/k/v and gate/up into one GEMM each (:meth:`Transformer.fuse_projections`).

@@ -48,6 +48,7 @@ class Deployment:
             self.block_dirs.insert(0, self.drafter_dir)
             self.drafter_dir = None
         self._blocks = {str(b.resolve()): load_block(b, self.target) for b in self.block_dirs}
+        self._w12_target = None
         if self.drafter_dir is not None:
             check_drafter_fits(self.target_dir, self.drafter_dir, self.tokenizer)
             self.draft_model = load_model(self.drafter_dir, dtype, device)
@@ -58,6 +59,19 @@ class Deployment:
         if not ids and self.tokenizer.eos_token_id is not None:
             ids = [self.tokenizer.eos_token_id]
         return ids
+
+    def w12_target(self):
+        """The target with its projections in W12 (§4.1, :func:`specpilot.mechanisms.w12.to_w12`), built on
+        first use; it shares embeddings, norms and LM head with :attr:`target`.
+
+        Raises:
+            W12FormatError (a CheckpointError): the target's weights are not bfloat16 values.
+        """
+        if self._w12_target is None:
+            from ..mechanisms.w12 import to_w12
+
+            self._w12_target = to_w12(self.target)
+        return self._w12_target
 
     def block_net(self, path=None):
         """The loaded block drafter network of ``path`` (None: the first block dir), loading it once.
@@ -75,11 +89,13 @@ class Deployment:
         return self._blocks[key]
 
     def system(self, config: SystemConfig, **engine_kw) -> Engine:
-        """An engine running ``config`` on this deployment's weights.
+        """An engine running ``config`` on this deployment's weights (the W12 target when ``config.w12``).
 
         Raises:
             DrafterError: ``draft_model`` requested but the deployment has no draft model.
+            W12FormatError: ``config.w12`` with a target whose weights are not bfloat16 values.
         """
+        target = self.w12_target() if config.w12 else self.target
         drafter = None
         if config.drafter == "ngram":
             drafter = NgramDrafter(config.ngram_max, config.ngram_min, max_matches=max(config.top_k, 1))
@@ -88,10 +104,10 @@ class Deployment:
                 raise DrafterError("drafter 'draft_model' needs a draft model checkpoint (--drafter-path)")
             drafter = DraftModelDrafter(self.draft_model, top_k=config.top_k)
         elif config.drafter == "block":
-            drafter = BlockDrafter(self.block_net(config.drafter_path), self.target, top_k=config.top_k)
+            drafter = BlockDrafter(self.block_net(config.drafter_path), target, top_k=config.top_k)
         engine_kw.setdefault("eos_ids", self.eos_ids())
         engine_kw.setdefault("buckets", torch.device(self.device).type == "cuda")  # CUDA graphs per row bucket
-        return Engine(self.target, config, drafter, **engine_kw)
+        return Engine(target, config, drafter, **engine_kw)
 
 
 def check_drafter_fits(target_dir, drafter_dir, target_tokenizer=None) -> None:

@@ -108,14 +108,20 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out
 
 
-def cublas_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    """``layer(x)`` through ``F.linear`` (cuBLAS on CUDA); same signature as :func:`linear`."""
+def cublas_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """``layer(x)`` through ``F.linear`` (cuBLAS on CUDA); same signature as :func:`linear`. A layer that is
+    not an ``nn.Linear`` (a :class:`~specpilot.kernels.w12_gemm.W12Linear`, §4.1) runs its own forward."""
+    if not isinstance(layer, torch.nn.Linear):
+        return layer(x)
     return F.linear(x, layer.weight, layer.bias)
 
 
-def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     """``layer(x)`` for ``x [M, K]``: :func:`skinny_gemm` on CUDA for 1 ≤ M ≤ 64 and 16-bit weights,
-    ``F.linear`` otherwise (cuBLAS is at its best from there)."""
+    ``F.linear`` otherwise (cuBLAS is at its best from there); a layer that is not an ``nn.Linear`` (a
+    W12Linear) runs its own forward."""
+    if not isinstance(layer, torch.nn.Linear):
+        return layer(x)
     w = layer.weight
     if (x.is_cuda and triton is not None and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
             and w.dtype in (torch.bfloat16, torch.float16)):

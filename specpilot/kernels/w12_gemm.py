@@ -1,0 +1,427 @@
+"""W12 GEMM: ``x [M, K] @ W[N, K]ᵀ`` straight from W12 records, 1–256 rows (§4.1, issue 5).
+
+At a few rows a projection is a read of its weight, so reading 12 bits a weight instead of 16 is the gain.
+The kernel follows :mod:`specpilot.kernels.gemm` (tile N, split K, pad the rows to one tensor-core tile,
+fp32 accumulators, a fixed-order split-K sum) but loads W12 records (:mod:`specpilot.w12.format`) instead
+of bf16 weights:
+
+* a program owns ``BLOCK_N`` (16/32/64/128) rows of one 128-row record band and walks its K chunk
+  ``BLOCK_K`` (a multiple of 64, i.e. whole records) at a time; per step it loads the rows' 8-bit views
+  (``64`` contiguous bytes per row and record) and packed nibbles (``32`` bytes per row and record);
+* it rebuilds the bf16 bits in registers, ``sign << 15 | (B_n + offset) << 7 | view_mant3 << 4 | nibble``,
+  and feeds ``tl.dot`` (bf16 operands on the GPU; in float32 when the activations are float32, which is
+  how the Triton interpreter tests it on the CPU: bf16 values are exact in float32);
+* padded columns (``K`` up to a multiple of 64) hold finite codes and meet activations masked to 0; padded
+  rows (``N`` up to a multiple of 128) are never stored.
+
+Escapes. At an escape position the records hold a *saturated* code ``c`` (the nearest in-window value of
+the right sign), so the main loop computes ``Σ_k x_k c_k``. The escapes of each output channel are kept
+as a CSR list of ``(k_e, d_e)``, ``d_e = fl32(w_e - c_e)`` (``w_e`` the true bf16 weight), and after the
+K sum the kernel adds ``x[m, k_e] * d_e`` for the channel's escapes in list order: in the main kernel's
+epilogue without split-K, in the split-sum kernel otherwise. Everything is in a fixed order and there
+are no atomics, so two runs give bitwise identical outputs.
+
+Rounding guarantee (float32 accumulation, unit ``u = 2^-24``, ``γ_n = n u / (1 - n u)``): for every output
+``y[m, n]`` with finite activations and weights and no overflow,
+``|y - y_ref| <= 2 γ_{K+E_n+3} (Σ_k |x_mk| (|w_nk| + |c_nk|) + |b_n|)``, where ``y_ref`` is the reference
+(decode, then a float32 matmul, any summation order), ``E_n`` the channel's escapes, ``c_nk = w_nk`` off
+the escapes and ``b`` the bias; before the final cast to the output dtype. (Both results are within
+``γ`` of the exact sum: the reference by ``γ_K (Σ|x||w| + |b|)``, this kernel by ``γ (Σ_k |x_k||c_k| + Σ_e
+|x_e| (|w_e| + |c_e|) + |b|)``, counting the rounding of ``d_e`` and of each product; together at most twice
+the bracket.) Saturated codes lie in the channel's window, so the bound is that of the channel's own
+weights; tests check it element by element.
+
+Non-finite weights (±inf, NaN escapes). ``d_e`` is then ±inf / NaN and, for finite activations, the
+escape term ``x[m, k_e] * d_e`` is exactly the reference's product term (NaN when ``x = 0`` and
+``w = ±inf``, or for any NaN), added to a finite main sum: the output is NaN where the reference's is NaN
+and ±inf (same sign) where the reference's is ±inf. Non-finite activations: the output is non-finite
+exactly where the reference's is and NaN where it is NaN, but may be NaN where the reference's is ±inf
+(an infinite activation meeting a non-zero escape below the window: saturated code and correction give
+infinities of opposite signs). A finite ``y_ref`` that overflows float32 in one order and not the other
+is outside the guarantee, as for any two float32 GEMMs.
+
+- :func:`w12_gemm_reference`: decode (:func:`specpilot.w12.format.decode`) then a float32 ``F.linear``,
+  the oracle; in float32 it is exactly what ``nn.Linear`` computes with the decoded weight.
+- :func:`w12_gemm`: the Triton kernel (interpreter on the CPU in tests).
+- :class:`W12Linear`: an ``nn.Module`` holding the records; see :mod:`specpilot.mechanisms.w12` for the
+  engine mechanism.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import SpecPilotError
+from ..w12.format import (RECORD_BYTES, RECORD_COLS, RECORD_ROWS, VIEW_BYTES, W12FormatError, W12Tensor, decode,
+                          encode)
+from .gemm import _num_sms
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without triton: the reference still works
+    triton = None
+
+MAX_ROWS = 256  # rows per kernel launch; more rows are run in chunks of this many
+
+
+class W12GemmError(SpecPilotError):
+    """Activations that do not fit a W12 weight (shape, dtype, layout) or a weight too large for the kernel."""
+
+
+def w12_gemm_reference(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ decode(w12).T + bias`` computed in float32, cast to ``x.dtype`` (§4.1 reference).
+
+    Args:
+        x: ``[M, K]`` (any float dtype, any device holding ``w12``).
+        w12: the encoded weight ``[N, K]``.
+        bias: ``[N]`` or None.
+    Returns: ``[M, N]`` in x's dtype.
+    Raises: W12GemmError on a K mismatch; W12FormatError for a malformed ``w12``.
+    """
+    if x.shape[-1] != w12.shape[1]:
+        raise W12GemmError(f"activations have {x.shape[-1]} features, the W12 weight {w12.shape} wants {w12.shape[1]}")
+    return _linear_f32(x, decode(w12, check=False), bias)
+
+
+def _linear_f32(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` in float32, cast to x's dtype (in float32: exactly ``nn.Linear``'s call)."""
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+def codes_at(w12: W12Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """The bf16 values the kernel decodes at flat positions ``flat [E] long`` (``n * K + k``) from the records
+    alone (no escape patching): the saturated codes at escape positions. Plain PyTorch. Returns bf16 ``[E]``."""
+    k = w12.shape[1]
+    n, c = flat // k, flat % k
+    rec = (n // RECORD_ROWS * w12.records.shape[1] + c // RECORD_COLS) * RECORD_BYTES  # byte offset of the record
+    r, cc = n % RECORD_ROWS, c % RECORD_COLS
+    flat_rec = w12.records.reshape(-1)
+    v = flat_rec[rec + r * RECORD_COLS + cc].to(torch.int32)
+    p = flat_rec[rec + VIEW_BYTES + r * (RECORD_COLS // 2) + cc // 2].to(torch.int32)
+    nib = (p >> (4 * (c % 2))) & 15
+    e = w12.base[n].to(torch.int32) + ((v >> 3) & 15)
+    bits = ((v >> 7) << 15) | (e << 7) | ((v & 7) << 4) | nib
+    return (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.bfloat16)
+
+
+def escape_table(w12: W12Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-channel escape list the kernel adds after the K sum (module docstring).
+
+    Returns:
+        ``row_ptr`` int32 ``[N + 1]`` (channel n's escapes are ``[row_ptr[n], row_ptr[n+1])``), ``k`` int32
+        ``[E + 1]`` (input column of each escape, ascending within a channel) and ``delta`` float32 ``[E + 1]``,
+        ``fl32(w_true - w_code)`` (±inf / NaN for non-finite weights), on ``w12``'s device. The last entry of
+        ``k`` and ``delta`` is a sentinel ``(0, 0.0)`` that no channel lists (so neither is ever empty).
+    """
+    n, k = w12.shape
+    idx = w12.esc_idx.long()
+    rows = idx // k
+    counts = torch.bincount(rows, minlength=n) if idx.numel() else torch.zeros(n, dtype=torch.long, device=idx.device)
+    row_ptr = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
+    true = w12.esc_val.view(torch.bfloat16).float()
+    delta = true - codes_at(w12, idx).float()
+    return row_ptr, torch.cat(((idx % k).to(torch.int32), row_ptr.new_zeros(1))), torch.cat((delta, delta.new_zeros(1)))
+
+
+def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
+    """Launch parameters for ``[m, k] @ W12[n, k]ᵀ`` from static shapes only (so graphs and eager calls agree).
+
+    BLOCK_M: the rows rounded up to 16/32/64 (more rows: tiles of 64 on a third grid axis). BLOCK_N 64
+    (inside a 128-row band), BLOCK_K 128 (two records a step), 4 stages, weights as the left tl.dot
+    operand. SPLIT_K as :func:`specpilot.kernels.gemm.default_config`: the smallest power of two that puts
+    a program on every SM with at least 4 K-blocks per split, dividing the padded K into whole blocks.
+    Untuned starting point: ``bench/w12_bench.py`` sweeps the alternatives on the GPU.
+    """
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n, block_k = 64, 128
+    programs = -(-n // block_n) * -(-m // block_m)
+    k_blocks = -(-(-(-k // RECORD_COLS) * RECORD_COLS) // block_k)
+    split = 1
+    while programs * split < num_sms and k_blocks % (2 * split) == 0 and k_blocks // (2 * split) >= 4:
+        split *= 2
+    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4,
+                w_left=True)
+
+
+def _check(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None) -> None:
+    n, k = w12.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise W12GemmError(f"want x [M, {k}] for a W12 weight {tuple(w12.shape)}, got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise W12GemmError(f"the W12 kernel takes bfloat16 or float32 activations, got {x.dtype}")
+    if bias is not None and (tuple(bias.shape) != (n,)):
+        raise W12GemmError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if w12.records.numel() >= 2**31:
+        raise W12GemmError(f"W12 weight {tuple(w12.shape)} has records of 2 GiB or more (32-bit offsets)")
+    if x.device != w12.records.device:
+        raise W12GemmError(f"x is on {x.device}, the W12 records on {w12.records.device}")
+
+
+def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, escapes=None,
+             **overrides) -> torch.Tensor:
+    """Triton ``x @ decode(w12).T (+ bias)`` read from the records; fp32 accumulation, output in x's dtype.
+
+    Args:
+        x: ``[M, K]``, 1 ≤ M ≤ 256, bfloat16 (GPU) or float32 (decoded weights in float32; the interpreter).
+        w12: the weight ``[N, K]`` (records on x's device).
+        bias: ``[N]`` (any float dtype) or None.
+        escapes: :func:`escape_table` of ``w12`` (computed when None; :class:`W12Linear` keeps it).
+        overrides: block_m / block_n (16–128, dividing 128) / block_k (a multiple of 64) / split_k /
+            num_warps / num_stages / w_left (sweeps and tests).
+    Returns: ``[M, N]`` in x's dtype; within the module docstring's bound of :func:`w12_gemm_reference`.
+    Raises: W12GemmError on bad shapes / dtypes / devices or M outside 1..256; RuntimeError without triton.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    _check(x, w12, bias)
+    m, k = x.shape
+    n = w12.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise W12GemmError(f"w12_gemm takes 1..{MAX_ROWS} rows, got {m}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    row_ptr, esc_k, esc_d = escape_table(w12) if escapes is None else escapes
+    cfg = default_config(m, n, k, _num_sms(x.device.index if x.is_cuda else None))
+    cfg.update({key: v for key, v in overrides.items() if v is not None})
+    bm, bn, bk, split = cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["split_k"]
+    if RECORD_ROWS % bn or bk % RECORD_COLS or bm < 16 or bn < 16:
+        raise W12GemmError(f"block_n must divide {RECORD_ROWS}, block_k be a multiple of {RECORD_COLS}, blocks >= 16")
+    kt = w12.records.shape[1]
+    k_pad = kt * RECORD_COLS
+    k_per_split = triton.cdiv(triton.cdiv(k_pad, split), bk) * bk
+    even = k_per_split * split == k_pad
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    b = bias if bias is not None else out
+    _w12_gemm_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, bm))](
+        x, w12.records, w12.base, b, out, part, row_ptr, esc_k, esc_d, m, n, k, k_pad, x.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_PER_SPLIT=k_per_split, SPLIT_K=split, EVEN=even,
+        HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32, W_LEFT=bool(cfg["w_left"]),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split > 1:
+        _w12_split_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16))](
+            part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
+            HAS_BIAS=bias is not None, num_warps=4)
+    return out
+
+
+class W12Linear(nn.Module):
+    """A linear layer ``y = x Wᵀ + b`` whose bf16 weight is held in W12 (§4.1): ~12 bits a weight.
+
+    Buffers (move with ``.to(device)``; ``.to(dtype)`` casts only the bias): ``records`` uint8
+    ``[ceil(N/128), ceil(K/64), 12288]``, ``base`` uint8 ``[N]``, ``esc_idx`` int32/int64 ``[E]``, ``esc_val``
+    int16 ``[E]`` (the :class:`~specpilot.w12.format.W12Tensor`), the kernel's escape table ``esc_row_ptr``
+    int32 ``[N + 1]``, ``esc_k`` int32 ``[E]``, ``esc_delta_bits`` int32 ``[E]`` (float32 bits, so a dtype cast
+    leaves them alone), and ``bias`` ``[N]`` or None.
+
+    Forward: :func:`w12_gemm` on CUDA for bf16 / float32 activations, in chunks of 256 rows; elsewhere
+    the reference, :func:`w12_gemm_reference` (in float32 bitwise ``nn.Linear`` with the decoded weight). On
+    CUDA (float16 activations) the reference decodes on every call and caches nothing; on the CPU, where the
+    path exists for correctness tests and a full decode per pass would dominate, the decoded bf16 weight is
+    kept after the first call (2 more bytes a weight, not a buffer: ``state_dict`` holds the records only).
+    ``use_kernel``: None = as above; True forces the kernel (the Triton interpreter on the CPU in tests);
+    False forces the reference.
+    """
+
+    def __init__(self, w12: W12Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        w12.validate()
+        self.out_features, self.in_features = w12.shape
+        self.sha256 = w12.sha256
+        for name in ("records", "base", "esc_idx", "esc_val"):
+            self.register_buffer(name, getattr(w12, name))
+        row_ptr, esc_k, delta = escape_table(w12)
+        self.register_buffer("esc_row_ptr", row_ptr)
+        self.register_buffer("esc_k", esc_k)
+        self.register_buffer("esc_delta_bits", delta.view(torch.int32))
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise W12GemmError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")
+        self.register_buffer("bias", None if bias is None else bias.detach().to(w12.records.device))
+        self.use_kernel: bool | None = None
+        self._dense: torch.Tensor | None = None  # CPU only: the decoded weight, see the class docstring
+
+    @classmethod
+    def from_w12(cls, w12: W12Tensor, bias: torch.Tensor | None = None) -> "W12Linear":
+        """Wrap an encoded weight (e.g. from a packed directory) and an optional bias ``[N]``."""
+        return cls(w12, bias)
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear) -> "W12Linear":
+        """Encode ``layer``'s weight on its device (losslessly) and keep its bias.
+
+        Raises:
+            W12FormatError: the weight is not made of bfloat16 values (W12 is lossless only for bf16; a
+                float32 / float16 weight qualifies when every value is exactly a bf16 value, e.g. a bf16
+                checkpoint loaded in float32).
+        """
+        w = layer.weight.detach()
+        wb = w.to(torch.bfloat16)
+        if w.dtype != torch.bfloat16 and not torch.equal(wb.to(w.dtype), w):
+            raise W12FormatError(f"W12 needs bfloat16 weights: this {str(w.dtype).removeprefix('torch.')} weight "
+                                 f"{tuple(w.shape)} has values that are not bfloat16 values (use a bf16 checkpoint)")
+        return cls(encode(wb, device=w.device), layer.bias)
+
+    def w12(self) -> W12Tensor:
+        """The held weight as a :class:`~specpilot.w12.format.W12Tensor` (views of the buffers)."""
+        return W12Tensor(self.records, self.base, self.esc_idx, self.esc_val, (self.out_features, self.in_features),
+                         self.sha256)
+
+    def decoded_weight(self) -> torch.Tensor:
+        """The exact bf16 weight ``[N, K]`` (reference decode; checks nothing)."""
+        return decode(self.w12(), check=False)
+
+    def _kernel_ok(self, x: torch.Tensor) -> bool:
+        if self.use_kernel is not None:
+            return self.use_kernel
+        return x.is_cuda and triton is not None and x.dtype in (torch.bfloat16, torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K]`` -> ``[..., N]`` in x's dtype. Raises W12GemmError when the last dim is not K."""
+        if x.shape[-1] != self.in_features:
+            raise W12GemmError(f"W12Linear takes {self.in_features} features, got shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] == 0 or not self._kernel_ok(x2):
+            w = self._dense if self._dense is not None and self._dense.device == self.records.device else None
+            if w is None:
+                w = self.decoded_weight()
+                self._dense = None if w.is_cuda else w
+            y = _linear_f32(x2, w, self.bias)
+        else:
+            esc = (self.esc_row_ptr, self.esc_k, self.esc_delta_bits.view(torch.float32))
+            y = torch.cat([w12_gemm(x2[i:i + MAX_ROWS], self.w12(), self.bias, escapes=esc)
+                           for i in range(0, x2.shape[0], MAX_ROWS)]) if x2.shape[0] > MAX_ROWS else \
+                w12_gemm(x2, self.w12(), self.bias, escapes=esc)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, escapes={self.esc_idx.numel()}")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_tile(v, p, base7, FP32: tl.constexpr):
+        """Views ``v [BN, BK]`` and packed nibbles ``p [BN, BK/2]`` (uint8), ``base7 [BN]`` = ``B_n << 7``
+        -> the weights ``[BN, BK]`` (float32 if FP32, else bf16), bit-exact codes."""
+        vi = v.to(tl.int32)
+        pi = p.to(tl.int32)
+        nib = tl.interleave(pi & 15, pi >> 4)  # column 2c from the low nibble, 2c + 1 from the high one
+        bits = ((vi & 0x80) << 8) | (((vi & 0x7F) << 4) + base7[:, None]) | nib
+        if FP32:
+            return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, TRANS: tl.constexpr):
+        """``acc[m, n] += x[m, k_e] * d_e`` over channel n's escapes, in list order; ``acc`` is ``[BN, BM]``
+        when TRANS, else ``[BM, BN]``. The loop runs to the tile's largest escape count."""
+        lo = tl.load(RowPtr + offs_n, mask=n_ok, other=0)
+        cnt = tl.load(RowPtr + offs_n + 1, mask=n_ok, other=0) - lo
+        for j in range(0, tl.max(cnt, axis=0)):
+            has = j < cnt
+            k = tl.load(EscK + lo + j, mask=has, other=0)
+            d = tl.load(EscD + lo + j, mask=has, other=0.0)
+            if TRANS:
+                xv = tl.load(X + offs_m[None, :] * stride_xm + k[:, None], mask=has[:, None] & m_ok[None, :],
+                             other=0.0)
+                acc += xv.to(tl.float32) * d[:, None]
+            else:
+                xv = tl.load(X + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & has[None, :],
+                             other=0.0)
+                acc += xv.to(tl.float32) * d[None, :]
+        return acc
+
+    @triton.jit
+    def _w12_gemm_kernel(X, Rec, Base, Bias, Out, Part, RowPtr, EscK, EscD, M, N, K, K_PAD, stride_xm,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT,
+                         SPLIT_K: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, FP32: tl.constexpr,
+                         W_LEFT: tl.constexpr):
+        """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: BLOCK_N rows of one record band, one K
+        chunk (K_PER_SPLIT, a multiple of BLOCK_K), BLOCK_M activation rows. ``W_LEFT``: ``acc [BN, BM] =
+        W xᵀ`` (the weights as the left MMA operand), else ``acc [BM, BN] = x Wᵀ``."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        band_bytes = (K_PAD // 64) * 12288
+        row_v = (offs_n // 128) * band_bytes + (offs_n % 128) * 64  # the row's views in the band's record 0
+        row_p = (offs_n // 128) * band_bytes + 8192 + (offs_n % 128) * 32
+        base7 = tl.load(Base + offs_n, mask=n_ok, other=127).to(tl.int32) << 7
+        rk = tl.arange(0, BLOCK_K)
+        rk2 = tl.arange(0, BLOCK_K // 2)
+        col_v = (rk // 64) * 12288 + rk % 64
+        col_p = (rk2 // 32) * 12288 + rk2 % 32
+        k0 = pid_k * K_PER_SPLIT
+        if W_LEFT:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):
+            kb = k0 + kk
+            offs_k = kb + rk
+            a = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+            rec = Rec + (kb // 64) * 12288
+            if EVEN:
+                v = tl.load(rec + row_v[:, None] + col_v[None, :])
+                p = tl.load(rec + row_p[:, None] + col_p[None, :])
+            else:
+                v = tl.load(rec + row_v[:, None] + col_v[None, :], mask=(offs_k < K_PAD)[None, :], other=0)
+                p = tl.load(rec + row_p[:, None] + col_p[None, :], mask=(kb + 2 * rk2 < K_PAD)[None, :], other=0)
+            w = _decode_tile(v, p, base7, FP32)
+            if FP32:
+                if W_LEFT:
+                    acc += tl.dot(w, tl.trans(a), input_precision="ieee")
+                else:
+                    acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:
+                if W_LEFT:
+                    acc += tl.dot(w, tl.trans(a))
+                else:
+                    acc += tl.dot(a, tl.trans(w))
+        if W_LEFT:
+            dst = offs_m[None, :] * N + offs_n[:, None]
+            ok = n_ok[:, None] & m_ok[None, :]
+        else:
+            dst = offs_m[:, None] * N + offs_n[None, :]
+            ok = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K == 1:
+            acc = _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, W_LEFT)
+            if HAS_BIAS:
+                bias = tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                if W_LEFT:
+                    acc += bias[:, None]
+                else:
+                    acc += bias[None, :]
+            tl.store(Out + dst, acc.to(Out.dtype.element_ty), mask=ok)
+        else:
+            tl.store(Part + pid_k * M * N + dst, acc, mask=ok)
+
+    @triton.jit
+    def _w12_split_sum_kernel(Part, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, SPLIT_K: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """``Out = Σ_s Part[s]`` in split order, then the escapes in list order, then the bias."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        ok = m_ok[:, None] & n_ok[None, :]
+        ptr = Part + offs_m[:, None] * N + offs_n[None, :]
+        acc = tl.load(ptr, mask=ok, other=0.0)
+        for s in range(1, SPLIT_K):
+            acc += tl.load(ptr + s * M * N, mask=ok, other=0.0)
+        acc = _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, False)
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(Out + offs_m[:, None] * N + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=ok)
+
+
+__all__ = ["w12_gemm", "w12_gemm_reference", "W12Linear", "W12GemmError", "default_config", "escape_table",
+           "codes_at", "MAX_ROWS"]

@@ -1,0 +1,63 @@
+"""The ``w12`` engine mechanism (§4.1): the target's projection layers read W12 lossless 12-bit weights.
+
+Every ``nn.Linear`` of every decoder layer's attention (``qkv_proj`` / ``q,k,v_proj``, ``o_proj``) and MLP
+(``gate_up_proj`` / ``gate,up_proj``, ``down_proj``) becomes a :class:`~specpilot.kernels.w12_gemm.W12Linear`
+holding the same bf16 weight, encoded losslessly; the embeddings, norms and LM head stay as they are. The
+decoded weights are bit for bit the originals, so the model computes the same function: on the CPU the
+W12 layers run the reference (decode, then the very ``F.linear`` ``nn.Linear`` calls), so in float32 a
+``w12`` model gives the same logits as the original bit for bit; on CUDA the W12 GEMM differs from cuBLAS
+only by float32 accumulation order. AR and speculative decoding both run through the same W12 layers, so
+speculative output equals AR output with ``w12`` on as with it off.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from ..engine.model import Transformer
+from ..kernels.w12_gemm import W12Linear
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with its own child table (parameters, buffers and children are shared)."""
+    c = copy.copy(module)
+    c._modules = dict(module._modules)
+    return c
+
+
+def to_w12(model: Transformer, inplace: bool = False) -> Transformer:
+    """``model`` with its decoder layers' projections in W12 (module docstring), encoded on their device.
+
+    Args:
+        model: a :class:`Transformer` (fused or not; its weights must be bfloat16 values).
+        inplace: replace the layers in ``model`` itself; otherwise return a new model object that shares
+            every other parameter (embeddings, norms, LM head) with ``model``, which stays unchanged.
+    Returns: the W12 model (``model`` when ``inplace``).
+    Raises:
+        W12FormatError: a projection weight is not made of bfloat16 values (W12 is lossless only for bf16;
+            a bf16 checkpoint loaded in float32 qualifies, a float32 checkpoint in general does not).
+    """
+    out = model if inplace else _shallow(model)
+    if not inplace:
+        out.model = _shallow(model.model)
+        out.model.layers = _shallow(model.model.layers)
+    for i, layer in enumerate(model.model.layers):
+        new = layer if inplace else _shallow(layer)
+        for part in ("self_attn", "mlp"):
+            sub = getattr(layer, part) if inplace else _shallow(getattr(layer, part))
+            for name, child in list(sub.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(sub, name, W12Linear.from_linear(child))
+            setattr(new, part, sub)
+        out.model.layers[i] = new
+    return out
+
+
+def is_w12(model: Transformer) -> bool:
+    """Whether ``model``'s decoder projections are W12 layers (those of :func:`to_w12`)."""
+    return any(isinstance(m, W12Linear) for m in model.model.layers.modules())
+
+
+__all__ = ["to_w12", "is_w12"]

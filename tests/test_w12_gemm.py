@@ -1,0 +1,240 @@
+"""W12 GEMM (specpilot.kernels.w12_gemm, §4.1) against the reference decode + float32 matmul, and W12Linear.
+
+CPU: Triton interpreter with float32 activations (the decoded bf16 weights are exact in float32). CUDA:
+compiled, float32 and bf16. The kernel must stay within the accumulation-rounding bound of the module
+docstring element by element, propagate non-finite escapes as the reference does, and be bitwise
+deterministic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .tritonutil import CUDA, DEV, triton  # noqa: F401
+
+from specpilot.kernels import gemm
+from specpilot.kernels.w12_gemm import (W12GemmError, W12Linear, codes_at, default_config, escape_table, w12_gemm,
+                                        w12_gemm_reference)
+from specpilot.w12.format import W12FormatError, W12Tensor, decode, encode
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if CUDA else [])
+
+
+def planted_weight(n, k, seed):
+    """Random bf16 ``[n, k]`` (std 0.02) with zeros, denormals, tiny normals and outliers beyond any window of
+    the row planted in several rows (several escapes in one row too)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
+    plant = [0.0, -0.0, 1e-40, -3e-39, 1e-30, 2.0**-120, 300.0, -5e4, 1e30, -2.5e20]
+    for i, v in enumerate(plant):
+        for r in ((7 * i + 3) % n, (11 * i + 1) % n):
+            w[r, (13 * i + 5 * r) % k] = v
+    w[n - 1, :: max(1, k // 9)] = 0.0  # a row with many escapes (the escape loop's longest)
+    return w
+
+
+def code_matrix(t: W12Tensor) -> torch.Tensor:
+    """The values the records alone hold (saturated codes at escapes), float64 ``[N, K]``."""
+    empty = W12Tensor(t.records, t.base, t.esc_idx[:0], t.esc_val[:0], t.shape, t.sha256)
+    return decode(empty, check=False).double()
+
+
+def assert_within_rounding(out, x, t, bias=None):
+    """``|out - ref| <= 2 γ_{K+E+3} (Σ_k |x| (|w| + |c|) + |b|)`` element by element (module docstring), ``ref`` the
+    reference; plus one rounding of the output dtype for bf16 outputs."""
+    ref = w12_gemm_reference(x, t, bias).double()
+    w, c = decode(t, check=False).double(), code_matrix(t)
+    k = t.shape[1]
+    u = 2.0**-24
+    nk = k + t.num_escapes + 3
+    gamma = nk * u / (1 - nk * u)
+    bound = 2 * gamma * (x.double().abs() @ (w.abs() + c.abs()).T + (0 if bias is None else bias.double().abs()))
+    if out.dtype != torch.float32:
+        bound = bound + 2.0**-8 * ref.abs() * 2
+    err = (out.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
+# (M, N, K, overrides): ragged N / K (not multiples of 128 / 64), split-K 1..3, every BLOCK_M, both operand orders
+CASES = [
+    (1, 200, 300, dict(block_n=64, block_k=128)),
+    (1, 130, 64, dict(block_n=16, block_k=64, w_left=False)),
+    (5, 200, 300, dict(block_n=32, block_k=64, split_k=3)),
+    (17, 128, 200, dict(block_n=64, block_k=128, split_k=2, w_left=False)),
+    (64, 70, 130, dict(block_n=32, block_k=64, split_k=2)),
+    (100, 90, 100, dict(block_n=64, block_k=64)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,over", CASES)
+def test_w12_gemm_matches_reference_within_rounding(dtype, m, n, k, over):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    t = encode(planted_weight(n, k, seed=m + n), device=DEV)
+    assert t.num_escapes >= 12
+    x = torch.randn(m, k, generator=g).to(DEV, dtype)
+    bias = torch.randn(n, generator=g).to(DEV, dtype) if m % 2 else None
+    out = w12_gemm(x, t, bias, **over)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert bool(torch.isfinite(out).all())
+    assert_within_rounding(out.cpu(), x.cpu(), _cpu(t), None if bias is None else bias.cpu())
+    again = w12_gemm(x, t, bias, **over)
+    assert torch.equal(again.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       out.view(torch.int16 if dtype != torch.float32 else torch.int32)), "two runs must be bitwise identical"
+
+
+def _cpu(t: W12Tensor) -> W12Tensor:
+    return W12Tensor(t.records.cpu(), t.base.cpu(), t.esc_idx.cpu(), t.esc_val.cpu(), t.shape, t.sha256)
+
+
+def test_default_config_path_and_reference_order():
+    """Default launch (no overrides) at every bucket of M; and without escapes the kernel equals the reference
+    exactly on exactly-representable inputs (small integers), whatever the blocking."""
+    n, k = 96, 192
+    g = torch.Generator().manual_seed(5)
+    w = torch.randint(1, 9, (n, k), generator=g).to(torch.bfloat16) * torch.randint(0, 2, (n, k), generator=g).mul(2).sub(1)
+    t = encode(w.to(torch.bfloat16), device=DEV)
+    assert t.num_escapes == 0
+    for m in (1, 5, 17, 64):
+        x = torch.randint(-4, 5, (m, k), generator=g).float().to(DEV)
+        assert torch.equal(w12_gemm(x, t), w12_gemm_reference(x, t))
+
+
+def test_nonfinite_escapes_propagate_like_the_reference():
+    n, k, m = 64, 128, 5
+    g = torch.Generator().manual_seed(9)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
+    w[1, 3] = float("inf")
+    w[2, 4] = float("-inf")
+    w[3, 5] = float("nan")
+    w[4, 6], w[4, 7] = float("inf"), float("-inf")  # both signs in one row: NaN
+    w[5, 8] = float("inf")  # meets x = 0 in row 0 of x: NaN there, inf elsewhere
+    t = encode(w, device=DEV)
+    x = torch.randn(m, k, generator=g)
+    x[0, 8] = 0.0
+    x[1, 3] = -1.0  # -inf * ... row 1, channel 1 becomes -inf
+    x = x.to(DEV)
+    for over in (dict(), dict(split_k=2, block_k=64, block_n=16), dict(w_left=False)):
+        out = w12_gemm(x, t, **over).cpu()
+        ref = w12_gemm_reference(x.cpu(), _cpu(t))
+        assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
+        assert torch.equal(out[out.isinf()], ref[ref.isinf()])
+        assert out[0, 5].isnan() and out[1, 5].isinf() and out[1, 1] == float("-inf") and out[:, 3].isnan().all()
+        fin = ref.isfinite()
+        torch.testing.assert_close(out[fin], ref[fin], atol=1e-5, rtol=1e-5)
+    # infinite activations: non-finite exactly where the reference is, NaN where it is NaN
+    xi = x.clone()
+    xi[2, 20], xi[3, 5] = float("inf"), float("-inf")
+    out, ref = w12_gemm(xi, t).cpu(), w12_gemm_reference(xi.cpu(), _cpu(t))
+    assert torch.equal(out.isfinite(), ref.isfinite()) and bool(out[ref.isnan()].isnan().all())
+    assert not bool(out[2:4].isfinite().any()) and bool(out[:2].isfinite().any())
+
+
+def test_escape_table_and_codes():
+    w = planted_weight(150, 70, seed=3)
+    t = encode(w)
+    row_ptr, ks, delta = escape_table(t)
+    idx = t.esc_idx.long()
+    assert row_ptr.shape == (151,) and int(row_ptr[-1]) == t.num_escapes and ks.shape == (t.num_escapes + 1,)
+    assert torch.equal(ks[:-1].long(), idx % 70) and ks[-1] == 0 and delta[-1] == 0
+    for n in range(150):  # channel n lists exactly its escapes
+        assert torch.equal(idx[row_ptr[n]:row_ptr[n + 1]] // 70, torch.full((int(row_ptr[n + 1] - row_ptr[n]),), n))
+    c = codes_at(t, idx)
+    assert torch.equal(c, code_matrix(t).view(-1)[idx].to(torch.bfloat16))
+    true = t.esc_val.view(torch.bfloat16).float()
+    assert torch.equal(delta[:-1], true - c.float())
+    below = true.abs() < c.float().abs()  # saturated codes are the nearest in-window value of the same sign
+    assert bool((torch.signbit(c) == torch.signbit(true)).all()) and bool(below.any()) and bool((~below).any())
+
+
+def test_default_config_fills_the_device_and_divides_k():
+    for m, n, k in [(1, 6144, 4096), (1, 4096, 4096), (8, 24576, 4096), (32, 4096, 12288), (256, 10240, 5120),
+                    (1, 5120, 25600), (100, 200, 300)]:
+        c = default_config(m, n, k)
+        kb = -(-(-(-k // 64) * 64) // c["block_k"])
+        assert kb % c["split_k"] == 0 and (c["split_k"] == 1 or kb // c["split_k"] >= 4)
+        assert c["block_m"] >= min(m, 64) and 128 % c["block_n"] == 0 and c["block_k"] % 64 == 0
+        progs = -(-n // c["block_n"]) * -(-m // c["block_m"])
+        could_double = kb % (2 * c["split_k"]) == 0 and kb // (2 * c["split_k"]) >= 4
+        assert progs * c["split_k"] >= 132 or not could_double
+
+
+def test_bad_input_raises():
+    t = encode((torch.randn(40, 70) * 0.02).to(torch.bfloat16), device=DEV)
+    bad = [torch.randn(0, 70), torch.randn(257, 70), torch.randn(2, 71), torch.randn(2, 70).half()]
+    for x in bad:
+        with pytest.raises(W12GemmError):
+            w12_gemm(x.to(DEV), t)
+    with pytest.raises(W12GemmError):
+        w12_gemm(torch.randn(2, 70, device=DEV), t, block_n=48)
+    with pytest.raises(W12GemmError):
+        w12_gemm(torch.randn(2, 70, device=DEV), t, torch.randn(41, device=DEV))
+    with pytest.raises(W12GemmError):
+        w12_gemm_reference(torch.randn(2, 69), _cpu(t))
+
+
+# -- W12Linear ---------------------------------------------------------------------------------------
+def exact_linear(n, k, bias, seed):
+    """A float32 nn.Linear with bf16-valued weights that make every sum exact: integers in [-8, 8] times 2^-4
+    (zeros and ±2^10 outliers planted: escapes), so any summation order gives the same float32 result."""
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        w = torch.randint(-8, 9, (n, k), generator=g).float() / 16
+        w[0, :3] = 2.0**10
+        w[n // 2, 1] = -(2.0**10)
+        lin.weight.copy_(w)
+        if bias:
+            lin.bias.copy_(torch.randint(-50, 50, (n,), generator=g).float())
+    return lin.requires_grad_(False)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_w12_linear_equals_nn_linear_on_exact_inputs(kernel):
+    lin = exact_linear(150, 100, True, seed=1)
+    w12 = W12Linear.from_linear(lin)
+    w12.use_kernel = kernel
+    assert w12.esc_idx.numel() > 3 and w12.in_features == 100 and w12.out_features == 150
+    g = torch.Generator().manual_seed(2)
+    for shape in ((1, 100), (17, 100), (2, 3, 100)):
+        x = torch.randint(-6, 7, shape, generator=g).float()
+        assert torch.equal(w12(x), lin(x)), shape
+    assert torch.equal(w12.decoded_weight().float(), lin.weight)
+
+
+def test_w12_linear_rows_beyond_256_and_reference_bitwise_in_float32():
+    """> 256 rows go through the kernel in chunks; the CPU reference path is bitwise nn.Linear in float32."""
+    g = torch.Generator().manual_seed(4)
+    lin = torch.nn.Linear(64, 40).requires_grad_(False)
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.to(torch.bfloat16).float())
+    w12 = W12Linear.from_linear(lin)
+    x = torch.randn(300, 64, generator=g)
+    assert torch.equal(w12(x), lin(x))  # reference path: F.linear with the same float32 weight
+    w12.use_kernel = True
+    torch.testing.assert_close(w12(x), lin(x), atol=1e-5, rtol=1e-5)
+
+
+def test_w12_linear_refuses_non_bf16_weights_and_keeps_buffers_under_dtype_casts():
+    lin = torch.nn.Linear(16, 8)
+    with pytest.raises(W12FormatError, match="bfloat16"):
+        W12Linear.from_linear(lin)
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.to(torch.bfloat16).float())
+        lin.weight[0, 0] = 0.0
+    m = W12Linear.from_linear(lin).to(torch.bfloat16)
+    assert m.bias.dtype == torch.bfloat16 and m.records.dtype == torch.uint8
+    assert m.esc_delta_bits.dtype == torch.int32 and m.esc_idx.numel() >= 1
+    assert torch.equal(m.decoded_weight(), lin.weight.to(torch.bfloat16))
+    with pytest.raises(W12GemmError):
+        m(torch.randn(2, 15))
+    same = W12Linear.from_w12(m.w12(), lin.bias)
+    assert torch.equal(same(torch.ones(1, 16)), W12Linear.from_linear(lin)(torch.ones(1, 16)))
+
+
+def test_gemm_linear_dispatches_w12_layers():
+    lin = exact_linear(24, 32, False, seed=6)
+    w12 = W12Linear.from_linear(lin)
+    x = torch.randint(-3, 4, (3, 32)).float()
+    assert torch.equal(gemm.linear(x, w12), lin(x)) and torch.equal(gemm.cublas_linear(x, w12), lin(x))
