@@ -175,6 +175,9 @@ class Pilot:
 
         incumbent, entries, candidates, rounds, tried = self.stock, [], [], [], {self.stock.seal()}
         memory = Memory(o.out / "memory")
+        if ar_stock.gain < 1.0:  # stock loses to AR: speculation itself is a candidate to switch off (§3.3)
+            self.say("round 0", f"stock is {ar_stock.gain:.3f}x AR: candidate AR (no drafter) against stock")
+            incumbent = self.round0_ar(memory, entries, candidates, tried)
         for rnd in range(1, plan["rounds"] + 1):
             ceil, inc_m = self.ceiling(incumbent, ar_m["step_ms"])
             f = ceil.factors()
@@ -218,6 +221,27 @@ class Pilot:
                 incumbent = cand
             rounds[-1]["approved"] = best[3]["name"] if best else None
         return self.seal(incumbent, entries, memory, candidates, rounds, ar_m)
+
+    def round0_ar(self, memory, entries, candidates, tried) -> SystemConfig:
+        """Judge AR (no drafter) against stock like any candidate; approved, it becomes the incumbent (and a
+        memory entry), so no later candidate is approved unless it beats AR. Returns the incumbent."""
+        tried.add(self.ar.seal())
+        j = self.judge(self.stock, self.ar, self.ar.label())
+        v = j.verdict
+        self.say("round 0", ("[green]" if v.approved else "[red]") + v.reason + "[/]")
+        row = {"round": 0, "name": self.ar.label(), "config": self.ar.model_dump(), "predicted": None,
+               "gain": j.run.gain, "lower_bound": j.run.lower_bound, "bar": v.bar, "outputs_differ": j.run.outputs_differ,
+               "forcing_passed": j.forcing_passed, "forcing_reasons": list(j.forcing_reasons),
+               "mismatch_rate": j.forcing.mismatch_rate, "approved": v.approved, "reason": v.reason}
+        candidates.append(row)
+        if not v.approved:
+            return self.stock
+        entry = self.entry(0, self.stock, self.ar, j.run, j.forcing, [])
+        memory.add(entry, overwrite=True)
+        entries.append(entry)
+        row["entry"] = entry.id
+        self.say("round 0", f"approved {entry.id}: {self.stock.label()} -> {self.ar.label()}")
+        return self.ar
 
     def screen(self, proposals, inc_m: dict, ar_ms: float, k: int):
         """Time each proposal's decode steps live on a few requests (c); keep the ``k`` whose replay τ / c
