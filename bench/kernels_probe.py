@@ -24,32 +24,13 @@ from specpilot.pilot.setup import measure_verify_ms
 from specpilot.provenance import git_commit, versions
 from specpilot.zoo.random_ckpt import random_transformer
 
+from timing import time_calls  # noqa: E402  (bench/timing.py)
+
 dev = "cuda"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
 ROWS = (1, 8, 16, 32, 48, 64)
 
-
-def time_calls(fn, weights, x, reps=10) -> float:
-    """µs per call of ``fn(x, w)`` cycling ``weights``, replayed from one CUDA graph (best of 5)."""
-    for w in weights[:2]:
-        fn(x, w)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for w in weights:
-                fn(x, w)
-    best = float("inf")
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        best = min(best, s.elapsed_time(e) * 1e3 / (reps * len(weights)))
-    del g
-    return best
 
 
 def gemm_table(sweep: bool) -> list[dict]:

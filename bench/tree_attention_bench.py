@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specpilot.kernels.tree_attention import default_config, tree_attention, tree_attention_reference
+from specpilot.mechanisms.trees import ancestor_mask_of
 from specpilot.provenance import git_commit, versions
 
 H, KVH, D, S, LAYERS = 32, 8, 128, 4096, 16
@@ -31,13 +32,7 @@ REPS = 20
 
 def random_tree_mask(r, gen):
     """``[r, r]`` bool ancestor-or-self mask from a random parent array (parent of i in [0, i))."""
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, r)]
-    m = torch.eye(r, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        while p >= 0:
-            m[i, p] = True
-            p = parents[p]
-    return m
+    return ancestor_mask_of([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, r)])
 
 
 def sdpa_current(q, k, v, n, full_mask):

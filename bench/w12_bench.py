@@ -37,6 +37,8 @@ from specpilot.provenance import git_commit, versions
 from specpilot.w12.format import W12Tensor, decode, encode
 from specpilot.zoo.random_ckpt import random_transformer
 
+from timing import time_calls  # noqa: E402  (bench/timing.py)
+
 dev = "cuda"
 SHAPES = {  # name -> (N, K)
     "qwen3-8b/qkv": (6144, 4096), "qwen3-8b/o": (4096, 4096), "qwen3-8b/gate_up": (24576, 4096),
@@ -50,27 +52,6 @@ CHECK_ROWS = (1, 32, 128)
 BUDGET_S = 225  # the sweep stops here (seconds since start); everything else comes first
 T0 = time.time()
 
-
-def time_calls(fn, weights, x, reps=10) -> float:
-    """µs per call of ``fn(x, w)`` cycling ``weights``, replayed from one CUDA graph (best of 5)."""
-    for w in weights[:2]:
-        fn(x, w)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for w in weights:
-                fn(x, w)
-    best = float("inf")
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        best = min(best, s.elapsed_time(e) * 1e3 / (reps * len(weights)))
-    del g
-    return best
 
 
 def codes(t: W12Tensor) -> torch.Tensor:

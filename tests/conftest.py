@@ -48,3 +48,30 @@ def random_prompts(n, vocab=64, length=12, seed=0):
     """``n`` random prompts (lists of ids) of ``length`` tokens."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def run_cli(monkeypatch, capsys, *args):
+    """Run ``specpilot *args`` in-process; returns ``(exit code, stdout, stderr)``."""
+    import sys
+
+    from specpilot import cli
+
+    monkeypatch.setattr(sys, "argv", ["specpilot", *args])
+    capsys.readouterr()  # drop what fixtures printed
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module: on a shared 2-core machine two threads make paired runs and tiny
+    scorer passes several times slower (use with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -26,13 +26,7 @@ from .cheats import Lazy, Memo, Saboteur, SkipVerify, SuffixMemo, Twice, biased,
 STOCK = SystemConfig.stock("ngram")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads make each paired run ~5x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,7 @@ from .test_cli import run_cli
 TARGET = str(bundled_target_dir())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the scorer's passes are tiny, and a shared 2-core machine thrashes with two."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

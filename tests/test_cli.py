@@ -3,25 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from specpilot import cli
 
-from .conftest import save_tiny
+from .conftest import save_tiny, run_cli
 
-
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["specpilot", *args])
-    capsys.readouterr()  # drop what fixtures printed
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_generate_json_bundled(monkeypatch, capsys):

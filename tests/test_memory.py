@@ -2,12 +2,13 @@
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from specpilot.config import SystemConfig
 from specpilot.pilot.memory import Entry, Evidence, Memory, MemoryEntryError
+
+from .conftest import run_cli
 
 STOCK = SystemConfig.stock()
 
@@ -163,19 +164,6 @@ def test_config_entry_on_top_of_a_code_entry(code, tmp_path):
     m.add(entry("budget-16", {"nodes": 16}, requires=["tree"], system=big))
     assert m.reproduce("budget-16", repo).status == "reproduced" and m.apply(STOCK, ["budget-16"]) == big
 
-
-def run_cli(monkeypatch, capsys, *args):
-    from specpilot import cli
-
-    monkeypatch.setattr(sys, "argv", ["specpilot", *args])
-    capsys.readouterr()
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_memory_cli_list_show_check(monkeypatch, capsys, code, tmp_path):

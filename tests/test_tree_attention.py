@@ -15,18 +15,14 @@ import torch.nn.functional as F
 
 from .tritonutil import CUDA, DEV, triton  # noqa: F401  (sets up the interpreter on the CPU)
 
+from specpilot.mechanisms.trees import ancestor_mask_of  # noqa: E402
+
 ta = importlib.import_module("specpilot.kernels.tree_attention")
 
 
 def tree_mask_from_parents(parents: list[int], n_pad: int = 0) -> torch.Tensor:
     """``[R + n_pad, R + n_pad]`` bool ancestor-or-self mask; padded rows see only themselves."""
-    r = len(parents) + n_pad
-    m = torch.eye(r, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        while p >= 0:
-            m[i, p] = True
-            p = parents[p]
-    return m
+    return ancestor_mask_of(list(parents) + [-1] * n_pad)
 
 
 def random_case(gen, r, h, kvh, d, s, prefix, dtype, n_pad=0):

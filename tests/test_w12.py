@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import json
 import struct
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specpilot import cli
 from specpilot.w12.format import (NIBBLE_BYTES, RECORD_BYTES, VIEW_BYTES, W12FormatError, approx_view, decode,
                                   encode)
 from specpilot.w12.pack import is_linear_weight, load_w12_state_dict, pack_dir, verify_dir
 from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
 
-from .conftest import save_tiny
+from .conftest import save_tiny, run_cli
 
 
 def bits(w: torch.Tensor) -> torch.Tensor:
@@ -203,17 +201,6 @@ def test_bundled_weights_roundtrip(which):
         esc, n = esc + t.num_escapes, n + t.num_weights
     assert esc / n < 1e-4  # the goal (measured 5.3e-5 target, 4.6e-5 drafter)
 
-
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["specpilot", *args])
-    capsys.readouterr()
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")

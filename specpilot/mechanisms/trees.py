@@ -16,6 +16,23 @@ import torch
 from ..drafters.lattice import Lattice
 
 
+def ancestor_mask_of(row_parents: list[int]) -> torch.Tensor:
+    """``[R, R] bool`` ancestor-or-self mask of rows given each row's parent row (-1 for a root; a row
+    with no parent sees only itself, as a padding row). Parents must precede their children.
+
+    Raises: ValueError when a parent does not precede its child.
+    """
+    n = len(row_parents)
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for r, p in enumerate(row_parents):
+        if p >= r:
+            raise ValueError(f"row {r}'s parent {p} does not precede it")
+        if p >= 0:
+            m[r] = m[p]
+        m[r, r] = True
+    return m
+
+
 @dataclass
 class Tree:
     """Drafted nodes (root excluded).
@@ -53,15 +70,7 @@ class Tree:
 
     def ancestor_mask(self, device=None) -> torch.Tensor:
         """``[N + 1, N + 1] bool``: row r may attend row c iff c is r itself or an ancestor (root = row 0)."""
-        n = len(self) + 1
-        m = torch.zeros(n, n, dtype=torch.bool)
-        m[:, 0] = True
-        for i, p in enumerate(self.parents):
-            r = i + 1
-            if p >= 0:
-                m[r] = m[p + 1]
-            m[r, r] = True
-        m[0, 0] = True
+        m = ancestor_mask_of([-1] + [p + 1 for p in self.parents])
         return m.to(device) if device is not None else m
 
     def child_maps(self) -> list[dict[int, int]]:
