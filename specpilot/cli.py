@@ -147,6 +147,8 @@ def pilot(
         tdir, ddir = bundled_target_dir(), ddir or bundled_drafter_dir()
         if block is None:
             block = [bundled_block_dir(), bundled_block_markov_dir()]
+    if out.exists() and not out.is_dir():
+        raise SpecPilotError(f"--out {out} exists and is not a directory")
     run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
                            blocks=tuple(block or ())))
 
@@ -246,7 +248,12 @@ def bench(
     """Our AR and speculative systems side by side with transformers' generate; c(N) by rows; byte floor."""
     from .benchmark import run_bench
 
-    res = run_bench(target, device, dtype, prefix, new_tokens, out, with_transformers=transformers_generate)
+    from .engine.checkpoint import DTYPES
+    from .engine.deployment import check_device
+
+    if dtype not in DTYPES:
+        raise SpecPilotError(f"unknown --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    res = run_bench(target, check_device(device), dtype, prefix, new_tokens, out, with_transformers=transformers_generate)
     print(json.dumps({k: res[k] for k in ("device", "ar_ms_per_step", "ar_tokens_per_s", "byte_floor_ms", "percent_of_floor")}
                      | {"c_33": res["c"].get(33), "c_64": res["c"].get(64)}
                      | ({"step_over_kernels": res["ar_step_profile"]["wall_over_kernels"]} if "ar_step_profile" in res else {}),

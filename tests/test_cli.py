@@ -72,3 +72,20 @@ def test_bad_options_name_the_option(monkeypatch, capsys, args, needle):
 def test_parser_errors_are_not_tracebacks(monkeypatch, capsys, args):
     code, out, err = run_cli(monkeypatch, capsys, *args)
     assert code == 2 and "Traceback" not in err and err.strip()
+
+
+def test_fresh_user_bad_options_are_one_line_errors(monkeypatch, capsys, tmp_path):
+    """Found by the third fresh-user test: these used to end in tracebacks."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    from specpilot.zoo import bundled_target_dir
+
+    target = str(bundled_target_dir())
+    cases = [("pilot", "--quick", "--dtype", "nonsense", "--out", str(tmp_path / "r")),
+             ("pilot", "--quick", "--out", str(afile)),
+             ("bench", "--target", target, "--device", "cpu", "--dtype", "nonsense")]
+    if not __import__("torch").cuda.is_available():
+        cases.append(("bench", "--target", target))
+    for args in cases:
+        code, out, err = run_cli(monkeypatch, capsys, *args)
+        assert code == 2 and err.startswith("error:") and "Traceback" not in err, (args, err)

@@ -97,6 +97,8 @@ def load_model(
     Raises:
         CheckpointError: missing files, unsupported model_type, missing or mis-shaped tensors.
     """
+    if dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     args = read_args(path)
     state = read_state_dict(path)
     with torch.device("meta"):
