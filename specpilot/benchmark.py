@@ -88,23 +88,13 @@ def _ar_step_profile(model, prompt: list[int], dtype: str, steps: int = 32) -> d
             "top_kernels_of_generate": long.top}
 
 
-@torch.inference_mode()
 def _pass_profiles(model, prefix_len: int, rows=(1, 33, 64)) -> dict:
-    """Kernel profiles of the bare exact pass (graph replay + host read) at a few row counts; gives c(N)
-    from summed kernel time (``c_kernels``), free of host jitter, next to the wall-clock c."""
-    from .engine.graphs import BucketRunner
-    from .pilot.kernel_profile import profile_kernels
+    """Kernel profiles of the bare exact pass at a few row counts; gives c(N) from summed kernel time
+    (``c_kernels``), free of host jitter, next to the wall-clock c."""
+    from .pilot.kernel_profile import profile_passes
 
-    dev = model.device
-    cache = model.new_cache(prefix_len + BUCKETS[-1] + 1)
-    model.forward(torch.zeros(prefix_len, dtype=torch.long, device=dev), torch.arange(prefix_len, device=dev), cache, 0)
-    runner = BucketRunner(model, cache, BUCKETS, graphs=True)
-    out = {}
-    for r in rows:
-        toks, pos = list(range(r)), list(range(prefix_len, prefix_len + r))
-        out[r] = profile_kernels(lambda: runner.run(toks, pos, prefix_len, None).tolist()).to_dict()
-        out[r].pop("top")
-    return out
+    return {r: {k: v for k, v in p.to_dict().items() if k != "top"}
+            for r, p in profile_passes(model, rows, prefix_len).items()}
 
 
 def run_bench(ckpt, device: str = "cuda", dtype: str = "bfloat16", prefix_len: int = 512, new_tokens: int = 128,

@@ -128,17 +128,26 @@ def profile_kernels(fn, calls: int = 20, warmup: int = 3) -> KernelProfile:
 
 
 @torch.inference_mode()
-def pass_class_fractions(model, rows: int, prefix_len: int) -> dict[str, float]:
-    """Fraction of a graph-replayed exact pass's kernel time per class (rows padded to the engine's
-    bucket, ``prefix_len`` committed slots). The pilot splits the engine's ``exact_pass`` region (one
-    graph replay, timed with CUDA events inside real steps) by these fractions: inside a graph there are
-    no regions to time. Raises RuntimeError without CUDA."""
+def profile_passes(model, rows, prefix_len: int, calls: int = 20) -> dict[int, KernelProfile]:
+    """Kernel profiles of the bare exact pass (one graph replay + host read, rows padded to the engine's
+    bucket) after ``prefix_len`` committed slots, for each row count in ``rows``. Raises RuntimeError
+    without CUDA."""
     from ..engine.graphs import BUCKETS, BucketRunner
 
     dev = model.device
     cache = model.new_cache(prefix_len + BUCKETS[-1] + 1)
     model.forward(torch.zeros(prefix_len, dtype=torch.long, device=dev), torch.arange(prefix_len, device=dev), cache, 0)
     runner = BucketRunner(model, cache, BUCKETS, graphs=True)
-    toks, pos = list(range(rows)), list(range(prefix_len, prefix_len + rows))
-    prof = profile_kernels(lambda: runner.run(toks, pos, prefix_len, None).tolist(), calls=10)
+    out = {}
+    for r in rows:
+        toks, pos = list(range(r)), list(range(prefix_len, prefix_len + r))
+        out[r] = profile_kernels(lambda: runner.run(toks, pos, prefix_len, None).tolist(), calls=calls)
+    return out
+
+
+def pass_class_fractions(model, rows: int, prefix_len: int) -> dict[str, float]:
+    """Fraction of a graph-replayed exact pass's kernel time per class (:func:`profile_passes`). The pilot
+    splits the engine's ``exact_pass`` region (one graph replay, timed with CUDA events inside real steps)
+    by these fractions: inside a graph there are no regions to time. Raises RuntimeError without CUDA."""
+    prof = profile_passes(model, (rows,), prefix_len, calls=10)[rows]
     return {k: v / prof.kernel_ms for k, v in prof.by_class_ms.items() if v > 0}
