@@ -127,6 +127,9 @@ def generate(
 @app.command()
 def pilot(
     quick: bool = typer.Option(False, help="Smoke run (about 3 minutes on 2 CPU cores)."),
+    adversarial: bool = typer.Option(False, help="Also judge A vs A and the cheating candidates (cached outputs, "
+                                     "lazy outputs, a thread left running, a logit bias, FP8 verification, skipped "
+                                     "verification) in this run; each must be rejected (report section)."),
     out: Path = typer.Option(Path("specpilot-report"), help="Report directory."),
     target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: bundled)."),
     drafter_path: Optional[Path] = typer.Option(None, help="Draft model directory (default: bundled drafter with the bundled target)."),
@@ -150,7 +153,7 @@ def pilot(
     if out.exists() and not out.is_dir():
         raise SpecPilotError(f"--out {out} exists and is not a directory")
     run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
-                           blocks=tuple(block or ())))
+                           blocks=tuple(block or ()), adversarial=adversarial))
 
 
 @app.command()

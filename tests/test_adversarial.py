@@ -21,7 +21,7 @@ from specpilot.pilot.forcing import Scorer
 from specpilot.pilot.setup import build_requests
 from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
 
-from .cheats import Lazy, Memo, Saboteur, SkipVerify, SuffixMemo, Twice, biased, fp8_logits
+from specpilot.pilot.adversarial import Lazy, Memo, Saboteur, SkipVerify, SuffixMemo, Twice, biased, fp8_logits
 
 STOCK = SystemConfig.stock("ngram")
 
@@ -186,3 +186,18 @@ def test_bf16_verification_flips_only_near_ties_and_is_caught_by_the_rate_rule(p
     assert stats.tokens >= 400 and stats.mismatches > 0 and stats.events == 0
     assert max(stats.top_margins) < 2 * c.delta
     assert not passed and len(reasons) == 1 and "mismatch rate" in reasons[0]
+
+
+def test_pilot_adversarial_check_rejects_every_cheat_by_its_defence(p0, dep, reqs):
+    """``pilot --adversarial``: A vs A and the six cheats of :func:`adversaries`, judged by the pilot's own
+    method on the pilot's controller, are all rejected, each by the defence it targets."""
+    from specpilot.pilot.run import Pilot, PilotOptions
+
+    pilot = Pilot(PilotOptions(target=bundled_target_dir(), drafter=bundled_drafter_dir(), adversarial=True))
+    pilot.dep, pilot.reqs, pilot.controller = dep, reqs, p0.controller
+    rows = pilot.check_adversaries()
+    assert [r["name"] for r in rows] == ["A vs A", "cached outputs", "lazy outputs", "thread left running", "logit bias",
+                                         "low-precision verification", "skipped verification"]
+    for r in rows:
+        assert not r["approved"] and r["defence_fired"], r
+    assert all(r["outputs_differ"] and r["forcing_passed"] is False for r in rows[4:])

@@ -36,7 +36,8 @@ class Engine:
         eos_ids: token ids that end a request (default: the target config's eos_token_id).
         max_len: context length in tokens (default: the target's max_position_embeddings, at most 4096).
         logits_hook: test-only: a function applied to the exact pass's logits ``[R, V]`` before the
-            argmax (used to plant defects the controller and token forcing must catch).
+            argmax (used to plant defects the controller and token forcing must catch); captured with the
+            pass in the row-bucket graphs when those are on.
         buckets: run decode passes padded to row buckets through the static path, replayed as CUDA
             graphs on CUDA (:mod:`specpilot.engine.graphs`); rows above the largest bucket run eagerly.
 
@@ -62,8 +63,9 @@ class Engine:
 
         self.cache = target.new_cache(self.max_len + max(config.nodes + 1, BUCKETS[-1]))
         self.runner = None
-        if buckets and not getattr(drafter, "target_layers", None) and logits_hook is None:
-            self.runner = BucketRunner(target, self.cache, BUCKETS, graphs=True, output="argmax")
+        if buckets and not getattr(drafter, "target_layers", None):
+            self.runner = BucketRunner(target, self.cache, BUCKETS, graphs=True, output="argmax",
+                                       logits_hook=logits_hook)
         self.logits_hook = logits_hook
         self.step_hook = None
         # a drafter that reads target hidden states (block drafters, §1.1) names the layers it wants
@@ -91,6 +93,25 @@ class Engine:
             logits = self.logits_hook(logits)
         with region(prof, "other"):
             return logits.argmax(dim=-1)
+
+    def _verify(self, tok_list: list[int], pos_list: list[int], start: int, tree: Tree, prof) -> torch.Tensor:
+        """The exact pass of one step: rows ``[root] + tree`` at prefix ``start``; returns their argmax ``[R]``
+        long on the device. Padded to a row bucket (a CUDA graph replay on CUDA) when one fits, else eager."""
+        out = None
+        if self.runner is not None:  # padded static pass, profiled as a whole
+            with region(prof, "exact_pass"):
+                out = self.runner.run(tok_list, pos_list, start, tree.ancestor_mask() if len(tree) else None)
+        if out is None:
+            dev, r = self.target.device, len(tok_list)
+            with region(prof, "other"):
+                tokens = torch.tensor(tok_list, device=dev)
+                positions = torch.tensor(pos_list, device=dev)
+                mask = None
+                if len(tree):
+                    mask = torch.ones(r, start + r, dtype=torch.bool, device=dev)
+                    mask[:, start:] = tree.ancestor_mask(dev)
+            out = self._argmax(tokens, positions, start, mask, prof)
+        return out
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         """Raise :class:`PromptError` for an empty prompt, bad ids, or one that does not fit the context."""
@@ -209,20 +230,7 @@ class Engine:
         r = len(tree) + 1
         tok_list = [committed[-1]] + tree.tokens
         pos_list = [start] + [start + d for d in tree.depths]
-        out = None
-        if self.runner is not None:  # padded static pass (a CUDA graph replay on CUDA), profiled as a whole
-            with region(prof, "exact_pass"):
-                out = self.runner.run(tok_list, pos_list, start, tree.ancestor_mask() if len(tree) else None)
-        if out is None:
-            with region(prof, "other"):
-                tokens = torch.tensor(tok_list, device=dev)
-                positions = torch.tensor(pos_list, device=dev)
-                mask = None
-                if len(tree):
-                    mask = torch.ones(r, start + r, dtype=torch.bool, device=dev)
-                    mask[:, start:] = tree.ancestor_mask(dev)
-            out = self._argmax(tokens, positions, start, mask, prof)
-        argmax = out.tolist()  # the one host read
+        argmax = self._verify(tok_list, pos_list, start, tree, prof).tolist()  # the one host read
         with region(prof, "other"):
             kids = tree.child_maps()
             path, row = [0], 0

@@ -36,11 +36,14 @@ class BucketRunner:
         buckets: row buckets (increasing).
         graphs: capture CUDA graphs (CUDA only; ignored on the CPU).
         output: ``argmax`` (``[R] long``, the target's verify step) or ``logits`` (``[R, V] float32``).
+        logits_hook: test-only (adversarial candidates): applied to the float32 logits ``[b, V]`` inside the
+            captured pass (it must be capturable: device tensors only after its first, eager call).
     """
 
     def __init__(self, model: Transformer, cache: KVCache, buckets=BUCKETS, graphs: bool = True,
-                 output: str = "argmax"):
+                 output: str = "argmax", logits_hook=None):
         self.model, self.cache, self.buckets, self.output = model, cache, tuple(buckets), output
+        self.logits_hook = logits_hook
         self.dev = model.device
         self.graphs = graphs and self.dev.type == "cuda"
         self._static: dict[int, dict] = {}
@@ -61,6 +64,9 @@ class BucketRunner:
     def _body(self, s: dict) -> torch.Tensor:
         mask = s["mask01"] != 0
         hidden = self.model.forward(s["tokens"], s["positions"], self.cache, s["start"], mask)
+        if self.logits_hook is not None:  # test-only (adversarial candidates): captured with the pass
+            logits = self.logits_hook(self.model.logits(hidden))
+            return logits.argmax(dim=-1) if self.output == "argmax" else logits
         return self.model.greedy(hidden) if self.output == "argmax" else self.model.logits(hidden)
 
     def _capture(self, b: int) -> None:

@@ -17,6 +17,8 @@ Expected keys of the report dict (every one optional; missing parts are shown as
   tau, c, approved, reason}``.
 - ``rounds``: list of dicts ``{round, ceiling: {tree, kernel, outside}, attacked, tokens_per_s}``.
 - ``tau_curve``: ``{builder: {N: tau}}``; ``c_curve``: ``{N: c}`` (N may be int or str).
+- ``adversarial``: list of dicts ``{name, cheat, defence, gain, lower_bound, bar, outputs_differ,
+  forcing_passed, approved, reason, defence_fired}`` (``pilot --adversarial``).
 
 ``plots`` may override the plot data: ``{"tau_vs_n": {builder: {N: tau}}, "c_vs_n": {N: c},
 "ceiling": [{round, tree, kernel, outside}]}``; otherwise it is taken from the report.
@@ -140,9 +142,27 @@ def _markdown(r: dict, images: list[str]) -> str:
     if not entries:
         md.append("- none")
     md.append("")
+    md += _adversarial(r.get("adversarial") or [])
     if images:
         md += ["## Plots", ""] + [f"![{Path(i).stem}]({i})" for i in images] + [""]
     return "\n".join(md)
+
+
+def _adversarial(rows: list) -> list[str]:
+    """Markdown of the adversarial check (``pilot --adversarial``): one line per cheating candidate."""
+    if not rows:
+        return []
+    bad = [a["name"] for a in rows if a.get("approved")]
+    md = ["## Adversarial candidates (§3.3)", "",
+          ("**Every cheating candidate was rejected.**" if not bad else f"**APPROVED CHEATS: {', '.join(bad)}**"), "",
+          "| candidate | what it does | gain | lower bound | bar | outputs differ | forcing | verdict | expected defence fired |",
+          "|---|---|---:|---:|---:|---|---|---|---|"]
+    for a in rows:
+        md.append(f"| {a.get('name')} | {a.get('cheat')} | {_num(a.get('gain'))} | {_num(a.get('lower_bound'))} | "
+                  f"{_pct(a.get('bar'))} | {_num(a.get('outputs_differ'))} | {_num(a.get('forcing_passed'))} | "
+                  f"{'approved' if a.get('approved') else 'rejected'}: {a.get('reason')} | "
+                  f"{_num(a.get('defence_fired'))} ({a.get('defence')}) |")
+    return md + [""]
 
 
 def _plot_tau(path: Path, data: dict) -> bool:

@@ -46,6 +46,7 @@ class PilotOptions:
     seed: int = 0
     overrides: dict | None = None
     blocks: tuple = ()  # issue 3: block drafter directories the planner may propose (kind, block size, builder)
+    adversarial: bool = False  # judge the cheating candidates of :mod:`.adversarial` in this run (issue 6)
 
     @property
     def plan(self) -> dict:
@@ -220,7 +221,37 @@ class Pilot:
                 self.say(f"round {rnd}", f"approved {entry.id}: {incumbent.label()} -> {cand.label()}")
                 incumbent = cand
             rounds[-1]["approved"] = best[3]["name"] if best else None
+        self.adversarial = self.check_adversaries() if o.adversarial else []
         return self.seal(incumbent, entries, memory, candidates, rounds, ar_m)
+
+    def check_adversaries(self) -> list[dict]:
+        """Judge A vs A and every cheating candidate of :func:`.adversarial.adversaries` (built on stock)
+        through the controller and token forcing, as any candidate (§3.3, §3.4). Returns one row each:
+        verdict, reason, whether the expected defence is what rejected it (``defence_fired``)."""
+        import threading
+
+        from .adversarial import Adversary, adversaries
+
+        stop = threading.Event()
+        control = Adversary("A vs A", "stock against itself (a control: never approved)", "approval bar",
+                            self.factory(self.stock), self.factory(self.stock), "below the bar")
+        rows = []
+        try:
+            for adv in [control] + adversaries(self.dep, self.stock, stop):
+                bar, advance = self.progress(f"adversarial: {adv.name}", 4 * len(self.reqs))
+                with bar:
+                    j = self.controller.judge(adv.make_a, adv.make_b, self.reqs, progress=advance)
+                v = j.verdict
+                fired = (not v.approved) and adv.reason_has in v.reason
+                self.say("adversarial", ("[green]rejected[/]" if not v.approved else "[red bold]APPROVED[/]")
+                         + f" {adv.name}: {v.reason}" + ("" if fired else f" [yellow](expected: {adv.defence})[/]"))
+                rows.append({"name": adv.name, "cheat": adv.cheat, "defence": adv.defence, "gain": j.run.gain,
+                             "lower_bound": j.run.lower_bound, "bar": v.bar, "outputs_differ": j.run.outputs_differ,
+                             "forcing_passed": j.forcing_passed, "forcing_reasons": list(j.forcing_reasons),
+                             "approved": v.approved, "reason": v.reason, "defence_fired": fired})
+        finally:
+            stop.set()
+        return rows
 
     def round0_ar(self, memory, entries, candidates, tried) -> SystemConfig:
         """Judge AR (no drafter) against stock like any candidate; approved, it becomes the incumbent (and a
@@ -375,6 +406,7 @@ class Pilot:
             "entries": [{"id": e.id, "title": e.title, "gain": e.evidence.gain, "lower_bound": e.evidence.lower_bound,
                          "requires": e.requires, "delta": e.delta} for e in entries],
             "candidates": candidates, "rounds": rounds, "tau_curve": self.tau_curve, "c_curve": self.c_curve,
+            "adversarial": self.adversarial,
         }
         write_report(o.out, report)
         (o.out / "system.json").write_text(__import__("json").dumps(system, indent=2))
