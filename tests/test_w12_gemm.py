@@ -65,7 +65,6 @@ CASES = [
     (64, 70, 130, dict(block_n=32, block_k=64, split_k=2)),
     (100, 90, 100, dict(block_n=64, block_k=64)),
 ]
-CASES += [(m, n, k, {**over, "packed": True}) for m, n, k, over in CASES]  # two weights per 32-bit decode op
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -143,7 +143,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     while programs * split < num_sms and k_blocks % (2 * split) == 0 and k_blocks // (2 * split) >= 4:
         split *= 2
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4,
-                w_left=True, packed=False)
+                w_left=True)
 
 
 def _check(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None) -> None:
@@ -170,7 +170,7 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         bias: ``[N]`` (any float dtype) or None.
         escapes: :func:`escape_table` of ``w12`` (computed when None; :class:`W12Linear` keeps it).
         overrides: block_m / block_n (16–128, dividing 128) / block_k (a multiple of 64) / split_k /
-            num_warps / num_stages / w_left / packed (sweeps and tests).
+            num_warps / num_stages / w_left (sweeps and tests).
     Returns: ``[M, N]`` in x's dtype; within the module docstring's bound of :func:`w12_gemm_reference`.
     Raises: W12GemmError on bad shapes / dtypes / devices or M outside 1..256; RuntimeError without triton.
     """
@@ -195,12 +195,11 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     b = bias if bias is not None else out
-    rec = w12.records
     _w12_gemm_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, bm))](
-        x, rec, rec.view(torch.int32), rec.view(torch.int16), w12.base, b, out, part, row_ptr, esc_k, esc_d, m, n, k, k_pad, x.stride(0),
+        x, w12.records, w12.base, b, out, part, row_ptr, esc_k, esc_d, m, n, k, k_pad, x.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_PER_SPLIT=k_per_split, SPLIT_K=split, EVEN=even,
         HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32, W_LEFT=bool(cfg["w_left"]),
-        PACKED=bool(cfg["packed"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split > 1:
         _w12_split_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16))](
             part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
@@ -337,69 +336,10 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _packed_step(acc, X, Rec32, Rec16, kb, rq, col_q, col_h, row_q, row_h, base2, offs_m, m_ok, K, K_PAD, stride_xm,
-                     BLOCK_K: tl.constexpr, EVEN: tl.constexpr, FP32: tl.constexpr, W_LEFT: tl.constexpr):
-        """One K step of ``BLOCK_K`` columns, decoded two weights per 32-bit operation (``PACKED``).
-
-        A row's views of columns ``4q .. 4q+3`` are one little-endian int32 word ``V`` and their nibbles one
-        int16 ``P`` (nibble of column ``4q+i`` at bits ``4i``). Bytes 0 and 2 of ``V`` (``V & 0x00FF00FF``)
-        and nibbles 0 and 2 build the bf16 pair of columns ``4q, 4q+2`` in one word (low / high half), bytes
-        1 and 3 the pair ``4q+1, 4q+3``; no half can carry into the other (exponent ≤ 254). The four
-        column classes ``j = k mod 4`` then meet their activations in four ``tl.dot`` of ``BLOCK_K / 4``."""
-        q0 = (kb // 64) * 3072  # int32 words (and int16 halves' offset base) of the step's first record
-        if EVEN:
-            v = tl.load(Rec32 + q0 + row_q[:, None] + col_q[None, :]).to(tl.uint32, bitcast=True)
-            p = tl.load(Rec16 + 2 * q0 + row_h[:, None] + col_h[None, :]).to(tl.uint16, bitcast=True)
-        else:
-            okq = (kb + 4 * rq < K_PAD)[None, :]
-            v = tl.load(Rec32 + q0 + row_q[:, None] + col_q[None, :], mask=okq, other=0).to(tl.uint32, bitcast=True)
-            p = tl.load(Rec16 + 2 * q0 + row_h[:, None] + col_h[None, :], mask=okq,
-                        other=0).to(tl.uint16, bitcast=True)
-        p = p.to(tl.uint32)
-        x02 = v & 0x00FF00FF
-        x13 = (v >> 8) & 0x00FF00FF
-        n02 = (p & 0xF) | ((p & 0xF00) << 8)
-        n13 = ((p >> 4) & 0xF) | ((p & 0xF000) << 4)
-        b02 = ((((x02 & 0x007F007F) << 4) + base2[:, None]) | ((x02 & 0x00800080) << 8)) | n02
-        b13 = ((((x13 & 0x007F007F) << 4) + base2[:, None]) | ((x13 & 0x00800080) << 8)) | n13
-        if FP32:
-            w0 = (b02 << 16).to(tl.float32, bitcast=True)
-            w2 = (b02 & 0xFFFF0000).to(tl.float32, bitcast=True)
-            w1 = (b13 << 16).to(tl.float32, bitcast=True)
-            w3 = (b13 & 0xFFFF0000).to(tl.float32, bitcast=True)
-        else:
-            w0 = (b02 & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            w2 = (b02 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            w1 = (b13 & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            w3 = (b13 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        ks = kb + 4 * rq
-        xp = X + offs_m[:, None] * stride_xm + ks[None, :]
-        for j in tl.static_range(4):
-            w = w0 if j == 0 else w1 if j == 1 else w2 if j == 2 else w3
-            a = tl.load(xp + j, mask=m_ok[:, None] & (ks + j < K)[None, :], other=0.0)
-            acc = _dot_acc(acc, w, a, FP32, W_LEFT)
-        return acc
-
-    @triton.jit
-    def _dot_acc(acc, w, a, FP32: tl.constexpr, W_LEFT: tl.constexpr):
-        """``acc += w aᵀ`` (``[BN, BM]``, W_LEFT) or ``a wᵀ`` (``[BM, BN]``); IEEE float32 when FP32."""
-        if FP32:
-            if W_LEFT:
-                acc += tl.dot(w, tl.trans(a), input_precision="ieee")
-            else:
-                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-        else:
-            if W_LEFT:
-                acc += tl.dot(w, tl.trans(a))
-            else:
-                acc += tl.dot(a, tl.trans(w))
-        return acc
-
-    @triton.jit
-    def _w12_gemm_kernel(X, Rec, Rec32, Rec16, Base, Bias, Out, Part, RowPtr, EscK, EscD, M, N, K, K_PAD, stride_xm,
+    def _w12_gemm_kernel(X, Rec, Base, Bias, Out, Part, RowPtr, EscK, EscD, M, N, K, K_PAD, stride_xm,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT,
                          SPLIT_K: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, FP32: tl.constexpr,
-                         W_LEFT: tl.constexpr, PACKED: tl.constexpr):
+                         W_LEFT: tl.constexpr):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: BLOCK_N rows of one record band, one K
         chunk (K_PER_SPLIT, a multiple of BLOCK_K), BLOCK_M activation rows. ``W_LEFT``: ``acc [BN, BM] =
         W xᵀ`` (the weights as the left MMA operand), else ``acc [BM, BN] = x Wᵀ``."""
@@ -423,30 +363,29 @@ if triton is not None:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if PACKED:
-            rq = tl.arange(0, BLOCK_K // 4)
-            col_q = (rq // 16) * 3072 + rq % 16  # int32 word of column group 4q's views, from record 0
-            col_h = (rq // 16) * 6144 + rq % 16  # int16 of its nibbles
-            row_q = (offs_n // 128) * (band_bytes // 4) + (offs_n % 128) * 16
-            row_h = (offs_n // 128) * (band_bytes // 2) + 4096 + (offs_n % 128) * 16
-            base2 = base7.to(tl.uint32) | (base7.to(tl.uint32) << 16)
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             kb = k0 + kk
-            if PACKED:
-                acc = _packed_step(acc, X, Rec32, Rec16, kb, rq, col_q, col_h, row_q, row_h, base2, offs_m, m_ok, K, K_PAD,
-                                   stride_xm, BLOCK_K, EVEN, FP32, W_LEFT)
+            offs_k = kb + rk
+            a = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+            rec = Rec + (kb // 64) * 12288
+            if EVEN:
+                v = tl.load(rec + row_v[:, None] + col_v[None, :])
+                p = tl.load(rec + row_p[:, None] + col_p[None, :])
             else:
-                offs_k = kb + rk
-                a = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
-                            mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-                rec = Rec + (kb // 64) * 12288
-                if EVEN:
-                    v = tl.load(rec + row_v[:, None] + col_v[None, :])
-                    p = tl.load(rec + row_p[:, None] + col_p[None, :])
+                v = tl.load(rec + row_v[:, None] + col_v[None, :], mask=(offs_k < K_PAD)[None, :], other=0)
+                p = tl.load(rec + row_p[:, None] + col_p[None, :], mask=(kb + 2 * rk2 < K_PAD)[None, :], other=0)
+            w = _decode_tile(v, p, base7, FP32)
+            if FP32:
+                if W_LEFT:
+                    acc += tl.dot(w, tl.trans(a), input_precision="ieee")
                 else:
-                    v = tl.load(rec + row_v[:, None] + col_v[None, :], mask=(offs_k < K_PAD)[None, :], other=0)
-                    p = tl.load(rec + row_p[:, None] + col_p[None, :], mask=(kb + 2 * rk2 < K_PAD)[None, :], other=0)
-                acc = _dot_acc(acc, _decode_tile(v, p, base7, FP32), a, FP32, W_LEFT)
+                    acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:
+                if W_LEFT:
+                    acc += tl.dot(w, tl.trans(a))
+                else:
+                    acc += tl.dot(a, tl.trans(w))
         if W_LEFT:
             dst = offs_m[None, :] * N + offs_n[:, None]
             ok = n_ok[:, None] & m_ok[None, :]
