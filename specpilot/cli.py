@@ -66,7 +66,44 @@ def _default_dirs(target: Optional[Path], drafter: str, drafter_path: Optional[P
             drafter_path = bundled_block_dir()
     if drafter in ("draft_model", "block") and drafter_path is None:
         raise SpecPilotError(f"--drafter {drafter} needs --drafter-path DIR with a target other than the bundled one")
+    if drafter in ("draft_model", "block"):
+        check_drafter_kind(drafter, drafter_path)
     return target, (drafter_path if drafter in ("draft_model", "block") else None)
+
+
+def drafter_kind(path: Path) -> Optional[str]:
+    """The kind of drafter checkpoint directory ``path``, read from its ``config.json``: ``"block"`` or
+    ``"block_markov"`` (a block drafter: ``"specpilot_drafter": "block"``), ``"draft_model"`` (a causal LM
+    with a ``model_type``), or None when there is no readable config.json. Raises nothing."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    if cfg.get("specpilot_drafter") == "block":
+        return "block_markov" if cfg.get("kind") == "block_markov" or cfg.get("markov_rank", 0) else "block"
+    return "draft_model" if cfg.get("model_type") else None
+
+
+def check_drafter_kind(drafter: str, path: Path) -> None:
+    """Check that ``--drafter-path path`` holds the kind of drafter ``--drafter drafter`` (``draft_model`` or
+    ``block``) asks for.
+
+    Raises:
+        SpecPilotError: one line saying what the directory holds and which ``--drafter`` to use (a directory
+            without a readable config.json is left to the loader, which names the missing file).
+    """
+    kind = drafter_kind(path)
+    if kind is None:
+        return
+    if drafter == "draft_model" and kind in ("block", "block_markov"):
+        raise SpecPilotError(f"--drafter-path {path} is a block drafter (kind {kind}, from its config.json), "
+                             "not a draft model: use --drafter block")
+    if drafter == "block" and kind == "draft_model":
+        mt = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+        raise SpecPilotError(f"--drafter-path {path} is a draft model (model_type {mt}, from its config.json), "
+                             "not a block drafter: use --drafter draft_model")
 
 
 @app.command()
@@ -83,7 +120,7 @@ def generate(
     chat: bool = typer.Option(False, help="Wrap the prompt in the tokenizer's chat template."),
     device: str = typer.Option("cpu", help="torch device."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (one line; with prompt_ids and output_ids, so it is a line `specpilot audit --outputs` reads)."),
 ):
     """Greedy-decode one prompt with a speculative system (output equals AR greedy decoding)."""
     from .config import SystemConfig
@@ -114,7 +151,7 @@ def generate(
     text = tok.decode(gen.tokens, skip_special_tokens=True)
     if as_json:
         print(json.dumps({
-            "tokens": gen.tokens, "text": text, "tau": round(gen.tau, 4), "steps": gen.steps,
+            "prompt_ids": ids, "output_ids": gen.tokens, "tokens": gen.tokens, "text": text, "tau": round(gen.tau, 4), "steps": gen.steps,
             "accepted": gen.accepted, "stop_reason": gen.stop_reason, "tokens_per_s": round(gen.tokens_per_s, 2),
             "system": cfg.model_dump(), "target": str(tdir),
         }))
@@ -122,6 +159,20 @@ def generate(
         print(text)
         print(f"[{len(gen.tokens)} tokens, {gen.steps} exact passes, tau {gen.tau:.2f}, "
               f"{gen.tokens_per_s:.1f} tok/s, stop: {gen.stop_reason}]", file=sys.stderr)
+
+
+def check_float16_device(dtype: str, device: str) -> None:
+    """Refuse float16 on the CPU: torch's CPU float16 kernels are slow and the pilot's timings and margins with
+    them mean nothing for a deployment.
+
+    Raises:
+        SpecPilotError: ``dtype == "float16"`` and ``device`` (a valid torch device string) is a CPU.
+    """
+    import torch
+
+    if dtype == "float16" and torch.device(device).type == "cpu":
+        raise SpecPilotError("--dtype float16 is not supported on the CPU (slow, and not a deployment dtype there): "
+                             "use --dtype float32 or bfloat16, or --device cuda")
 
 
 @app.command()
@@ -139,8 +190,13 @@ def pilot(
     block: Optional[List[Path]] = typer.Option(None, help="Block drafter directory the planner may propose (repeatable; default with the bundled target: the bundled block and block_markov drafters)."),
 ):
     """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
+    from .engine.checkpoint import DTYPES
+    from .engine.deployment import check_device
     from .pilot.run import PilotOptions, run_pilot
 
+    if dtype not in DTYPES:
+        raise SpecPilotError(f"unknown --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    check_float16_device(dtype, check_device(device))
     tdir, ddir = target, drafter_path
     if tdir is None:
         from .zoo import bundled_drafter_dir, bundled_target_dir
@@ -168,7 +224,7 @@ def audit(
 ):
     """Token forcing (§3.4) of any engine's outputs: mismatches, events (margin >= 2δ), both reject rules.
 
-    Exit status 0 when the outputs pass, 1 when they are rejected, 2 on bad input.
+    Exit status 0 when the outputs pass, 1 when they are rejected or hold no token to audit, 2 on bad input.
     """
     from .engine.deployment import check_device
     from .pilot.audit import audit_outputs, render
@@ -233,6 +289,10 @@ def replay(
     from .pilot.replay_table import replay_table
     from .zoo import bundled_block_dir, bundled_block_markov_dir, bundled_target_dir
 
+    if per_benchmark < 1:
+        raise SpecPilotError(f"--per-benchmark must be at least 1 (prompts per bundled benchmark), got {per_benchmark}")
+    if max_new_tokens < 1:
+        raise SpecPilotError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     dirs = list(drafter) if drafter else [bundled_block_dir(), bundled_block_markov_dir()]
     rows, md = replay_table(target or bundled_target_dir(), dirs, per_benchmark, max_new_tokens, out)
     print(json.dumps(rows) if as_json else md)

@@ -73,10 +73,14 @@ def test_planted_confident_wrong_token_is_rejected(monkeypatch, capsys, tmp_path
     assert a["events"] >= 1 and a["top_margins"][0] == pytest.approx(margin, abs=1e-3)
     assert a["per_benchmark"][row["benchmark"]]["events"] >= 1
     assert any("events" in r for r in res["reasons"])
+    assert all("the scorer's" in r and "stock" not in r for r in res["reasons"])  # the baseline is the scorer
     # the same file against itself as the reference: equal figures, so neither rule fires
     code, res = audit_json(monkeypatch, capsys, "--outputs", str(tmp_path / "bad.jsonl"),
                            "--reference", str(tmp_path / "bad.jsonl"))
     assert code == 0 and res["passed"] and res["baseline"]["events"] == a["events"]
+    code, res = audit_json(monkeypatch, capsys, "--outputs", str(tmp_path / "bad.jsonl"),
+                           "--reference", write(tmp_path / "ar.jsonl", rows))
+    assert code == 1 and all("the reference's" in r and "stock" not in r for r in res["reasons"])
     code, out, err = run_cli(monkeypatch, capsys, "audit", "--target", TARGET, "--outputs", str(tmp_path / "bad.jsonl"))
     assert code == 1 and "REJECTED" in out
 
@@ -117,3 +121,31 @@ def test_bad_input_is_one_line_error(monkeypatch, capsys, tmp_path, case, needle
     lines = [x for x in err.strip().splitlines() if x.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
     assert needle in lines[0] and "Traceback" not in err
+
+
+def test_all_empty_outputs_are_not_a_pass(monkeypatch, capsys, tmp_path):
+    """Fourth fresh-user test: outputs with 0 tokens in all passed the audit, vouching for nothing."""
+    f = write(tmp_path / "empty.jsonl", [{"prompt_ids": [5, 6, 7], "output_ids": []}] * 2)
+    code, res = audit_json(monkeypatch, capsys, "--outputs", f)
+    assert code == 1 and not res["passed"] and res["audited"]["tokens"] == 0
+    assert res["reasons"] == [f"nothing audited: all 2 output_ids in {f} are empty (0 tokens)"]
+    code, out, err = run_cli(monkeypatch, capsys, "audit", "--target", TARGET, "--outputs", f)
+    assert code == 1 and "REJECTED: nothing audited" in out
+
+
+def test_generate_json_lines_feed_audit(monkeypatch, capsys, tmp_path):
+    """``generate --json`` output lines go straight into ``audit --outputs`` (round trip)."""
+    lines = []
+    for prompt in ("def add(a, b):", "Question: 3 + 4 ="):
+        code, out, err = run_cli(monkeypatch, capsys, "generate", "--prompt", prompt, "--drafter", "ngram",
+                                 "--max-new-tokens", "12", "--json")
+        assert code == 0, err
+        row = json.loads(out)
+        assert row["prompt_ids"] and row["output_ids"] == row["tokens"] and len(row["output_ids"]) >= 1
+        lines.append(out.strip())
+    f = tmp_path / "gen.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    code, res = audit_json(monkeypatch, capsys, "--outputs", str(f))
+    assert code == 0 and res["passed"] and res["lines"] == 2
+    assert res["audited"]["tokens"] == sum(len(json.loads(x)["output_ids"]) for x in lines)
+    assert res["audited"]["mismatches"] == 0

@@ -89,3 +89,44 @@ def test_fresh_user_bad_options_are_one_line_errors(monkeypatch, capsys, tmp_pat
     for args in cases:
         code, out, err = run_cli(monkeypatch, capsys, *args)
         assert code == 2 and err.startswith("error:") and "Traceback" not in err, (args, err)
+
+
+def _one_line_error(code, err, *needles):
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["replay", "--per-benchmark", "0"], ["--per-benchmark", "at least 1"]),
+    (["replay", "--max-new-tokens", "0"], ["--max-new-tokens"]),
+    (["pilot", "--quick", "--dtype", "float16", "--device", "cpu"], ["float16", "CPU", "bfloat16"]),
+])
+def test_fourth_fresh_user_bad_options_rejected(monkeypatch, capsys, tmp_path, args, needles):
+    """Fourth fresh-user test: these were accepted (replay of nothing; a slow, meaningless float16 CPU pilot)."""
+    if args[0] == "pilot":
+        args = args + ["--out", str(tmp_path / "r")]
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    _one_line_error(code, err, *needles)
+    assert not (tmp_path / "r").exists()
+
+
+def test_memory_check_bad_repo_rejected(monkeypatch, capsys, tmp_path):
+    (tmp_path / "mem").mkdir()
+    code, out, err = run_cli(monkeypatch, capsys, "memory", "check", str(tmp_path / "mem"), "--repo", "/nonexistent")
+    _one_line_error(code, err, "--repo /nonexistent", "not found")
+    (tmp_path / "plain").mkdir()
+    code, out, err = run_cli(monkeypatch, capsys, "memory", "check", str(tmp_path / "mem"), "--repo", str(tmp_path / "plain"))
+    _one_line_error(code, err, "not a git repository")
+
+
+def test_drafter_path_of_the_other_kind_says_what_it_is(monkeypatch, capsys):
+    from specpilot.zoo import bundled_block_markov_dir, bundled_drafter_dir
+
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "--prompt", "x", "--drafter", "draft_model",
+                             "--drafter-path", str(bundled_block_markov_dir()))
+    _one_line_error(code, err, "block drafter", "block_markov", "use --drafter block")
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "--prompt", "x", "--drafter", "block",
+                             "--drafter-path", str(bundled_drafter_dir()))
+    _one_line_error(code, err, "draft model", "qwen3", "use --drafter draft_model")

@@ -380,3 +380,104 @@ def test_verify_source_mismatch(tmp_path, packed_target):
     rep = verify_dir(packed_target, source=bundled_drafter_dir())
     assert rep["bit_exact"] is False and not rep["unconverted_match_source"]
     assert all(not r["bit_exact"] for r in rep["tensors"])
+
+
+def _flip(path, offset):
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_flipped_copied_tensor_is_caught_and_named(monkeypatch, capsys, tmp_path, packed_target):
+    """Fresh-user finding: a flipped byte in a tensor copied unchanged (the embedding) passed as bit-exact."""
+    import shutil
+
+    from specpilot.engine.checkpoint import load_model
+
+    d = tmp_path / "bad"
+    shutil.copytree(packed_target, d)
+    key = "model.embed_tokens.weight"
+    assert key in json.loads((d / "w12.json").read_text())["copied_tensors"]
+    a, _ = _tensor_offsets(d / "model.safetensors", key)
+    _flip(d / "model.safetensors", a + 1234)
+    code, so, err = run_cli(monkeypatch, capsys, "w12", "verify", str(d), "--json")
+    assert code == 1, err
+    rep = json.loads(so)
+    assert rep["bit_exact"] is False and all(r["bit_exact"] for r in rep["tensors"])
+    assert [r["name"] for r in rep["copied_tensors"] if not r["bit_exact"]] == [key]
+    assert any(key in p and "sha256" in p for p in rep["problems"])
+    code, so, err = run_cli(monkeypatch, capsys, "w12", "verify", str(d))
+    assert code == 1 and key in so
+    with pytest.raises(W12FormatError, match="embed_tokens"):
+        load_model(d)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "generation_config.json"])
+def test_flipped_copied_file_is_caught_and_named(monkeypatch, capsys, tmp_path, packed_target, name):
+    import shutil
+
+    from specpilot.engine.checkpoint import load_model
+
+    d = tmp_path / "bad"
+    shutil.copytree(packed_target, d)
+    man = json.loads((d / "w12.json").read_text())
+    assert set(man["files"]) >= {"config.json", "tokenizer.json", "generation_config.json"}
+    raw = (d / name).read_bytes()
+    (d / name).write_bytes(raw.replace(b"1", b"2", 1))
+    code, so, err = run_cli(monkeypatch, capsys, "w12", "verify", str(d), "--json")
+    assert code == 1, err
+    rep = json.loads(so)
+    assert [r["path"] for r in rep["files"] if not r["ok"]] == [name]
+    assert any(p.startswith(f"copied file {name}") for p in rep["problems"])
+    with pytest.raises(W12FormatError, match=name.replace(".", r"\.")):
+        load_model(d)
+    (d / name).unlink()
+    assert "missing" in " ".join(verify_dir(d)["problems"])
+
+
+def test_old_manifest_without_file_hashes_says_what_it_could_not_check(monkeypatch, capsys, tmp_path, packed_target):
+    import shutil
+
+    d = tmp_path / "old"
+    shutil.copytree(packed_target, d)
+    man = json.loads((d / "w12.json").read_text())
+    del man["files"], man["copied_tensors"]
+    (d / "w12.json").write_text(json.dumps(man))
+    code, so, err = run_cli(monkeypatch, capsys, "w12", "verify", str(d), "--json")
+    assert code == 0, err
+    rep = json.loads(so)
+    assert rep["bit_exact"] and len(rep["not_checked"]) == 2 and rep["files"] == [] and rep["copied_tensors"] == []
+    code, so, err = run_cli(monkeypatch, capsys, "w12", "verify", str(d))
+    assert code == 0 and so.count("not checked:") == 2 and "predates" in so
+    with pytest.warns(UserWarning, match="not checked"):
+        state = load_w12_state_dict(d)
+    assert "model.embed_tokens.weight" in state
+
+
+def test_packed_files_respect_umask(tmp_path, packed_target):
+    """Fresh-user finding: model.safetensors was written 0600 (safetensors' own mode) whatever the umask."""
+    import os
+
+    from specpilot.fileio import current_umask
+
+    want = 0o666 & ~current_umask()
+    for f in packed_target.iterdir():
+        if f.suffix in (".safetensors", ".json"):
+            assert os.stat(f).st_mode & 0o777 == want, f.name
+
+
+def test_verify_source_mismatch_names_tensors(monkeypatch, capsys, tmp_path, packed_target):
+    """--source: the report names the first mismatching tensors and counts them."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(bundled_target_dir(), src)
+    sd = load_file(str(src / "model.safetensors"))
+    key = "model.norm.weight"
+    sd[key] = sd[key].clone()
+    sd[key].view(torch.int16)[0] ^= 1
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    rep = verify_dir(packed_target, source=src)
+    assert rep["bit_exact"] is False and rep["source_mismatches"] == [{"name": key, "reason": "differs from the source"}]
+    code, so, err = run_cli(monkeypatch, capsys, "w12", "verify", str(packed_target), "--source", str(src))
+    assert code == 1 and f"1 tensor(s) differ from --source, first: {key}" in so.replace("\n", " ")

@@ -253,14 +253,14 @@ class BlockDrafter:
 
 def save_block(net: BlockNet, out: str | Path, extra: dict | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (bf16) of ``net`` to ``out``; returns the directory."""
-    from safetensors.torch import save_file
+    from ..fileio import save_safetensors
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"specpilot_drafter": "block", "kind": net.cfg.kind, **asdict(net.cfg), **(extra or {})}
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in net.state_dict().items()}
-    save_file(sd, str(out / "model.safetensors"))
+    save_safetensors(sd, out / "model.safetensors")
     return out
 
 

@@ -53,11 +53,12 @@ def read_args(path: str | Path) -> ModelArgs:
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of the ``*.safetensors`` files in ``path`` (on the CPU, stored dtype). A W12 directory
     (one with ``w12.json``, written by ``specpilot w12 pack``; §4.1) is decoded, every converted tensor
-    checked bit for bit against the sha256 of its source, so it yields the source checkpoint's tensors.
+    checked bit for bit against the sha256 of its source and every copied tensor and copied file (config,
+    tokenizer, ...) against the sha256 recorded at packing, so it yields the source checkpoint's tensors.
 
     Raises:
         CheckpointError: if there is no safetensors file or one is truncated / corrupted (for a W12 directory:
-            a :class:`~specpilot.w12.format.W12FormatError` naming the directory and the bad tensor).
+            a :class:`~specpilot.w12.format.W12FormatError` naming the directory and the bad tensor or file).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file

@@ -44,7 +44,9 @@ class Deployment:
         self.tokenizer = load_tokenizer(self.target_dir)
         self.draft_model = None
         self.block_dirs = [Path(b) for b in block_dirs]
+        self._block_given_as_drafter = None
         if self.drafter_dir is not None and is_block_dir(self.drafter_dir):
+            self._block_given_as_drafter = self.drafter_dir
             self.block_dirs.insert(0, self.drafter_dir)
             self.drafter_dir = None
         self._blocks = {str(b.resolve()): load_block(b, self.target) for b in self.block_dirs}
@@ -100,6 +102,9 @@ class Deployment:
         if config.drafter == "ngram":
             drafter = NgramDrafter(config.ngram_max, config.ngram_min, max_matches=max(config.top_k, 1))
         elif config.drafter == "draft_model":
+            if self.draft_model is None and self._block_given_as_drafter is not None:
+                raise DrafterError(f"drafter 'draft_model' asked for, but {self._block_given_as_drafter} is a block "
+                                   "drafter (specpilot_drafter: block in its config.json): use drafter 'block'")
             if self.draft_model is None:
                 raise DrafterError("drafter 'draft_model' needs a draft model checkpoint (--drafter-path)")
             drafter = DraftModelDrafter(self.draft_model, top_k=config.top_k)

@@ -12,6 +12,8 @@ margins and events (margin >= 2δ) are counted overall and per benchmark, and th
   mismatch rate above 0.5%, rejects. Right for float32 engines; a bf16 engine's near-ties (the paper's
   stock: 0.72% of tokens) need a reference.
 
+Outputs holding no token at all (every ``output_ids`` empty) are rejected: nothing was audited.
+
 δ is the caller's (Phase 0 of a pilot run on that deployment sets it, ``report.json`` -> ``phase0.delta``)
 or the floor 1/8 nat, the value Phase 0 gives when stock never diverges from AR.
 """
@@ -102,7 +104,8 @@ def audit_outputs(target: str | Path, outputs: str | Path, delta: float | None =
         JSON-ready dict: ``target``, ``outputs``, ``delta``, ``event_margin`` (2δ), ``audited``
         (:meth:`ForcingStats.to_dict`: tokens, mismatches, events, rates, top margins, per benchmark),
         ``baseline`` (the same figures of the reference, or zeros) and ``baseline_kind``, ``passed``,
-        ``reasons`` (every failed rule).
+        ``reasons`` (every failed rule). Outputs with 0 tokens in all (every ``output_ids`` empty) are
+        never passed: ``passed`` is False with the reason "nothing audited".
     Raises:
         AuditInputError: bad outputs / reference file or ``delta <= 0``.
         CheckpointError: the target cannot be loaded.
@@ -119,7 +122,9 @@ def audit_outputs(target: str | Path, outputs: str | Path, delta: float | None =
     scorer = Scorer(model)
     stats = audit(scorer, rows, delta)
     base = audit(scorer, ref_rows, delta) if ref_rows is not None else ForcingStats(delta=delta)
-    passed, reasons = forcing_verdict(stats, base)
+    passed, reasons = forcing_verdict(stats, base, "the reference" if ref_rows is not None else "the scorer")
+    if stats.tokens == 0:  # nothing was audited: a pass would vouch for nothing
+        passed, reasons = False, [f"nothing audited: all {len(rows)} output_ids in {outputs} are empty (0 tokens)"]
     return {
         "target": str(target), "outputs": str(outputs), "lines": len(rows), "delta": delta, "event_margin": 2 * delta,
         "audited": stats.to_dict(), "baseline": base.to_dict(),

@@ -212,27 +212,31 @@ def round_delta(margin: float) -> float:
     return max(1, steps) * DELTA_STEP
 
 
-def forcing_verdict(system: ForcingStats, stock: ForcingStats) -> tuple[bool, list[str]]:
-    """Decision rule of §3.4 for a system's forcing figures against stock's (same scorer, same δ).
+def forcing_verdict(system: ForcingStats, stock: ForcingStats, baseline: str = "stock") -> tuple[bool, list[str]]:
+    """Decision rule of §3.4 for a system's forcing figures against a baseline's, by default stock's (same
+    scorer, same δ).
 
     Reject if ``system.mismatch_rate > stock.mismatch_rate + 0.005`` or if
-    ``system.event_rate > stock.event_rate`` (large mismatches more frequent than stock's).
+    ``system.event_rate > stock.event_rate`` (large mismatches more frequent than the baseline's).
 
+    Args:
+        system / stock: the audited figures and the baseline's. baseline: what the baseline is, as named in
+            the reasons (``"stock"`` -> "stock's"; e.g. ``"the reference"``, ``"the scorer"``).
     Returns:
         ``(passed, reasons)``; ``reasons`` lists every failed rule (empty when passed).
     Raises:
         ValueError: the two were audited with different δ.
     """
     if system.delta != stock.delta:
-        raise ValueError(f"different delta: system {system.delta}, stock {stock.delta}")
+        raise ValueError(f"different delta: system {system.delta}, {baseline} {stock.delta}")
     reasons = []
     if system.mismatch_rate > stock.mismatch_rate + MISMATCH_SLACK:
         reasons.append(
-            f"mismatch rate {system.mismatch_rate:.2%} exceeds stock's {stock.mismatch_rate:.2%} + 0.5 pp"
+            f"mismatch rate {system.mismatch_rate:.2%} exceeds {baseline}'s {stock.mismatch_rate:.2%} + 0.5 pp"
         )
     if system.event_rate > stock.event_rate:
         reasons.append(
             f"events (margin >= 2δ = {2 * system.delta:g}) at {system.event_rate:.3%} of tokens, "
-            f"more frequent than stock's {stock.event_rate:.3%}"
+            f"more frequent than {baseline}'s {stock.event_rate:.3%}"
         )
     return not reasons, reasons

@@ -29,6 +29,20 @@ def _memory(directory: Path) -> Memory:
     return Memory(directory)
 
 
+def _check_repo(repo: Path) -> None:
+    """Raise SpecPilotError (one line) unless ``repo`` is a directory inside a git work tree."""
+    import subprocess
+
+    if not repo.is_dir():
+        raise SpecPilotError(f"--repo {repo}: directory not found (give the git checkout holding the stock commit)")
+    try:
+        r = subprocess.run(["git", "-C", str(repo), "rev-parse", "--git-dir"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return  # no usable git here: reproduce() reports code entries as not checkable
+    if r.returncode != 0:
+        raise SpecPilotError(f"--repo {repo} is not a git repository (give the git checkout holding the stock commit)")
+
+
 @app.command("list")
 def list_cmd(directory: Path = typer.Argument(..., help="Memory directory (one sub-directory per entry)."),
              as_json: bool = typer.Option(False, "--json", help="Print a JSON list.")):
@@ -83,6 +97,8 @@ def check(directory: Path = typer.Argument(..., help="Memory directory."),
           as_json: bool = typer.Option(False, "--json", help="Print a JSON list of results.")):
     """Rebuild every entry from stock + its requirements + its delta and compare with the recorded system."""
     mem = _memory(directory)
+    if repo is not None:
+        _check_repo(repo)
     res = [mem.reproduce(i, repo) for i in mem.ids()]
     if as_json:
         print(json.dumps([{"id": r.id, "kind": r.kind, "status": r.status, "detail": r.detail} for r in res]))

@@ -1,6 +1,6 @@
 """``specpilot w12``: pack a checkpoint directory to W12 and verify one (§4.1; typer sub-app).
 
-``verify`` exits 0 when every tensor is bit-exact, 1 when one is not; errors (missing manifest, truncated
+``verify`` exits 0 when every tensor and copied file is bit-exact, 1 when one is not (each mismatch is named); errors (missing manifest, truncated
 or unreadable file) are one line with exit status 2 (see :mod:`specpilot.cli`).
 """
 
@@ -35,7 +35,8 @@ def verify(
     source: Optional[Path] = typer.Option(None, "--source", help="Also compare every tensor with this source directory."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
-    """Restore every tensor and compare it bit for bit with its stored sha256 (and --source)."""
+    """Restore every tensor and compare it bit for bit with its stored sha256 (and --source); check every copied
+    tensor and file against its sha256 in w12.json."""
     from .pack import verify_dir
 
     rep = verify_dir(directory, source)
@@ -65,5 +66,20 @@ def _print_table(rep: dict) -> None:
                     f"{r['bits_per_weight']:.4f}", f"{r['escapes']:,}", f"{r['escape_rate']:.3g}", ok)
     con = Console(width=max(120, Console().width))
     con.print(tab)
+    ct, fl = rep.get("copied_tensors", []), rep.get("files", [])
+    if ct:
+        n_bad = sum(not r["bit_exact"] for r in ct)
+        con.print(f"tensors copied unchanged: {len(ct)}, " + ("all match their sha256" if not n_bad else f"{n_bad} do NOT"))
+    if fl:
+        n_bad = sum(not r["ok"] for r in fl)
+        con.print(f"files copied: {len(fl)}, " + ("all match their sha256" if not n_bad else f"{n_bad} do NOT"))
     if rep["source_checked"]:
+        bad = rep.get("source_mismatches") or []
         con.print(f"unconverted tensors match the source: {'yes' if rep['unconverted_match_source'] else 'NO'}")
+        if bad:
+            con.print(f"{len(bad)} tensor(s) differ from --source, first: "
+                      + ", ".join(f"{b['name']} ({b['reason']})" for b in bad[:5]), markup=False)
+    for note in rep.get("not_checked", []):
+        con.print(f"not checked: {note}", markup=False)
+    for p in rep.get("problems", []):
+        con.print(f"MISMATCH: {p}", markup=False)

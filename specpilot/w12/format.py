@@ -134,6 +134,19 @@ def sha256_of(w: torch.Tensor) -> str:
     return hashlib.sha256(memoryview(t.view(torch.uint8).numpy())).hexdigest()
 
 
+def sha256_of_file(path) -> str:
+    """Hex sha256 (str) of the bytes of the file at ``path`` (read in 1 MiB chunks).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _band_rows(k: int) -> int:
     """Rows per encode/decode band: a multiple of 128 holding about ``_CHUNK`` weights."""
     return max(RECORD_ROWS, (_CHUNK // max(k, 1)) // RECORD_ROWS * RECORD_ROWS)
@@ -263,5 +276,5 @@ def approx_view(t: W12Tensor) -> torch.Tensor:
     return _restore(t, midpoint=True)
 
 
-__all__ = ["W12Tensor", "W12FormatError", "encode", "decode", "approx_view", "sha256_of", "RECORD_ROWS",
+__all__ = ["W12Tensor", "W12FormatError", "encode", "decode", "approx_view", "sha256_of", "sha256_of_file", "RECORD_ROWS",
            "RECORD_COLS", "RECORD_BYTES", "VIEW_BYTES", "NIBBLE_BYTES", "WINDOW"]

@@ -14,19 +14,28 @@ Each bf16 linear weight ``NAME`` becomes four tensors in the same shard: ``NAME.
 
 ``w12.json`` (the manifest): ``{"format": "specpilot-w12", "version": 1, "record": {...}, "tensors":
 {NAME: {"file", "encoding": "w12" | "raw", "dtype", "shape", "sha256", "bytes", "bits_per_weight",
-"escapes", "escape_rate"}}, "totals": {...}}``; ``sha256`` is that of the source tensor's bytes.
+"escapes", "escape_rate"}}, "copied_tensors": {NAME: {"file", "dtype", "shape", "sha256"}}, "files": {PATH:
+{"sha256", "bytes"}}, "totals": {...}}``; ``sha256`` is that of the source tensor's bytes. ``copied_tensors``
+lists every tensor stored unchanged (embeddings, norms, biases, a tied head); ``files`` every other file written
+to the output (``PATH`` relative to it, ``/``-separated; the sha256 of the source file, or of the rewritten
+shard index). :func:`verify_dir` and :func:`load_w12_state_dict` check all of them, so a flipped byte anywhere
+in the directory is caught and named. Manifests written before these two keys existed are still read: what
+they cannot check is reported by ``verify`` (``not_checked``) and warned about at load.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
+from ..fileio import save_safetensors
 from .format import (RECORD_BYTES, RECORD_COLS, RECORD_ROWS, W12FormatError, W12Tensor, decode, encode,
-                     sha256_of)
+                     sha256_of, sha256_of_file)
 
 MANIFEST = "w12.json"
 FORMAT, VERSION = "specpilot-w12", 1
@@ -87,8 +96,6 @@ def pack_dir(src: str | Path, out: str | Path) -> dict:
         W12FormatError: ``src`` missing, without safetensors files, already W12, unreadable, or ``out`` not
             empty / the same as ``src``.
     """
-    from safetensors.torch import save_file
-
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise W12FormatError(f"source directory not found: {src}")
@@ -104,13 +111,14 @@ def pack_dir(src: str | Path, out: str | Path) -> dict:
         except (json.JSONDecodeError, AttributeError):
             raise W12FormatError(f"{src / 'config.json'} is not a valid JSON object") from None
     out.mkdir(parents=True, exist_ok=True)
-    entries, renames = {}, {}
+    entries, renames, copied = {}, {}, {}
     for f in files:
         tensors, meta = _read_file(f)
         stored = {}
         for name, t in tensors.items():
             if not is_linear_weight(name, t, tied):
                 stored[name] = t
+                copied[name] = _copied_entry(f.name, t)
                 continue
             if t.dtype != torch.bfloat16:
                 stored[name] = t
@@ -124,21 +132,42 @@ def pack_dir(src: str | Path, out: str | Path) -> dict:
             stored.update(keys)
             renames[name] = list(keys)
             entries[name] = _entry(f.name, "w12", t, w.nbytes, w.num_escapes)
-        save_file({k: v.contiguous() for k, v in stored.items()}, str(out / f.name), metadata=meta)
-    for p in src.iterdir():
+        save_safetensors({k: v.contiguous() for k, v in stored.items()}, out / f.name, metadata=meta)
+    hashed: dict[str, dict] = {}
+    for p in sorted(src.iterdir()):
         if p.suffix == ".safetensors":
             continue
         if p.name.endswith(".safetensors.index.json"):
             _write_index(p, out / p.name, renames, out)
+            hashed[p.name] = _file_entry(out / p.name)
         elif p.is_dir():
             shutil.copytree(p, out / p.name)
+            for root, _, names in os.walk(out / p.name):
+                for n in sorted(names):
+                    rel = (Path(root) / n).relative_to(out).as_posix()
+                    hashed[rel] = _file_entry(src / rel)
         else:
             shutil.copy2(p, out / p.name)
+            hashed[p.name] = _file_entry(p)
     manifest = {"format": FORMAT, "version": VERSION,
                 "record": {"rows": RECORD_ROWS, "cols": RECORD_COLS, "bytes": RECORD_BYTES},
-                "tensors": entries, "totals": _totals(list(entries.values()))}
+                "tensors": entries, "copied_tensors": copied, "files": dict(sorted(hashed.items())),
+                "totals": _totals(list(entries.values()))}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def _copied_entry(file: str, t: torch.Tensor) -> dict:
+    """Manifest entry of a tensor stored unchanged: its shard, dtype, shape and sha256."""
+    return {"file": file, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": sha256_of(t)}
+
+
+def _file_entry(path: Path) -> dict:
+    """Manifest entry of a copied file: sha256 and size of ``path`` in bytes. Raises W12FormatError when unreadable."""
+    try:
+        return {"sha256": sha256_of_file(path), "bytes": path.stat().st_size}
+    except OSError as e:
+        raise W12FormatError(f"cannot read {path}: {e.strerror or e}") from None
 
 
 def _write_index(src_index: Path, dst: Path, renames: dict[str, list[str]], out: Path) -> None:
@@ -199,18 +228,87 @@ def _restore_entry(name: str, e: dict, tensors: dict[str, torch.Tensor]) -> torc
     return decode(t, check=False)
 
 
+LEGACY_FILES_NOTE = (f"copied files: this {MANIFEST} predates per-file hashes (repack with `specpilot w12 pack` "
+                     "to record them)")
+LEGACY_TENSORS_NOTE = (f"tensors copied unchanged (embeddings, norms, ...): this {MANIFEST} predates their hashes "
+                       "(repack, or compare with --source)")
+
+
+def check_files(d: str | Path, manifest: dict) -> tuple[list[dict], list[str]]:
+    """Compare every file listed under ``files`` in ``manifest`` with the file of that path in W12 directory ``d``.
+
+    Returns:
+        ``(rows, not_checked)``: ``rows`` is ``[{"path", "ok", "error"}]`` in path order (``error`` None when the
+        file's sha256 matches, else ``"missing"``, ``"unreadable (...)"`` or ``"sha256 mismatch ..."``);
+        ``not_checked`` is a one-element list of explanation when the manifest has no ``files`` key (written by
+        an older SpecPilot), else empty.
+    Raises:
+        W12FormatError: ``files`` is not a mapping of relative paths to ``{"sha256": ...}`` entries.
+    """
+    d = Path(d)
+    files = manifest.get("files")
+    if files is None:
+        return [], [LEGACY_FILES_NOTE]
+    if not isinstance(files, dict):
+        raise W12FormatError(f"{MANIFEST}: 'files' is not a mapping")
+    rows = []
+    for rel, e in sorted(files.items()):
+        parts = Path(rel).parts
+        if not isinstance(e, dict) or Path(rel).is_absolute() or ".." in parts or not parts:
+            raise W12FormatError(f"{MANIFEST}: bad entry for file {rel!r}")
+        p = d / rel
+        if not p.is_file():
+            err = "missing"
+        else:
+            try:
+                h = sha256_of_file(p)
+            except OSError as ex:
+                h, err = None, f"unreadable ({ex.strerror or ex})"
+            if h is not None:
+                err = None if h == e.get("sha256") else "sha256 mismatch (changed or corrupted since packing)"
+        rows.append({"path": rel, "ok": err is None, "error": err})
+    return rows, []
+
+
+def _check_copied(name: str, t: torch.Tensor, copied: dict) -> str | None:
+    """None when tensor ``name`` matches its ``copied_tensors`` entry (dtype, shape, sha256), else the reason."""
+    e = copied.get(name)
+    if e is None:
+        return f"not listed in {MANIFEST} (added after packing?)"
+    if e.get("dtype") != str(t.dtype).removeprefix("torch.") or list(t.shape) != list(e.get("shape", ())):
+        return f"dtype/shape {str(t.dtype).removeprefix('torch.')} {list(t.shape)} differ from {MANIFEST}'s"
+    if sha256_of(t) != e.get("sha256"):
+        return "sha256 mismatch (corrupted)"
+    return None
+
+
 def load_w12_state_dict(d: str | Path) -> dict[str, torch.Tensor]:
     """The decoded state dict of a W12 directory (§4.1: checked bit for bit at load), CPU tensors in their
-    source dtypes, every converted tensor checked against the sha256 of its source.
+    source dtypes, every converted tensor checked against the sha256 of its source, every copied tensor and
+    copied file against the sha256 the manifest records for it.
 
-    W12 tensors come back as bf16 under their source names; raw and unconverted tensors as stored.
+    W12 tensors come back as bf16 under their source names; raw and unconverted tensors as stored. A manifest
+    of an older SpecPilot without ``files`` / ``copied_tensors`` loads with a :class:`UserWarning` saying what was
+    not checked.
 
     Raises:
-        W12FormatError: missing/invalid manifest, unreadable file, missing tensor, or a restored tensor whose
-            bytes differ from the sha256 of its source.
+        W12FormatError: missing/invalid manifest, unreadable file, missing tensor, a restored tensor whose bytes
+            differ from the sha256 of its source, or a copied tensor / file that is missing, not listed or
+            differs from its recorded sha256 (the message names the file and tensor).
     """
     d = Path(d)
     m = read_manifest(d)
+    file_rows, notes = check_files(d, m)
+    bad = next((r for r in file_rows if not r["ok"]), None)
+    if bad is not None:
+        raise W12FormatError(f"copied file {bad['path']}: {bad['error']}")
+    copied = m.get("copied_tensors")
+    if copied is not None and not isinstance(copied, dict):
+        raise W12FormatError(f"{MANIFEST}: 'copied_tensors' is not a mapping")
+    if copied is None:
+        notes.append(LEGACY_TENSORS_NOTE)
+    if notes:
+        warnings.warn(f"W12 checkpoint {d}: not checked: " + "; ".join(notes), stacklevel=2)
     state: dict[str, torch.Tensor] = {}
     for f in _files(d):
         tensors, _ = _read_file(f)
@@ -224,8 +322,17 @@ def load_w12_state_dict(d: str | Path) -> dict[str, torch.Tensor]:
                 raise W12FormatError(f"{f.name}: tensor {name!r} does not match its stored sha256 (corrupted)")
             state[name] = w
         own = {f"{n}.w12.{p}" for n in listed for p in PARTS}
-        state.update({k: v for k, v in tensors.items() if k not in own and k not in listed})
+        for k, v in tensors.items():
+            if k in own or k in listed:
+                continue
+            err = _check_copied(k, v, copied) if copied is not None else None
+            if err is not None:
+                raise W12FormatError(f"{f.name}: tensor {k!r}: {err}")
+            state[k] = v
     missing = set(m["tensors"]) - set(state)
+    if missing:
+        raise W12FormatError(f"tensor {sorted(missing)[0]!r} listed in {MANIFEST} is in no safetensors file of {d}")
+    missing = set(copied or ()) - set(state)
     if missing:
         raise W12FormatError(f"tensor {sorted(missing)[0]!r} listed in {MANIFEST} is in no safetensors file of {d}")
     return state
@@ -233,13 +340,18 @@ def load_w12_state_dict(d: str | Path) -> dict[str, torch.Tensor]:
 
 def verify_dir(d: str | Path, source: str | Path | None = None) -> dict:
     """§4.1 verify: restore every listed tensor of W12 directory ``d``, compare it bit for bit with its stored sha256
-    and, with ``source``, with the source checkpoint (every tensor, converted or not).
+    and, with ``source``, with the source checkpoint (every tensor, converted or not); compare every copied
+    tensor and copied file with the sha256 the manifest records for it.
 
     Returns:
         ``{"bit_exact": bool, "bits_per_weight", "escape_rate", "weights", "bytes", "escapes", "tensors_w12",
-        "tensors_raw", "source_checked": bool, "tensors": [{"name", "encoding", "dtype", "shape",
-        "bits_per_weight", "escapes", "escape_rate", "bit_exact", "error"}]}``; bits/weight and escapes are
-        recounted from the stored tensors, totals are over all listed tensors.
+        "tensors_raw", "source_checked": bool, "unconverted_match_source", "tensors": [{"name", "encoding",
+        "dtype", "shape", "bits_per_weight", "escapes", "escape_rate", "bit_exact", "error"}], "copied_tensors":
+        [{"name", "file", "bit_exact", "error"}], "files": [{"path", "ok", "error"}], "source_mismatches":
+        [{"name", "reason"}] (with ``source``; in file order), "not_checked": [str] (what an older manifest
+        cannot check), "problems": [str] (one line per failure, naming the file or tensor)}``; bits/weight and
+        escapes are recounted from the stored tensors, totals are over the converted/raw tensors.
+        ``bit_exact`` is True only when every tensor and file checks out.
     Raises:
         W12FormatError: missing/invalid manifest, a file that cannot be read (truncated, bad header), or a
             ``source`` that is not a checkpoint directory.
@@ -253,35 +365,64 @@ def verify_dir(d: str | Path, source: str | Path | None = None) -> dict:
         src_state = {}
         for f in _files(Path(source)):
             src_state.update(_read_file(f)[0])
-    rows, seen, other_ok = [], set(), True
+    file_rows, not_checked = check_files(d, m)
+    copied = m.get("copied_tensors")
+    if copied is not None and not isinstance(copied, dict):
+        raise W12FormatError(f"{MANIFEST}: 'copied_tensors' is not a mapping")
+    if copied is None:
+        not_checked.append(LEGACY_TENSORS_NOTE)
+    rows, copied_rows, src_bad, seen = [], [], [], set()
     for f in _files(d):
         tensors, _ = _read_file(f)
         listed = {n: e for n, e in m["tensors"].items() if e.get("file") == f.name}
         for name, e in listed.items():
             row, err, stored, escapes = _verify_entry(name, e, tensors, src_state)
             seen.add(name)
+            if err in ("not in the source directory", "differs from the source"):
+                src_bad.append({"name": name, "reason": err})
             n = int(torch.Size(e["shape"]).numel())
             rows.append({"name": name, "encoding": e["encoding"], "dtype": e["dtype"], "shape": e["shape"],
                          "bits_per_weight": 8 * stored / max(n, 1), "bytes": stored, "escapes": escapes,
                          "escape_rate": escapes / max(n, 1), "bit_exact": row, "error": err})
-        if src_state is not None:
-            own = {f"{n}.w12.{p}" for n in listed for p in PARTS}
-            for k, v in tensors.items():
-                if k not in own and k not in listed:
-                    seen.add(k)
-                    other_ok &= k in src_state and _same_bits(v, src_state[k])
-    for name in set(m["tensors"]) - seen:
+        own = {f"{n}.w12.{p}" for n in listed for p in PARTS}
+        for k, v in tensors.items():
+            if k in own or k in listed:
+                continue
+            seen.add(k)
+            if copied is not None:
+                err = _check_copied(k, v, copied)
+                copied_rows.append({"name": k, "file": f.name, "bit_exact": err is None, "error": err})
+            if src_state is not None:
+                if k not in src_state:
+                    src_bad.append({"name": k, "reason": "not in the source directory"})
+                elif not _same_bits(v, src_state[k]):
+                    src_bad.append({"name": k, "reason": "differs from the source"})
+    for name in sorted(set(m["tensors"]) - seen):
         e = m["tensors"][name]
         rows.append({"name": name, "encoding": e["encoding"], "dtype": e["dtype"], "shape": e["shape"],
                      "bits_per_weight": 0.0, "bytes": 0, "escapes": 0, "escape_rate": 0.0, "bit_exact": False,
                      "error": f"listed in {MANIFEST} but in no safetensors file"})
+    for name in sorted(set(copied or ()) - seen):
+        copied_rows.append({"name": name, "file": copied[name].get("file"), "bit_exact": False,
+                            "error": f"listed in {MANIFEST} but in no safetensors file"})
     if src_state is not None:
-        other_ok &= not (set(src_state) - seen)
+        src_bad += [{"name": k, "reason": "in the source but not in the W12 directory"}
+                    for k in sorted(set(src_state) - seen)]
     tot = _totals([{"shape": r["shape"], "bytes": r["bytes"], "escapes": r["escapes"], "encoding": r["encoding"]}
                    for r in rows])
-    return {"bit_exact": all(r["bit_exact"] for r in rows) and other_ok, **tot,
-            "source_checked": src_state is not None, "unconverted_match_source": other_ok if src_state is not None else None,
-            "tensors": rows}
+    problems = ([f"tensor {r['name']}: {r['error']}" for r in rows if not r["bit_exact"]]
+                + [f"copied tensor {r['name']} ({r['file']}): {r['error']}" for r in copied_rows if not r["bit_exact"]]
+                + [f"copied file {r['path']}: {r['error']}" for r in file_rows if not r["ok"]])
+    if src_bad:
+        problems.append(f"{len(src_bad)} tensor(s) differ from --source {source}, first: "
+                        + ", ".join(f"{b['name']} ({b['reason']})" for b in src_bad[:3]))
+    other_ok = not any(b["name"] not in m["tensors"] for b in src_bad)
+    return {"bit_exact": not problems, **tot,
+            "source_checked": src_state is not None,
+            "unconverted_match_source": other_ok if src_state is not None else None,
+            "tensors": rows, "copied_tensors": copied_rows, "files": file_rows,
+            "source_mismatches": src_bad if src_state is not None else None,
+            "not_checked": not_checked, "problems": problems}
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -307,4 +448,4 @@ def _verify_entry(name, e, tensors, src_state) -> tuple[bool, str | None, int, i
     return True, None, stored, escapes
 
 
-__all__ = ["pack_dir", "verify_dir", "load_w12_state_dict", "read_manifest", "is_linear_weight", "MANIFEST"]
+__all__ = ["pack_dir", "verify_dir", "load_w12_state_dict", "read_manifest", "check_files", "is_linear_weight", "MANIFEST"]

@@ -80,7 +80,7 @@ def write_random_checkpoint(arch: str, out: str | Path, seed: int = 0, shard_byt
     Raises:
         SpecPilotError: unknown ``arch``.
     """
-    from safetensors.torch import save_file
+    from ..fileio import save_safetensors
 
     if arch not in ARCHS:
         raise SpecPilotError(f"unknown architecture {arch!r} (choose {', '.join(ARCHS)})")
@@ -107,7 +107,7 @@ def write_random_checkpoint(arch: str, out: str | Path, seed: int = 0, shard_byt
     index, total = {}, 0
     for k, shard in enumerate(shards, 1):
         fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        save_safetensors(shard, out / fname, metadata={"format": "pt"})
         for name, t in shard.items():
             index[name] = fname
             total += t.numel() * 2

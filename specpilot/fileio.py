@@ -1,0 +1,43 @@
+"""Writing output files with the permissions a user expects.
+
+``safetensors.torch.save_file`` creates its file with mode 0600 whatever the umask (it writes a private
+temporary file and renames it), so a packed or generated checkpoint could not be read by other users or a
+service account. :func:`save_safetensors` writes the same file and then gives it the mode an ordinary
+``open(path, "w")`` would have: 0666 minus the process umask (0644 under the usual umask 022).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def current_umask() -> int:
+    """The process umask (an int such as 0o022). Reads it by setting and restoring it; raises nothing."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def normal_file_mode() -> int:
+    """Permission bits of a newly created ordinary file under the current umask (``0o666 & ~umask``)."""
+    return 0o666 & ~current_umask()
+
+
+def save_safetensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> Path:
+    """Write ``tensors`` (name -> contiguous CPU tensor) to the safetensors file ``path`` with ordinary
+    permissions (``0o666 & ~umask``, not safetensors' 0600); returns ``path`` as a Path.
+
+    Raises:
+        OSError: the file cannot be written or its mode set. Errors of ``safetensors.torch.save_file``
+            (e.g. non-contiguous or shared tensors) pass through unchanged.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, normal_file_mode())
+    return path
+
+
+__all__ = ["current_umask", "normal_file_mode", "save_safetensors"]
