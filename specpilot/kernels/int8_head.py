@@ -125,8 +125,8 @@ class Int8HeadKernel:
         lmax = torch.empty(r, nb, dtype=torch.float32, device=h.device)
         a = torch.empty(r, self.v, dtype=torch.float32, device=h.device) if write_a else u
         _bounds_kernel[(nb, triton.cdiv(r, br))](
-            h, self.head.q, self.head.scale, self.coef, hn, u, lmax, a, r, self.v, self.k, nb, h.stride(0),
-            self.head.q.stride(0), _MARGIN, _TINY, BLOCK_R=br, BLOCK_V=bv, BLOCK_K=bk,
+            h, self.head.q, self.head.scale, self.coef, hn, u, lmax, a, r, self.v, nb, h.stride(0),
+            self.head.q.stride(0), _MARGIN, _TINY, K=self.k, BLOCK_R=br, BLOCK_V=bv, BLOCK_K=bk,
             F32_DOT=h.dtype == torch.float32 or _interpreted(), WRITE_A=write_a, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return u, lmax, (a if write_a else None), hn
 
@@ -145,8 +145,8 @@ class Int8HeadKernel:
         tok = torch.empty(r, dtype=torch.int64, device=h.device)
         ok = torch.empty(r, dtype=torch.int8, device=h.device)
         w = self.head.weight
-        _rescore_kernel[(r,)](h, w, idx, cnt, hn, tok, ok, self.k, h.stride(0), w.stride(0), self.eps_r, self.eta,
-                              self.norm_limit, C=c, BLOCK_K=64 if c <= 32 else 32,
+        _rescore_kernel[(r,)](h, w, idx, cnt, hn, tok, ok, h.stride(0), w.stride(0), self.eps_r, self.eta,
+                              self.norm_limit, K=self.k, C=c, BLOCK_K=64 if c <= 32 else 32,
                               ROUND_BF16=w.dtype == torch.bfloat16, num_warps=4)
         self.last_survivors = cnt
         return tok, ok.bool()
@@ -175,10 +175,11 @@ def _up32(x64: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _bounds_kernel(H, Q, Scale, Coef, Hn, U, Lmax, A, R, V, K, NB, stride_h, stride_q, MARGIN, TINY,
-                       BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+    def _bounds_kernel(H, Q, Scale, Coef, Hn, U, Lmax, A, R, V, NB, stride_h, stride_q, MARGIN, TINY,
+                       K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
                        WRITE_A: tl.constexpr):
-        """Grid ``(cdiv(V, BLOCK_V), cdiv(R, BLOCK_R))``: U and per-program max L of one vocab block."""
+        """Grid ``(cdiv(V, BLOCK_V), cdiv(R, BLOCK_R))``: U and per-program max L of one vocab block. K (the
+        hidden size) is a compile-time constant: one compile per head, static loop bounds."""
         pid_v = tl.program_id(0)
         pid_r = tl.program_id(1)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -230,12 +231,12 @@ if triton is not None:
     def _round_bf16(x):
         """float32 -> nearest bf16 (ties to even), returned as float32 (as torch rounds a float32 to bf16)."""
         b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
         return b.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _rescore_kernel(H, W, Idx, Cnt, Hn, Tok, Ok, K, stride_h, stride_w, EPS_R, ETA, NORM_LIMIT,
-                        C: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr):
+    def _rescore_kernel(H, W, Idx, Cnt, Hn, Tok, Ok, stride_h, stride_w, EPS_R, ETA, NORM_LIMIT,
+                        K: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr):
         """Grid ``(R,)``: float64 rescoring of one row's survivors and the reference's decision rule."""
         r = tl.program_id(0)
         n = tl.load(Cnt + r)
@@ -247,9 +248,9 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
-            hv = tl.load(H + r * stride_h + ks, mask=k_ok, other=0.0).to(tl.float64)
+            hv = tl.load(H + r * stride_h + ks, mask=k_ok, other=0.0).to(tl.float32).to(tl.float64)
             wv = tl.load(W + idx[:, None].to(tl.int64) * stride_w + ks[None, :], mask=valid[:, None] & k_ok[None, :],
-                         other=0.0).to(tl.float64)
+                         other=0.0).to(tl.float32).to(tl.float64)
             p = wv * hv[None, :]
             z += tl.sum(p, axis=1)
             amag += tl.sum(tl.abs(p), axis=1)
