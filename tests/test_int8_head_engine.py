@@ -89,10 +89,13 @@ def test_packed_graph_path_settles_flagged_rows(tiny_dirs):
     head = CertifiedInt8Head(target.lm_head.weight, use_kernel=False)
     calls = []
 
+    v = target.args.vocab_size
+
     class Flagging:  # a Triton path that never certifies a row and guesses token 0
-        def __call__(self, h):
+        def __call__(self, h, packed=False):
             calls.append(h.shape[0])
-            return torch.zeros(h.shape[0], dtype=torch.long), torch.zeros(h.shape[0], dtype=torch.bool)
+            tok, ok = torch.zeros(h.shape[0], dtype=torch.long), torch.zeros(h.shape[0], dtype=torch.bool)
+            return tok + v if packed else (tok, ok)
 
     head.kernel = lambda: Flagging()
     t8 = with_int8_head(target, head)

@@ -6,7 +6,8 @@ captured in a CUDA graph. One call, for ``h [R, K]`` (the engine's hidden states
 
 1. ``_bounds_kernel`` (grid: vocab blocks x row tiles; reads the int8 copy ``q [V, K]`` once for up to 64
    rows): ``a_v = s_v * (h . q_v)`` with fp32 accumulation (bf16 x int8 products are exact; fp32 inputs use
-   IEEE dots), ``E_v = ||h|| c_v`` with ``c_v`` precomputed per vocab row, and writes ``U_v = a_v + E_v``
+   IEEE dots), ``E_v = ||h|| c_v`` with ``c_v`` precomputed per vocab row (``||h||``
+   bounded from above in the same loop, from the h tiles it loads anyway), and writes ``U_v = a_v + E_v``
    ``[R, V]`` float32 and, per program, ``max_v L_v`` (``L_v = a_v - E_v``) ``[R, NB]``. The fp32 roundings
    of forming L and U are covered by a relative margin of 2^-20 (on E and |a|) and an absolute 2^-100.
 2. ``T_r = max L`` (one ``amax``); ``_select_kernel`` keeps the survivors ``U_v >= T_r`` of each row, up to
@@ -26,7 +27,7 @@ True the token equals ``argmax(F.linear(h, W).float())`` (ties: lowest index), w
 accumulation units (``u_acc = 2^-23`` on CUDA for both the engine's head and this kernel's fp32 dots).
 
 CUDA-graph capturable: shapes depend only on R, V, K and C; no host sync; the survivor counter is zeroed
-by a device memset inside the call. fp16 heads are not supported here (the reference handles them).
+by a device memset inside the call. Five launches per call (bounds, amax, memset, select, rescore). fp16 heads are not supported here (the reference handles them).
 """
 
 from __future__ import annotations
@@ -104,15 +105,12 @@ class Int8HeadKernel:
         self.norm_limit = min(float(limit / (float(head.w_norm.max()) * (1 + 1e-6) + 1e-300)), 3.0e38)  # an fp32 argument
         self._units = units
 
-    def hidden_norm(self, h: torch.Tensor) -> torch.Tensor:
-        """``||h_r||`` rounded up to float32, ``[R]`` (h already in W's dtype); non-finite h gives inf/NaN."""
-        return _up32(torch.linalg.vector_norm(h, dim=1, dtype=torch.float64))
-
     def bounds(self, h: torch.Tensor, write_a: bool = False):
-        """Stage 1: ``(U [R, V] f32, lmax [R, NB] f32, a [R, V] f32 or None, hn [R] f32)`` for ``h [R, K]``.
+        """Stage 1: ``(U [R, V] f32, lmax [R, NB] f32, a, hn)`` for ``h [R, K]``.
 
-        ``U`` / ``L`` enclose the engine's exact logits (module docstring); ``a`` (only with ``write_a``,
-        for tests) is the approximate INT8 logit. Raises ValueError on a shape mismatch.
+        ``U`` / ``L`` enclose the engine's exact logits (module docstring). Only with ``write_a`` (tests):
+        ``a [R, V] f32`` the approximate INT8 logits and ``hn [R] f32`` the kernel's upper bound of ``||h||``
+        (else None, None). Raises ValueError on a shape mismatch.
         """
         self._refresh()
         h = self._check(h)
@@ -120,36 +118,38 @@ class Int8HeadKernel:
         cfg = {**default_config(r), **{k: v for k, v in self.overrides.items() if v is not None}}
         br, bv, bk = cfg["block_r"], cfg["block_v"], cfg["block_k"]
         nb = triton.cdiv(self.v, bv)
-        hn = self.hidden_norm(h)
         u = torch.empty(r, self.v, dtype=torch.float32, device=h.device)
         lmax = torch.empty(r, nb, dtype=torch.float32, device=h.device)
         a = torch.empty(r, self.v, dtype=torch.float32, device=h.device) if write_a else u
+        hn = torch.empty(r, dtype=torch.float32, device=h.device) if write_a else u
         _bounds_kernel[(nb, triton.cdiv(r, br))](
             h, self.head.q, self.head.scale, self.coef, hn, u, lmax, a, r, self.v, nb, h.stride(0),
-            self.head.q.stride(0), _MARGIN, _TINY, K=self.k, BLOCK_R=br, BLOCK_V=bv, BLOCK_K=bk,
+            self.head.q.stride(0), _MARGIN, _TINY, 1 + self.k * 2.0**-23, K=self.k, BLOCK_R=br, BLOCK_V=bv, BLOCK_K=bk,
             F32_DOT=h.dtype == torch.float32 or _interpreted(), WRITE_A=write_a, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        return u, lmax, (a if write_a else None), hn
+        return (u, lmax, a, hn) if write_a else (u, lmax, None, None)
 
-    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, h: torch.Tensor, packed: bool = False):
         """Certified argmax of ``h [R, K]``: ``(tokens [R] int64, ok [R] bool)`` on h's device (module
-        docstring). No host sync. ``last_survivors`` is set to the survivor counts ``[R] int32`` (device;
-        above ``capacity`` means overflow). Raises ValueError on a shape mismatch."""
-        u, lmax, _, hn = self.bounds(h)
+        docstring); with ``packed`` one LongTensor ``[R]``: the token where certified, ``V + guess`` where
+        not. No host sync; 5 launches (bounds, amax, memset, select, rescore). ``last_survivors`` is set to
+        the survivor counts ``[R] int32`` (device; above ``capacity`` means overflow). Raises ValueError on
+        a shape mismatch."""
+        u, lmax, _, _ = self.bounds(h)
         h = self._check(h)
         r, c = h.shape[0], self.capacity
         t = lmax.amax(dim=1)
         cnt = torch.zeros(r, dtype=torch.int32, device=h.device)
-        idx = torch.zeros(r, c, dtype=torch.int32, device=h.device)
+        idx = torch.empty(r, c, dtype=torch.int32, device=h.device)
         bs = 1024
         _select_kernel[(triton.cdiv(self.v, bs), r)](u, t, cnt, idx, self.v, C=c, BLOCK_S=bs, num_warps=4)
         tok = torch.empty(r, dtype=torch.int64, device=h.device)
-        ok = torch.empty(r, dtype=torch.int8, device=h.device)
+        ok = tok if packed else torch.empty(r, dtype=torch.int8, device=h.device)
         w = self.head.weight
-        _rescore_kernel[(r,)](h, w, idx, cnt, hn, tok, ok, h.stride(0), w.stride(0), self.eps_r, self.eta,
-                              self.norm_limit, K=self.k, C=c, BLOCK_K=64 if c <= 32 else 32,
-                              ROUND_BF16=w.dtype == torch.bfloat16, num_warps=4)
+        _rescore_kernel[(r,)](h, w, idx, cnt, tok, ok, h.stride(0), w.stride(0), self.eps_r, self.eta,
+                              self.norm_limit, self.v, K=self.k, C=c, BLOCK_K=64 if c <= 32 else 32,
+                              ROUND_BF16=w.dtype == torch.bfloat16, PACKED=packed, num_warps=4)
         self.last_survivors = cnt
-        return tok, ok.bool()
+        return tok if packed else (tok, ok.view(torch.bool))
 
     def _check(self, h: torch.Tensor) -> torch.Tensor:
         if h.dim() != 2 or h.shape[1] != self.k:
@@ -175,7 +175,7 @@ def _up32(x64: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _bounds_kernel(H, Q, Scale, Coef, Hn, U, Lmax, A, R, V, NB, stride_h, stride_q, MARGIN, TINY,
+    def _bounds_kernel(H, Q, Scale, Coef, Hn, U, Lmax, A, R, V, NB, stride_h, stride_q, MARGIN, TINY, HN_REL,
                        K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
                        WRITE_A: tl.constexpr):
         """Grid ``(cdiv(V, BLOCK_V), cdiv(R, BLOCK_R))``: U and per-program max L of one vocab block. K (the
@@ -187,19 +187,25 @@ if triton is not None:
         r_ok = rows < R
         v_ok = cols < V
         acc = tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.float32)
+        hsq = tl.zeros([BLOCK_R], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             hb = tl.load(H + rows[:, None] * stride_h + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             qb = tl.load(Q + cols[:, None].to(tl.int64) * stride_q + ks[None, :],
                          mask=v_ok[:, None] & k_ok[None, :], other=0)
+            hf = hb.to(tl.float32)
+            hsq += tl.sum(hf * hf, axis=1)
             if F32_DOT:
                 acc += tl.dot(hb.to(tl.float32), tl.trans(qb.to(tl.float32)), input_precision="ieee")
             else:
                 acc += tl.dot(hb, tl.trans(qb.to(hb.dtype)))
         s = tl.load(Scale + cols, mask=v_ok, other=0.0)
         c = tl.load(Coef + cols, mask=v_ok, other=0.0)
-        hn = tl.load(Hn + rows, mask=r_ok, other=0.0)
+        # ||h|| bound: the fp32 sum of K squares is within K 2^-24 (relative) of the real one, sqrt_rn adds
+        # 2^-24 (HN_REL = 1 + K 2^-23 covers both); squares that underflow or flush lose < K 2^-126 in all,
+        # i.e. < sqrt(K) 2^-63 on the norm, covered by the absolute 2e-15 for K < 3e8
+        hn = tl.sqrt_rn(hsq) * HN_REL + 2.0e-15
         a = acc * s[None, :]
         e = hn[:, None] * c[None, :]
         e = e + e * MARGIN + tl.abs(a) * MARGIN + TINY
@@ -208,6 +214,7 @@ if triton is not None:
         tl.store(U + offs, a + e, mask=both)
         if WRITE_A:
             tl.store(A + offs, a, mask=both)
+            tl.store(Hn + rows, hn, mask=r_ok & (pid_v == 0))
         lo = tl.where(both, a - e, float("-inf"))
         tl.store(Lmax + rows * NB + pid_v, tl.max(lo, axis=1), mask=r_ok)
 
@@ -235,8 +242,9 @@ if triton is not None:
         return b.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _rescore_kernel(H, W, Idx, Cnt, Hn, Tok, Ok, stride_h, stride_w, EPS_R, ETA, NORM_LIMIT,
-                        K: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr):
+    def _rescore_kernel(H, W, Idx, Cnt, Tok, Ok, stride_h, stride_w, EPS_R, ETA, NORM_LIMIT, V,
+                        K: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr,
+                        PACKED: tl.constexpr):
         """Grid ``(R,)``: float64 rescoring of one row's survivors and the reference's decision rule."""
         r = tl.program_id(0)
         n = tl.load(Cnt + r)
@@ -245,12 +253,14 @@ if triton is not None:
         idx = tl.load(Idx + r * C + js, mask=valid, other=0)
         z = tl.zeros([C], dtype=tl.float64)
         amag = tl.zeros([C], dtype=tl.float64)
+        hsq = tl.zeros([BLOCK_K], dtype=tl.float64)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             hv = tl.load(H + r * stride_h + ks, mask=k_ok, other=0.0).to(tl.float32).to(tl.float64)
             wv = tl.load(W + idx[:, None].to(tl.int64) * stride_w + ks[None, :], mask=valid[:, None] & k_ok[None, :],
                          other=0.0).to(tl.float32).to(tl.float64)
+            hsq += hv * hv
             p = wv * hv[None, :]
             z += tl.sum(p, axis=1)
             amag += tl.sum(tl.abs(p), axis=1)
@@ -269,10 +279,13 @@ if triton is not None:
         best = cand & (lo == m)
         tok = tl.min(tl.where(best, idx, 2147483647), axis=0)
         tok = tl.where(ncand >= 1, tok, 0)
-        hn = tl.load(Hn + r)
+        hn = tl.sqrt(tl.sum(hsq, axis=0))  # float64: NaN / inf for non-finite h
         ok = ((ncand == 1) | (inexact == 0)) & (ncand >= 1) & (n <= C) & (hn == hn) & (hn < NORM_LIMIT)
-        tl.store(Tok + r, tok.to(tl.int64))
-        tl.store(Ok + r, ok.to(tl.int8))
+        if PACKED:
+            tl.store(Tok + r, tok.to(tl.int64) + tl.where(ok, 0, V).to(tl.int64))
+        else:
+            tl.store(Tok + r, tok.to(tl.int64))
+            tl.store(Ok + r, ok.to(tl.int8))
 
 
 __all__ = ["CAPACITY", "Int8HeadKernel", "default_config"]

@@ -159,8 +159,7 @@ class CertifiedInt8Head:
         if kern is None:
             return self.argmax(h)
         self._check_h(h)
-        tok, ok = kern(h)
-        return tok + self.weight.shape[0] * (~ok).long()
+        return kern(h, packed=True)
 
     def _check_h(self, h: torch.Tensor) -> None:
         if h.dim() != 2 or h.shape[1] != self.weight.shape[1]:
