@@ -142,3 +142,11 @@ def test_kernel_errors():
         Int8HeadKernel(head, capacity=24)
     with pytest.raises(ValueError, match=r"\[R, 32\]"):
         Int8HeadKernel(head)(torch.randn(2, 31))
+
+
+def test_many_rows_take_the_full_head():
+    w, g = make(500, 32, torch.float32, seed=9)
+    head = CertifiedInt8Head(w, use_kernel=True)
+    h = torch.randn(70, 32, generator=g).to(DEV)
+    assert torch.equal(head.argmax(h), exact_argmax(h, w)) and head.stats.full_head_calls == 1
+    assert torch.equal(head.argmax_packed(h), exact_argmax(h, w))

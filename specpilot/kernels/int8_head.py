@@ -102,7 +102,10 @@ class Int8HeadKernel:
         self.eps_r = (_eps(k, u_in, u_acc, 0.0) + _gamma(k, 2.0**-53) + 1e-9) * (1 + 1e-6)
         self.eta = (k + 2) * 2.0**-125 * 2
         limit = torch.finfo(head.weight.dtype).max / 4
-        self.norm_limit = min(float(limit / (float(head.w_norm.max()) * (1 + 1e-6) + 1e-300)), 3.0e38)  # an fp32 argument
+        # rows with ||h||^2 >= this may overflow the exact head (the reference's test, conservative; an fp32
+        # kernel argument, so at most 3e38: rows with ||h|| >= 1.7e19 are always flagged)
+        nl = min(limit / (float(head.w_norm.max()) * (1 + 1e-6) + 1e-300), 1.7e19)
+        self.norm_limit2 = nl * nl * (1 - 1e-6)
         self._units = units
 
     def bounds(self, h: torch.Tensor, write_a: bool = False):
@@ -146,7 +149,7 @@ class Int8HeadKernel:
         ok = tok if packed else torch.empty(r, dtype=torch.int8, device=h.device)
         w = self.head.weight
         _rescore_kernel[(r,)](h, w, idx, cnt, tok, ok, h.stride(0), w.stride(0), self.eps_r, self.eta,
-                              self.norm_limit, self.v, K=self.k, C=c, BLOCK_K=64 if c <= 32 else 32,
+                              self.norm_limit2, self.v, K=self.k, C=c, BLOCK_K=64 if c <= 32 else 32,
                               ROUND_BF16=w.dtype == torch.bfloat16, PACKED=packed, num_warps=4)
         self.last_survivors = cnt
         return tok if packed else (tok, ok.view(torch.bool))
@@ -242,7 +245,7 @@ if triton is not None:
         return b.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _rescore_kernel(H, W, Idx, Cnt, Tok, Ok, stride_h, stride_w, EPS_R, ETA, NORM_LIMIT, V,
+    def _rescore_kernel(H, W, Idx, Cnt, Tok, Ok, stride_h, stride_w, EPS_R, ETA, NORM_LIMIT2, V,
                         K: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr,
                         PACKED: tl.constexpr):
         """Grid ``(R,)``: float64 rescoring of one row's survivors and the reference's decision rule."""
@@ -279,8 +282,8 @@ if triton is not None:
         best = cand & (lo == m)
         tok = tl.min(tl.where(best, idx, 2147483647), axis=0)
         tok = tl.where(ncand >= 1, tok, 0)
-        hn = tl.sqrt(tl.sum(hsq, axis=0))  # float64: NaN / inf for non-finite h
-        ok = ((ncand == 1) | (inexact == 0)) & (ncand >= 1) & (n <= C) & (hn == hn) & (hn < NORM_LIMIT)
+        hsq_r = tl.sum(hsq, axis=0)  # ||h||^2 in float64: NaN / inf for non-finite h
+        ok = ((ncand == 1) | (inexact == 0)) & (ncand >= 1) & (n <= C) & (hsq_r == hsq_r) & (hsq_r < NORM_LIMIT2)
         if PACKED:
             tl.store(Tok + r, tok.to(tl.int64) + tl.where(ok, 0, V).to(tl.int64))
         else:

@@ -56,6 +56,9 @@ import torch.nn.functional as F
 
 from ..errors import SpecPilotError
 
+#: the Triton path serves up to this many rows per call; more rows (prefill chunks, wide passes) take the
+#: full head, which is compute- rather than weight-read-bound there
+KERNEL_MAX_ROWS = 64
 _U_OUT = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 _ROWS_CHUNK = 1 << 22
 
@@ -100,7 +103,8 @@ class CertifiedInt8Head:
         use_kernel: the Triton path (:class:`~specpilot.kernels.int8_head.Int8HeadKernel`): None = on CUDA
             for bf16 / float32 weights when triton is installed; True forces it (tests: the interpreter on
             the CPU); False = this reference always.
-        capacity: survivors per row kept by the Triton path (rows with more take the full head).
+        capacity: survivors per row kept by the Triton path (rows with more take the full head). Calls with
+            more than ``KERNEL_MAX_ROWS`` (64) rows take the full head on the Triton path's devices.
     Attributes:
         q: int8 ``[V, H]``; scale: float32 ``[V]`` (W ≈ scale[:, None] * q).
         stats: :class:`HeadStats`.
@@ -159,6 +163,8 @@ class CertifiedInt8Head:
         if kern is None:
             return self.argmax(h)
         self._check_h(h)
+        if h.shape[0] > KERNEL_MAX_ROWS:
+            return self.exact_logits(h).argmax(dim=1)
         return kern(h, packed=True)
 
     def _check_h(self, h: torch.Tensor) -> None:
@@ -218,6 +224,10 @@ class CertifiedInt8Head:
         h = h.to(w.device)
         r = h.shape[0]
         kern = self.kernel()
+        if kern is not None and r > KERNEL_MAX_ROWS:  # many rows (a prefill): the full head, as the engine's
+            self.stats.calls, self.stats.rows = self.stats.calls + 1, self.stats.rows + r
+            self.stats.full_head_calls += 1
+            return self.exact_logits(h).argmax(dim=1)
         if kern is not None:
             return self._argmax_kernel(kern, h)
         a, e = self.bounds(h)
