@@ -34,6 +34,9 @@ class SystemConfig(BaseModel):
         w12: the target's projection layers (q/k/v/o, gate/up/down; not the LM head or embeddings) run from
             W12 lossless 12-bit weights (§4.1, :mod:`specpilot.mechanisms.w12`), in AR and speculative
             decoding alike. Needs bf16-valued target weights (a bf16 checkpoint, in any ``dtype``).
+        lm_head_int8: the target's greedy argmax (AR steps, verify passes) goes through the certified INT8
+            LM head (§4.1, :mod:`specpilot.mechanisms.lm_head_int8`): an INT8 pass discards tokens proven
+            unable to be the argmax, survivors are rescored exactly; the argmax never changes.
 
     Raises:
         pydantic.ValidationError: on out-of-range values (e.g. ``nodes < 1``).
@@ -51,6 +54,7 @@ class SystemConfig(BaseModel):
     ngram_min: int = Field(default=1, ge=1, le=16)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     w12: bool = False
+    lm_head_int8: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "SystemConfig":
@@ -78,18 +82,19 @@ class SystemConfig(BaseModel):
         return SystemConfig(**{**self.model_dump(), **delta})
 
     def seal(self) -> str:
-        """SHA-256 of the canonical JSON of this config (the seal of §3.3). Fields added later (``w12``) enter
-        only when set, so configs sealed before they existed keep their seals."""
+        """SHA-256 of the canonical JSON of this config (the seal of §3.3). Fields added later (``w12``,
+        ``lm_head_int8``) enter only when set, so configs sealed before they existed keep their seals."""
         d = {k: v for k, v in self.model_dump().items() if not (k in _LATER_FIELDS and v == _LATER_FIELDS[k])}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def label(self) -> str:
-        """Short human label, e.g. ``ngram/best_first N=16 D=6 k=4`` (``+w12`` appended when w12 is on)."""
-        w12 = " +w12" if self.w12 else ""
+        """Short human label, e.g. ``ngram/best_first N=16 D=6 k=4`` (``+w12`` / ``+int8head`` appended when
+        those mechanisms are on)."""
+        w12 = (" +w12" if self.w12 else "") + (" +int8head" if self.lm_head_int8 else "")
         if self.drafter == "none":
             return "AR" + w12
         return f"{self.drafter}/{self.tree} N={self.nodes} D={self.depth} k={self.top_k}{w12}"
 
 
 #: fields added after configs were first sealed, with the default that leaves them out of the seal
-_LATER_FIELDS = {"w12": False}
+_LATER_FIELDS = {"w12": False, "lm_head_int8": False}

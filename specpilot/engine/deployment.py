@@ -51,6 +51,8 @@ class Deployment:
             self.drafter_dir = None
         self._blocks = {str(b.resolve()): load_block(b, self.target) for b in self.block_dirs}
         self._w12_target = None
+        self._int8: dict[int, object] = {}  # id(base target) -> that target with the certified INT8 head
+        self._int8_head = None
         if self.drafter_dir is not None:
             check_drafter_fits(self.target_dir, self.drafter_dir, self.tokenizer)
             self.draft_model = load_model(self.drafter_dir, dtype, device)
@@ -75,6 +77,29 @@ class Deployment:
             self._w12_target = to_w12(self.target)
         return self._w12_target
 
+    def int8_target(self, base):
+        """``base`` (:attr:`target` or the W12 target) with the certified INT8 LM head (§4.1,
+        :func:`specpilot.mechanisms.lm_head_int8.with_int8_head`); one INT8 copy of the head serves both.
+
+        On CUDA this sets ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` (and the
+        fp16 twin) to False for the process: the certified bound needs the exact head to reduce in float32
+        (:class:`~specpilot.mechanisms.lm_head_int8.CertifiedInt8Head` refuses otherwise). Every bf16 GEMM
+        of the process runs under this setting from then on, also in systems measured earlier.
+
+        Raises:
+            SpecPilotError: the LM head weight holds inf / NaN.
+        """
+        from ..mechanisms.lm_head_int8 import CertifiedInt8Head, with_int8_head
+
+        if self.target.lm_head.weight.is_cuda:
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        if self._int8_head is None:
+            self._int8_head = CertifiedInt8Head(self.target.lm_head.weight)
+        if id(base) not in self._int8:
+            self._int8[id(base)] = with_int8_head(base, self._int8_head)
+        return self._int8[id(base)]
+
     def block_net(self, path=None):
         """The loaded block drafter network of ``path`` (None: the first block dir), loading it once.
 
@@ -91,13 +116,16 @@ class Deployment:
         return self._blocks[key]
 
     def system(self, config: SystemConfig, **engine_kw) -> Engine:
-        """An engine running ``config`` on this deployment's weights (the W12 target when ``config.w12``).
+        """An engine running ``config`` on this deployment's weights (the W12 target when ``config.w12``; the
+        certified INT8 head when ``config.lm_head_int8``).
 
         Raises:
             DrafterError: ``draft_model`` requested but the deployment has no draft model.
             W12FormatError: ``config.w12`` with a target whose weights are not bfloat16 values.
         """
         target = self.w12_target() if config.w12 else self.target
+        if config.lm_head_int8:
+            target = self.int8_target(target)
         drafter = None
         if config.drafter == "ngram":
             drafter = NgramDrafter(config.ngram_max, config.ngram_min, max_matches=max(config.top_k, 1))

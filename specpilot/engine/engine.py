@@ -88,6 +88,9 @@ class Engine:
         self._feats = []
         hidden = self.target.forward(tokens, positions, self.cache, start, mask, prof,
                                      features=self._feats, feature_layers=self.feature_layers)
+        if self.logits_hook is None and getattr(self.target, "int8_head", None) is not None:
+            with region(prof, "lm_head"):  # the certified INT8 head (§4.1): the same argmax
+                return self.target.greedy(hidden)
         logits = self.target.logits(hidden, prof)
         if self.logits_hook is not None:
             logits = self.logits_hook(logits)
@@ -194,8 +197,10 @@ class Engine:
 
     def _pipelined_ar(self, prof) -> bool:
         """AR through the row-bucket runner with steps queued ahead (:meth:`BucketRunner.ar_tokens`): no
-        drafter, no profiler (the cost model profiles plain steps)."""
-        return self.runner is not None and self.drafter is None and prof is None
+        drafter, no profiler (the cost model profiles plain steps), and not with the certified INT8 head on
+        CUDA graphs (a flagged step's device-fed token would be a guess; not implemented: those AR steps
+        run one at a time through :meth:`_step`)."""
+        return self.runner is not None and self.drafter is None and prof is None and not self.runner.packed
 
     def _generate_ar(self, committed: list[int], out: Generation, max_new_tokens: int, stops: set[int]) -> None:
         """Pipelined AR steps until a stop or ``max_new_tokens``; same bookkeeping as the step loop."""
@@ -231,6 +236,8 @@ class Engine:
         tok_list = [committed[-1]] + tree.tokens
         pos_list = [start] + [start + d for d in tree.depths]
         argmax = self._verify(tok_list, pos_list, start, tree, prof).tolist()  # the one host read
+        if self.runner is not None and self.runner.packed and max(argmax) >= self.target.args.vocab_size:
+            argmax = self.runner.full_head(r)  # certified INT8 head: a flagged row (§4.1)
         with region(prof, "other"):
             kids = tree.child_maps()
             path, row = [0], 0

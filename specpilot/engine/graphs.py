@@ -36,6 +36,8 @@ class BucketRunner:
         buckets: row buckets (increasing).
         graphs: capture CUDA graphs (CUDA only; ignored on the CPU).
         output: ``argmax`` (``[R] long``, the target's verify step) or ``logits`` (``[R, V] float32``).
+            With the certified INT8 head on CUDA graphs (:attr:`packed`) ``argmax`` values ``>= V`` flag
+            rows to settle with :meth:`full_head`.
         logits_hook: test-only (adversarial candidates): applied to the float32 logits ``[b, V]`` inside the
             captured pass (it must be capturable: device tensors only after its first, eager call).
     """
@@ -49,6 +51,11 @@ class BucketRunner:
         self._static: dict[int, dict] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
+        #: graphs return the certified INT8 head's packed argmax (§4.1; values >= vocab flag rows that
+        #: :meth:`full_head` settles after the host read)
+        self.packed = (self.graphs and output == "argmax" and logits_hook is None
+                       and getattr(model, "int8_head", None) is not None)
+        self._last_bucket: int | None = None
 
     def _buffers(self, b: int) -> dict:
         """Static inputs of bucket ``b``: views of one device buffer ``io`` (tokens, positions, start, the
@@ -67,7 +74,19 @@ class BucketRunner:
         if self.logits_hook is not None:  # test-only (adversarial candidates): captured with the pass
             logits = self.logits_hook(self.model.logits(hidden))
             return logits.argmax(dim=-1) if self.output == "argmax" else logits
+        if self.packed:
+            s["hidden"] = hidden
+            return self.model.int8_head.argmax_packed(hidden)
         return self.model.greedy(hidden) if self.output == "argmax" else self.model.logits(hidden)
+
+    def full_head(self, r: int) -> list[int]:
+        """The full head's argmax (host ints) of the first ``r`` rows of the last pass, from its static
+        hidden states over the whole bucket (the same ``[B, H]`` product as without the int8 head): how
+        the engine settles rows the certified INT8 head flagged (§4.1). Raises RuntimeError before a pass."""
+        if self._last_bucket is None or "hidden" not in self._static[self._last_bucket]:
+            raise RuntimeError("no packed pass to settle")
+        with torch.inference_mode():
+            return self.model.full_greedy(self._static[self._last_bucket]["hidden"])[:r].tolist()
 
     def _capture(self, b: int) -> None:
         s = self._buffers(b)
@@ -115,6 +134,7 @@ class BucketRunner:
         else:
             mask[:r, :r] = tree_mask.numpy()
         s["io"].copy_(host_t, non_blocking=True)  # the one host-to-device copy of a step
+        self._last_bucket = b
         if self.graphs:
             if b not in self._graphs:
                 self._capture(b)

@@ -389,6 +389,9 @@ class Transformer(nn.Module):
         #: GEMM for 1-64 rows) instead of cuBLAS. Off: on the H200 cuBLAS is as fast or faster for bf16
         #: (``bench/results/kernels_probe_*.json``); the kernel is the base of the W12 GEMM (issue 5).
         self.skinny_gemm = False
+        #: the ``lm_head_int8`` mechanism (§4.1): a CertifiedInt8Head that :meth:`greedy` uses (set by
+        #: :func:`specpilot.mechanisms.lm_head_int8.with_int8_head`); None = the plain head
+        self.int8_head = None
 
     def kernels_on(self, x: torch.Tensor) -> bool:
         """Whether the static path of a pass over ``x`` runs the fused kernels (see ``use_kernels``)."""
@@ -495,7 +498,14 @@ class Transformer(nn.Module):
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """Argmax token ids ``[R] long`` of the LM head for ``hidden [R, hidden_size]``, computed on logits in
         the model dtype: the float32 cast of :meth:`logits` is exact, so the argmax (first index on ties) is
-        the same, without writing and re-reading ``R x vocab`` float32 logits."""
+        the same, without writing and re-reading ``R x vocab`` float32 logits. With the ``lm_head_int8``
+        mechanism (:attr:`int8_head`) the certified INT8 head finds the same argmax (§4.1)."""
+        if getattr(self, "int8_head", None) is not None:
+            return self.int8_head.argmax(hidden)
+        return self.full_greedy(hidden)
+
+    def full_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`greedy` through the full head always (``[R] long``; the int8 head's fallback)."""
         return self.lm_head(hidden).argmax(dim=-1)
 
     def logits(self, hidden: torch.Tensor, prof=None) -> torch.Tensor:

@@ -41,6 +41,10 @@ in float32: with ``torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precisio
 :meth:`argmax` refuses (no sound bound).
 
 This is the plain PyTorch reference; the INT8 product is done in float32 here (``q`` converted per call).
+On CUDA (bf16 / float32 heads, triton installed) :meth:`CertifiedInt8Head.argmax` runs the Triton path of
+:mod:`specpilot.kernels.int8_head` instead (same contract; no host sync but the one that checks the
+per-row flags), and :meth:`CertifiedInt8Head.argmax_packed` gives the sync-free form for CUDA graphs.
+:func:`with_int8_head` makes the engine mechanism ``lm_head_int8`` of a :class:`Transformer`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ import torch.nn.functional as F
 
 from ..errors import SpecPilotError
 
+#: the Triton path serves up to this many rows per call; more rows (prefill chunks, wide passes) take the
+#: full head, which is compute- rather than weight-read-bound there
+KERNEL_MAX_ROWS = 64
 _U_OUT = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 _ROWS_CHUNK = 1 << 22
 
@@ -93,6 +100,11 @@ class CertifiedInt8Head:
 
     Args:
         weight: the head weight ``W [V, H]`` (float32, bfloat16 or float16; kept by reference, not copied).
+        use_kernel: the Triton path (:class:`~specpilot.kernels.int8_head.Int8HeadKernel`): None = on CUDA
+            for bf16 / float32 weights when triton is installed; True forces it (tests: the interpreter on
+            the CPU); False = this reference always.
+        capacity: survivors per row kept by the Triton path (rows with more take the full head). Calls with
+            more than ``KERNEL_MAX_ROWS`` (64) rows take the full head on the Triton path's devices.
     Attributes:
         q: int8 ``[V, H]``; scale: float32 ``[V]`` (W ≈ scale[:, None] * q).
         stats: :class:`HeadStats`.
@@ -100,7 +112,7 @@ class CertifiedInt8Head:
         SpecPilotError: W not a 2-D floating tensor or holding inf/NaN (no bound exists).
     """
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, use_kernel: bool | None = None, capacity: int = 32):
         w = weight.detach()
         if w.dim() != 2 or w.dtype not in _U_OUT:
             raise SpecPilotError(f"the LM head weight must be 2-D float32/bfloat16/float16, got {w.dtype} {tuple(w.shape)}")
@@ -122,6 +134,42 @@ class CertifiedInt8Head:
             self.res_norm[r0:r0 + step] = (w64 - s.double()[:, None] * q64).norm(dim=1)
             self.q_norm[r0:r0 + step], self.w_norm[r0:r0 + step] = q64.norm(dim=1), w64.norm(dim=1)
         self.stats = HeadStats()
+        self.use_kernel, self.capacity = use_kernel, capacity
+        self._kernel = None
+
+    def kernel(self):
+        """The Triton path for this head (built on first use), or None when it does not apply here (see
+        ``use_kernel``). Raises RuntimeError / ValueError when ``use_kernel=True`` and it cannot run."""
+        if self.use_kernel is False:
+            return None
+        if self.use_kernel is None:
+            from ..kernels.int8_head import triton
+
+            if not (self.weight.is_cuda and triton is not None and self.weight.dtype in (torch.bfloat16, torch.float32)):
+                return None
+        if self._kernel is None:
+            from ..kernels.int8_head import Int8HeadKernel
+
+            self._kernel = Int8HeadKernel(self, self.capacity)
+        return self._kernel
+
+    @torch.no_grad()
+    def argmax_packed(self, h: torch.Tensor) -> torch.Tensor:
+        """Sync-free certified argmax for CUDA graphs (§4.1): LongTensor ``[R]``, a value ``t < V`` is the
+        exact head's argmax of that row; ``t >= V`` marks a row the caller must settle with the full head
+        (``t - V`` is only a guess). Without the Triton path (see :meth:`kernel`) this is :meth:`argmax`
+        (always ``< V``, with its own host sync). Raises SpecPilotError on a wrong h shape."""
+        kern = self.kernel()
+        if kern is None:
+            return self.argmax(h)
+        self._check_h(h)
+        if h.shape[0] > KERNEL_MAX_ROWS:
+            return self.exact_logits(h).argmax(dim=1)
+        return kern(h, packed=True)
+
+    def _check_h(self, h: torch.Tensor) -> None:
+        if h.dim() != 2 or h.shape[1] != self.weight.shape[1]:
+            raise SpecPilotError(f"hidden states must be [R, {self.weight.shape[1]}], got {tuple(h.shape)}")
 
     def exact_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The engine's exact head (§4.1 reference): ``h [R, H]`` -> ``F.linear(h.to(W.dtype), W).float()``,
@@ -172,10 +220,16 @@ class CertifiedInt8Head:
             SpecPilotError: h of the wrong shape; bf16/fp16 CUDA reductions in reduced precision.
         """
         w = self.weight
-        if h.dim() != 2 or h.shape[1] != w.shape[1]:
-            raise SpecPilotError(f"hidden states must be [R, {w.shape[1]}], got {tuple(h.shape)}")
+        self._check_h(h)
         h = h.to(w.device)
         r = h.shape[0]
+        kern = self.kernel()
+        if kern is not None and r > KERNEL_MAX_ROWS:  # many rows (a prefill): the full head, as the engine's
+            self.stats.calls, self.stats.rows = self.stats.calls + 1, self.stats.rows + r
+            self.stats.full_head_calls += 1
+            return self.exact_logits(h).argmax(dim=1)
+        if kern is not None:
+            return self._argmax_kernel(kern, h)
         a, e = self.bounds(h)
         a64 = a.double()
         inf = torch.tensor(float("inf"), dtype=torch.float64, device=w.device)
@@ -210,6 +264,20 @@ class CertifiedInt8Head:
         st.undecided_rows += int(undecided.sum())
         return out
 
+    def _argmax_kernel(self, kern, h: torch.Tensor) -> torch.Tensor:
+        """:meth:`argmax` through the Triton path: its flagged rows take the full head (one host sync).
+        Stats: calls, rows, undecided_rows (flagged rows), full_head_calls; survivors are not counted here
+        (``kern.last_survivors`` holds the device counts)."""
+        tok, ok = kern(h)
+        st = self.stats
+        st.calls, st.rows = st.calls + 1, st.rows + h.shape[0]
+        bad = int((~ok).sum())
+        if bad:
+            tok = torch.where(ok, tok, self.exact_logits(h).argmax(dim=1))
+            st.undecided_rows += bad
+            st.full_head_calls += 1
+        return tok
+
     def _enclose(self, h: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Lo, Hi) [R, S]`` float32 with ``Lo <= exact_logits(h)[:, cols] <= Hi`` (float64 rescoring)."""
         w = self.weight
@@ -230,4 +298,31 @@ class CertifiedInt8Head:
         return lo, hi
 
 
-__all__ = ["CertifiedInt8Head", "HeadStats"]
+def with_int8_head(model, head: CertifiedInt8Head | None = None):
+    """The engine mechanism ``lm_head_int8`` (§4.1): a shallow copy of the :class:`Transformer` ``model``
+    (every parameter, buffer and child shared; ``model`` itself unchanged) whose greedy argmax
+    (``Transformer.greedy``: AR steps, verify passes, prefill) goes through a :class:`CertifiedInt8Head` of
+    its LM head weight. The argmax is the full head's, so outputs do not change (in float32 on the CPU,
+    speculative == AR token for token, as without the mechanism).
+
+    Args:
+        model: a Transformer (plain or W12; the LM head is never W12).
+        head: a head built on ``model.lm_head.weight`` to share between copies (None: build one, which
+            quantizes the head: one pass over V x H weights).
+    Returns: the new model object.
+    Raises:
+        SpecPilotError: ``head`` was built on another weight, or the weight holds inf / NaN.
+    """
+    import copy
+
+    if head is None:
+        head = CertifiedInt8Head(model.lm_head.weight)
+    elif head.weight.data_ptr() != model.lm_head.weight.data_ptr() or head.weight.shape != model.lm_head.weight.shape:
+        raise SpecPilotError("the certified INT8 head was built on another LM head weight")
+    out = copy.copy(model)
+    out._modules = dict(model._modules)
+    out.int8_head = head
+    return out
+
+
+__all__ = ["CertifiedInt8Head", "HeadStats", "with_int8_head"]

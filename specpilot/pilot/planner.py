@@ -2,8 +2,9 @@
 
 Each round the master step reads the ceiling's three factors and picks a direction; candidates are the
 mechanism options that move that factor (tree: drafter, builder, budget N, top-K, depth; outside: cheaper
-steps: fewer rows, fewer draft positions, a cheaper drafter; kernel: none in this CPU build, so the round
-moves on to the next factor and says so). Each candidate's τ comes from exact replay
+steps: fewer rows, fewer draft positions, a cheaper drafter; kernel: the kernel mechanisms ``w12`` and
+``lm_head_int8`` (§4.1) toggled on the incumbent, on CUDA with a bf16 target only; elsewhere none, so the
+round moves on to the next factor and says why, :meth:`Planner.kernel_why_not`). Each candidate's τ comes from exact replay
 (no target pass) and its c(N) from measured pass times, so the planner ranks by predicted speedup
 τ / c and sends only the best few to the controller, which alone decides.
 """
@@ -22,6 +23,8 @@ from .replay import Recording, replay
 NODES = (2, 4, 6, 8, 12, 16, 24, 32)
 TOP_K = (2, 4, 8)
 DEPTH = (3, 4, 6, 8, 10)
+#: Kernel mechanisms (§4.1) the planner toggles in the ``kernel`` direction (SystemConfig bool fields).
+KERNEL_MECHANISMS = ("w12", "lm_head_int8")
 #: Block drafters (issue 3): block sizes (lattice depth) and builders the planner proposes.
 BLOCK_DEPTH = (8, 12, 16)
 BLOCK_TREES = ("chain", "best_first", "ddtree_marginal", "eagle2_topk")
@@ -54,10 +57,13 @@ class Planner:
             block drafter is keyed ``("block:<dir>", 16)`` with ``rec.drafter_path`` set to its directory.
         verify_ms: ``{rows: ms}`` measured time of one exact pass (forward + LM head + argmax) by rows.
         ar_ms: measured AR step time, ms (the unit of c).
+        device: the deployment's torch device (``cpu``, ``cuda``, ``cuda:1``): kernel mechanisms are
+            proposed on CUDA only.
     """
 
-    def __init__(self, recordings: dict[tuple[str, int], Recording], verify_ms: dict[int, float], ar_ms: float):
-        self.recordings, self.ar_ms = recordings, ar_ms
+    def __init__(self, recordings: dict[tuple[str, int], Recording], verify_ms: dict[int, float], ar_ms: float,
+                 device: str = "cpu"):
+        self.recordings, self.ar_ms, self.device = recordings, ar_ms, str(device)
         self.rows = np.array(sorted(verify_ms), dtype=float)
         self.ms = np.array([verify_ms[r] for r in sorted(verify_ms)], dtype=float)
         self.overhead_ms = max(ar_ms - float(self.ms[0]), 0.0)  # per-step work outside the pass
@@ -106,8 +112,11 @@ class Planner:
         """Configs one step from ``incumbent`` that move ``direction``.
 
         ``tree``: raise τ (drafter, builder, budget N, top-K, depth). ``outside``: make the step cheaper
-        (fewer rows or draft positions, a cheaper drafter). ``kernel``: kernel mechanisms (none registered
-        in this build: W12 and the certified INT8 head come with the GPU path), so no candidates.
+        (fewer rows or draft positions, a cheaper drafter). ``kernel``: the incumbent with one kernel
+        mechanism of :data:`KERNEL_MECHANISMS` toggled (``w12``, ``lm_head_int8``; §4.1), when
+        :meth:`kernel_why_not` is None; else no candidates. A toggle leaves τ unchanged, so its predicted
+        speedup is the incumbent's and the pilot's live screening (measured c) decides what reaches the
+        controller.
         """
         drafters = sorted({kind for kind, _ in self.recordings if not kind.startswith("block")})
         blocks = [rec for (kind, _), rec in self.recordings.items() if kind.startswith("block")]
@@ -127,6 +136,10 @@ class Planner:
                 out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": None, "tree": "best_first", "nodes": n, "top_k": k, "depth": dep}))
             for d, dep in itertools.product(drafters, DEPTH):
                 out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": None, "tree": "chain", "nodes": dep, "top_k": 1, "depth": dep}))
+        elif direction == "kernel":
+            if self.kernel_why_not(incumbent) is None:
+                for name in KERNEL_MECHANISMS:
+                    out.append(incumbent.model_copy(update={name: not getattr(incumbent, name)}))
         elif direction == "outside":
             for d in drafters + (["block"] if incumbent.drafter == "block" else []):
                 for n in NODES:
@@ -137,6 +150,22 @@ class Planner:
                         nodes = min(incumbent.nodes, dep) if incumbent.tree == "chain" else incumbent.nodes
                         out.append(incumbent.model_copy(update={"drafter": d, "depth": dep, "nodes": nodes, "drafter_path": path(d)}))
         return list(dict.fromkeys(c for c in out if c != incumbent))
+
+    def kernel_why_not(self, incumbent: SystemConfig) -> str | None:
+        """Why the ``kernel`` direction has no candidates for ``incumbent`` here, or None when it has.
+
+        The kernel mechanisms are GPU kernels for bf16 targets: ``w12`` stores bf16 weights in 12 bits (a
+        target in another dtype is not bf16-valued in general) and the certified INT8 head is a memory-bound
+        Triton GEMV whose gain is on the GPU (§4.1); on the CPU both would only run their references.
+        """
+        import torch
+
+        if torch.device(self.device).type != "cuda":
+            return (f"the kernel mechanisms (W12, certified INT8 head) are GPU kernels; device {self.device} "
+                    "runs only their CPU references")
+        if incumbent.dtype != "bfloat16":
+            return f"the kernel mechanisms (W12, certified INT8 head) need a bf16 target; this one is {incumbent.dtype}"
+        return None
 
     def propose(self, incumbent: SystemConfig, direction: str, tried: set[str], k: int) -> list[tuple[SystemConfig, Prediction]]:
         """Untried candidates of ``direction``: the ``k`` with the highest predicted speedup *per drafter*

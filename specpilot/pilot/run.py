@@ -171,7 +171,7 @@ class Pilot:
             bdr = self.dep.system(SystemConfig(drafter="block", drafter_path=str(bd), top_k=16)).drafter
             recs[(f"block:{bd}", 16)] = record(bdr, prompts, ar_out, bdr.cfg.block_size, 16, target=self.dep.target)
             recs[(f"block:{bd}", 16)].drafter_path = str(bd)
-        self.planner = Planner(recs, verify_ms, ar_m["step_ms"])
+        self.planner = Planner(recs, verify_ms, ar_m["step_ms"], device=o.device)
         self.tau_curve = self.tau_curves()
 
         incumbent, entries, candidates, rounds, tried = self.stock, [], [], [], {self.stock.seal()}
@@ -191,8 +191,8 @@ class Pilot:
                 if proposals:
                     attacked = direction
                     break
-                why = ("no kernel mechanism is registered in this build" if direction == "kernel"
-                       else "no untried candidate is predicted to beat the incumbent")
+                why = ((self.planner.kernel_why_not(incumbent) if direction == "kernel" else None)
+                       or "no untried candidate is predicted to beat the incumbent")
                 self.say(f"round {rnd}", f"{direction}: {why}; next factor")
             rounds.append({"round": rnd, "ceiling": f, "attacked": attacked, "incumbent": incumbent.label(),
                            "tau": inc_m["tau"], "c": inc_m["step_ms"] / ar_m["step_ms"],
