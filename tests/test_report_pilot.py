@@ -151,3 +151,19 @@ def test_report_sections(tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["benchmarks"]["y"]["requests"] == 2
     rounds = rep["rounds"] + [{"round": "sealed", "ceiling": rep["ceiling"]}]
     assert [n for n, _ in ceiling_rows(rounds)] == ["round 0", "round 1", "sealed"]  # all drawn in ceiling.png
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--threads", "0"], "error: --threads must be >= 1, got 0"),
+    (["--memory", "/nonexistent/mem"], "error: --memory /nonexistent/mem: no such directory"),
+])
+def test_pilot_cli_bad_threads_or_memory_is_one_line(monkeypatch, capsys, tmp_path, args, msg):
+    import sys
+
+    from specpilot.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["specpilot", "pilot", "--out", str(tmp_path / "o"), *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == msg

@@ -260,11 +260,13 @@ def _plot_c(path: Path, data: dict, measured: list | None = None) -> bool:
     ax = fig.add_subplot()
     if x:
         ax.plot(x, y, marker="o", label="cost model, drafting excluded")
-    for (n, c), p in zip(pts, [p for p in measured or [] if isinstance(p, dict) and "c" in p and "N" in p]):
-        ax.scatter([n], [c], marker="x", s=50, zorder=3, label=f"measured: {p.get('label', '')}"[:60])
+    labels = [p.get("label", "") for p in measured or [] if isinstance(p, dict)
+              and isinstance(p.get("N"), (int, float)) and isinstance(p.get("c"), (int, float))]
+    for i, ((n, c), lab) in enumerate(zip(pts, labels)):
+        ax.scatter([n], [c], marker="x", s=50, zorder=3, color=f"C{(i + 1) % 10}", label=f"measured: {lab}"[:60])
     ax.axhline(1.0, color="k", lw=0.6)
     ax.set(xlabel="tree nodes N (rows verified − 1)", ylabel="c(N) = T_step(N) / T_AR",
-           title="relative step cost c(N), same T_AR")
+           title="c(N): model curve; crosses: step time over AR's, interleaved")
     ax.legend(fontsize=6)
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=100, bbox_inches="tight")

@@ -1,8 +1,8 @@
 """Memory reuse on a new deployment (paper §3.5: "a new deployment starts from stock plus the verified
 entries in memory"; reused entries are re-tuned and re-measured, not counted as new discoveries).
 
-``specpilot pilot --memory DIR``: after Phase 0 (and round 0), every entry of ``DIR`` is visited in
-``requires`` order (requirements first):
+``specpilot pilot --memory DIR``: after Phase 0 (before round 0 and the rounds), every entry of ``DIR``
+is visited in ``requires`` order (requirements first):
 
 - a **config** entry is rebuilt as this deployment's stock + the entry's chain of deltas, re-tuned over a
   small neighbourhood of its options (nodes / depth / top_k, ranked by the cost model, screened live

@@ -29,12 +29,12 @@ from ..config import SystemConfig
 from ..engine.deployment import Deployment
 from ..errors import SpecPilotError
 from . import controller as ctl
+from .bootstrap import gain_and_bound
 from .costmodel import build_ceiling, step_counts
 from .forcing import Scorer, audit, forcing_verdict
 from .memory import Entry, Evidence, Memory
 from .planner import Planner
 from .profiler import StepProfiler, measure_peaks
-from .bootstrap import gain_and_bound
 from .replay import record, replay
 from .report import write_report
 from .reuse import open_source, reuse_memory
@@ -203,16 +203,16 @@ class Pilot:
 
         incumbent, entries, candidates, rounds, tried = self.stock, [], [], [], {self.stock.seal()}
         memory = Memory(o.out / "memory")
-        if ar_stock.gain < 1.0:  # stock loses to AR: speculation itself is a candidate to switch off (§3.3)
-            self.say("round 0", f"stock is {ar_stock.gain:.3f}x AR: candidate AR (no drafter) against stock")
-            ceil, inc_m = self.ceiling(incumbent)
-            rounds.append(self.round_row(0, ceil, inc_m, incumbent, "speculation (stock loses to AR in phase 0)"))
-            incumbent = self.round0_ar(memory, entries, candidates, tried)
-            rounds[-1]["approved"] = incumbent.label() if incumbent == self.ar else None
         self.reused = []
-        if self.source is not None:
+        if self.source is not None:  # a new deployment starts from stock + memory, re-tuned and re-measured (§3.5)
             self.say("memory", f"starting from stock + the {len(self.source.ids())} entries of {self.source.root}")
             incumbent, self.reused = reuse_memory(self, self.source, incumbent, memory, entries, candidates, tried)
+        if ar_stock.gain < 1.0 and self.ar.seal() not in tried:  # stock loses to AR: speculation off is a candidate
+            self.say("round 0", f"stock is {ar_stock.gain:.3f}x AR: candidate AR (no drafter) against {incumbent.label()}")
+            ceil, inc_m = self.ceiling(incumbent)
+            rounds.append(self.round_row(0, ceil, inc_m, incumbent, "speculation (stock loses to AR in phase 0)"))
+            incumbent = self.round0_ar(incumbent, memory, entries, candidates, tried)
+            rounds[-1]["approved"] = incumbent.label() if incumbent == self.ar else None
         for rnd in range(1, plan["rounds"] + 1):
             ceil, inc_m = self.ceiling(incumbent)
             f = ceil.factors()
@@ -275,11 +275,12 @@ class Pilot:
         ar = self.planner.ar_ms
         return {0: 1.0, **{r - 1: (self.planner.overhead_ms + ms) / ar for r, ms in sorted(verify_ms.items()) if r > 1}}
 
-    def round0_ar(self, memory, entries, candidates, tried) -> SystemConfig:
-        """Judge AR (no drafter) against stock like any candidate; approved, it becomes the incumbent (and a
-        memory entry), so no later candidate is approved unless it beats AR. Returns the incumbent."""
+    def round0_ar(self, incumbent, memory, entries, candidates, tried) -> SystemConfig:
+        """Judge AR (no drafter) against the incumbent (stock, or stock + reused entries) like any candidate;
+        approved, it becomes the incumbent (and a memory entry), so no later candidate is approved unless it
+        beats AR. Returns the incumbent."""
         tried.add(self.ar.seal())
-        j = self.judge(self.stock, self.ar, self.ar.label())
+        j = self.judge(incumbent, self.ar, self.ar.label())
         v = j.verdict
         self.say("round 0", ("[green]" if v.approved else "[red]") + v.reason + "[/]")
         row = {"round": 0, "name": self.ar.label(), "config": self.ar.model_dump(), "predicted": None,
@@ -288,12 +289,12 @@ class Pilot:
                "mismatch_rate": j.forcing.mismatch_rate, "approved": v.approved, "reason": v.reason}
         candidates.append(row)
         if not v.approved:
-            return self.stock
-        entry = self.entry(0, self.stock, self.ar, j.run, j.forcing, [])
+            return incumbent
+        entry = self.entry(0, incumbent, self.ar, j.run, j.forcing, [e.id for e in entries])
         memory.add(entry, overwrite=True)
         entries.append(entry)
         row["entry"] = entry.id
-        self.say("round 0", f"approved {entry.id}: {self.stock.label()} -> {self.ar.label()}")
+        self.say("round 0", f"approved {entry.id}: {incumbent.label()} -> {self.ar.label()}")
         return self.ar
 
     def screen(self, proposals, inc_m: dict, k: int):
