@@ -188,6 +188,8 @@ def pilot(
     dtype: str = typer.Option("float32", help="float32 | bfloat16"),
     seed: int = typer.Option(0, help="Seed for request sampling and bootstrap."),
     block: Optional[List[Path]] = typer.Option(None, help="Block drafter directory the planner may propose (repeatable; default with the bundled target: the bundled block and block_markov drafters)."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: 1 on a CPU device with <= 2 cores, else torch's default)."),
+    memory: Optional[Path] = typer.Option(None, help="Memory directory of an earlier run: start from stock + its entries, re-tuned and re-measured here (§3.5)."),
 ):
     """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
     from .engine.checkpoint import DTYPES
@@ -209,7 +211,7 @@ def pilot(
     if out.exists() and not out.is_dir():
         raise SpecPilotError(f"--out {out} exists and is not a directory")
     run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
-                           blocks=tuple(block or ()), adversarial=adversarial))
+                           blocks=tuple(block or ()), adversarial=adversarial, threads=threads, memory=memory))
 
 
 @app.command()

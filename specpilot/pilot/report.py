@@ -6,7 +6,11 @@ Expected keys of the report dict (every one optional; missing parts are shown as
 - ``ar_tokens_per_s``, ``stock_tokens_per_s``, ``sealed_tokens_per_s``: throughput (tokens/s).
 - ``speedup_vs_ar``, ``speedup_vs_stock``: ratios; ``speedup_ci_low``: 95% lower bound of speedup_vs_ar;
   ``speedup_vs_stock_ci_low``: 95% lower bound of speedup_vs_stock (paired bootstrap, §3.3).
-- ``tau``: tokens per exact pass of the sealed system; ``c``: its c(N) = T_step(N) / T_AR.
+- ``benchmarks``: ``{name: {requests, ar_tokens_per_s, stock_tokens_per_s, sealed_tokens_per_s, vs_ar,
+  vs_ar_low, vs_stock, vs_stock_low}}`` from the seal's interleaved run (lower bounds None for a
+  benchmark of one request); drawn as ``speedup.png``.
+- ``tau``: tokens per exact pass of the sealed system; ``c``: its c(N) = T_step(N) / T_AR; ``ar_step_ms``,
+  ``step_ms``, ``stock_c``, ``steps_method``: where they come from (one interleaved run).
 - ``sealed_label``, ``sealed_seal``: the sealed system's label and SHA-256 seal.
 - ``ceiling``: ``{tree, kernel, outside}`` factors of the sealed system (§3.2).
 - ``token_forcing``: ``{mismatch_rate, events, event_rate, delta, tokens, stock_mismatch_rate,
@@ -14,13 +18,17 @@ Expected keys of the report dict (every one optional; missing parts are shown as
 - ``sigma``: stock noise σ (fraction).
 - ``entries``: memory entries, each an id string or a dict with ``id``, ``title``, ``gain``, ``requires``.
 - ``candidates``: list of dicts ``{round, name, gain, lower_bound, bar, outputs_differ, forcing_passed,
-  tau, c, approved, reason}``.
-- ``rounds``: list of dicts ``{round, ceiling: {tree, kernel, outside}, attacked, tokens_per_s}``.
-- ``tau_curve``: ``{builder: {N: tau}}``; ``c_curve``: ``{N: c}`` (N may be int or str).
+  mismatch_rate, predicted: {tau, c, c_screened}, approved, reason, entry, superseded_by, reused_from}``.
+- ``rounds``: list of dicts ``{round, ceiling: {tree, kernel, outside}, attacked, incumbent, tau, c,
+  tokens_per_s}`` (round 0 when AR was judged against stock).
+- ``reused`` / ``memory_source``: per entry of an earlier memory (``--memory``): ``{id, status, reason,
+  config, gain, lower_bound, entry}``.
+- ``tau_curve``: ``{builder: {N: tau}}``; ``c_curve``: ``{N: c}`` (N may be int or str); ``c_curve_method``;
+  ``c_measured``: ``[{label, N, c, source}]`` measured points drawn on the c plot.
 - ``adversarial``: list of dicts ``{name, cheat, defence, gain, lower_bound, bar, outputs_differ,
   forcing_passed, approved, reason, defence_fired}`` (``pilot --adversarial``).
 
-``plots`` may override the plot data: ``{"tau_vs_n": {builder: {N: tau}}, "c_vs_n": {N: c},
+``plots`` may override the plot data: ``{"speedup": benchmarks, "tau_vs_n": {builder: {N: tau}}, "c_vs_n": {N: c},
 "ceiling": [{round, tree, kernel, outside}]}``; otherwise it is taken from the report.
 """
 
@@ -73,13 +81,92 @@ def _headline(r: dict) -> list[str]:
         f"| sealed | {_num(r.get('sealed_tokens_per_s'), '{:.1f}')} | {_num(r.get('speedup_vs_ar'))} "
         f"({_num(r.get('speedup_ci_low'))}) | {_num(speed)} ({_num(r.get('speedup_vs_stock_ci_low'))}) |",
         "",
-        f"- τ (tokens per exact pass): **{_num(r.get('tau'))}**; c(N) = T_step / T_AR: **{_num(r.get('c'))}**",
+        f"- τ (tokens per exact pass): **{_num(r.get('tau'))}**; c(N) = T_step / T_AR: **{_num(r.get('c'))}**"
+        f" (T_step {_num(r.get('step_ms'))} ms, T_AR {_num(r.get('ar_step_ms'))} ms; τ / c = "
+        f"{_num(_ratio(r.get('tau'), r.get('c')))}, decode steps only; stock's c {_num(r.get('stock_c'))})",
     ]
+    if r.get("steps_method"):
+        rows.append(f"- τ and c: {r['steps_method']}")
     if r.get("sealed_label") or r.get("sealed_seal"):
         rows.append(f"- sealed system: `{r.get('sealed_label', '')}` seal `{str(r.get('sealed_seal', ''))[:16]}`")
     if r.get("sigma") is not None:
         rows.append(f"- stock noise σ: {_pct(r.get('sigma'))}")
     return rows
+
+
+def _ratio(a, b):
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def _benchmarks(r: dict) -> list[str]:
+    bm = r.get("benchmarks") or {}
+    if not bm:
+        return []
+    md = ["## Speedup per benchmark", "",
+          "From the seal's interleaved run; 95% lower bounds by paired bootstrap over the benchmark's requests "
+          "(— for a benchmark of one request).", "",
+          "| benchmark | requests | AR tok/s | stock tok/s | sealed tok/s | sealed vs AR (95% low) | sealed vs stock (95% low) |",
+          "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, b in bm.items():
+        md.append(f"| {name} | {b.get('requests', '—')} | {_num(b.get('ar_tokens_per_s'), '{:.1f}')} | "
+                  f"{_num(b.get('stock_tokens_per_s'), '{:.1f}')} | {_num(b.get('sealed_tokens_per_s'), '{:.1f}')} | "
+                  f"{_num(b.get('vs_ar'))} ({_num(b.get('vs_ar_low'))}) | {_num(b.get('vs_stock'))} ({_num(b.get('vs_stock_low'))}) |")
+    return md + [""]
+
+
+def _verdict(c: dict) -> str:
+    """``approved → entry``, ``approved, superseded by X`` or ``rejected: reason`` (one cell)."""
+    if not c.get("approved"):
+        reason = str(c.get("reason", "")).replace("|", "/").removeprefix("rejected").lstrip(": ")
+        return "rejected" + (f": {reason}" if reason else "")
+    if c.get("superseded_by"):
+        return f"approved, superseded (by {c['superseded_by']}: a higher lower bound this round)"
+    out = "approved"
+    if c.get("entry"):
+        out += f" → entry `{c['entry']}`"
+    if c.get("reused_from"):
+        out += " (reused)"
+    return out
+
+
+def _forcing_cell(c: dict) -> str:
+    if c.get("forcing_passed") is None:
+        return "—"
+    return f"{'passed' if c['forcing_passed'] else 'failed'} ({_pct(c.get('mismatch_rate'))})"
+
+
+def _candidates(cands: list) -> list[str]:
+    md = ["## Candidates (§3.3)", "",
+          "Gain = geometric mean over benchmarks of the throughput ratio vs the incumbent; 95% low = paired-bootstrap "
+          "lower bound; bar = what `low − 1` had to exceed; forcing = token forcing (mismatch rate); replay τ and "
+          "model c = the cost model's prediction; screened c = live decode steps interleaved with AR.", "",
+          "| round | candidate | gain | 95% low | bar | output differs | forcing | replay τ | model c | screened c | verdict |",
+          "|---|---|---:|---:|---:|---|---|---:|---:|---:|---|"]
+    for c in cands:
+        p = c.get("predicted") or {}
+        md.append(f"| {c.get('round', '—')} | {c.get('name', '—')} | {_num(c.get('gain'))} | "
+                  f"{_num(c.get('lower_bound'))} | {_pct(c.get('bar'))} | {_num(c.get('outputs_differ'))} | "
+                  f"{_forcing_cell(c)} | {_num(p.get('tau', c.get('tau')))} | {_num(p.get('c', c.get('c')))} | "
+                  f"{_num(p.get('c_screened'))} | {_verdict(c)} |")
+    return md + [""]
+
+
+def _reuse(r: dict) -> list[str]:
+    rows = r.get("reused") or []
+    if not rows and not r.get("memory_source"):
+        return []
+    md = ["## Reused from memory (§3.5)", "", f"Source: `{r.get('memory_source', '—')}`. Reused entries were "
+          "re-tuned and re-measured here against the incumbent; they are not new discoveries.", "",
+          "| source entry | kind | status | recorded → re-tuned | gain | 95% low | new entry | reason |",
+          "|---|---|---|---|---:|---:|---|---|"]
+    for x in rows:
+        md.append(f"| `{x.get('id', '?')}` | {x.get('kind', '—')} | {x.get('status', '—')} | "
+                  f"{x.get('recorded', '—')} → {x.get('config', '—')} | {_num(x.get('gain'))} | "
+                  f"{_num(x.get('lower_bound'))} | {('`' + x['entry'] + '`') if x.get('entry') else '—'} | "
+                  f"{str(x.get('reason', '')).replace('|', '/')} |")
+    if not rows:
+        md.append("| — | | | | | | | no entries |")
+    return md + [""]
 
 
 def _stock_vs_ar(r: dict) -> str:
@@ -93,7 +180,10 @@ def _markdown(r: dict, images: list[str]) -> str:
     md = ["# SpecPilot report", "", f"Device: {dev}", ""]
     if isinstance(r.get("deployment"), dict):
         md += ["Deployment: " + ", ".join(f"{k}: {v}" for k, v in r["deployment"].items()), ""]
+    if isinstance(r.get("device"), dict) and r["device"].get("threads") is not None:
+        md += [f"torch threads: {r['device']['threads']} ({r['device'].get('threads_reason', '—')})", ""]
     md += ["## Headline", "", *_headline(r), ""]
+    md += _benchmarks(r)
     ceil = r.get("ceiling") or {}
     if ceil:
         prod = 1.0
@@ -112,31 +202,28 @@ def _markdown(r: dict, images: list[str]) -> str:
                f"- passed: {_num(tf.get('passed'))}", ""]
     cands = r.get("candidates") or []
     if cands:
-        md += ["## Candidates (§3.3)", "",
-               "| round | candidate | gain | 95% low | bar | output differs | forcing | replay τ | screened c | verdict |",
-               "|---:|---|---:|---:|---:|---|---|---:|---:|---|"]
-        for c in cands:
-            verdict = "approved" if c.get("approved") else "rejected"
-            reason = str(c.get("reason", "")).replace("|", "/").removeprefix(verdict).lstrip(": ")
-            md.append(f"| {c.get('round', '—')} | {c.get('name', '—')} | {_num(c.get('gain'))} | "
-                      f"{_num(c.get('lower_bound'))} | {_pct(c.get('bar'))} | {_num(c.get('outputs_differ'))} | "
-                      f"{_num(c.get('forcing_passed'))} | {_num((c.get('predicted') or {}).get('tau', c.get('tau')))} | {_num((c.get('predicted') or {}).get('c_screened') or (c.get('predicted') or {}).get('c', c.get('c')))} | "
-                      f"{verdict}{': ' + reason if reason else ''} |")
-        md.append("")
+        md += _candidates(cands)
+    md += _reuse(r)
     rounds = r.get("rounds") or []
     if rounds:
-        md += ["## Rounds", "", "| round | tree | kernel | outside | attacked | tokens/s |", "|---:|---:|---:|---:|---|---:|"]
+        md += ["## Rounds", "", "Incumbent at the start of each round: its ceiling factors (§3.2), τ and c (T_step and "
+               "T_AR interleaved in one measurement), decode tokens/s = 1000 τ / T_step.", "",
+               "| round | incumbent | tree | kernel | outside | attacked | τ | c | decode tokens/s | approved |",
+               "|---:|---|---:|---:|---:|---|---:|---:|---:|---|"]
         for rd in rounds:
             cl = rd.get("ceiling") or {}
-            md.append(f"| {rd.get('round', '—')} | {' | '.join(_num(cl.get(f)) for f in FACTORS)} | "
-                      f"{rd.get('attacked', '—')} | {_num(rd.get('tokens_per_s'), '{:.1f}')} |")
+            md.append(f"| {rd.get('round', '—')} | {rd.get('incumbent', '—')} | {' | '.join(_num(cl.get(f)) for f in FACTORS)} | "
+                      f"{rd.get('attacked', '—')} | {_num(rd.get('tau'))} | {_num(rd.get('c'))} | "
+                      f"{_num(rd.get('tokens_per_s'), '{:.1f}')} | {rd.get('approved') or '—'} |")
         md.append("")
     entries = r.get("entries") or []
     md += ["## Memory entries (§3.5)", ""]
     for e in entries:
         if isinstance(e, dict):
             req = ", ".join(e.get("requires") or []) or "—"
-            md.append(f"- `{e.get('id', '?')}` {e.get('title', '')} (gain {_num(e.get('gain'))}; requires {req})")
+            origin = f"reused from `{e['reused_from']}`, re-measured here" if e.get("reused_from") else "new"
+            md.append(f"- `{e.get('id', '?')}` {e.get('title', '')} ({origin}; gain {_num(e.get('gain'))}, "
+                      f"95% low {_num(e.get('lower_bound'))}; requires {req})")
         else:
             md.append(f"- `{e}`")
     if not entries:
@@ -183,22 +270,61 @@ def _plot_tau(path: Path, data: dict) -> bool:
     return True
 
 
-def _plot_c(path: Path, data: dict) -> bool:
+def _plot_c(path: Path, data: dict, measured: list | None = None) -> bool:
     x, y = _curve(data)
-    if not x:
+    pts = [(float(p["N"]), float(p["c"])) for p in (measured or []) if isinstance(p, dict)
+           and isinstance(p.get("N"), (int, float)) and isinstance(p.get("c"), (int, float))]
+    if not x and not pts:
         return False
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
-    ax.plot(x, y, marker="o")
-    ax.set(xlabel="rows verified N", ylabel="c(N) = T_step(N) / T_AR", title="relative step cost c(N)")
+    if x:
+        ax.plot(x, y, marker="o", label="cost model, drafting excluded")
+    labels = [p.get("label", "") for p in measured or [] if isinstance(p, dict)
+              and isinstance(p.get("N"), (int, float)) and isinstance(p.get("c"), (int, float))]
+    for i, ((n, c), lab) in enumerate(zip(pts, labels)):
+        ax.scatter([n], [c], marker="x", s=50, zorder=3, color=f"C{(i + 1) % 10}", label=f"measured: {lab}"[:60])
+    ax.axhline(1.0, color="k", lw=0.6)
+    ax.set(xlabel="tree nodes N (rows verified − 1)", ylabel="c(N) = T_step(N) / T_AR",
+           title="c(N): model curve; crosses: step time over AR's, interleaved")
+    ax.legend(fontsize=6)
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     return True
 
 
+def _plot_speedup(path: Path, benchmarks: dict) -> bool:
+    """Bar chart of the sealed system's gain per benchmark vs AR and vs stock; the whisker runs down to the
+    one-sided 95% lower bound (none for a benchmark of one request)."""
+    names = list(benchmarks or {})
+    if not names:
+        return False
+    fig = Figure(figsize=(max(6, 1.4 * len(names)), 4))
+    ax = fig.add_subplot()
+    w = 0.38
+    for j, base in enumerate(("ar", "stock")):
+        g = [float(benchmarks[n].get(f"vs_{base}") or 0.0) for n in names]
+        low = [benchmarks[n].get(f"vs_{base}_low") for n in names]
+        err = [[max(gi - lo, 0.0) if isinstance(lo, (int, float)) else 0.0 for gi, lo in zip(g, low)], [0.0] * len(g)]
+        ax.bar([i + j * w for i in range(len(names))], g, w, yerr=err, capsize=4, label=f"sealed vs {base.upper() if base == 'ar' else base}")
+    ax.set_xticks([i + w / 2 for i in range(len(names))], names)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set(ylabel="speedup (×), whisker: 95% lower bound", title="speedup per benchmark (seal's interleaved run)")
+    ax.legend()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return True
+
+
+def ceiling_rows(rounds: list) -> list[tuple[str, dict]]:
+    """``(label, {tree, kernel, outside})`` of every round with ceiling factors, round 0 included, in order;
+    a row with ``round == "sealed"`` is labelled ``sealed``."""
+    rows = [(f"round {rd.get('round', i)}" if rd.get("round") != "sealed" else "sealed", rd.get("ceiling", rd))
+            for i, rd in enumerate(rounds or [])]
+    return [(n, c) for n, c in rows if isinstance(c, dict) and any(c.get(f) is not None for f in FACTORS)]
+
+
 def _plot_ceiling(path: Path, rounds: list) -> bool:
-    rows = [(str(rd.get("round", i)), rd.get("ceiling", rd)) for i, rd in enumerate(rounds or [])]
-    rows = [(n, c) for n, c in rows if isinstance(c, dict) and any(c.get(f) is not None for f in FACTORS)]
+    rows = ceiling_rows(rounds)
     if not rows:
         return False
     fig = Figure(figsize=(6, 4))
@@ -206,7 +332,7 @@ def _plot_ceiling(path: Path, rounds: list) -> bool:
     w = 0.8 / len(FACTORS)
     for j, f in enumerate(FACTORS):
         ax.bar([i + j * w for i in range(len(rows))], [float(c.get(f) or 0.0) for _, c in rows], w, label=f)
-    ax.set_xticks([i + w for i in range(len(rows))], [f"round {n}" for n, _ in rows])
+    ax.set_xticks([i + w for i in range(len(rows))], [n for n, _ in rows])
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set(ylabel="ceiling factor (×)", title="ceiling factors per round")
     ax.legend()
@@ -231,10 +357,16 @@ def write_report(out_dir: str | Path, report: dict, plots: dict | None = None) -
     out.mkdir(parents=True, exist_ok=True)
     plots = plots or {}
     written: dict[str, Path] = {}
+    ceiling_data = plots.get("ceiling")
+    if ceiling_data is None:  # every round (round 0 included) and the sealed system
+        ceiling_data = list(report.get("rounds") or [])
+        if isinstance(report.get("ceiling"), dict):
+            ceiling_data.append({"round": "sealed", "ceiling": report["ceiling"]})
     for name, fn, data in (
+        ("speedup.png", _plot_speedup, plots.get("speedup", report.get("benchmarks"))),
         ("tau_vs_n.png", _plot_tau, plots.get("tau_vs_n", report.get("tau_curve"))),
-        ("c_vs_n.png", _plot_c, plots.get("c_vs_n", report.get("c_curve"))),
-        ("ceiling.png", _plot_ceiling, plots.get("ceiling", report.get("rounds"))),
+        ("c_vs_n.png", lambda p, d: _plot_c(p, d, report.get("c_measured")), plots.get("c_vs_n", report.get("c_curve"))),
+        ("ceiling.png", _plot_ceiling, ceiling_data),
     ):
         if fn(out / name, data):
             written[name] = out / name

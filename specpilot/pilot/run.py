@@ -7,6 +7,11 @@ largest factor, and hands each to the controller and token forcing on one path
 lower bound, §3.3, §3.4); the controller builds every system itself from a factory. Approved candidates
 become memory entries (§3.5); the last incumbent is sealed, re-measured against AR and stock, audited,
 reproduced from stock + entries, and reported.
+
+**One source of truth for T_AR** (§3.2, :mod:`.steps`): every c = T_step / T_AR is the ratio of two
+decode-step times from one interleaved measurement of AR and the system (:meth:`Pilot.measure`); the
+report's τ, T_AR, T_step and c come from the seal's interleaved headline run itself. ``--memory DIR``
+starts from stock + the entries of an earlier run, re-tuned and re-measured (:mod:`.reuse`, §3.5).
 """
 
 from __future__ import annotations
@@ -22,15 +27,19 @@ from rich.console import Console
 
 from ..config import SystemConfig
 from ..engine.deployment import Deployment
+from ..errors import SpecPilotError
 from . import controller as ctl
+from .bootstrap import gain_and_bound
 from .costmodel import build_ceiling, step_counts
 from .forcing import Scorer, audit, forcing_verdict
 from .memory import Entry, Evidence, Memory
 from .planner import Planner
 from .profiler import StepProfiler, measure_peaks
-from .replay import record
+from .replay import record, replay
 from .report import write_report
-from .setup import build_requests, git_commit, measure_verify_ms, versions
+from .reuse import open_source, reuse_memory
+from .setup import available_cores, build_requests, choose_threads, git_commit, measure_verify_ms, versions
+from .steps import StepRecorder, c_of, interleaved_steps
 
 
 @dataclass
@@ -47,6 +56,8 @@ class PilotOptions:
     overrides: dict | None = None
     blocks: tuple = ()  # issue 3: block drafter directories the planner may propose (kind, block size, builder)
     adversarial: bool = False  # judge the cheating candidates of :mod:`.adversarial` in this run (issue 6)
+    threads: int | None = None  # torch intra-op threads (None: 1 on a CPU device with <= 2 cores, else torch's)
+    memory: Path | None = None  # memory directory of an earlier run to start from (§3.5)
 
     @property
     def plan(self) -> dict:
@@ -66,6 +77,13 @@ class Pilot:
 
     def __init__(self, opts: PilotOptions, console: Console | None = None):
         self.o, self.con = opts, console or Console(stderr=True)
+        self.source = open_source(opts.memory) if opts.memory is not None else None  # bad --memory: fail first
+        try:
+            self.threads, self.threads_reason = choose_threads(opts.device, opts.threads, available_cores(),
+                                                               torch.get_num_threads())
+        except ValueError as e:
+            raise SpecPilotError(str(e)) from None
+        torch.set_num_threads(self.threads)
         self.dep = Deployment(opts.target, opts.drafter, dtype=opts.dtype, device=opts.device, block_dirs=opts.blocks)
         self.drafter_kind = "draft_model" if self.dep.draft_model is not None else "ngram"
         self.stock = SystemConfig.stock(self.drafter_kind, depth=6, dtype=opts.dtype)
@@ -110,14 +128,19 @@ class Pilot:
         return self.reqs if not n else self.reqs[:: max(1, len(self.reqs) // n)][:n]
 
     def measure(self, cfg: SystemConfig, n: int | None = None) -> dict:
-        """τ, mean rows and ms per step (prefill excluded) of ``cfg`` over ``n`` requests spread over the set."""
-        eng, steps, toks, rows, ms = self.engine(cfg), 0, 0, 0, 0.0
-        for req in self.spread(n):
-            g = min((eng.generate(list(req.prompt_ids), req.max_new_tokens) for _ in range(2)),
-                    key=lambda x: x.time_s - x.prefill_s)  # the faster of two runs (interference only adds)
-            steps, toks, rows = steps + g.steps, toks + sum(g.accepted), rows + sum(g.rows)
-            ms += 1e3 * (g.time_s - g.prefill_s)
-        return {"tau": toks / max(steps, 1), "rows": rows / max(steps, 1), "step_ms": ms / max(steps, 1), "steps": steps}
+        """Decode-step figures of ``cfg`` and AR measured interleaved (AR X X AR per request, the faster run
+        of each kept) over ``n`` requests spread over the set (:func:`.steps.interleaved_steps`).
+
+        Returns:
+            ``{tau, rows, step_ms, steps, ar_step_ms, c}``: ms per decode step (prefill excluded) and
+            c = step_ms / ar_step_ms, both from this one measurement (§3.2).
+        """
+        reqs = self.spread(n)
+        if cfg.seal() == self.ar.seal():
+            ar = interleaved_steps({"ar": self.engine(self.ar)}, reqs)["ar"]
+            return {**ar.to_dict(), "ar_step_ms": ar.step_ms, "c": 1.0}
+        st = interleaved_steps({"ar": self.engine(self.ar), "x": self.engine(cfg)}, reqs)
+        return {**st["x"].to_dict(), "ar_step_ms": st["ar"].step_ms, "c": c_of(st["x"], st["ar"])}
 
     # -- the procedure ---------------------------------------------------------------------------
     def run(self) -> dict:
@@ -153,10 +176,14 @@ class Pilot:
         prompts = [list(ps[0]) for ps in ar_stock.prompts]
         ar_out = [list(os_[0]) for os_ in ar_stock.outputs_a]
 
-        # cost model inputs: AR step, pass time by rows, lattices for replay
-        ar_m = self.measure(self.ar, n=4)
+        # cost model inputs: T_AR (interleaved with stock), pass time by rows right after, lattices for replay
+        base_m = self.measure(self.stock, n=4)
         verify_ms = measure_verify_ms(self.dep.target, prefix_len=200, rows=(1, 2, 4, 8, 16, 24, 32, 48, 64))
-        self.c_curve = {r - 1: ms / verify_ms[1] for r, ms in verify_ms.items() if r > 1}
+        self.cost_inputs = {"ar_step_ms": base_m["ar_step_ms"], "stock": base_m, "verify_ms": verify_ms,
+                            "source": "AR and stock interleaved on 4 requests (decode steps, prefill excluded); "
+                                      "pass times by rows measured right after"}
+        self.c_measured = [{"label": f"stock {self.stock.label()}", "N": base_m["rows"] - 1, "c": base_m["c"],
+                            "source": "cost-model inputs"}]
         recs = {}
         depth_max = plan["depth_max"]
         for k in (1, 2, 4, 8):
@@ -171,32 +198,38 @@ class Pilot:
             bdr = self.dep.system(SystemConfig(drafter="block", drafter_path=str(bd), top_k=16)).drafter
             recs[(f"block:{bd}", 16)] = record(bdr, prompts, ar_out, bdr.cfg.block_size, 16, target=self.dep.target)
             recs[(f"block:{bd}", 16)].drafter_path = str(bd)
-        self.planner = Planner(recs, verify_ms, ar_m["step_ms"], device=o.device)
+        self.planner = Planner(recs, verify_ms, base_m["ar_step_ms"], device=o.device)
+        self.c_curve = self.c_model_curve(verify_ms)
         self.tau_curve = self.tau_curves()
 
         incumbent, entries, candidates, rounds, tried = self.stock, [], [], [], {self.stock.seal()}
         memory = Memory(o.out / "memory")
-        if ar_stock.gain < 1.0:  # stock loses to AR: speculation itself is a candidate to switch off (§3.3)
-            self.say("round 0", f"stock is {ar_stock.gain:.3f}x AR: candidate AR (no drafter) against stock")
-            incumbent = self.round0_ar(memory, entries, candidates, tried)
+        self.reused = []
+        if self.source is not None:  # a new deployment starts from stock + memory, re-tuned and re-measured (§3.5)
+            self.say("memory", f"starting from stock + the {len(self.source.ids())} entries of {self.source.root}")
+            incumbent, self.reused = reuse_memory(self, self.source, incumbent, memory, entries, candidates, tried)
+        if ar_stock.gain < 1.0 and self.ar.seal() not in tried:  # stock loses to AR: speculation off is a candidate
+            self.say("round 0", f"stock is {ar_stock.gain:.3f}x AR: candidate AR (no drafter) against {incumbent.label()}")
+            ceil, inc_m = self.ceiling(incumbent)
+            rounds.append(self.round_row(0, ceil, inc_m, incumbent, "speculation (stock loses to AR in phase 0)"))
+            incumbent = self.round0_ar(incumbent, memory, entries, candidates, tried)
+            rounds[-1]["approved"] = incumbent.label() if incumbent == self.ar else None
         for rnd in range(1, plan["rounds"] + 1):
-            ceil, inc_m = self.ceiling(incumbent, ar_m["step_ms"])
+            ceil, inc_m = self.ceiling(incumbent)
             f = ceil.factors()
             order = sorted(f, key=f.get, reverse=True)
             self.say(f"round {rnd}", "ceiling " + ", ".join(f"{k} {v:.2f}" for k, v in f.items()) + f"  (largest: {order[0]})")
             proposals, attacked = [], order[0]
             for direction in order:
                 proposals = self.planner.propose(incumbent, direction, tried, plan["candidates"])
-                proposals = self.screen(proposals, inc_m, ar_m["step_ms"], plan["candidates"])
+                proposals = self.screen(proposals, inc_m, plan["candidates"])
                 if proposals:
                     attacked = direction
                     break
                 why = ((self.planner.kernel_why_not(incumbent) if direction == "kernel" else None)
                        or "no untried candidate is predicted to beat the incumbent")
                 self.say(f"round {rnd}", f"{direction}: {why}; next factor")
-            rounds.append({"round": rnd, "ceiling": f, "attacked": attacked, "incumbent": incumbent.label(),
-                           "tau": inc_m["tau"], "c": inc_m["step_ms"] / ar_m["step_ms"],
-                           "tokens_per_s": 1e3 * inc_m["tau"] / inc_m["step_ms"], "detail": ceil.to_dict()})
+            rounds.append(self.round_row(rnd, ceil, inc_m, incumbent, attacked))
             best = None
             for i, (cand, pred) in enumerate(proposals, 1):
                 tried.add(cand.seal())
@@ -212,6 +245,9 @@ class Pilot:
                 candidates.append(row)
                 if v.approved and (best is None or run.lower_bound > best[1].lower_bound):
                     best = (cand, run, forcing, row)
+            for row in candidates:  # only the best approval of a round becomes an entry (§3.3)
+                if best is not None and row["round"] == rnd and row["approved"] and row is not best[3]:
+                    row["superseded_by"] = best[3]["name"]
             if best is not None:
                 cand, run, forcing, row = best
                 entry = self.entry(rnd, incumbent, cand, run, forcing, [e.id for e in entries])
@@ -222,7 +258,7 @@ class Pilot:
                 incumbent = cand
             rounds[-1]["approved"] = best[3]["name"] if best else None
         self.adversarial = self.check_adversaries() if o.adversarial else []
-        return self.seal(incumbent, entries, memory, candidates, rounds, ar_m)
+        return self.seal(incumbent, entries, memory, candidates, rounds)
 
     def check_adversaries(self) -> list[dict]:
         """Judge A vs A and every cheating candidate of :func:`.adversarial.adversaries` (built on stock)
@@ -253,11 +289,29 @@ class Pilot:
             stop.set()
         return rows
 
-    def round0_ar(self, memory, entries, candidates, tried) -> SystemConfig:
-        """Judge AR (no drafter) against stock like any candidate; approved, it becomes the incumbent (and a
-        memory entry), so no later candidate is approved unless it beats AR. Returns the incumbent."""
+    def round_row(self, rnd: int, ceil, inc_m: dict, incumbent: SystemConfig, attacked: str) -> dict:
+        """One row of the rounds table: the incumbent's ceiling factors, τ, c (interleaved with AR) and the
+        tokens/s of its decode steps (1000 · τ / step ms)."""
+        self.c_measured.append({"label": f"round {rnd} incumbent {incumbent.label()}", "N": inc_m["rows"] - 1,
+                                "c": inc_m["c"], "source": "ceiling measurement"})
+        return {"round": rnd, "ceiling": ceil.factors(), "attacked": attacked, "incumbent": incumbent.label(),
+                "tau": inc_m["tau"], "c": inc_m["c"], "ar_step_ms": inc_m["ar_step_ms"], "step_ms": inc_m["step_ms"],
+                "tokens_per_s": 1e3 * inc_m["tau"] / inc_m["step_ms"], "detail": ceil.to_dict(),
+                "tau_best_source": self.tau_best_source}
+
+    def c_model_curve(self, verify_ms: dict) -> dict:
+        """c(N) of the cost model without drafting: (T_AR − T_pass(1) + T_pass(N+1)) / T_AR, i.e. an AR step
+        with its one-row pass replaced by an (N+1)-row pass; c(0) = 1 by construction (same T_AR as the
+        planner)."""
+        ar = self.planner.ar_ms
+        return {0: 1.0, **{r - 1: (self.planner.overhead_ms + ms) / ar for r, ms in sorted(verify_ms.items()) if r > 1}}
+
+    def round0_ar(self, incumbent, memory, entries, candidates, tried) -> SystemConfig:
+        """Judge AR (no drafter) against the incumbent (stock, or stock + reused entries) like any candidate;
+        approved, it becomes the incumbent (and a memory entry), so no later candidate is approved unless it
+        beats AR. Returns the incumbent."""
         tried.add(self.ar.seal())
-        j = self.judge(self.stock, self.ar, self.ar.label())
+        j = self.judge(incumbent, self.ar, self.ar.label())
         v = j.verdict
         self.say("round 0", ("[green]" if v.approved else "[red]") + v.reason + "[/]")
         row = {"round": 0, "name": self.ar.label(), "config": self.ar.model_dump(), "predicted": None,
@@ -266,23 +320,23 @@ class Pilot:
                "mismatch_rate": j.forcing.mismatch_rate, "approved": v.approved, "reason": v.reason}
         candidates.append(row)
         if not v.approved:
-            return self.stock
-        entry = self.entry(0, self.stock, self.ar, j.run, j.forcing, [])
+            return incumbent
+        entry = self.entry(0, incumbent, self.ar, j.run, j.forcing, [e.id for e in entries])
         memory.add(entry, overwrite=True)
         entries.append(entry)
         row["entry"] = entry.id
-        self.say("round 0", f"approved {entry.id}: {self.stock.label()} -> {self.ar.label()}")
+        self.say("round 0", f"approved {entry.id}: {incumbent.label()} -> {self.ar.label()}")
         return self.ar
 
-    def screen(self, proposals, inc_m: dict, ar_ms: float, k: int):
-        """Time each proposal's decode steps live on a few requests (c); keep the ``k`` whose replay τ / c
-        beats the incumbent's measured τ / c. The cost model's c misses per-step overheads that only a
-        live step shows; the controller still decides."""
-        inc = inc_m["tau"] * ar_ms / inc_m["step_ms"]
+    def screen(self, proposals, inc_m: dict, k: int):
+        """Time each proposal's decode steps live on a few requests, interleaved with AR (c); keep the ``k``
+        whose replay τ / c beats the incumbent's measured τ / c. The cost model's c misses per-step
+        overheads that only a live step shows; the controller still decides."""
+        inc = inc_m["tau"] / inc_m["c"]
         kept = []
         for cfg, pred in proposals:
             m = self.measure(cfg, n=3)
-            pred.c_screened = m["step_ms"] / ar_ms
+            pred.c_screened = m["c"]
             pred.speedup_screened = pred.tau / pred.c_screened
             if pred.speedup_screened > inc:
                 kept.append((cfg, pred))
@@ -310,8 +364,9 @@ class Pilot:
             out[f"{kind}/{builder}"] = curve
         return out
 
-    def ceiling(self, cfg: SystemConfig, ar_ms: float):
-        """Profile ``cfg``'s decode steps by kernel class and assemble its ceiling (§3.2)."""
+    def ceiling(self, cfg: SystemConfig):
+        """Profile ``cfg``'s decode steps by kernel class and assemble its ceiling (§3.2); T_step and T_AR
+        come from one interleaved measurement. Returns (:class:`Ceiling`, :meth:`measure` dict)."""
         m = self.measure(cfg, n=4)
         eng, prof = self.engine(cfg), StepProfiler(self.o.device)
         steps, prefix = 0, []
@@ -334,17 +389,21 @@ class Pilot:
         d_args = self.dep.draft_model.args if cfg.drafter == "draft_model" else None
         counts = step_counts(self.dep.target.args, max(1, round(m["rows"])), int(sum(prefix) / len(prefix)),
                              self.dep.target.dtype.itemsize, drafter_args=d_args, drafter_passes=cfg.depth)
-        tau_best = max(self.planner.oracle_tau(cfg), m["tau"])
+        tau_best, self.tau_best_source = tree_tau_best(self.planner, cfg, m["tau"], self.stock.nodes)
         ceil = build_ceiling(totals, counts, self.peaks, m["step_ms"], m["tau"], tau_best, steps=max(steps, 1),
-                             ar_ms=ar_ms, rows=round(m["rows"]))
+                             ar_ms=m["ar_step_ms"], rows=round(m["rows"]))
         return ceil, m
 
-    def entry(self, rnd, incumbent, cand, run, forcing, requires) -> Entry:
-        """A memory entry for an approved candidate (§3.5): delta relative to the incumbent."""
+    def entry(self, rnd, incumbent, cand, run, forcing, requires, reused_from: str | None = None) -> Entry:
+        """A memory entry for an approved candidate (§3.5): delta relative to the incumbent. ``rnd`` is the
+        round number, or ``"reuse"`` for an entry of an earlier memory re-measured here (``reused_from``)."""
         delta = cand.delta(incumbent)
         slug = "-".join(f"{k}-{v}" for k, v in sorted(delta.items())).replace("_", "").lower()[:60]
+        slug = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in slug)
+        prefix = "reuse" if reused_from else f"r{rnd}"
         return Entry(
-            id=f"r{rnd}-{slug}", title=f"{incumbent.label()} -> {cand.label()}", mechanism=cand.tree,
+            id=f"{prefix}-{slug}", title=("reused: " if reused_from else "") + f"{incumbent.label()} -> {cand.label()}",
+            mechanism=cand.tree, reused_from=reused_from,
             requires=list(requires), delta=delta, options={k: getattr(cand, k) for k in ("nodes", "depth", "top_k")},
             evidence=Evidence(gain=run.gain, lower_bound=run.lower_bound, bar=ctl.BASE_BAR + 2 * self.sigma,
                               sigma=self.sigma, forcing=forcing.to_dict(), deployment=self.deployment(),
@@ -358,60 +417,127 @@ class Pilot:
         return {"target": str(self.o.target), "drafter": str(self.o.drafter) if self.o.drafter else "ngram",
                 "device": self.o.device, "dtype": self.o.dtype, "batch": 1}
 
-    def seal(self, sealed, entries, memory, candidates, rounds, ar_m) -> dict:
-        """Seal the final system, re-measure it against AR and stock, audit it and write the report."""
+    def seal(self, sealed, entries, memory, candidates, rounds) -> dict:
+        """Seal the final system, re-measure it against AR and stock in one interleaved run (headline
+        speedups and, from the same runs, τ, T_AR, T_step and c), audit it and write the report."""
         o = self.o
         o.out.mkdir(parents=True, exist_ok=True)
         self.say("seal", f"sealed system {sealed.label()} ({sealed.seal()[:12]})")
         bar, advance = self.progress("AR, stock, sealed interleaved", 6 * len(self.reqs))
+        rec = StepRecorder()
         with bar:
-            makers = {"ar": self.factory(self.ar), "stock": self.factory(self.stock), "sealed": self.factory(sealed)}
-            final = ctl.interleaved_run(makers, self.reqs, progress=advance, **self.salt_kw())
+            makers = {n: rec.wrap(n, self.factory(c)) for n, c in (("ar", self.ar), ("stock", self.stock), ("sealed", sealed))}
+            final = ctl.interleaved_run(makers, self.reqs, progress=rec.progress(advance), **self.salt_kw())
         vs_ar = final.gain("ar", "sealed")
         vs_stock = final.gain("stock", "sealed")
+        steps = {n: rec.stats(n, final.prompts) for n in ("ar", "stock", "sealed")}
+        c_sealed, c_stock = c_of(steps["sealed"], steps["ar"]), c_of(steps["stock"], steps["ar"])
+        self.c_measured.append({"label": f"sealed {sealed.label()}", "N": steps["sealed"].rows - 1, "c": c_sealed,
+                                "source": "seal's interleaved headline run"})
         outputs = final.samples("sealed")
         forcing = audit(self.scorer, outputs, self.delta)
         passed, reasons = forcing_verdict(forcing, self.stock_forcing)
         check = memory.check_all(self.stock, sealed, [e.id for e in entries])
         self.say("seal", f"{vs_ar[0]:.3f}x AR (lower bound {vs_ar[1]:.3f}), {vs_stock[0]:.3f}x stock "
-                 f"(lower bound {vs_stock[1]:.3f}); token forcing {'passed' if passed else 'FAILED'}; "
-                 f"reproduction check {'ok' if check.ok else 'FAILED'}")
-        ceil, _ = self.ceiling(sealed, ar_m["step_ms"])
-        m = self.measure(sealed)  # τ and step time over the whole request set
+                 f"(lower bound {vs_stock[1]:.3f}); τ {steps['sealed'].tau:.2f}, c {c_sealed:.3f}; token forcing "
+                 f"{'passed' if passed else 'FAILED'}; reproduction check {'ok' if check.ok else 'FAILED'}")
+        ceil, _ = self.ceiling(sealed)
         system = {"config": sealed.model_dump(), "label": sealed.label(), "seal": sealed.seal(),
                   "entries": [e.id for e in entries], "deployment": self.deployment(),
                   "commit": git_commit(), "date": _dt.datetime.now().isoformat(timespec="seconds")}
         report = {
             "device": {"type": o.device, "name": self.peaks.device_name, "threads": torch.get_num_threads(),
-                       "platform": platform.platform(), "peaks": self.peaks.to_dict()},
+                       "threads_reason": self.threads_reason, "platform": platform.platform(),
+                       "peaks": self.peaks.to_dict()},
             "versions": versions(), "commit": system["commit"], "deployment": self.deployment(),
             "requests": len(self.reqs), "max_new_tokens": o.plan["max_new_tokens"], "quick": o.quick,
             "ar_tokens_per_s": final.tokens_per_s("ar"), "stock_tokens_per_s": final.tokens_per_s("stock"),
             "sealed_tokens_per_s": final.tokens_per_s("sealed"),
             "speedup_vs_ar": vs_ar[0], "speedup_ci_low": vs_ar[1],
             "speedup_vs_stock": vs_stock[0], "speedup_vs_stock_ci_low": vs_stock[1],
+            "benchmarks": benchmark_table(final),
             "headline_method": "AR, stock and sealed interleaved per request on two fresh salted variants "
                                "(A S X on one, X S A on the other), a request's tokens/s the higher of its two runs; "
                                "tokens/s = geometric mean over benchmarks of per-request tokens/s",
             "headline_flags": {"threads_left_running": final.outside, "nondeterministic": final.nondeterministic},
             "phase0": self.phase0,
             "sealed_label": sealed.label(), "sealed_seal": sealed.seal(), "stock_label": self.stock.label(),
-            "tau": m["tau"], "c": m["step_ms"] / ar_m["step_ms"], "ar_step_ms": ar_m["step_ms"], "step_ms": m["step_ms"],
-            "rows": m["rows"], "ceiling": {**ceil.factors(), "value": ceil.ceiling, "detail": ceil.to_dict()},
+            "tau": steps["sealed"].tau, "c": c_sealed, "ar_step_ms": steps["ar"].step_ms,
+            "step_ms": steps["sealed"].step_ms, "rows": steps["sealed"].rows, "stock_c": c_stock,
+            "steps": {n: s.to_dict() for n, s in steps.items()},
+            "steps_method": "τ, T_AR, T_step and c from the seal's interleaved headline run itself: per system and "
+                            "request the timed run with the lowest decode ms per step; T = Σ decode ms / Σ steps "
+                            "(prefill excluded, engine timer); c = T_step(sealed) / T_AR",
+            "cost_inputs": self.cost_inputs,
+            "ceiling": {**ceil.factors(), "value": ceil.ceiling, "detail": ceil.to_dict(),
+                        "tau_best_source": self.tau_best_source},
             "sigma": self.sigma,
             "token_forcing": {**forcing.to_dict(), "stock_mismatch_rate": self.stock_forcing.mismatch_rate,
                               "stock_event_rate": self.stock_forcing.event_rate, "stock_events": self.stock_forcing.events,
                               "passed": passed, "reasons": reasons},
             "reproduction_check": {"entries": check.entries, "sealed": check.sealed, "ok": check.ok},
             "entries": [{"id": e.id, "title": e.title, "gain": e.evidence.gain, "lower_bound": e.evidence.lower_bound,
-                         "requires": e.requires, "delta": e.delta} for e in entries],
+                         "requires": e.requires, "delta": e.delta, "reused_from": e.reused_from} for e in entries],
+            "memory_source": str(self.source.root) if self.source is not None else None, "reused": self.reused,
             "candidates": candidates, "rounds": rounds, "tau_curve": self.tau_curve, "c_curve": self.c_curve,
             "adversarial": self.adversarial,
+            "c_curve_method": "cost model without drafting: (T_AR − T_pass(1) + T_pass(N+1)) / T_AR, T_AR and "
+                              "pass times from the cost-model inputs",
+            "c_measured": self.c_measured,
         }
         write_report(o.out, report)
         (o.out / "system.json").write_text(__import__("json").dumps(system, indent=2))
         self.say("done", f"report in {o.out}/report.md")
         return report
+
+
+def tree_tau_best(planner, cfg: SystemConfig, tau: float, ar_nodes: int) -> tuple[float, str]:
+    """τ_best of the ceiling's tree factor (§3.2): the top-K oracle's τ (exact replay, §2.4) and its source.
+
+    A speculative ``cfg``: the oracle of its own drafter at its N (block drafters matched by checkpoint). AR
+    (drafter ``none``, its own oracle is 1): the best oracle over every recorded drafter at ``ar_nodes``
+    nodes (the stock budget), so a round after "speculation off" still sees the speculation headroom.
+
+    Args:
+        planner: :class:`Planner` holding the recordings. tau: measured τ of ``cfg`` (τ_best is at least it).
+    Returns:
+        ``(tau_best, source)``.
+    """
+    if cfg.drafter == "none":
+        best, src = tau, "AR: no drafter recorded"
+        for (kind, k), rec in planner.recordings.items():
+            probe = cfg.model_copy(update={"nodes": ar_nodes, "depth": rec.depth, "top_k": k})
+            t = replay(rec, probe, policy="oracle")[0]
+            if t > best:
+                best, src = t, f"AR incumbent: best recorded drafter's oracle ({kind}, top-{k}, N={ar_nodes})"
+        return best, src
+    if cfg.drafter == "block":
+        t = max([replay(rec, cfg.model_copy(update={"depth": rec.depth, "top_k": k}), policy="oracle")[0]
+                 for (kind, k), rec in planner.recordings.items()
+                 if kind.startswith("block") and rec.drafter_path == cfg.drafter_path] or [0.0])
+    else:
+        t = planner.oracle_tau(cfg)
+    return max(t, tau), f"{cfg.drafter} oracle at N={cfg.nodes}"
+
+
+def benchmark_table(final) -> dict:
+    """Per benchmark, from the seal's interleaved run: requests, tokens/s of AR / stock / sealed (geometric
+    mean over its requests) and the sealed system's gain vs AR and vs stock with its one-sided 95% lower
+    bound (paired bootstrap over the benchmark's requests, :func:`.bootstrap.gain_and_bound`; None when
+    the benchmark has a single request)."""
+    out: dict[str, dict] = {}
+    for b in dict.fromkeys(r.benchmark for r in final.requests):
+        idx = [i for i, r in enumerate(final.requests) if r.benchmark == b]
+        row: dict = {"requests": len(idx)}
+        for n in ("ar", "stock", "sealed"):
+            row[f"{n}_tokens_per_s"] = math.exp(sum(math.log(final.tps[n][i]) for i in idx) / len(idx))
+        for base in ("ar", "stock"):
+            _, g, low, method = gain_and_bound([b] * len(idx), [final.tps[base][i] for i in idx],
+                                               [final.tps["sealed"][i] for i in idx])
+            row[f"vs_{base}"], row[f"vs_{base}_low"] = g, (low if math.isfinite(low) else None)
+            row[f"vs_{base}_method"] = method
+        out[b] = row
+    return out
 
 
 def run_pilot(opts: PilotOptions) -> dict:

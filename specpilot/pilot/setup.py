@@ -1,7 +1,8 @@
-"""Pilot setup: the request set, exact-pass timing by rows, versions and commit for the report."""
+"""Pilot setup: the request set, torch thread count, exact-pass timing by rows, versions and commit."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -24,6 +25,37 @@ def build_requests(dep, per_benchmark: int, max_new_tokens: int) -> list[Req]:
         if 0 < len(ids) <= limit:
             reqs.append(Req(r.benchmark, r.index, tuple(ids), max_new_tokens))
     return reqs
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def choose_threads(device: str, requested: int | None, cores: int, default: int) -> tuple[int, str]:
+    """torch intra-op threads for the pilot and why (recorded in the report).
+
+    On a CPU device with at most 2 cores the pilot pins 1 thread: with 2 threads on a shared 2-core
+    machine a paired run was about 5x slower (docs/NOTES.md). ``requested`` (``--threads``) overrides.
+
+    Args:
+        device: torch device string of the deployment. requested: ``--threads`` or None.
+        cores: available CPU cores. default: torch's current thread count.
+    Returns:
+        ``(threads, reason)``.
+    Raises:
+        ValueError: ``requested < 1``.
+    """
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--threads must be >= 1, got {requested}")
+        return requested, "--threads"
+    if device.split(":")[0] == "cpu" and cores <= 2:
+        return 1, f"pinned to 1 on a CPU device with {cores} core(s)"
+    return default, "torch default"
 
 
 @torch.inference_mode()

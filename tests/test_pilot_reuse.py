@@ -1,0 +1,73 @@
+"""Memory reuse end to end (§3.5): a first quick pilot's memory fed into a second run on the bundled models
+is re-tuned, re-measured and reported as reused, never as a new discovery; a patch entry is skipped with
+its reason. The report's c is the sealed step over the AR step of the same interleaved run.
+
+The controller's *decision* is pinned to "approve" here (its paired runs and token forcing still run for
+real) so the test does not depend on CPU timing noise; the approval rule itself is tested in
+tests/test_controller.py and tests/test_adversarial.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from specpilot.pilot import run as pilot_run
+from specpilot.pilot.memory import Entry, Evidence, Memory
+from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
+
+PLAN = {"per_benchmark": 2, "max_new_tokens": 16, "candidates": 1, "depth_max": 6}
+
+
+@pytest.fixture
+def approve_all(monkeypatch):
+    real = pilot_run.Pilot.judge
+
+    def judge(self, a, b, label):
+        j = real(self, a, b, label)
+        v = dataclasses.replace(j.verdict, approved=True, reason="approved: decision pinned by the test")
+        return dataclasses.replace(j, verdict=v)
+
+    monkeypatch.setattr(pilot_run.Pilot, "judge", judge)
+
+
+def test_second_run_reports_first_runs_memory_as_reused(tmp_path, approve_all):
+    torch.set_num_threads(1)
+    first = pilot_run.run_pilot(pilot_run.PilotOptions(
+        target=bundled_target_dir(), drafter=bundled_drafter_dir(), out=tmp_path / "first", threads=1,
+        overrides={**PLAN, "rounds": 1}))
+    assert first["entries"], "the pinned decision approves the round's best candidate"
+    src = tmp_path / "memory"
+    shutil.copytree(tmp_path / "first" / "memory", src)
+    Memory(src).add(Entry(id="zz-patch", title="a code delta", mechanism="kernel", kind="patch",
+                          delta="diff --git a/x b/x\n", evidence=Evidence(gain=1.1, lower_bound=1.05, bar=0.01, sigma=0.0),
+                          base={"commit": "0" * 40}, system={"tree": "1" * 40}))
+
+    second = pilot_run.run_pilot(pilot_run.PilotOptions(
+        target=bundled_target_dir(), drafter=bundled_drafter_dir(), out=tmp_path / "second", threads=1,
+        memory=src, overrides={**PLAN, "rounds": 0}))
+    rows = {r["id"]: r for r in second["reused"]}
+    assert set(rows) == {e["id"] for e in first["entries"]} | {"zz-patch"}
+    assert rows["zz-patch"]["status"] == "not carried over" and "patch entry skipped" in rows["zz-patch"]["reason"]
+    reused = [r for r in second["reused"] if r["status"] == "reused"]
+    assert reused, second["reused"]
+    mem = Memory(tmp_path / "second" / "memory")
+    for r in reused:
+        e = mem.get(r["entry"])
+        assert e.reused_from == str(src / r["id"]) and e.id.startswith("reuse-")
+        assert e.evidence.gain == pytest.approx(r["gain"])  # new evidence, measured in this run
+    assert all(e["reused_from"] for e in second["entries"])  # nothing counted as a new discovery
+    assert second["reproduction_check"]["ok"]
+    md = (tmp_path / "second" / "report.md").read_text()
+    assert "## Reused from memory" in md and "reused from `" in md and "(new;" not in md
+    assert "| `zz-patch` | patch | not carried over |" in md
+    data = json.loads((tmp_path / "second" / "report.json").read_text())
+    assert data["device"]["threads"] == 1
+    steps = data["steps"]  # τ and c from the seal's interleaved run itself
+    assert data["c"] == pytest.approx(steps["sealed"]["step_ms"] / steps["ar"]["step_ms"])
+    assert data["ar_step_ms"] == steps["ar"]["step_ms"] and data["tau"] == steps["sealed"]["tau"]
+    assert f"T_AR {data['ar_step_ms']:.3f} ms" in md
