@@ -64,6 +64,8 @@ CASES = [
     (17, 128, 200, dict(block_n=64, block_k=128, split_k=2, w_left=False)),
     (64, 70, 130, dict(block_n=32, block_k=64, split_k=2)),
     (100, 90, 100, dict(block_n=64, block_k=64)),
+    (1, 300, 700, dict(gemv=True)),  # the one-row FMA kernel: default blocking, K not a multiple of its step
+    (1, 130, 64, dict(gemv=True, block_n=64, block_k=64)),
 ]
 
 

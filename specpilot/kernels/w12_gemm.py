@@ -170,7 +170,8 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         bias: ``[N]`` (any float dtype) or None.
         escapes: :func:`escape_table` of ``w12`` (computed when None; :class:`W12Linear` keeps it).
         overrides: block_m / block_n (16–128, dividing 128) / block_k (a multiple of 64) / split_k /
-            num_warps / num_stages / w_left (sweeps and tests).
+            num_warps / num_stages / w_left, and ``gemv`` (one row through :func:`_gemv`; default
+            :data:`GEMV_AT_ONE_ROW`) (sweeps and tests).
     Returns: ``[M, N]`` in x's dtype; within the module docstring's bound of :func:`w12_gemm_reference`.
     Raises: W12GemmError on bad shapes / dtypes / devices or M outside 1..256; RuntimeError without triton.
     """
@@ -183,6 +184,8 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         raise W12GemmError(f"w12_gemm takes 1..{MAX_ROWS} rows, got {m}")
     x = x if x.stride(1) == 1 else x.contiguous()
     row_ptr, esc_k, esc_d = escape_table(w12) if escapes is None else escapes
+    if m == 1 and overrides.get("gemv", GEMV_AT_ONE_ROW):
+        return _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides)
     cfg = default_config(m, n, k, _num_sms(x.device.index if x.is_cuda else None))
     cfg.update({key: v for key, v in overrides.items() if v is not None})
     bm, bn, bk, split = cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["split_k"]
@@ -204,6 +207,30 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         _w12_split_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16))](
             part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
             HAS_BIAS=bias is not None, num_warps=4)
+    return out
+
+
+#: one-row calls take :func:`_gemv` (no tensor cores) unless ``gemv=False`` is passed; off until measured faster
+GEMV_AT_ONE_ROW = False
+
+
+def _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides) -> torch.Tensor:
+    """One activation row: ``x [1, K] @ W12ᵀ`` decoded straight to float32 in registers and summed with FMAs
+    (no tensor cores, so no layout change between the decode and the dot). A program owns ``block_n``
+    (16/32/64, dividing 128) rows of one record band and the whole K; columns are taken as even / odd
+    pairs (a view pair is one 16-bit load, its nibbles one byte), so no interleave is needed. Escapes and
+    bias are added per channel after the K sum, in list order; fixed order, no atomics."""
+    n, k = w12.shape
+    bn, bk = overrides.get("block_n") or 16, overrides.get("block_k") or 256
+    if RECORD_ROWS % bn or bk % RECORD_COLS:
+        raise W12GemmError(f"gemv: block_n must divide {RECORD_ROWS}, block_k be a multiple of {RECORD_COLS}")
+    rec = w12.records
+    k_pad = rec.shape[1] * RECORD_COLS
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _w12_gemv_kernel[(triton.cdiv(n, bn),)](
+        x, rec.view(torch.int16), rec, w12.base, bias if bias is not None else out, out, row_ptr, esc_k, esc_d,
+        n, k, k_pad, BLOCK_N=bn, BLOCK_K=bk, EVEN=k_pad % bk == 0, HAS_BIAS=bias is not None,
+        num_warps=overrides.get("num_warps") or 4, num_stages=overrides.get("num_stages") or 3)
     return out
 
 
@@ -403,6 +430,51 @@ if triton is not None:
             tl.store(Out + dst, acc.to(Out.dtype.element_ty), mask=ok)
         else:
             tl.store(Part + pid_k * M * N + dst, acc, mask=ok)
+
+    @triton.jit
+    def _w12_gemv_kernel(X, Rec16, Rec8, Base, Bias, Out, RowPtr, EscK, EscD, N, K, K_PAD,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """Grid ``(cdiv(N, BLOCK_N),)``: ``Out[0, n] = Σ_k x_k w_nk (+ escapes, bias)`` for BLOCK_N rows of
+        one record band (see :func:`_gemv`). Float32 accumulators ``[BLOCK_N, BLOCK_K / 2]`` per parity."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        band = (offs_n // 128) * (K_PAD // 64) * 12288
+        row_v = (band + (offs_n % 128) * 64) // 2  # int16 index of the row's view pairs in the band's record 0
+        row_p = band + 8192 + (offs_n % 128) * 32  # byte index of its nibbles
+        base7 = tl.load(Base + offs_n, mask=n_ok, other=127).to(tl.int32) << 7
+        rj = tl.arange(0, BLOCK_K // 2)  # column pair j: columns 2j, 2j + 1 of the step
+        col_v = (rj // 32) * 6144 + rj % 32
+        col_p = (rj // 32) * 12288 + rj % 32
+        acc_e = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32)
+        acc_o = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32)
+        for kb in range(0, K_PAD, BLOCK_K):
+            r0 = (kb // 64) * 12288
+            ok = (kb + 2 * rj < K_PAD)[None, :]
+            if EVEN:
+                v = tl.load(Rec16 + r0 // 2 + row_v[:, None] + col_v[None, :]).to(tl.int32) & 0xFFFF
+                p = tl.load(Rec8 + r0 + row_p[:, None] + col_p[None, :]).to(tl.int32)
+            else:
+                v = tl.load(Rec16 + r0 // 2 + row_v[:, None] + col_v[None, :], mask=ok, other=0).to(tl.int32) & 0xFFFF
+                p = tl.load(Rec8 + r0 + row_p[:, None] + col_p[None, :], mask=ok, other=0).to(tl.int32)
+            xe = tl.load(X + kb + 2 * rj, mask=kb + 2 * rj < K, other=0.0).to(tl.float32)
+            xo = tl.load(X + kb + 2 * rj + 1, mask=kb + 2 * rj + 1 < K, other=0.0).to(tl.float32)
+            ve = v & 0xFF
+            vo = v >> 8
+            be = ((ve & 0x80) << 24) | (((((ve & 0x7F) << 4) + base7[:, None]) | (p & 15)) << 16)
+            bo = ((vo & 0x80) << 24) | (((((vo & 0x7F) << 4) + base7[:, None]) | (p >> 4)) << 16)
+            acc_e += be.to(tl.float32, bitcast=True) * xe[None, :]
+            acc_o += bo.to(tl.float32, bitcast=True) * xo[None, :]
+        y = tl.sum(acc_e + acc_o, axis=1)
+        lo = tl.load(RowPtr + offs_n, mask=n_ok, other=0)
+        cnt = tl.load(RowPtr + offs_n + 1, mask=n_ok, other=0) - lo
+        for j in range(0, tl.max(cnt, axis=0)):
+            has = j < cnt
+            kk = tl.load(EscK + lo + j, mask=has, other=0)
+            d = tl.load(EscD + lo + j, mask=has, other=0.0)
+            y += tl.load(X + kk, mask=has, other=0.0).to(tl.float32) * d
+        if HAS_BIAS:
+            y += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(Out + offs_n, y.to(Out.dtype.element_ty), mask=n_ok)
 
     @triton.jit
     def _w12_split_sum_kernel(Part, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, SPLIT_K: tl.constexpr,

@@ -1,0 +1,139 @@
+"""W12 one-row GEMV (``w12_gemm(..., gemv=True)``: decode to float32 in registers, FMAs, no tensor cores)
+against cuBLAS bf16 and the tensor-core W12 kernel on the Qwen3-8B projections; then the exact pass at
+1 row with every W12 projection on the GEMV path (issue 5).
+
+    python bench/w12_gemv_probe.py OUT.json [BUDGET_S]
+
+1. Correctness on the GPU: planted escapes (zeros, denormals, outliers, ±inf, NaN), each config: within the
+   rounding bound of :mod:`specpilot.kernels.w12_gemm` against the reference, NaN / inf where the reference
+   has them, two runs bitwise equal.
+2. µs per call at 1 row (one CUDA graph, ≥ 512 MiB of weight copies: no L2 reuse): cuBLAS ``F.linear``, the
+   tensor-core W12 kernel (defaults) and GEMV configs.
+3. Exact pass at 1 row (CUDA graphs, fused kernels): bf16, W12 tensor-core default, W12 GEMV with the best
+   config per shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import specpilot.kernels.w12_gemm as wg
+from specpilot.mechanisms.w12 import to_w12
+from specpilot.pilot.setup import measure_verify_ms
+from specpilot.provenance import git_commit, versions
+from specpilot.w12.format import decode, encode
+from specpilot.zoo.random_ckpt import random_transformer
+
+from timing import time_calls  # noqa: E402  (bench/timing.py)
+from w12_bench import SHAPES, bits_equal, check, codes, copies_of  # noqa: E402
+
+dev = "cuda"
+T0 = time.time()
+CONFIGS = [{"gemv": True, "block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": st}
+           for bn, bk, nw, st in ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (16, 256, 8, 3), (16, 128, 4, 4),
+                                  (32, 512, 8, 3), (16, 256, 2, 3), (8 * 2, 1024, 8, 2), (64, 256, 8, 3))]
+
+
+def correctness() -> dict:
+    g = torch.Generator(device=dev).manual_seed(2)
+    n, k = 1000, 3000
+    w = (torch.randn(n, k, generator=g, device=dev) * 0.02).to(torch.bfloat16)
+    for i, v in enumerate([0.0, -0.0, 1e-40, -3e-39, 1e-30, 300.0, -5e4, 1e30, float("inf"), float("-inf"), float("nan")]):
+        for r in (37 * i + 5, 101 * i + 3, 997):
+            w[r % n, (53 * i + 7 * r) % k] = v
+    t = encode(w, device=dev)
+    esc = wg.escape_table(t)
+    aw = decode(t, check=False).float().abs().nan_to_num(0, 0, 0) + codes(t).abs()
+    x = torch.randn(1, k, generator=g, device=dev).to(torch.bfloat16)
+    cases = []
+    for over in CONFIGS:
+        try:
+            out = wg.w12_gemm(x, t, escapes=esc, **over)
+            row = {"config": over} | check(out, x, t, aw)
+            row["deterministic"] = bits_equal(out, wg.w12_gemm(x, t, escapes=esc, **over))
+        except Exception as exc:
+            row = {"config": over, "error": str(exc).splitlines()[0][:160], "within_bound": False, "deterministic": False}
+        cases.append(row)
+    ok = [c for c in cases if c["within_bound"] and c["deterministic"]]
+    print("gemv correctness", len(ok), "of", len(cases), flush=True)
+    return {"all_ok": len(ok) == len(cases), "cases": cases}
+
+
+def timing(good: list[dict], budget_s: float) -> tuple[list[dict], dict]:
+    rows, best = [], {}
+    for name in [s for s in SHAPES if s.startswith("qwen3-8b")]:
+        n, k = SHAPES[name]
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        t = encode(w, device=dev)
+        ts = copies_of(t, wg.escape_table(t))
+        ws = [w] + [w.clone() for _ in range(max(1, math.ceil((512 << 20) / (n * k * 2))) - 1)]
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        cub = time_calls(lambda a, w_: F.linear(a, w_), ws, x, reps=4)
+        tc = time_calls(lambda a, te: wg.w12_gemm(a, te[0], escapes=te[1]), ts, x, reps=4)
+        res = []
+        for v in good:
+            if time.time() - T0 > budget_s:
+                break
+            try:
+                us = time_calls(lambda a, te: wg.w12_gemm(a, te[0], escapes=te[1], **v), ts, x, reps=4)
+                res.append({"proj": name, "config": v, "us": us, "cublas_us": cub, "tensor_core_w12_us": tc,
+                            "speedup_vs_cublas": cub / us, "w12_TBps": t.nbytes / us / 1e6})
+            except Exception as exc:
+                res.append({"proj": name, "config": v, "error": str(exc).splitlines()[0][:160]})
+        rows += res
+        timed = sorted((r for r in res if "us" in r), key=lambda r: r["us"])
+        if timed:
+            best[(n, k)] = timed[0]["config"]
+            print(name, f"cublas {cub:.2f}  w12 tensor-core {tc:.2f}  gemv best {timed[0]['us']:.2f} us "
+                  f"({timed[0]['speedup_vs_cublas']:.3f}x cuBLAS, {timed[0]['w12_TBps']:.2f} TB/s) {timed[0]['config']}",
+                  flush=True)
+        del ts, t, ws, w
+        torch.cuda.empty_cache()
+    return rows, best
+
+
+def ar(best: dict) -> dict:
+    model = random_transformer("qwen3-8b", dev)
+    out = {"bf16_ms": measure_verify_ms(model, 512, (1,), repeats=20, static=True)[1]}
+    to_w12(model, inplace=True)
+    torch.cuda.empty_cache()
+    out["w12_tensor_core_ms"] = measure_verify_ms(model, 512, (1,), repeats=20, static=True)[1]
+    plain = wg.w12_gemm
+
+    def routed(x, w12, bias=None, escapes=None, **over):
+        if x.shape[0] == 1 and not over:
+            over = dict(best.get(tuple(w12.shape), {"gemv": True}))
+        return plain(x, w12, bias, escapes, **over)
+
+    wg.w12_gemm = routed
+    try:
+        out["w12_gemv_ms"] = measure_verify_ms(model, 512, (1,), repeats=20, static=True)[1]
+    finally:
+        wg.w12_gemm = plain
+    out["speedup_gemv_vs_bf16"] = out["bf16_ms"] / out["w12_gemv_ms"]
+    print("AR 1 row", out, flush=True)
+    return out
+
+
+def main():
+    path, budget = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 150.0
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res = {"device": torch.cuda.get_device_name(0), "versions": versions(), "commit": git_commit()}
+    save = lambda: json.dump(res | {"runtime_s": time.time() - T0}, open(path, "w"), indent=1)  # noqa: E731
+    res["correctness"] = correctness()
+    save()
+    good = [c["config"] for c in res["correctness"]["cases"] if c["within_bound"] and c["deterministic"]]
+    res["timing"], best = timing(good, budget)
+    save()
+    res["ar"] = ar(best)
+    save()
+
+
+if __name__ == "__main__":
+    main()
