@@ -170,8 +170,8 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         bias: ``[N]`` (any float dtype) or None.
         escapes: :func:`escape_table` of ``w12`` (computed when None; :class:`W12Linear` keeps it).
         overrides: block_m / block_n (16–128, dividing 128) / block_k (a multiple of 64) / split_k /
-            num_warps / num_stages / w_left, and ``gemv`` (one row through :func:`_gemv`; default
-            :data:`GEMV_AT_ONE_ROW`) (sweeps and tests).
+            num_warps / num_stages / w_left, and ``gemv`` (one row through :func:`_gemv`; default: when
+            N > K) (sweeps and tests).
     Returns: ``[M, N]`` in x's dtype; within the module docstring's bound of :func:`w12_gemm_reference`.
     Raises: W12GemmError on bad shapes / dtypes / devices or M outside 1..256; RuntimeError without triton.
     """
@@ -184,7 +184,7 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         raise W12GemmError(f"w12_gemm takes 1..{MAX_ROWS} rows, got {m}")
     x = x if x.stride(1) == 1 else x.contiguous()
     row_ptr, esc_k, esc_d = escape_table(w12) if escapes is None else escapes
-    if m == 1 and overrides.get("gemv", GEMV_AT_ONE_ROW):
+    if m == 1 and overrides.get("gemv", n > k):
         return _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides)
     cfg = default_config(m, n, k, _num_sms(x.device.index if x.is_cuda else None))
     cfg.update({key: v for key, v in overrides.items() if v is not None})
@@ -210,18 +210,20 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
     return out
 
 
-#: one-row calls take :func:`_gemv` (no tensor cores) unless ``gemv=False`` is passed; off until measured faster
-GEMV_AT_ONE_ROW = False
-
-
 def _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides) -> torch.Tensor:
     """One activation row: ``x [1, K] @ W12ᵀ`` decoded straight to float32 in registers and summed with FMAs
     (no tensor cores, so no layout change between the decode and the dot). A program owns ``block_n``
     (16/32/64, dividing 128) rows of one record band and the whole K; columns are taken as even / odd
     pairs (a view pair is one 16-bit load, its nibbles one byte), so no interleave is needed. Escapes and
-    bias are added per channel after the K sum, in list order; fixed order, no atomics."""
+    bias are added per channel after the K sum, in list order; fixed order, no atomics.
+
+    Taken by default for one row when N > K: on the H200 (``bench/results/w12_gemv_probe_h200_2026-11-30.json``)
+    it beat the tensor-core kernel on qkv (20.2 vs 26.1 µs) and gate_up (65.6 vs 71.2 µs) and lost on o
+    (17.3 vs 16.6) and down (45.0 vs 37.7: few programs, each a long K). Both stay below cuBLAS (0.65–0.80x):
+    the decode is bound by integer instructions (~2 TB/s of W12 bytes), see docs/NOTES.md."""
     n, k = w12.shape
-    bn, bk = overrides.get("block_n") or 16, overrides.get("block_k") or 256
+    bn = overrides.get("block_n") or (16 if n <= 8192 else 32)
+    bk = overrides.get("block_k") or (512 if n <= 8192 else 256)
     if RECORD_ROWS % bn or bk % RECORD_COLS:
         raise W12GemmError(f"gemv: block_n must divide {RECORD_ROWS}, block_k be a multiple of {RECORD_COLS}")
     rec = w12.records
