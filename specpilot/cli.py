@@ -134,6 +134,11 @@ def pilot(
     dtype: str = typer.Option("float32", help="float32 | bfloat16"),
     seed: int = typer.Option(0, help="Seed for request sampling and bootstrap."),
     block: Optional[List[Path]] = typer.Option(None, help="Block drafter directory the planner may propose (repeatable; default with the bundled target: the bundled block and block_markov drafters)."),
+    devices: Optional[str] = typer.Option(None, help="Comma-separated devices judging candidates at once, one worker process per system (e.g. cuda:0,cuda:1; cpu,cpu on the CPU). Default: just --device."),
+    paired_devices: Optional[bool] = typer.Option(None, "--paired-devices/--no-paired-devices", help="Judge on device pairs (A on one, B on the other, swapped). Default: on iff exactly two devices."),
+    executor: str = typer.Option("auto", help="auto | local (in-process, one device) | workers (one process per system). auto: workers with several devices or --agent."),
+    agent: Optional[str] = typer.Option(None, help="External coding agent, a shell command template with {brief} and {worktree}; called once per round after the config candidates."),
+    agent_timeout: float = typer.Option(1800.0, help="Seconds the agent may run per round."),
 ):
     """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
     from .pilot.run import PilotOptions, run_pilot
@@ -149,8 +154,20 @@ def pilot(
             block = [bundled_block_dir(), bundled_block_markov_dir()]
     if out.exists() and not out.is_dir():
         raise SpecPilotError(f"--out {out} exists and is not a directory")
+    from .engine.deployment import check_device
+
+    devs = tuple(d.strip() for d in devices.split(",")) if devices is not None else ()
+    if any(not d for d in devs):
+        raise SpecPilotError(f"--devices {devices!r}: give comma-separated devices, e.g. cuda:0,cuda:1")
+    for d in devs:
+        check_device(d)
+    if agent is not None and ("{worktree}" not in agent or not agent.strip()):
+        raise SpecPilotError("--agent must be a command template containing {worktree} (and usually {brief})")
+    if agent_timeout <= 0:
+        raise SpecPilotError(f"--agent-timeout must be positive, got {agent_timeout}")
     run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
-                           blocks=tuple(block or ())))
+                           blocks=tuple(block or ()), devices=devs, paired_devices=paired_devices, executor=executor,
+                           agent=agent, agent_timeout=agent_timeout))
 
 
 @app.command()

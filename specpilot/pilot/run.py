@@ -24,6 +24,7 @@ from ..config import SystemConfig
 from ..engine.deployment import Deployment
 from . import controller as ctl
 from .costmodel import build_ceiling, step_counts
+from .dispatch import AgentContext, agent_round, plan_dispatch, stock_commit
 from .forcing import Scorer, audit, forcing_verdict
 from .memory import Entry, Evidence, Memory
 from .planner import Planner
@@ -31,6 +32,7 @@ from .profiler import StepProfiler, measure_peaks
 from .replay import record
 from .report import write_report
 from .setup import build_requests, git_commit, measure_verify_ms, versions
+from .workers import DeploymentSpec
 
 
 @dataclass
@@ -46,6 +48,12 @@ class PilotOptions:
     seed: int = 0
     overrides: dict | None = None
     blocks: tuple = ()  # issue 3: block drafter directories the planner may propose (kind, block size, builder)
+    # issue 6: where judgements run and the external agent (rule: specpilot.pilot.dispatch)
+    devices: tuple = ()  # --devices (empty: just --device)
+    paired_devices: bool | None = None  # None: two-device paired judgements iff exactly two devices
+    executor: str = "auto"  # auto | local | workers
+    agent: str | None = None  # command template with {brief} and {worktree}
+    agent_timeout: float = 1800.0  # seconds
 
     @property
     def plan(self) -> dict:
@@ -70,6 +78,12 @@ class Pilot:
         self.stock = SystemConfig.stock(self.drafter_kind, depth=6, dtype=opts.dtype)
         self.ar = SystemConfig.ar(dtype=opts.dtype)
         self.engines: dict[str, object] = {}
+        spec = DeploymentSpec(str(self.dep.target_dir.resolve()),
+                              str(self.dep.drafter_dir.resolve()) if self.dep.drafter_dir else None, opts.dtype,
+                              tuple(str(b.resolve()) for b in self.dep.block_dirs))
+        self.dispatch = plan_dispatch(opts.device, opts.devices, opts.paired_devices, opts.executor,
+                                      bool(opts.agent), spec, torch.get_num_threads())
+        self.code_tree, self.code_entries = None, []  # the incumbent's code: approved agent patches (§3.5)
 
     # -- helpers ---------------------------------------------------------------------------------
     def say(self, phase: str, msg: str) -> None:
@@ -81,9 +95,10 @@ class Pilot:
             self.engines[key] = self.dep.system(cfg)
         return self.engines[key]
 
-    def factory(self, cfg: SystemConfig):
-        """A factory the controller calls to build a fresh system of ``cfg`` (it builds, times and audits it)."""
-        return lambda: self.dep.system(cfg)
+    def factory(self, cfg: SystemConfig, tree=None):
+        """What the controller builds a fresh system of ``cfg`` from (it builds, times and audits it): a
+        factory in-process, or a worker spec running ``tree``'s code (None: stock)."""
+        return self.dispatch.system(lambda: self.dep.system(cfg), cfg, tree)
 
     def salt_kw(self) -> dict:
         """The controller's salt range: the target's vocabulary less EOS and the tokenizer's special ids."""
@@ -102,7 +117,18 @@ class Pilot:
         """Candidate ``b`` against incumbent ``a`` through the controller (§3.3) and token forcing (§3.4)."""
         bar, advance = self.progress(f"paired run {label}", 4 * len(self.reqs))
         with bar:
-            return self.controller.judge(self.factory(a), self.factory(b), self.reqs, progress=advance)
+            return self.controller.judge(self.factory(a, self.code_tree), self.factory(b, self.code_tree), self.reqs,
+                                         progress=advance, executor=self.dispatch.executor(0))
+
+    def judge_many(self, a: SystemConfig, cands: list) -> list:
+        """Judge every config in ``cands`` against ``a``, concurrently on the device slots (one judgement
+        per slot, :mod:`.dispatch`); a :class:`Judgement` or the exception that stopped it, in order."""
+        bar, advance = self.progress(f"paired runs ({len(self.dispatch.slots)} at once)", 4 * len(self.reqs) * len(cands))
+        fa = self.factory(a, self.code_tree)
+        jobs = [lambda ex, b=b: self.controller.judge(fa, self.factory(b, self.code_tree), self.reqs, progress=advance,
+                                                      executor=ex) for b in cands]
+        with bar:
+            return self.dispatch.map(jobs)
 
     def spread(self, n: int | None):
         """``n`` requests evenly spread over the request set (all of them for None)."""
@@ -136,7 +162,7 @@ class Pilot:
         bar, advance = self.progress("phase 0 paired runs", 8 * len(self.reqs))
         with bar:
             p0 = ctl.phase0(self.factory(self.ar), self.factory(self.stock), self.reqs, self.scorer,
-                            progress=advance, **self.salt_kw())
+                            progress=advance, executor=self.dispatch.executor(0), **self.salt_kw())
         ar_stock, aa, self.controller = p0.ar_stock, p0.aa, p0.controller
         self.sigma, self.delta, self.stock_forcing = self.controller.sigma, self.controller.delta, self.controller.stock_forcing
         self.say("phase 0", f"stock {self.stock.label()}: {ar_stock.gain:.3f}x AR (95% lower bound {ar_stock.lower_bound:.3f})")
@@ -201,9 +227,16 @@ class Pilot:
                 tried.add(cand.seal())
                 self.say(f"round {rnd}", f"candidate {i}/{len(proposals)}: {cand.label()} (replay τ {pred.tau:.2f}, "
                          f"screened c {pred.c_screened:.2f}: {pred.speedup_screened:.2f}x AR predicted)")
-                j = self.judge(incumbent, cand, cand.label())
+            judged = self.judge_many(incumbent, [c for c, _ in proposals])
+            for (cand, pred), j in zip(proposals, judged):
+                if isinstance(j, Exception):  # a worker died or could not build it: rejected, go on
+                    reason = f"rejected: {str(j).splitlines()[0] if str(j) else type(j).__name__}"
+                    self.say(f"round {rnd}", f"[red]{cand.label()}: {reason}[/]")
+                    candidates.append({"round": rnd, "name": cand.label(), "config": cand.model_dump(),
+                                       "predicted": pred.to_dict(), "approved": False, "reason": reason})
+                    continue
                 run, forcing, passed, reasons, v = j.run, j.forcing, j.forcing_passed, list(j.forcing_reasons), j.verdict
-                self.say(f"round {rnd}", ("[green]" if v.approved else "[red]") + v.reason + "[/]")
+                self.say(f"round {rnd}", f"{cand.label()}: " + ("[green]" if v.approved else "[red]") + v.reason + "[/]")
                 row = {"round": rnd, "name": cand.label(), "config": cand.model_dump(), "predicted": pred.to_dict(),
                        "gain": run.gain, "lower_bound": run.lower_bound, "bar": v.bar, "outputs_differ": run.outputs_differ,
                        "forcing_passed": passed, "forcing_reasons": reasons, "mismatch_rate": forcing.mismatch_rate,
@@ -220,7 +253,40 @@ class Pilot:
                 self.say(f"round {rnd}", f"approved {entry.id}: {incumbent.label()} -> {cand.label()}")
                 incumbent = cand
             rounds[-1]["approved"] = best[3]["name"] if best else None
+            if o.agent:  # after the round's config candidates (see specpilot.pilot.dispatch)
+                self.agent_round(rnd, incumbent, ceil, entries, memory, candidates)
+                if self.code_entries and self.code_entries[-1].id == f"r{rnd}-agent-patch":
+                    rounds[-1]["approved_patch"] = self.code_entries[-1].id
         return self.seal(incumbent, entries, memory, candidates, rounds, ar_m)
+
+    def agent_round(self, rnd: int, incumbent: SystemConfig, ceil, entries: list, memory, candidates: list) -> None:
+        """Call the external agent on the incumbent and judge its patch (:func:`.dispatch.agent_round`);
+        approved, it becomes a ``patch`` memory entry and the incumbent's code."""
+        from .memory import default_repo
+
+        repo = default_repo()
+        commit, dirty = stock_commit(repo)
+        if dirty:
+            self.say(f"round {rnd}", "[yellow]warning: tracked files under specpilot/ differ from HEAD: the agent's "
+                     "tree starts from HEAD, stock workers run the files on disk[/]")
+        f = ceil.factors()
+        brief = {"cost_model": {"factors": f, "detail": ceil.to_dict()}, "gap": math.prod(f.values()),
+                 "memory": [f"{e.id}: {e.title} (gain {e.evidence.gain:.3f})" for e in entries]}
+        ctx = AgentContext(self.o.agent, self.o.agent_timeout, (self.o.out / "agent" / f"round-{rnd}").resolve(), repo,
+                           commit, list(self.code_entries), [e.id for e in entries], incumbent, self.code_tree,
+                           self.controller, self.reqs, self.sigma, brief, self.deployment())
+        self.say(f"round {rnd}", f"agent: {self.o.agent}")
+        bar, advance = self.progress("paired run agent patch", 4 * len(self.reqs))
+        with bar:
+            res = agent_round(rnd, ctx, self.dispatch, advance, _dt.date.today().isoformat())
+        candidates.append(res.row)
+        self.say(f"round {rnd}", "agent patch: " + ("[green]" if res.row["approved"] else "[red]") + res.row["reason"] + "[/]")
+        if res.entry is not None:
+            memory.add(res.entry, overwrite=True)
+            entries.append(res.entry)
+            self.code_entries.append(res.entry)
+            self.code_tree = str(res.patch.worktree)
+            self.say(f"round {rnd}", f"approved {res.entry.id}: the incumbent now runs {res.patch.worktree}")
 
     def round0_ar(self, memory, entries, candidates, tried) -> SystemConfig:
         """Judge AR (no drafter) against stock like any candidate; approved, it becomes the incumbent (and a
@@ -334,8 +400,10 @@ class Pilot:
         self.say("seal", f"sealed system {sealed.label()} ({sealed.seal()[:12]})")
         bar, advance = self.progress("AR, stock, sealed interleaved", 6 * len(self.reqs))
         with bar:
-            makers = {"ar": self.factory(self.ar), "stock": self.factory(self.stock), "sealed": self.factory(sealed)}
-            final = ctl.interleaved_run(makers, self.reqs, progress=advance, **self.salt_kw())
+            makers = {"ar": self.factory(self.ar), "stock": self.factory(self.stock),
+                      "sealed": self.factory(sealed, self.code_tree)}
+            final = ctl.interleaved_run(makers, self.reqs, progress=advance, executor=self.dispatch.executor(0),
+                                        **self.salt_kw())
         vs_ar = final.gain("ar", "sealed")
         vs_stock = final.gain("stock", "sealed")
         outputs = final.samples("sealed")
