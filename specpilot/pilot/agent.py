@@ -97,7 +97,7 @@ def write_brief(dest: Path, brief: dict) -> Path:
              f"Contract: {brief.get('contract', '')}", "",
              "## Cost model (ceiling factors, §3.2)", "```json", json.dumps(brief.get("cost_model"), indent=2, default=str), "```",
              f"Gap to the ceiling: {brief.get('gap')}", "", f"Incumbent: {brief.get('incumbent')}", "",
-             "## Memory entries", *[f"- {m}" for m in brief.get("memory", ())] or ["- (none)"], ""]
+             "## Memory entries", *([f"- {m}" for m in brief.get("memory", ())] or ["- (none)"]), ""]
     md = dest / "brief.md"
     md.write_text("\n".join(lines))
     return md

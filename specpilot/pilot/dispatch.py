@@ -102,8 +102,8 @@ def plan_dispatch(device: str, devices: Sequence[str] = (), paired: bool | None 
             (None: auto); executor: ``auto`` | ``local`` | ``workers``; agent: ``--agent`` given;
         dep: the deployment for workers; cpu_threads: the parent's torch threads.
     Raises:
-        SpecPilotError: an unknown executor, ``local`` with several devices or an agent, or paired
-            devices with fewer than two devices.
+        SpecPilotError: an unknown executor, ``local`` with several devices or an agent, paired devices
+            with fewer than two devices, or workers without ``dep``.
     """
     devs = tuple(devices) or (device,)
     if executor not in ("auto", "local", "workers"):
@@ -116,6 +116,8 @@ def plan_dispatch(device: str, devices: Sequence[str] = (), paired: bool | None 
         raise SpecPilotError("--paired-devices needs at least two devices (--devices d0,d1)")
     if mode == "local":
         return Dispatch("local", [devs])
+    if dep is None:
+        raise SpecPilotError("the worker executor needs the deployment (checkpoint directories) to load")
     slots = [devs[i : i + 2] for i in range(0, len(devs) - 1, 2)] if paired else [(d,) for d in devs]
     threads = max(1, cpu_threads // len(devs)) if all(d.startswith("cpu") for d in devs) else None
     return Dispatch("workers", slots, dep, threads, timeout_s)
