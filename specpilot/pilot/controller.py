@@ -7,7 +7,8 @@ each system itself, once per paired run (untimed, with no request in sight), war
 request, then times, compares and audits it. Callers get :func:`phase0` (stock noise σ, near-tie δ,
 stock's forcing figures) and :meth:`Controller.judge` (paired run + token forcing + approval rule), the
 path the pilot uses for every candidate; :func:`paired_run`, :func:`interleaved_run` and :func:`approve`
-are its parts.
+are its parts. With a worker executor a system is a :class:`specpilot.pilot.workers.WorkerSystem` (a
+config and a source tree) instead of a factory.
 
 **What a candidate cannot do to earn an approval** (each has an adversarial test in
 ``tests/test_adversarial.py``):
@@ -24,7 +25,8 @@ are its parts.
    its construction or after a call returns (work, or interference with the other system, that no timer
    covers) is rejected.
 3. *Tamper with the timer.* The clock, the device synchronisation and the thread listing are bound when
-   this module is imported; ``Generation.time_s`` is never read.
+   this module is imported (in-process) or at the top of the stock worker script before the candidate's
+   code is importable (worker executor); ``Generation.time_s`` is never read.
 4. *Change the output slightly* (a logit bias, low-precision verification, skipped verification). B's
    tokens are compared with A's on every variant; if any differ, the bar is 3% and token forcing of all B
    outputs against the FP32-head scorer must pass. Equal tokens need no forcing: A is stock (audited in
@@ -35,14 +37,38 @@ are its parts.
 A request's throughput for a system is the highest over its runs (one per variant): interference from
 other processes only ever lowers throughput, so the maximum is the estimator least disturbed by it.
 
-**Limits.** All of this holds inside one Python process only: a candidate that rewrites this module's
-objects, walks the garbage collector to reach A's outputs, or mutates the target weights it shares with
-the scorer is beyond it; A and B in separate processes (or on two devices, swapped, as in the paper) is
-not implemented. Threads are Python threads: work in native threads or subprocesses is not seen. The
-salt is no secret scheme: a cheat that strips it and replays an output cached for the unsalted prompt is
-fast and correct wherever the salt did not change the output (about 40% of variants on the bundled
-models) and is caught by token forcing only through the variants where it did. Timings on a shared CPU
-include other processes' interference (raising σ and so the bar).
+**Executors.** Where systems are built and timed is the executor's choice; the salts, the order, the
+comparison of outputs, the bootstrap, token forcing and the approval rule stay in this process either way.
+:class:`LocalExecutor` (default) builds every system in this process from its factory.
+:class:`specpilot.pilot.workers.WorkerExecutor` runs each system in its own worker process
+(:mod:`specpilot.pilot.worker_main`, started from the stock tree by file path, with the clock, the device
+sync and the thread listing bound before the candidate's source tree is importable): on one device A and
+B are two workers run one at a time A B B A; on two devices four workers, A on device 0 and B on device 1
+concurrently on a request's first variant, swapped (A on 1, B on 0) on its second, so a device
+difference enters both systems' best-of-two throughput alike. The recheck and the thread listing run in
+the worker on the system that ran the variant and are reported back.
+
+**Process isolation (worker executor): what it guarantees.** A candidate's code never runs in the
+controller's process: it cannot rewrite this module, the salts (drawn here, from OS entropy, sent only
+as the prompt of each run), the bootstrap, token forcing, the scorer or its weights, and it never sees A's
+outputs or A's process (A and B share no memory; each loads its own copy of the weights). A candidate
+that crashes, hangs (per-reply timeout, then killed) or prints to stdout (fd 1 is redirected to stderr;
+replies go over a private descriptor) cannot forge a reply; its error comes back as one line and the
+pilot rejects it. **What it does not guarantee:** inside its own worker the candidate runs in the same
+interpreter as the timer, so code that deliberately reaches ``sys.modules["__main__"]`` (the worker
+script) can still rebind the clock used for its own runs; the worker's tree is trusted to be the one the
+patch produced, not sandboxed (it can read the file system, open sockets, or leave native threads and
+subprocesses running, which the Python thread listing does not see); two workers on one device share
+its memory bandwidth and caches (on one device they run one at a time; on two devices concurrently, but
+each on its own device).
+
+**Limits.** With the in-process executor all of this holds inside one Python process only: a candidate
+that rewrites this module's objects, walks the garbage collector to reach A's outputs, or mutates the
+target weights it shares with the scorer is beyond it. Threads are Python threads: work in native threads
+or subprocesses is not seen. The salt is no secret scheme: a cheat that strips it and replays an output
+cached for the unsalted prompt is fast and correct wherever the salt did not change the output (about
+40% of variants on the bundled models) and is caught by token forcing only through the variants where it
+did. Timings on a shared CPU include other processes' interference (raising σ and so the bar).
 """
 
 from __future__ import annotations
