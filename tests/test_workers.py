@@ -190,3 +190,20 @@ def test_agent_patch_biasing_logits_is_rejected_by_token_forcing(p0, spec, reqs,
     res = agent_round(1, ctx(p0, reqs, tmp_path, "bias"), plan_dispatch("cpu", agent=True, dep=spec))
     assert res.row["outputs_differ"] is True and res.row["forcing_passed"] is False
     assert not res.row["approved"] and "token forcing failed" in res.row["reason"] and res.entry is None
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--devices", "cpu,,cpu"], "--devices 'cpu,,cpu': give comma-separated devices"),
+    (["--devices", "cpu,cuda:7"], "device 'cuda:7' requested but no CUDA GPU"),
+    (["--agent", "my-agent {brief}"], "--agent must be a command template containing {worktree}"),
+    (["--agent", "a {worktree}", "--agent-timeout", "0"], "--agent-timeout must be positive"),
+    (["--executor", "local", "--devices", "cpu,cpu"], "--executor local runs one device in-process"),
+    (["--executor", "fast"], "--executor must be auto, local or workers"),
+])
+def test_pilot_cli_bad_device_or_agent_flags_are_one_line_errors(monkeypatch, capsys, tmp_path, args, msg):
+    import torch
+
+    if "cuda:7" in args[1] and torch.cuda.is_available():
+        pytest.skip("a GPU machine")
+    code, _, err = run_cli(monkeypatch, capsys, "pilot", "--out", str(tmp_path / "r"), *args)
+    assert code == 2 and msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import math
 import queue
+import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,7 +82,7 @@ class Dispatch:
             slot = self._free.get()
             try:
                 return job(self.executor(slot))
-            except (WorkerError, SpecPilotError, ValueError, TypeError) as e:
+            except (WorkerError, SpecPilotError, ValueError) as e:
                 return e
             finally:
                 self._free.put(slot)
@@ -176,6 +177,8 @@ def agent_round(rnd: int, c: AgentContext, dispatch: Dispatch, progress=None, da
            "lower_bound": None, "bar": None, "outputs_differ": None, "forcing_passed": None, "forcing_reasons": [],
            "mismatch_rate": None, "approved": False, "agent": {"workdir": str(c.workdir)}}
     tree_dir = c.workdir / "tree"
+    if tree_dir.exists():  # a scratch tree of an earlier run into the same --out (its patch is in memory)
+        shutil.rmtree(tree_dir)
     base = prepare_worktree(c.repo, c.commit, [(e.id, e.delta) for e in c.code_entries], tree_dir)
     brief = {"goal": "Make greedy decoding of this deployment faster without changing its output (lossless).",
              "allowed": list(ALLOWED), "forbidden": list(FORBIDDEN), "contract": "output == AR greedy in float32; "

@@ -84,6 +84,10 @@ class Pilot:
         self.dispatch = plan_dispatch(opts.device, opts.devices, opts.paired_devices, opts.executor,
                                       bool(opts.agent), spec, torch.get_num_threads())
         self.code_tree, self.code_entries = None, []  # the incumbent's code: approved agent patches (§3.5)
+        if opts.agent:  # fail before Phase 0, not in round 1, when there is no git checkout
+            from .memory import default_repo
+
+            stock_commit(default_repo())
 
     # -- helpers ---------------------------------------------------------------------------------
     def say(self, phase: str, msg: str) -> None:
