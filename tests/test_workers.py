@@ -108,6 +108,59 @@ def test_one_device_workers_a_vs_a_is_not_approved(p0, dep, spec, reqs):
     assert run.outputs_a[0][0] == tuple(local.generate(list(run.prompts[0][0]), reqs[0].max_new_tokens).tokens)
 
 
+FAKE_DEPLOYMENT = """
+import threading, time
+
+
+class _Args:
+    vocab_size = 50
+
+
+class _Target:
+    args = _Args()
+
+
+class _Gen:
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+
+class _System:
+    def __init__(self, cfg):
+        self.cfg, self.calls = cfg, 0
+
+    def generate(self, prompt, max_new):
+        self.calls += 1
+        if self.cfg["mode"] == "thread":  # work left running after the call returns
+            threading.Thread(target=time.sleep, args=(3,), name="helper", daemon=True).start()
+        tok = self.calls % 50 if self.cfg["mode"] == "random" else sum(prompt) % 50
+        return _Gen([tok] * max_new)
+
+
+class Deployment:
+    def __init__(self, *args, **kw):
+        self.target = _Target()
+
+    def system(self, cfg):
+        return _System(cfg)
+"""
+
+
+def test_worker_reports_threads_left_running_and_nondeterminism(tmp_path):
+    pkg = tmp_path / "specpilot"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "__init__.py").write_text("")
+    (pkg / "config.py").write_text("def SystemConfig(**kw):\n    return kw\n")
+    (pkg / "engine" / "deployment.py").write_text(FAKE_DEPLOYMENT)
+    rs = [ctl.Req("b", i, (1 + i, 2, 3), 4) for i in range(2)]
+    run = ctl.paired_run(WorkerSystem({"mode": "thread"}, str(tmp_path)), WorkerSystem({"mode": "random"}, str(tmp_path)),
+                         rs, 50, rng=random.Random(0), executor=one(DeploymentSpec("unused")))
+    assert run.outside_a == ("helper",) and run.outside_b == ()  # seen in the worker, reported back
+    assert run.nondeterministic_b and not run.nondeterministic_a  # the recheck ran in the worker
+    assert "threads running" in ctl.approve(run, 0.0, True).reason
+
+
 def test_two_devices_swapped_paired_run(p0, spec, reqs):
     ex = one(spec, "cpu", "cpu")
     s = object.__new__(WorkerSession)

@@ -19,7 +19,13 @@ the incumbent's code entries under ``<out>/agent/round-N/tree``, a brief (ceilin
 allowlist) under ``<out>/agent/round-N``; its patch is judged as B (same config, the worktree's code,
 in a worker) against the incumbent A (stock code or the last approved worktree) through the same
 controller and token forcing; approved, it becomes a memory entry of kind ``patch`` and the incumbent's
-code.
+code (later config candidates and the seal run on it, in workers).
+
+**Limits.** Profiling, live screening and the ceiling run in the pilot's own process on the stock code of
+a config: an approved patch enters the pilot only through the controller's measurements. The agent's
+worktree is a plain directory trusted to hold the patch the diff shows (no sandbox); a worktree whose
+``specpilot`` cannot be imported or built is rejected through the worker's error. Only one agent is
+called per round (no per-direction sub-agents on several devices yet).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ largest factor, and hands each to the controller and token forcing on one path
 (:meth:`specpilot.pilot.controller.Controller.judge`: paired A B B A runs on fresh salted prompts, bootstrap
 lower bound, §3.3, §3.4); the controller builds every system itself from a factory. Approved candidates
 become memory entries (§3.5); the last incumbent is sealed, re-measured against AR and stock, audited,
-reproduced from stock + entries, and reported.
+reproduced from stock + entries, and reported. With several devices or ``--agent`` the systems run in
+worker processes and a round's candidates are judged on all devices at once; the agent is called once
+per round after the config candidates (:mod:`specpilot.pilot.dispatch`).
 """
 
 from __future__ import annotations
