@@ -130,7 +130,7 @@ def pilot(
     out: Path = typer.Option(Path("specpilot-report"), help="Report directory."),
     target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: bundled)."),
     drafter_path: Optional[Path] = typer.Option(None, help="Draft model directory (default: bundled drafter with the bundled target)."),
-    device: str = typer.Option("cpu", help="torch device."),
+    device: Optional[str] = typer.Option(None, help="torch device of the pilot's own process (profiling, scorer). Default: the first of --devices, else cpu."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16"),
     seed: int = typer.Option(0, help="Seed for request sampling and bootstrap."),
     block: Optional[List[Path]] = typer.Option(None, help="Block drafter directory the planner may propose (repeatable; default with the bundled target: the bundled block and block_markov drafters)."),
@@ -161,6 +161,7 @@ def pilot(
         raise SpecPilotError(f"--devices {devices!r}: give comma-separated devices, e.g. cuda:0,cuda:1")
     for d in devs:
         check_device(d)
+    device = device or (devs[0] if devs else "cpu")
     if agent is not None and ("{worktree}" not in agent or not agent.strip()):
         raise SpecPilotError("--agent must be a command template containing {worktree} (and usually {brief})")
     if agent_timeout <= 0:
