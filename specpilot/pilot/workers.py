@@ -84,8 +84,13 @@ class Worker:
             raise WorkerError(f"cannot start a worker on {device}: {e}") from None
         self._buf = b""
         self.info: dict | None = None
-        self.send({"tree": self.tree, "device": device, "dtype": dep.dtype, "target": dep.target,
-                   "drafter": dep.drafter, "blocks": list(dep.blocks), "threads": threads})
+        try:
+            self.send({"tree": self.tree, "device": device, "dtype": dep.dtype, "target": dep.target,
+                       "drafter": dep.drafter, "blocks": list(dep.blocks), "threads": threads})
+        except BaseException:
+            self.kill()
+            self.close()
+            raise
 
     def __repr__(self) -> str:
         return f"worker {self.proc.pid} on {self.device} ({self.tree})"
