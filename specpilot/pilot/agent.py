@@ -121,7 +121,7 @@ def run_agent(template: str, brief: Path, worktree: Path, base: str, timeout_s: 
     except (KeyError, IndexError, ValueError) as e:
         raise SpecPilotError(f"--agent template: unknown or bad placeholder {e} (use {{brief}} and {{worktree}})") from None
     proc = subprocess.Popen(cmd, shell=True, cwd=worktree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, errors="replace", start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
