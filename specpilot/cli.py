@@ -184,12 +184,17 @@ def pilot(
     out: Path = typer.Option(Path("specpilot-report"), help="Report directory."),
     target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: bundled)."),
     drafter_path: Optional[Path] = typer.Option(None, help="Draft model directory (default: bundled drafter with the bundled target)."),
-    device: str = typer.Option("cpu", help="torch device."),
+    device: Optional[str] = typer.Option(None, help="torch device of the pilot's own process (profiling, scorer). Default: the first of --devices, else cpu."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16"),
     seed: int = typer.Option(0, help="Seed for request sampling and bootstrap."),
     block: Optional[List[Path]] = typer.Option(None, help="Block drafter directory the planner may propose (repeatable; default with the bundled target: the bundled block and block_markov drafters)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: 1 on a CPU device with <= 2 cores, else torch's default)."),
     memory: Optional[Path] = typer.Option(None, help="Memory directory of an earlier run: start from stock + its entries, re-tuned and re-measured here (§3.5)."),
+    devices: Optional[str] = typer.Option(None, help="Comma-separated devices judging candidates at once, one worker process per system (e.g. cuda:0,cuda:1; cpu,cpu on the CPU). Default: just --device."),
+    paired_devices: Optional[bool] = typer.Option(None, "--paired-devices/--no-paired-devices", help="Judge on device pairs (A on one, B on the other, swapped). Default: on iff exactly two devices."),
+    executor: str = typer.Option("auto", help="auto | local (in-process, one device) | workers (one process per system). auto: workers with several devices or --agent."),
+    agent: Optional[str] = typer.Option(None, help="External coding agent, a shell command template with {brief} and {worktree}; called once per round after the config candidates."),
+    agent_timeout: float = typer.Option(1800.0, help="Seconds the agent may run per round."),
 ):
     """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
     from .engine.checkpoint import DTYPES
@@ -210,8 +215,22 @@ def pilot(
             block = [bundled_block_dir(), bundled_block_markov_dir()]
     if out.exists() and not out.is_dir():
         raise SpecPilotError(f"--out {out} exists and is not a directory")
+    from .engine.deployment import check_device
+
+    devs = tuple(d.strip() for d in devices.split(",")) if devices is not None else ()
+    if any(not d for d in devs):
+        raise SpecPilotError(f"--devices {devices!r}: give comma-separated devices, e.g. cuda:0,cuda:1")
+    for d in devs:
+        check_device(d)
+    device = device or (devs[0] if devs else "cpu")
+    if agent is not None and ("{worktree}" not in agent or not agent.strip()):
+        raise SpecPilotError("--agent must be a command template containing {worktree} (and usually {brief})")
+    if agent_timeout <= 0:
+        raise SpecPilotError(f"--agent-timeout must be positive, got {agent_timeout}")
     run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
-                           blocks=tuple(block or ()), adversarial=adversarial, threads=threads, memory=memory))
+                           blocks=tuple(block or ()), adversarial=adversarial, threads=threads, memory=memory,
+                           devices=devs, paired_devices=paired_devices, executor=executor, agent=agent,
+                           agent_timeout=agent_timeout))
 
 
 @app.command()

@@ -7,7 +7,8 @@ each system itself, once per paired run (untimed, with no request in sight), war
 request, then times, compares and audits it. Callers get :func:`phase0` (stock noise σ, near-tie δ,
 stock's forcing figures) and :meth:`Controller.judge` (paired run + token forcing + approval rule), the
 path the pilot uses for every candidate; :func:`paired_run`, :func:`interleaved_run` and :func:`approve`
-are its parts.
+are its parts. With a worker executor a system is a :class:`specpilot.pilot.workers.WorkerSystem` (a
+config and a source tree) instead of a factory.
 
 **What a candidate cannot do to earn an approval** (each has an adversarial test in
 ``tests/test_adversarial.py``):
@@ -24,7 +25,8 @@ are its parts.
    its construction or after a call returns (work, or interference with the other system, that no timer
    covers) is rejected.
 3. *Tamper with the timer.* The clock, the device synchronisation and the thread listing are bound when
-   this module is imported; ``Generation.time_s`` is never read.
+   this module is imported (in-process) or at the top of the stock worker script before the candidate's
+   code is importable (worker executor); ``Generation.time_s`` is never read.
 4. *Change the output slightly* (a logit bias, low-precision verification, skipped verification). B's
    tokens are compared with A's on every variant; if any differ, the bar is 3% and token forcing of all B
    outputs against the FP32-head scorer must pass. Equal tokens need no forcing: A is stock (audited in
@@ -35,14 +37,38 @@ are its parts.
 A request's throughput for a system is the highest over its runs (one per variant): interference from
 other processes only ever lowers throughput, so the maximum is the estimator least disturbed by it.
 
-**Limits.** All of this holds inside one Python process only: a candidate that rewrites this module's
-objects, walks the garbage collector to reach A's outputs, or mutates the target weights it shares with
-the scorer is beyond it; A and B in separate processes (or on two devices, swapped, as in the paper) is
-not implemented. Threads are Python threads: work in native threads or subprocesses is not seen. The
-salt is no secret scheme: a cheat that strips it and replays an output cached for the unsalted prompt is
-fast and correct wherever the salt did not change the output (about 40% of variants on the bundled
-models) and is caught by token forcing only through the variants where it did. Timings on a shared CPU
-include other processes' interference (raising σ and so the bar).
+**Executors.** Where systems are built and timed is the executor's choice; the salts, the order, the
+comparison of outputs, the bootstrap, token forcing and the approval rule stay in this process either way.
+:class:`LocalExecutor` (default) builds every system in this process from its factory.
+:class:`specpilot.pilot.workers.WorkerExecutor` runs each system in its own worker process
+(:mod:`specpilot.pilot.worker_main`, started from the stock tree by file path, with the clock, the device
+sync and the thread listing bound before the candidate's source tree is importable): on one device A and
+B are two workers run one at a time A B B A; on two devices four workers, A on device 0 and B on device 1
+concurrently on a request's first variant, swapped (A on 1, B on 0) on its second, so a device
+difference enters both systems' best-of-two throughput alike. The recheck and the thread listing run in
+the worker on the system that ran the variant and are reported back.
+
+**Process isolation (worker executor): what it guarantees.** A candidate's code never runs in the
+controller's process: it cannot rewrite this module, the salts (drawn here, from OS entropy, sent only
+as the prompt of each run), the bootstrap, token forcing, the scorer or its weights, and it never sees A's
+outputs or A's process (A and B share no memory; each loads its own copy of the weights). A candidate
+that crashes, hangs (per-reply timeout, then killed) or prints to stdout (fd 1 is redirected to stderr;
+replies go over a private descriptor) cannot forge a reply; its error comes back as one line and the
+pilot rejects it. **What it does not guarantee:** inside its own worker the candidate runs in the same
+interpreter as the timer, so code that deliberately reaches ``sys.modules["__main__"]`` (the worker
+script) can still rebind the clock used for its own runs; the worker's tree is trusted to be the one the
+patch produced, not sandboxed (it can read the file system, open sockets, or leave native threads and
+subprocesses running, which the Python thread listing does not see); two workers on one device share
+its memory bandwidth and caches (on one device they run one at a time; on two devices concurrently, but
+each on its own device).
+
+**Limits.** With the in-process executor all of this holds inside one Python process only: a candidate
+that rewrites this module's objects, walks the garbage collector to reach A's outputs, or mutates the
+target weights it shares with the scorer is beyond it. Threads are Python threads: work in native threads
+or subprocesses is not seen. The salt is no secret scheme: a cheat that strips it and replays an output
+cached for the unsalted prompt is fast and correct wherever the salt did not change the output (about
+40% of variants on the bundled models) and is caught by token forcing only through the variants where it
+did. Timings on a shared CPU include other processes' interference (raising σ and so the bar).
 """
 
 from __future__ import annotations
@@ -61,6 +87,7 @@ from .forcing import ForcingStats, Scorer, audit, delta_from_phase0, forcing_ver
 BASE_BAR = 0.01  # approve iff lower_bound - 1 > 1% + 2 sigma (§3.3)
 CHANGED_OUTPUT_BAR = 0.03  # bar when B's output differs from A's (§3.3)
 SALT_TOKENS = 4  # random token ids prefixed to every timed prompt
+_SCORER_LOCK = threading.Lock()  # token forcing of concurrent judgements shares one scorer
 
 Factory = Callable[[], object]
 
@@ -136,39 +163,90 @@ class _Measured:
     nondeterministic: dict  # name -> bool
 
 
-def _run_systems(makers: dict[str, Factory], requests: Sequence[Req], vocab_size: int, avoid_ids, repeats: int,
-                 rng, recheck: int, progress) -> _Measured:
-    """Build, warm, time (palindromic order per variant pair) and recheck every system; see the module doc."""
+class LocalExecutor:
+    """The in-process executor (default): systems built from factories in this process, run one at a
+    time, A B B A per variant pair (§3.3). ``open(makers)`` takes ``{name: factory}``.
+
+    An executor's session has ``schedule(parity)`` (the runs of one variant: a list of groups run one
+    after another; a group is ``[(name, key)]`` run concurrently, ``key`` naming the physical system),
+    ``build() -> {key: thread names left running}`` (untimed), ``run(group, prompt, max_new) -> [(tokens,
+    seconds, thread names left running)]`` timed with the executor's bound clock, and ``close()``.
+    The worker executor is :class:`specpilot.pilot.workers.WorkerExecutor`.
+    """
+
+    def open(self, makers: dict[str, Factory]) -> "_LocalSession":
+        """A session over ``makers`` (``{name: factory}``)."""
+        return _LocalSession(dict(makers))
+
+
+class _LocalSession:
+    def __init__(self, makers: dict[str, Factory]):
+        self.makers, self.systems = makers, {}
+
+    def schedule(self, parity: int) -> list[list[tuple[str, str]]]:
+        names = list(self.makers)
+        return [[(n, n)] for n in (names if parity == 0 else names[::-1])]
+
+    def build(self) -> dict[str, set[str]]:
+        left = {}
+        for n, make in self.makers.items():
+            self.systems[n], left[n] = _build(make)
+        return left
+
+    def run(self, group, prompt, max_new):
+        return [_timed(self.systems[k], prompt, max_new) for _, k in group]
+
+    def close(self) -> None:
+        self.systems.clear()
+
+
+def _run_systems(makers: dict, requests: Sequence[Req], vocab_size: int, avoid_ids, repeats: int,
+                 rng, recheck: int, progress, executor=None) -> _Measured:
+    """Build, warm, time (palindromic order per variant pair, or the executor's swapped device placement)
+    and recheck every system; see the module doc."""
     if not makers or not requests or repeats < 1:
         raise ValueError("the controller needs systems, at least one request and repeats >= 1")
     rng = rng if rng is not None else random.SystemRandom()
     salted = _salter(vocab_size, avoid_ids, rng)
     names = list(makers)
-    systems, outside = {}, {n: set() for n in names}
-    for n in names:
-        systems[n], left = _build(makers[n])
-        outside[n] |= left
-    for n in names:  # warm-up (allocators, lazy init, graph capture): untimed, on a fresh variant
+    session = (executor or LocalExecutor()).open(makers)
+    try:
+        return _measure(session, names, requests, repeats, rng, salted, recheck, progress)
+    finally:
+        session.close()
+
+
+def _measure(session, names, requests, repeats, rng, salted, recheck, progress) -> _Measured:
+    outside = {n: set() for n in names}
+    owner = {}  # key -> name
+    for parity in (0, 1):
+        for group in session.schedule(parity):
+            owner.update({k: n for n, k in group})
+    for k, left in session.build().items():
+        outside[owner[k]] |= set(left)
+    for k, n in owner.items():  # warm-up (allocators, lazy init, graph capture): untimed, on a fresh variant
         req = requests[rng.randrange(len(requests))]
-        outside[n] |= _timed(systems[n], salted(req.prompt_ids), req.max_new_tokens)[2]
+        outside[n] |= set(session.run([(n, k)], salted(req.prompt_ids), req.max_new_tokens)[0][2])
     order = list(range(len(requests)))
     rng.shuffle(order)
     prompts = [[] for _ in requests]
     toks = {n: [[] for _ in requests] for n in names}
     secs = {n: [[] for _ in requests] for n in names}
+    keys = {n: [[] for _ in requests] for n in names}  # which physical system ran each variant
     for i in order:
         req = requests[i]
         for _ in range(repeats):
-            for seq in (names, names[::-1]):
+            for parity in (0, 1):
                 p = salted(req.prompt_ids)
                 prompts[i].append(p)
-                for n in seq:
-                    t, dt, left = _timed(systems[n], p, req.max_new_tokens)
-                    toks[n][i].append(t)
-                    secs[n][i].append(dt)
-                    outside[n] |= left
-                    if progress is not None:
-                        progress()
+                for group in session.schedule(parity):
+                    for (n, k), (t, dt, left) in zip(group, session.run(group, p, req.max_new_tokens)):
+                        toks[n][i].append(t)
+                        secs[n][i].append(dt)
+                        keys[n][i].append(k)
+                        outside[n] |= set(left)
+                        if progress is not None:
+                            progress()
     tps = {n: [] for n in names}
     for n in names:
         for i, req in enumerate(requests):
@@ -180,13 +258,13 @@ def _run_systems(makers: dict[str, Factory], requests: Sequence[Req], vocab_size
     picks = rng.sample(cells, min(recheck, len(cells)))
     nondet = {n: False for n in names}
     for n in names:
-        for i, v in picks:
-            t, _, left = _timed(systems[n], prompts[i][v], requests[i].max_new_tokens)
-            nondet[n] |= t != toks[n][i][v]
-            outside[n] |= left
+        for i, v in picks:  # re-run on the same physical system (same device) that ran the variant
+            t, _, left = session.run([(n, keys[n][i][v])], prompts[i][v], requests[i].max_new_tokens)[0]
+            nondet[n] |= tuple(t) != tuple(toks[n][i][v])
+            outside[n] |= set(left)
     return _Measured(
         prompts=tuple(tuple(p) for p in prompts),
-        tokens={n: tuple(tuple(v) for v in toks[n]) for n in names},
+        tokens={n: tuple(tuple(tuple(x) for x in v) for v in toks[n]) for n in names},
         tps={n: tuple(v) for n, v in tps.items()},
         outside={n: tuple(sorted(v)) for n, v in outside.items()},
         nondeterministic=nondet,
@@ -240,11 +318,13 @@ class PairedRun:
 
 def paired_run(make_a: Factory, make_b: Factory, requests: Sequence[Req], vocab_size: int, *,
                avoid_ids=(), repeats: int = 1, recheck: int = 1, rng=None,
-               progress: Callable[[], None] | None = None) -> PairedRun:
+               progress: Callable[[], None] | None = None, executor=None) -> PairedRun:
     """Paired run of systems A and B on one device, A B B A per request on fresh salted variants (§3.3).
 
     Args:
-        make_a / make_b: factories of the two systems (see the module doc); each is built once.
+        make_a / make_b: the two systems as the executor takes them: factories (see the module doc) for
+            the default :class:`LocalExecutor`; :class:`specpilot.pilot.workers.WorkerSystem` specs for a
+            :class:`specpilot.pilot.workers.WorkerExecutor`. Each is built once per physical placement.
         requests: the request set (at least one); gain is averaged per ``req.benchmark``.
         vocab_size: salt ids are drawn from ``[0, vocab_size)``; avoid_ids: ids never used as salt (EOS,
             special tokens).
@@ -253,13 +333,17 @@ def paired_run(make_a: Factory, make_b: Factory, requests: Sequence[Req], vocab_
         rng: source of salts, order and recheck picks; default ``random.SystemRandom()`` (OS entropy).
             Pass a seeded ``random.Random`` only for reproducible tests.
         progress: called (outside the timed region) after every timed run.
+        executor: where systems are built and timed: None = :class:`LocalExecutor` (this process); a
+            ``WorkerExecutor`` runs A and B in separate worker processes (one device: A B B A; two
+            devices: A on 0 and B on 1 concurrently on one variant, swapped on the other).
     Returns:
         :class:`PairedRun`.
     Raises:
         ValueError: no requests, ``repeats < 1``, fewer than two usable salt ids, or a run that produced
-            no tokens; whatever the systems raise propagates.
+            no tokens; whatever the systems raise propagates (``WorkerError`` from worker executors).
     """
-    m = _run_systems({"a": make_a, "b": make_b}, requests, vocab_size, avoid_ids, repeats, rng, recheck, progress)
+    m = _run_systems({"a": make_a, "b": make_b}, requests, vocab_size, avoid_ids, repeats, rng, recheck, progress,
+                     executor)
     bench_gain, gain, low, method = gain_and_bound([r.benchmark for r in requests], m.tps["a"], m.tps["b"])
     return PairedRun(
         requests=tuple(requests), prompts=m.prompts, outputs_a=m.tokens["a"], outputs_b=m.tokens["b"],
@@ -304,16 +388,18 @@ class InterleavedRun:
 
 
 def interleaved_run(makers: dict[str, Factory], requests: Sequence[Req], vocab_size: int, *, avoid_ids=(),
-                    recheck: int = 1, rng=None, progress: Callable[[], None] | None = None) -> InterleavedRun:
+                    recheck: int = 1, rng=None, progress: Callable[[], None] | None = None,
+                    executor=None) -> InterleavedRun:
     """Run several systems on the same requests, in a palindrome per request (A B C on one fresh variant,
     C B A on another), so drift cancels for every pair; same guarantees as :func:`paired_run`.
 
-    Used for the seal's headline (AR, stock and sealed measured in one run, §5.1).
+    Used for the seal's headline (AR, stock and sealed measured in one run, §5.1). ``executor`` as in
+    :func:`paired_run` (a worker executor runs more than two systems on its first device only).
 
     Raises:
         ValueError: no systems or requests, or a run that produced no tokens.
     """
-    m = _run_systems(dict(makers), requests, vocab_size, avoid_ids, 1, rng, recheck, progress)
+    m = _run_systems(dict(makers), requests, vocab_size, avoid_ids, 1, rng, recheck, progress, executor)
     return InterleavedRun(tuple(requests), m.prompts, m.tps, m.tokens, m.outside, m.nondeterministic)
 
 
@@ -422,15 +508,19 @@ class Controller:
     avoid_ids: frozenset[int] = frozenset()
 
     def judge(self, make_a: Factory, make_b: Factory, requests: Sequence[Req], *, repeats: int = 1, rng=None,
-              progress: Callable[[], None] | None = None) -> Judgement:
+              progress: Callable[[], None] | None = None, executor=None) -> Judgement:
         """Candidate B against incumbent A: paired run, token forcing of every B output, approval rule.
 
+        Safe to call from several threads at once (the pilot judges a round's candidates concurrently on
+        several devices): token forcing is serialised on the one scorer.
+
         Raises:
-            ValueError: as :func:`paired_run`.
+            ValueError: as :func:`paired_run`; WorkerError: a worker died or could not build its system.
         """
         run = paired_run(make_a, make_b, requests, self.vocab_size, avoid_ids=self.avoid_ids, repeats=repeats,
-                         rng=rng, progress=progress)
-        forcing = audit(self.scorer, run.samples("b"), self.delta)
+                         rng=rng, progress=progress, executor=executor)
+        with _SCORER_LOCK:
+            forcing = audit(self.scorer, run.samples("b"), self.delta)
         passed, reasons = forcing_verdict(forcing, self.stock_forcing)
         return Judgement(run, forcing, passed, tuple(reasons), approve(run, self.sigma, passed))
 
@@ -445,14 +535,16 @@ class Phase0:
 
 
 def phase0(make_ar: Factory, make_stock: Factory, requests: Sequence[Req], scorer: Scorer, vocab_size: int, *,
-           avoid_ids=(), rng=None, progress: Callable[[], None] | None = None) -> Phase0:
+           avoid_ids=(), rng=None, progress: Callable[[], None] | None = None, executor=None) -> Phase0:
     """Measure AR vs stock and stock vs itself; fix σ (:func:`noise_from_aa`), δ (the largest scorer margin
     where stock first diverges from AR, rounded up to 1/8) and stock's token-forcing figures.
+
+    ``executor`` as in :func:`paired_run`: σ should be measured on the executor the candidates are judged on.
 
     Raises:
         ValueError: as :func:`paired_run`, or no benchmark with two requests (σ has no bound).
     """
-    kw = {"avoid_ids": avoid_ids, "rng": rng, "progress": progress}
+    kw = {"avoid_ids": avoid_ids, "rng": rng, "progress": progress, "executor": executor}
     ar_stock = paired_run(make_ar, make_stock, requests, vocab_size, **kw)
     aa = paired_run(make_stock, make_stock, requests, vocab_size, **kw)
     sigma = noise_from_aa(aa)

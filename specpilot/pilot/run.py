@@ -11,7 +11,9 @@ reproduced from stock + entries, and reported.
 **One source of truth for T_AR** (§3.2, :mod:`.steps`): every c = T_step / T_AR is the ratio of two
 decode-step times from one interleaved measurement of AR and the system (:meth:`Pilot.measure`); the
 report's τ, T_AR, T_step and c come from the seal's interleaved headline run itself. ``--memory DIR``
-starts from stock + the entries of an earlier run, re-tuned and re-measured (:mod:`.reuse`, §3.5).
+starts from stock + the entries of an earlier run, re-tuned and re-measured (:mod:`.reuse`, §3.5). With several devices or ``--agent`` the systems run in
+worker processes and a round's candidates are judged on all devices at once; the agent is called once
+per round after the config candidates (:mod:`specpilot.pilot.dispatch`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..errors import SpecPilotError
 from . import controller as ctl
 from .bootstrap import gain_and_bound
 from .costmodel import build_ceiling, step_counts
+from .dispatch import AgentContext, agent_round, plan_dispatch, stock_commit
 from .forcing import Scorer, audit, forcing_verdict
 from .memory import Entry, Evidence, Memory
 from .planner import Planner
@@ -39,7 +42,8 @@ from .replay import record, replay
 from .report import write_report
 from .reuse import open_source, reuse_memory
 from .setup import available_cores, build_requests, choose_threads, git_commit, measure_verify_ms, versions
-from .steps import StepRecorder, c_of, interleaved_steps
+from .steps import StepRecorder, StepStats, c_of, interleaved_steps
+from .workers import DeploymentSpec
 
 
 @dataclass
@@ -58,6 +62,12 @@ class PilotOptions:
     adversarial: bool = False  # judge the cheating candidates of :mod:`.adversarial` in this run (issue 6)
     threads: int | None = None  # torch intra-op threads (None: 1 on a CPU device with <= 2 cores, else torch's)
     memory: Path | None = None  # memory directory of an earlier run to start from (§3.5)
+    # issue 6: where judgements run and the external agent (rule: specpilot.pilot.dispatch)
+    devices: tuple = ()  # --devices (empty: just --device)
+    paired_devices: bool | None = None  # None: two-device paired judgements iff exactly two devices
+    executor: str = "auto"  # auto | local | workers
+    agent: str | None = None  # command template with {brief} and {worktree}
+    agent_timeout: float = 1800.0  # seconds
 
     @property
     def plan(self) -> dict:
@@ -89,6 +99,16 @@ class Pilot:
         self.stock = SystemConfig.stock(self.drafter_kind, depth=6, dtype=opts.dtype)
         self.ar = SystemConfig.ar(dtype=opts.dtype)
         self.engines: dict[str, object] = {}
+        spec = DeploymentSpec(str(self.dep.target_dir.resolve()),
+                              str(self.dep.drafter_dir.resolve()) if self.dep.drafter_dir else None, opts.dtype,
+                              tuple(str(b.resolve()) for b in self.dep.block_dirs))
+        self.dispatch = plan_dispatch(opts.device, opts.devices, opts.paired_devices, opts.executor,
+                                      bool(opts.agent), spec, torch.get_num_threads())
+        self.code_tree, self.code_entries = None, []  # the incumbent's code: approved agent patches (§3.5)
+        if opts.agent:  # fail before Phase 0, not in round 1, when there is no git checkout
+            from .memory import default_repo
+
+            stock_commit(default_repo())
 
     # -- helpers ---------------------------------------------------------------------------------
     def say(self, phase: str, msg: str) -> None:
@@ -100,9 +120,10 @@ class Pilot:
             self.engines[key] = self.dep.system(cfg)
         return self.engines[key]
 
-    def factory(self, cfg: SystemConfig):
-        """A factory the controller calls to build a fresh system of ``cfg`` (it builds, times and audits it)."""
-        return lambda: self.dep.system(cfg)
+    def factory(self, cfg: SystemConfig, tree=None):
+        """What the controller builds a fresh system of ``cfg`` from (it builds, times and audits it): a
+        factory in-process, or a worker spec running ``tree``'s code (None: stock)."""
+        return self.dispatch.system(lambda: self.dep.system(cfg), cfg, tree)
 
     def salt_kw(self) -> dict:
         """The controller's salt range: the target's vocabulary less EOS and the tokenizer's special ids."""
@@ -121,7 +142,18 @@ class Pilot:
         """Candidate ``b`` against incumbent ``a`` through the controller (§3.3) and token forcing (§3.4)."""
         bar, advance = self.progress(f"paired run {label}", 4 * len(self.reqs))
         with bar:
-            return self.controller.judge(self.factory(a), self.factory(b), self.reqs, progress=advance)
+            return self.controller.judge(self.factory(a, self.code_tree), self.factory(b, self.code_tree), self.reqs,
+                                         progress=advance, executor=self.dispatch.executor(0))
+
+    def judge_many(self, a: SystemConfig, cands: list) -> list:
+        """Judge every config in ``cands`` against ``a``, concurrently on the device slots (one judgement
+        per slot, :mod:`.dispatch`); a :class:`Judgement` or the exception that stopped it, in order."""
+        bar, advance = self.progress(f"paired runs ({len(self.dispatch.slots)} at once)", 4 * len(self.reqs) * len(cands))
+        fa = self.factory(a, self.code_tree)
+        jobs = [lambda ex, b=b: self.controller.judge(fa, self.factory(b, self.code_tree), self.reqs, progress=advance,
+                                                      executor=ex) for b in cands]
+        with bar:
+            return self.dispatch.map(jobs)
 
     def spread(self, n: int | None):
         """``n`` requests evenly spread over the request set (all of them for None)."""
@@ -160,7 +192,7 @@ class Pilot:
         bar, advance = self.progress("phase 0 paired runs", 8 * len(self.reqs))
         with bar:
             p0 = ctl.phase0(self.factory(self.ar), self.factory(self.stock), self.reqs, self.scorer,
-                            progress=advance, **self.salt_kw())
+                            progress=advance, executor=self.dispatch.executor(0), **self.salt_kw())
         ar_stock, aa, self.controller = p0.ar_stock, p0.aa, p0.controller
         self.sigma, self.delta, self.stock_forcing = self.controller.sigma, self.controller.delta, self.controller.stock_forcing
         self.say("phase 0", f"stock {self.stock.label()}: {ar_stock.gain:.3f}x AR (95% lower bound {ar_stock.lower_bound:.3f})")
@@ -235,9 +267,16 @@ class Pilot:
                 tried.add(cand.seal())
                 self.say(f"round {rnd}", f"candidate {i}/{len(proposals)}: {cand.label()} (replay τ {pred.tau:.2f}, "
                          f"screened c {pred.c_screened:.2f}: {pred.speedup_screened:.2f}x AR predicted)")
-                j = self.judge(incumbent, cand, cand.label())
+            judged = self.judge_many(incumbent, [c for c, _ in proposals])
+            for (cand, pred), j in zip(proposals, judged):
+                if isinstance(j, Exception):  # a worker died or could not build it: rejected, go on
+                    reason = f"rejected: {str(j).splitlines()[0] if str(j) else type(j).__name__}"
+                    self.say(f"round {rnd}", f"[red]{cand.label()}: {reason}[/]")
+                    candidates.append({"round": rnd, "name": cand.label(), "config": cand.model_dump(),
+                                       "predicted": pred.to_dict(), "approved": False, "reason": reason})
+                    continue
                 run, forcing, passed, reasons, v = j.run, j.forcing, j.forcing_passed, list(j.forcing_reasons), j.verdict
-                self.say(f"round {rnd}", ("[green]" if v.approved else "[red]") + v.reason + "[/]")
+                self.say(f"round {rnd}", f"{cand.label()}: " + ("[green]" if v.approved else "[red]") + v.reason + "[/]")
                 row = {"round": rnd, "name": cand.label(), "config": cand.model_dump(), "predicted": pred.to_dict(),
                        "gain": run.gain, "lower_bound": run.lower_bound, "bar": v.bar, "outputs_differ": run.outputs_differ,
                        "forcing_passed": passed, "forcing_reasons": reasons, "mismatch_rate": forcing.mismatch_rate,
@@ -257,6 +296,10 @@ class Pilot:
                 self.say(f"round {rnd}", f"approved {entry.id}: {incumbent.label()} -> {cand.label()}")
                 incumbent = cand
             rounds[-1]["approved"] = best[3]["name"] if best else None
+            if o.agent:  # after the round's config candidates (see specpilot.pilot.dispatch)
+                self.agent_round(rnd, incumbent, ceil, entries, memory, candidates)
+                if self.code_entries and self.code_entries[-1].id == f"r{rnd}-agent-patch":
+                    rounds[-1]["approved_patch"] = self.code_entries[-1].id
         self.adversarial = self.check_adversaries() if o.adversarial else []
         return self.seal(incumbent, entries, memory, candidates, rounds)
 
@@ -305,6 +348,35 @@ class Pilot:
         planner)."""
         ar = self.planner.ar_ms
         return {0: 1.0, **{r - 1: (self.planner.overhead_ms + ms) / ar for r, ms in sorted(verify_ms.items()) if r > 1}}
+
+    def agent_round(self, rnd: int, incumbent: SystemConfig, ceil, entries: list, memory, candidates: list) -> None:
+        """Call the external agent on the incumbent and judge its patch (:func:`.dispatch.agent_round`);
+        approved, it becomes a ``patch`` memory entry and the incumbent's code."""
+        from .memory import default_repo
+
+        repo = default_repo()
+        commit, dirty = stock_commit(repo)
+        if dirty:
+            self.say(f"round {rnd}", "[yellow]warning: tracked files under specpilot/ differ from HEAD: the agent's "
+                     "tree starts from HEAD, stock workers run the files on disk[/]")
+        f = ceil.factors()
+        brief = {"cost_model": {"factors": f, "detail": ceil.to_dict()}, "gap": math.prod(f.values()),
+                 "memory": [f"{e.id}: {e.title} (gain {e.evidence.gain:.3f})" for e in entries]}
+        ctx = AgentContext(self.o.agent, self.o.agent_timeout, (self.o.out / "agent" / f"round-{rnd}").resolve(), repo,
+                           commit, list(self.code_entries), [e.id for e in entries], incumbent, self.code_tree,
+                           self.controller, self.reqs, self.sigma, brief, self.deployment())
+        self.say(f"round {rnd}", f"agent: {self.o.agent}")
+        bar, advance = self.progress("paired run agent patch", 4 * len(self.reqs))
+        with bar:
+            res = agent_round(rnd, ctx, self.dispatch, advance, _dt.date.today().isoformat())
+        candidates.append(res.row)
+        self.say(f"round {rnd}", "agent patch: " + ("[green]" if res.row["approved"] else "[red]") + res.row["reason"] + "[/]")
+        if res.entry is not None:
+            memory.add(res.entry, overwrite=True)
+            entries.append(res.entry)
+            self.code_entries.append(res.entry)
+            self.code_tree = str(res.patch.worktree)
+            self.say(f"round {rnd}", f"approved {res.entry.id}: the incumbent now runs {res.patch.worktree}")
 
     def round0_ar(self, incumbent, memory, entries, candidates, tried) -> SystemConfig:
         """Judge AR (no drafter) against the incumbent (stock, or stock + reused entries) like any candidate;
@@ -426,11 +498,22 @@ class Pilot:
         bar, advance = self.progress("AR, stock, sealed interleaved", 6 * len(self.reqs))
         rec = StepRecorder()
         with bar:
-            makers = {n: rec.wrap(n, self.factory(c)) for n, c in (("ar", self.ar), ("stock", self.stock), ("sealed", sealed))}
-            final = ctl.interleaved_run(makers, self.reqs, progress=rec.progress(advance), **self.salt_kw())
+            if self.code_tree is None:  # in this process: the recorder reads step times from these very runs
+                makers = {n: rec.wrap(n, lambda c=c: self.dep.system(c))
+                          for n, c in (("ar", self.ar), ("stock", self.stock), ("sealed", sealed))}
+                final = ctl.interleaved_run(makers, self.reqs, progress=rec.progress(advance), **self.salt_kw())
+            else:  # the sealed system runs an approved patch: worker processes (no step times from them)
+                makers = {"ar": self.factory(self.ar), "stock": self.factory(self.stock),
+                          "sealed": self.factory(sealed, self.code_tree)}
+                final = ctl.interleaved_run(makers, self.reqs, progress=advance, executor=self.dispatch.executor(0),
+                                            **self.salt_kw())
         vs_ar = final.gain("ar", "sealed")
         vs_stock = final.gain("stock", "sealed")
-        steps = {n: rec.stats(n, final.prompts) for n in ("ar", "stock", "sealed")}
+        if self.code_tree is None:
+            steps = {n: rec.stats(n, final.prompts) for n in ("ar", "stock", "sealed")}
+        else:  # worker runs return tokens and times only: step figures unknown (NaN), said in the report
+            nan = StepStats(float("nan"), float("nan"), float("nan"), 0, 0)
+            steps = {n: nan for n in ("ar", "stock", "sealed")}
         c_sealed, c_stock = c_of(steps["sealed"], steps["ar"]), c_of(steps["stock"], steps["ar"])
         self.c_measured.append({"label": f"sealed {sealed.label()}", "N": steps["sealed"].rows - 1, "c": c_sealed,
                                 "source": "seal's interleaved headline run"})

@@ -1,0 +1,251 @@
+"""Controller worker processes: A and B in separate processes, on one device or two swapped (§3.3).
+
+A :class:`Worker` is one subprocess bound to one device and one source tree (default: the stock package
+this module belongs to; for a code candidate, a scratch worktree). It runs the stock entry script
+:mod:`specpilot.pilot.worker_main` *by file path*, which binds the clock, the device synchronisation and
+the thread listing before the tree's ``specpilot`` is importable, then loads the deployment, builds one
+system from a :class:`~specpilot.config.SystemConfig` (untimed) and answers timed requests. JSON lines
+over pipes; the worker's stderr goes to a file whose tail is quoted when it dies.
+
+:class:`WorkerExecutor` is the controller's executor over workers (see
+:class:`specpilot.pilot.controller.LocalExecutor` for the session interface): with one device, A and B
+in two worker processes on it, run one at a time A B B A; with two devices, four workers (A and B on
+each device): A on device 0 and B on device 1 run concurrently on the first variant of a request, then
+swapped (A on 1, B on 0) on the second. The parent keeps salts, order, comparisons, bootstrap and token
+forcing; workers only build, run and time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from ..errors import SpecPilotError
+
+#: the stock source tree (the directory holding this ``specpilot`` package) and the stock entry script
+STOCK_TREE = Path(__file__).resolve().parents[2]
+WORKER_SCRIPT = Path(__file__).resolve().with_name("worker_main.py")
+
+
+class WorkerError(SpecPilotError):
+    """A worker process died, timed out, could not load the deployment or build its system, or a request
+    failed in it; the message is one line (the worker's error text or the tail of its stderr)."""
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """What every worker loads (the arguments of :class:`~specpilot.engine.deployment.Deployment`):
+    checkpoint directories (absolute), dtype and block drafter directories."""
+
+    target: str
+    drafter: str | None = None
+    dtype: str = "float32"
+    blocks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerSystem:
+    """A system as a worker builds it: ``config`` (``SystemConfig.model_dump()``) and ``tree``, the source
+    tree whose ``specpilot`` runs it (None: the stock tree :data:`STOCK_TREE`)."""
+
+    config: dict
+    tree: str | None = None
+
+
+class Worker:
+    """One worker subprocess on ``device`` running ``tree``'s code over the deployment ``dep``.
+
+    Args:
+        dep: the deployment to load. device: torch device string (``cpu``, ``cuda:1``).
+        tree: source tree (None: stock). threads: torch intra-op threads in the worker (None: torch's
+            default there). timeout_s: seconds any one reply may take (load, build, one request).
+    The process starts at construction; :meth:`ready` waits for the deployment to load.
+    Raises:
+        WorkerError: the process cannot be started.
+    """
+
+    def __init__(self, dep: DeploymentSpec, device: str, tree: str | None = None, threads: int | None = None,
+                 timeout_s: float = 600.0):
+        self.device, self.tree, self.timeout_s = device, str(tree or STOCK_TREE), timeout_s
+        self._log = tempfile.NamedTemporaryFile(prefix="specpilot-worker-", suffix=".log", delete=False)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the tree alone provides specpilot
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-u", str(WORKER_SCRIPT)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self._log, env=env, cwd=self.tree)
+        except OSError as e:
+            raise WorkerError(f"cannot start a worker on {device}: {e}") from None
+        self._buf = b""
+        self.info: dict | None = None
+        try:
+            self.send({"tree": self.tree, "device": device, "dtype": dep.dtype, "target": dep.target,
+                       "drafter": dep.drafter, "blocks": list(dep.blocks), "threads": threads})
+        except BaseException:
+            self.kill()
+            self.close()
+            raise
+
+    def __repr__(self) -> str:
+        return f"worker {self.proc.pid} on {self.device} ({self.tree})"
+
+    def send(self, msg: dict) -> None:
+        """Write one request line. Raises WorkerError when the worker has gone."""
+        try:
+            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            raise self._died() from None
+
+    def recv(self) -> dict:
+        """Read one reply (waiting at most ``timeout_s``); a reply ``{"ok": false}`` raises.
+
+        Raises:
+            WorkerError: the worker died, timed out (it is then killed) or reported an error.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise WorkerError(f"{self}: no reply within {self.timeout_s:.0f} s (killed)")
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    raise self._died()
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            raise WorkerError(f"{self}: garbled reply {line[:80]!r}") from None
+        if not msg.get("ok"):
+            raise WorkerError(f"{self}: {msg.get('error', 'failed')}")
+        return msg
+
+    def request(self, msg: dict) -> dict:
+        """:meth:`send` then :meth:`recv`."""
+        self.send(msg)
+        return self.recv()
+
+    def ready(self) -> dict:
+        """Wait for the init reply (deployment loaded); returns it (``vocab_size``, ``specpilot`` path)."""
+        if self.info is None:
+            self.info = self.recv()
+        return self.info
+
+    def _died(self) -> WorkerError:
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        tail = [ln for ln in Path(self._log.name).read_text(errors="replace").splitlines() if ln.strip()]
+        return WorkerError(f"{self} died (exit code {code}): {tail[-1] if tail else 'no output'}")
+
+    def kill(self) -> None:
+        """Stop the process (no-op when it has exited)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        """Ask the worker to quit (kill it if it does not within 10 s) and remove its log."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(b'{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=10)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                self.kill()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        self._log.close()
+        Path(self._log.name).unlink(missing_ok=True)
+
+
+@dataclass
+class WorkerExecutor:
+    """The controller's executor over worker processes (§3.3); pass it as ``executor=`` to
+    :func:`~specpilot.pilot.controller.paired_run`, ``interleaved_run``, ``phase0`` or ``Controller.judge``.
+
+    Attributes:
+        dep: the deployment every worker loads. devices: one device (A and B in two workers on it, A B B A)
+            or two (four workers, A and B concurrently on different devices, swapped between the two
+            variants of a request). More than two systems (the seal's interleaved run) use ``devices[0]``.
+        threads: torch threads per worker (None: torch's default in the worker).
+        timeout_s: seconds one reply may take (deployment load, build, one request).
+    Raises (from the session): WorkerError.
+    """
+
+    dep: DeploymentSpec
+    devices: Sequence[str] = ("cpu",)
+    threads: int | None = None
+    timeout_s: float = 600.0
+
+    def __post_init__(self):
+        if len(self.devices) not in (1, 2):
+            raise SpecPilotError(f"a worker executor takes one or two devices, got {list(self.devices)}")
+
+    def open(self, makers: dict[str, WorkerSystem]) -> "WorkerSession":
+        """Start (and load) the workers for ``makers`` (``{name: WorkerSystem}``); see the module doc."""
+        for n, m in makers.items():
+            if not isinstance(m, WorkerSystem):
+                raise TypeError(f"system {n!r}: a worker executor takes WorkerSystem specs, got {type(m).__name__}")
+        return WorkerSession(self, dict(makers))
+
+
+class WorkerSession:
+    """Workers of one controller run; the interface of :class:`~specpilot.pilot.controller.LocalExecutor`'s
+    sessions (``schedule``, ``build``, ``run``, ``close``)."""
+
+    def __init__(self, ex: WorkerExecutor, makers: dict[str, WorkerSystem]):
+        self.makers, self.names = makers, list(makers)
+        self.swapped = len(ex.devices) == 2 and len(makers) == 2
+        place = ([(n, i) for i in (0, 1) for n in self.names] if self.swapped else [(n, 0) for n in self.names])
+        self.workers: dict[str, Worker] = {}
+        try:
+            for n, i in place:  # all start at once: loading the deployment is the slow part
+                self.workers[f"{n}@{i}"] = Worker(ex.dep, ex.devices[i], makers[n].tree, ex.threads, ex.timeout_s)
+            for w in self.workers.values():
+                w.ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def schedule(self, parity: int) -> list[list[tuple[str, str]]]:
+        """One variant's runs: swapped placement on two devices, else A B (parity 0) / B A (parity 1)."""
+        if self.swapped:
+            a, b = self.names
+            return [[(a, f"{a}@0"), (b, f"{b}@1")]] if parity == 0 else [[(a, f"{a}@1"), (b, f"{b}@0")]]
+        names = self.names if parity == 0 else self.names[::-1]
+        return [[(n, f"{n}@0")] for n in names]
+
+    def build(self) -> dict[str, list[str]]:
+        """Build every worker's system (untimed, all at once); returns thread names each left running."""
+        for k, w in self.workers.items():
+            w.send({"op": "build", "config": self.makers[k.rsplit("@", 1)[0]].config})
+        return {k: w.recv()["outside"] for k, w in self.workers.items()}
+
+    def run(self, group, prompt, max_new) -> list[tuple[tuple[int, ...], float, list[str]]]:
+        """Time ``prompt`` on every worker of ``group`` concurrently; [(tokens, seconds, threads left)]."""
+        msg = {"op": "run", "prompt": [int(t) for t in prompt], "max_new": int(max_new)}
+        for _, k in group:
+            self.workers[k].send(msg)
+        replies = [self.workers[k].recv() for _, k in group]
+        return [(tuple(r["tokens"]), float(r["seconds"]), r["outside"]) for r in replies]
+
+    def close(self) -> None:
+        """Stop all workers."""
+        for w in self.workers.values():
+            w.close()
