@@ -33,7 +33,6 @@ if "--quick" in sys.argv:  # the interpreter must be chosen before triton is imp
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import json  # noqa: E402
-import math  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -125,23 +124,9 @@ def time_graph(fn, bank: torch.Tensor, quick: bool) -> float:
         for h in bank:
             fn(h)
         return (time.perf_counter() - t) * 1e6 / len(bank)
-    for h in bank[:2]:
-        fn(h)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for h in bank:
-            fn(h)
-    best = math.inf
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        best = min(best, s.elapsed_time(e) * 1e3 / len(bank))
-    del g
-    return best
+    from timing import time_graph as graph_us  # bench/timing.py (the script's directory is on sys.path)
+
+    return graph_us([lambda h=h: fn(h) for h in bank])
 
 
 def timing(head: CertifiedInt8Head, w, rows, reps: int, quick: bool, dev: str) -> dict:

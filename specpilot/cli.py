@@ -203,26 +203,22 @@ def pilot(
 
     if dtype not in DTYPES:
         raise SpecPilotError(f"unknown --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    check_float16_device(dtype, check_device(device))
     tdir, ddir = target, drafter_path
     if tdir is None:
-        from .zoo import bundled_drafter_dir, bundled_target_dir
-
-        from .zoo import bundled_block_dir, bundled_block_markov_dir
+        from .zoo import bundled_block_dir, bundled_block_markov_dir, bundled_drafter_dir, bundled_target_dir
 
         tdir, ddir = bundled_target_dir(), ddir or bundled_drafter_dir()
         if block is None:
             block = [bundled_block_dir(), bundled_block_markov_dir()]
     if out.exists() and not out.is_dir():
         raise SpecPilotError(f"--out {out} exists and is not a directory")
-    from .engine.deployment import check_device
-
     devs = tuple(d.strip() for d in devices.split(",")) if devices is not None else ()
     if any(not d for d in devs):
         raise SpecPilotError(f"--devices {devices!r}: give comma-separated devices, e.g. cuda:0,cuda:1")
     for d in devs:
         check_device(d)
     device = device or (devs[0] if devs else "cpu")
+    check_float16_device(dtype, check_device(device))
     if agent is not None and ("{worktree}" not in agent or not agent.strip()):
         raise SpecPilotError("--agent must be a command template containing {worktree} (and usually {brief})")
     if agent_timeout <= 0:
