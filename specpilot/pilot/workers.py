@@ -76,7 +76,10 @@ class Worker:
                  timeout_s: float = 600.0):
         self.device, self.tree, self.timeout_s = device, str(tree or STOCK_TREE), timeout_s
         self._log = tempfile.NamedTemporaryFile(prefix="specpilot-worker-", suffix=".log", delete=False)
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the tree alone provides specpilot
+        env = dict(os.environ)  # PYTHONPATH keeps its dependency dirs, minus any that hold a specpilot package:
+        keep = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)  # the tree alone provides it
+                if p and not os.path.exists(os.path.join(p, "specpilot", "__init__.py"))]
+        env["PYTHONPATH"] = os.pathsep.join(keep)
         try:
             self.proc = subprocess.Popen([sys.executable, "-u", str(WORKER_SCRIPT)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=self._log, env=env, cwd=self.tree)
