@@ -87,8 +87,9 @@ class Pilot:
 
     def __init__(self, opts: PilotOptions, console: Console | None = None):
         self.o, self.con = opts, console or Console(stderr=True)
-        if str(opts.device).startswith("cuda") and torch.cuda.is_available():
-            torch.cuda.set_device(torch.device(opts.device))  # Triton kernels launch on the current device
+        dev = torch.device(opts.device)
+        if dev.type == "cuda" and dev.index is not None and torch.cuda.is_available():
+            torch.cuda.set_device(dev)  # Triton kernels launch on the current device
         self.source = open_source(opts.memory) if opts.memory is not None else None  # bad --memory: fail first
         try:
             self.threads, self.threads_reason = choose_threads(opts.device, opts.threads, available_cores(),

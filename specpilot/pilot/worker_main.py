@@ -57,7 +57,8 @@ def main() -> None:
     torch.set_num_threads(max(1, int(init.get("threads") or torch.get_num_threads())))
     dev = torch.device(init["device"])
     if dev.type == "cuda":
-        torch.cuda.set_device(dev)  # Triton launches on the current device: make it this worker's
+        if dev.index is not None:
+            torch.cuda.set_device(dev)  # Triton launches on the current device: make it this worker's
         _cuda_sync = torch.cuda.synchronize
 
         def _sync(_s=_cuda_sync, _d=dev):
