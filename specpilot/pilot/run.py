@@ -308,7 +308,8 @@ class Pilot:
 
     def check_adversaries(self) -> list[dict]:
         """Judge A vs A and every cheating candidate of :func:`.adversarial.adversaries` (built on stock)
-        through the controller and token forcing, as any candidate (§3.3, §3.4). Returns one row each:
+        through the controller and token forcing, as any candidate (§3.3, §3.4), in this process (the cheats
+        are objects here, whatever the executor of the real candidates). Returns one row each:
         verdict, reason, whether the expected defence is what rejected it (``defence_fired``)."""
         import threading
 
@@ -316,7 +317,7 @@ class Pilot:
 
         stop = threading.Event()
         control = Adversary("A vs A", "stock against itself (a control: never approved)", "approval bar",
-                            self.factory(self.stock), self.factory(self.stock), "below the bar")
+                            lambda: self.dep.system(self.stock), lambda: self.dep.system(self.stock), "below the bar")
         rows = []
         try:
             for adv in [control] + adversaries(self.dep, self.stock, stop):
