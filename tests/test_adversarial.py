@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -201,3 +202,28 @@ def test_pilot_adversarial_check_rejects_every_cheat_by_its_defence(p0, dep, req
     for r in rows:
         assert not r["approved"] and r["defence_fired"], r
     assert all(r["outputs_differ"] and r["forcing_passed"] is False for r in rows[4:])
+
+
+def test_pilot_adversarial_check_builds_in_process_when_candidates_run_in_workers(p0, dep, reqs):
+    """With ``--devices cpu,cpu`` the real candidates run in worker processes, but the cheats (and the A vs A
+    control) are objects of this process: every factory handed to the controller must be callable here
+    (on the H200 the control was handed a WorkerSystem and the run crashed)."""
+    from specpilot.pilot.run import Pilot, PilotOptions
+
+    pilot = Pilot(PilotOptions(target=bundled_target_dir(), drafter=bundled_drafter_dir(), adversarial=True,
+                               devices=("cpu", "cpu")))
+    assert pilot.dispatch.mode == "workers"
+    seen = []
+
+    class Judge:  # checks what it is handed, then returns a rejection (no timing in this test)
+        def judge(self, make_a, make_b, requests, progress=None):
+            for make in (make_a, make_b):
+                assert callable(make) and hasattr(make(), "generate")
+            seen.append(1)
+            run = SimpleNamespace(gain=1.0, lower_bound=1.0, outputs_differ=False)
+            return SimpleNamespace(run=run, forcing_passed=True, forcing_reasons=(),
+                                   verdict=SimpleNamespace(approved=False, reason="rejected: stub", bar=0.01))
+
+    pilot.dep, pilot.reqs, pilot.controller = dep, reqs, Judge()
+    rows = pilot.check_adversaries()
+    assert len(seen) == len(rows) == 7

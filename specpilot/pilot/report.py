@@ -25,6 +25,9 @@ Expected keys of the report dict (every one optional; missing parts are shown as
   config, gain, lower_bound, entry}``.
 - ``tau_curve``: ``{builder: {N: tau}}``; ``c_curve``: ``{N: c}`` (N may be int or str); ``c_curve_method``;
   ``c_measured``: ``[{label, N, c, source}]`` measured points drawn on the c plot.
+- ``execution``: ``{mode: local | workers, slots: [[device, ...]], paired_devices, agent}`` (where the
+  controller's runs ran: one slot judges one candidate; a two-device slot runs A and B on one device each,
+  swapped half way).
 - ``adversarial``: list of dicts ``{name, cheat, defence, gain, lower_bound, bar, outputs_differ,
   forcing_passed, approved, reason, defence_fired}`` (``pilot --adversarial``).
 
@@ -182,6 +185,12 @@ def _markdown(r: dict, images: list[str]) -> str:
         md += ["Deployment: " + ", ".join(f"{k}: {v}" for k, v in r["deployment"].items()), ""]
     if isinstance(r.get("device"), dict) and r["device"].get("threads") is not None:
         md += [f"torch threads: {r['device']['threads']} ({r['device'].get('threads_reason', '—')})", ""]
+    ex = r.get("execution")
+    if isinstance(ex, dict):
+        slots = "; ".join("+".join(sl) for sl in ex.get("slots") or []) or "—"
+        how = "paired on two devices, swapped half way" if ex.get("paired_devices") else "A B B A on one device"
+        md += [f"Controller runs: {ex.get('mode')} ({how}); slots: {slots}"
+               + (f"; agent: `{ex['agent']}`" if ex.get("agent") else ""), ""]
     md += ["## Headline", "", *_headline(r), ""]
     md += _benchmarks(r)
     ceil = r.get("ceiling") or {}
@@ -247,7 +256,7 @@ def _adversarial(rows: list) -> list[str]:
     for a in rows:
         md.append(f"| {a.get('name')} | {a.get('cheat')} | {_num(a.get('gain'))} | {_num(a.get('lower_bound'))} | "
                   f"{_pct(a.get('bar'))} | {_num(a.get('outputs_differ'))} | {_num(a.get('forcing_passed'))} | "
-                  f"{'approved' if a.get('approved') else 'rejected'}: {a.get('reason')} | "
+                  f"{a.get('reason')} | "
                   f"{_num(a.get('defence_fired'))} ({a.get('defence')}) |")
     return md + [""]
 

@@ -568,6 +568,9 @@ class Pilot:
             "memory_source": str(self.source.root) if self.source is not None else None, "reused": self.reused,
             "candidates": candidates, "rounds": rounds, "tau_curve": self.tau_curve, "c_curve": self.c_curve,
             "adversarial": self.adversarial,
+            "execution": {"mode": self.dispatch.mode, "slots": [list(sl) for sl in self.dispatch.slots],
+                          "paired_devices": any(len(sl) == 2 for sl in self.dispatch.slots),
+                          "agent": self.o.agent},
             "c_curve_method": "cost model without drafting: (T_AR − T_pass(1) + T_pass(N+1)) / T_AR, T_AR and "
                               "pass times from the cost-model inputs",
             "c_measured": self.c_measured,
