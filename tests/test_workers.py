@@ -18,7 +18,8 @@ from specpilot.pilot.dispatch import AgentContext, Dispatch, agent_round, plan_d
 from specpilot.pilot.forcing import Scorer
 from specpilot.pilot.memory import Entry, Evidence, Memory, default_repo
 from specpilot.pilot.setup import build_requests
-from specpilot.pilot.workers import DeploymentSpec, Worker, WorkerError, WorkerExecutor, WorkerSession, WorkerSystem
+from specpilot.pilot.workers import (DeploymentSpec, Worker, WorkerError, WorkerExecutor, WorkerPool, WorkerSession,
+                                     WorkerSystem)
 from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
 
 from .conftest import run_cli
@@ -260,3 +261,31 @@ def test_pilot_cli_bad_device_or_agent_flags_are_one_line_errors(monkeypatch, ca
         pytest.skip("a GPU machine")
     code, _, err = run_cli(monkeypatch, capsys, "pilot", "--out", str(tmp_path / "r"), *args)
     assert code == 2 and msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_pool_reuses_stock_workers_across_runs_and_drops_failed_ones(p0, spec, reqs):
+    """Two paired runs through one :class:`WorkerPool` load the deployment twice (A and B), not four times;
+    a session that failed returns nothing to the pool; ``close`` stops the idle workers."""
+    pool = WorkerPool()
+    ex = WorkerExecutor(spec, ("cpu",), 1, 600.0, pool)
+    rs = reqs[:1]
+    pids = []
+    for seed in (5, 6):
+        ctl.paired_run(WorkerSystem(STOCK.model_dump()), WorkerSystem(BEST.model_dump()), rs,
+                       p0.controller.vocab_size, rng=random.Random(seed), executor=ex)
+        idle = [w for ws in pool._idle.values() for w in ws]
+        assert len(idle) == 2
+        pids.append(sorted(w.proc.pid for w in idle))
+    assert pids[0] == pids[1]  # the same two processes served both runs
+    taken = [w.proc for ws in pool._idle.values() for w in ws]
+    bad = WorkerSystem({**STOCK.model_dump(), "nodes": 0})  # invalid config: the build fails in the worker
+    with pytest.raises(WorkerError):
+        ctl.paired_run(WorkerSystem(STOCK.model_dump()), bad, rs, p0.controller.vocab_size,
+                       rng=random.Random(7), executor=ex)
+    assert not any(pool._idle.values()) and all(p.poll() is not None for p in taken)  # failed session: closed
+    ctl.paired_run(WorkerSystem(STOCK.model_dump()), WorkerSystem(STOCK.model_dump()), rs, p0.controller.vocab_size,
+                   rng=random.Random(8), executor=ex)
+    idle = [w.proc for ws in pool._idle.values() for w in ws]
+    assert len(idle) == 2 and all(p.poll() is None for p in idle)
+    pool.close()
+    assert all(p.poll() is not None for p in idle) and not any(pool._idle.values())

@@ -43,7 +43,7 @@ from ..errors import SpecPilotError
 from . import controller as ctl
 from .agent import ALLOWED, FORBIDDEN, AgentPatch, AgentRejected, prepare_worktree, run_agent, write_brief
 from .memory import Entry, Evidence
-from .workers import DeploymentSpec, WorkerError, WorkerExecutor, WorkerSystem
+from .workers import DeploymentSpec, WorkerError, WorkerExecutor, WorkerPool, WorkerSystem
 
 
 @dataclass
@@ -53,6 +53,8 @@ class Dispatch:
     Attributes:
         mode: ``local`` or ``workers``. slots: device tuples, one judgement each at a time.
         dep: what workers load (None in local mode). threads: torch threads per worker.
+        pool: idle stock-code workers reused from one judgement to the next (:class:`WorkerPool`);
+            :meth:`close` stops them.
     """
 
     mode: str
@@ -61,6 +63,7 @@ class Dispatch:
     threads: int | None = None
     timeout_s: float = 600.0
     _free: queue.Queue = field(default_factory=queue.Queue, repr=False)
+    pool: WorkerPool = field(default_factory=WorkerPool, repr=False)  # stock workers reused across judgements
 
     def __post_init__(self):
         for i in range(len(self.slots)):
@@ -70,7 +73,11 @@ class Dispatch:
         """The controller executor of ``slot`` (None = the controller's in-process default)."""
         if self.mode == "local":
             return None
-        return WorkerExecutor(self.dep, self.slots[slot], self.threads, self.timeout_s)
+        return WorkerExecutor(self.dep, self.slots[slot], self.threads, self.timeout_s, self.pool)
+
+    def close(self) -> None:
+        """Stop the idle pooled workers (the end of a pilot run)."""
+        self.pool.close()
 
     def system(self, make_local: Callable[[], object], config, tree: str | Path | None = None):
         """What the executor takes for a system: the factory (local) or a :class:`WorkerSystem` of

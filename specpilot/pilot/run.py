@@ -636,4 +636,8 @@ def run_pilot(opts: PilotOptions) -> dict:
     Raises:
         SpecPilotError: bad checkpoint directories or drafter (see :class:`Deployment`).
     """
-    return Pilot(opts).run()
+    pilot = Pilot(opts)
+    try:
+        return pilot.run()
+    finally:
+        pilot.dispatch.close()  # idle pooled workers

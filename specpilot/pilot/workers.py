@@ -23,6 +23,7 @@ import select
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,7 @@ class Worker:
     def __init__(self, dep: DeploymentSpec, device: str, tree: str | None = None, threads: int | None = None,
                  timeout_s: float = 600.0):
         self.device, self.tree, self.timeout_s = device, str(tree or STOCK_TREE), timeout_s
+        self.key = (dep, device, self.tree, threads)  # what a pooled worker can be reused for
         self._log = tempfile.NamedTemporaryFile(prefix="specpilot-worker-", suffix=".log", delete=False)
         env = dict(os.environ)  # PYTHONPATH keeps its dependency dirs, minus any that hold a specpilot package:
         keep = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)  # the tree alone provides it
@@ -177,6 +179,46 @@ class Worker:
         Path(self._log.name).unlink(missing_ok=True)
 
 
+class WorkerPool:
+    """Idle workers kept between controller runs, so a large target is loaded once per device instead of
+    once per paired run (four loads per two-device judgement otherwise).
+
+    Only workers on the stock tree come back: a system built from a config runs stock code, which leaves
+    nothing behind but its (freed) engine; a worker that ran a patched tree, or whose session failed, is
+    closed. Thread-safe (the pilot judges on several slots at once)."""
+
+    def __init__(self):
+        self._idle: dict[tuple, list[Worker]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, dep: DeploymentSpec, device: str, tree: str | None, threads: int | None, timeout_s: float) -> Worker:
+        """An idle live worker for (dep, device, tree, threads), or a new one. Raises WorkerError."""
+        key = (dep, device, str(tree or STOCK_TREE), threads)
+        with self._lock:
+            idle = self._idle.get(key, [])
+            while idle:
+                w = idle.pop()
+                if w.proc.poll() is None:
+                    return w
+                w.close()
+        return Worker(dep, device, tree, threads, timeout_s)
+
+    def give(self, w: Worker) -> None:
+        """Return ``w`` after a successful session (stock tree, still alive), else close it."""
+        if w.tree != str(STOCK_TREE) or w.proc.poll() is not None or w.info is None:
+            w.close()
+            return
+        with self._lock:
+            self._idle.setdefault(w.key, []).append(w)
+
+    def close(self) -> None:
+        """Stop every idle worker."""
+        with self._lock:
+            idle, self._idle = [w for ws in self._idle.values() for w in ws], {}
+        for w in idle:
+            w.close()
+
+
 @dataclass
 class WorkerExecutor:
     """The controller's executor over worker processes (§3.3); pass it as ``executor=`` to
@@ -188,6 +230,8 @@ class WorkerExecutor:
             variants of a request). More than two systems (the seal's interleaved run) use ``devices[0]``.
         threads: torch threads per worker (None: torch's default in the worker).
         timeout_s: seconds one reply may take (deployment load, build, one request).
+        pool: a :class:`WorkerPool` to take workers from and return them to (None: every session starts
+            and stops its own).
     Raises (from the session): WorkerError.
     """
 
@@ -195,6 +239,7 @@ class WorkerExecutor:
     devices: Sequence[str] = ("cpu",)
     threads: int | None = None
     timeout_s: float = 600.0
+    pool: WorkerPool | None = None
 
     def __post_init__(self):
         if len(self.devices) not in (1, 2):
@@ -217,12 +262,15 @@ class WorkerSession:
         self.swapped = len(ex.devices) == 2 and len(makers) == 2
         place = ([(n, i) for i in (0, 1) for n in self.names] if self.swapped else [(n, 0) for n in self.names])
         self.workers: dict[str, Worker] = {}
+        self.pool, self.failed = ex.pool, False
         try:
             for n, i in place:  # all start at once: loading the deployment is the slow part
-                self.workers[f"{n}@{i}"] = Worker(ex.dep, ex.devices[i], makers[n].tree, ex.threads, ex.timeout_s)
+                self.workers[f"{n}@{i}"] = (ex.pool.take if ex.pool else Worker)(
+                    ex.dep, ex.devices[i], makers[n].tree, ex.threads, ex.timeout_s)
             for w in self.workers.values():
                 w.ready()
         except BaseException:
+            self.failed = True
             self.close()
             raise
 
@@ -236,19 +284,30 @@ class WorkerSession:
 
     def build(self) -> dict[str, list[str]]:
         """Build every worker's system (untimed, all at once); returns thread names each left running."""
-        for k, w in self.workers.items():
-            w.send({"op": "build", "config": self.makers[k.rsplit("@", 1)[0]].config})
-        return {k: w.recv()["outside"] for k, w in self.workers.items()}
+        try:
+            for k, w in self.workers.items():
+                w.send({"op": "build", "config": self.makers[k.rsplit("@", 1)[0]].config})
+            return {k: w.recv()["outside"] for k, w in self.workers.items()}
+        except BaseException:
+            self.failed = True
+            raise
 
     def run(self, group, prompt, max_new) -> list[tuple[tuple[int, ...], float, list[str]]]:
         """Time ``prompt`` on every worker of ``group`` concurrently; [(tokens, seconds, threads left)]."""
         msg = {"op": "run", "prompt": [int(t) for t in prompt], "max_new": int(max_new)}
-        for _, k in group:
-            self.workers[k].send(msg)
-        replies = [self.workers[k].recv() for _, k in group]
+        try:
+            for _, k in group:
+                self.workers[k].send(msg)
+            replies = [self.workers[k].recv() for _, k in group]
+        except BaseException:
+            self.failed = True
+            raise
         return [(tuple(r["tokens"]), float(r["seconds"]), r["outside"]) for r in replies]
 
     def close(self) -> None:
-        """Stop all workers."""
+        """Return the workers to the pool after a clean session, else stop them."""
         for w in self.workers.values():
-            w.close()
+            if self.pool is not None and not self.failed:
+                self.pool.give(w)
+            else:
+                w.close()
