@@ -178,6 +178,9 @@ def check_float16_device(dtype: str, device: str) -> None:
 @app.command()
 def pilot(
     quick: bool = typer.Option(False, help="Smoke run (about 3 minutes on 2 CPU cores)."),
+    per_benchmark: Optional[int] = typer.Option(None, min=1, help="Requests per benchmark (default 4; --quick 2)."),
+    max_new_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per request (default 64; --quick 32)."),
+    rounds: Optional[int] = typer.Option(None, min=0, help="Planner rounds after round 0 (default 3; --quick 1)."),
     adversarial: bool = typer.Option(False, help="Also judge A vs A and the cheating candidates (cached outputs, "
                                      "lazy outputs, a thread left running, a logit bias, FP8 verification, skipped "
                                      "verification) in this run; each must be rejected (report section)."),
@@ -226,7 +229,9 @@ def pilot(
     run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
                            blocks=tuple(block or ()), adversarial=adversarial, threads=threads, memory=memory,
                            devices=devs, paired_devices=paired_devices, executor=executor, agent=agent,
-                           agent_timeout=agent_timeout))
+                           agent_timeout=agent_timeout,
+                           overrides={k: v for k, v in (("per_benchmark", per_benchmark), ("max_new_tokens", max_new_tokens),
+                                                        ("rounds", rounds)) if v is not None} or None))
 
 
 @app.command()

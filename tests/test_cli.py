@@ -130,3 +130,16 @@ def test_drafter_path_of_the_other_kind_says_what_it_is(monkeypatch, capsys):
     code, out, err = run_cli(monkeypatch, capsys, "generate", "--prompt", "x", "--drafter", "block",
                              "--drafter-path", str(bundled_drafter_dir()))
     _one_line_error(code, err, "draft model", "qwen3", "use --drafter draft_model")
+
+
+def test_pilot_size_flags_reach_the_plan(monkeypatch, capsys, tmp_path):
+    """``--per-benchmark / --max-new-tokens / --rounds`` override the plan (on top of ``--quick``)."""
+    import specpilot.pilot.run as run
+
+    seen = []
+    monkeypatch.setattr(run, "run_pilot", lambda opts: seen.append(opts))
+    code, _, err = run_cli(monkeypatch, capsys, "pilot", "--quick", "--per-benchmark", "3", "--max-new-tokens", "48",
+                           "--rounds", "0", "--out", str(tmp_path / "r"))
+    assert code == 0, err
+    plan = seen[0].plan
+    assert (plan["per_benchmark"], plan["max_new_tokens"], plan["rounds"], plan["candidates"]) == (3, 48, 0, 2)
