@@ -106,3 +106,30 @@ def test_packed_graph_path_settles_flagged_rows(tiny_dirs):
         plain = Engine(target, SystemConfig.ar(), None, eos_ids=[]).generate(p, 8).tokens
         assert eng.generate(p, 8).tokens == plain
     assert calls and set(calls) <= {1, 2, 4, 8}  # bucket-padded passes went through the packed head
+
+
+@pytest.mark.parametrize("flag_every", [1, 3])
+def test_pipelined_ar_with_packed_head_redoes_flagged_steps(tiny_dirs, flag_every):
+    """Pipelined AR (steps queued ahead on device-fed tokens) with the packed INT8 head, forced on the CPU
+    with a kernel that flags every row (or every third call, else certifies the true argmax): a flagged
+    step is redone and settled by the full head, so the output is the plain model's AR exactly."""
+    target = load_model(tiny_dirs[0])
+    head = CertifiedInt8Head(target.lm_head.weight, use_kernel=False)
+    v, calls = target.args.vocab_size, []
+
+    class SometimesFlagging:
+        def __call__(self, h, packed=False):
+            calls.append(h.shape[0])
+            true = torch.nn.functional.linear(h, target.lm_head.weight).float().argmax(-1)
+            flag = torch.zeros_like(true, dtype=torch.bool) | (len(calls) % flag_every == 0)
+            return torch.where(flag, true * 0 + v, true) if packed else (true, ~flag)
+
+    head.kernel = lambda: SometimesFlagging()
+    t8 = with_int8_head(target, head)
+    for p in random_prompts(2, 64, length=8, seed=41):
+        eng = Engine(t8, SystemConfig.ar(lm_head_int8=True), None, eos_ids=[], buckets=True)
+        eng.runner.packed = True
+        assert eng._pipelined_ar(None)
+        plain = Engine(target, SystemConfig.ar(), None, eos_ids=[]).generate(p, 12).tokens
+        assert eng.generate(p, 12).tokens == plain
+    assert calls.count(1) >= 2 * 11  # the pipelined one-row steps went through the packed head

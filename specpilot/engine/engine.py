@@ -197,10 +197,9 @@ class Engine:
 
     def _pipelined_ar(self, prof) -> bool:
         """AR through the row-bucket runner with steps queued ahead (:meth:`BucketRunner.ar_tokens`): no
-        drafter, no profiler (the cost model profiles plain steps), and not with the certified INT8 head on
-        CUDA graphs (a flagged step's device-fed token would be a guess; not implemented: those AR steps
-        run one at a time through :meth:`_step`)."""
-        return self.runner is not None and self.drafter is None and prof is None and not self.runner.packed
+        drafter, no profiler (the cost model profiles plain steps). With the certified INT8 head a flagged
+        step is redone and settled there."""
+        return self.runner is not None and self.drafter is None and prof is None
 
     def _generate_ar(self, committed: list[int], out: Generation, max_new_tokens: int, stops: set[int]) -> None:
         """Pipelined AR steps until a stop or ``max_new_tokens``; same bookkeeping as the step loop."""

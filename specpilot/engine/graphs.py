@@ -154,7 +154,10 @@ class BucketRunner:
         for the host between steps (issue 4: no gaps between steps). A queued step past a stop is harmless:
         it writes K/V only at the slot after the last committed token, which the cache never counts. Each
         yielded token is the argmax of an exact one-row pass over exactly the committed prefix, as in
-        :meth:`run`. Closing the generator early is the way to stop.
+        :meth:`run`. Closing the generator early is the way to stop. With the certified INT8 head
+        (:attr:`packed`) a step whose row the head flagged feeds a clamped guess to the queued step; the host
+        then redoes that step unpipelined, settles it with the full head (:meth:`full_head`), re-seeds the
+        device inputs and queues the next step again (the guessed step's K/V slot is rewritten).
 
         Raises:
             ValueError: when ``start + limit`` rows would not fit the cache.
@@ -180,15 +183,32 @@ class BucketRunner:
             done = torch.cuda.Event() if cuda else None
             if done is not None:
                 done.record()
-            s["tokens"].copy_(out)  # the next step's input, on the device
+            # the next step's input, on the device (a flagged INT8-head row feeds a valid id; redone below)
+            s["tokens"].copy_(out.clamp(max=vocab - 1) if self.packed else out)
             s["positions"].add_(1)
             s["start"].add_(1)
             return done
 
+        def seed(tok: int, slot: int):  # device inputs of a one-row pass of ``tok`` at ``slot``, from the host
+            host[:4] = (tok, slot, slot, 1)
+            s["io"].copy_(s["host"], non_blocking=True)
+
+        vocab, last_in = self.model.args.vocab_size, token
+        self._last_bucket = 1
         pending = launch(0) if limit > 0 else None
         for i in range(limit):
             nxt = launch(i + 1) if i + 1 < limit else None
             if pending is not None:
                 pending.synchronize()
-            yield int(read[i])
-            pending = nxt
+            tok = int(read[i])
+            if tok >= vocab:  # certified INT8 head flagged step i: redo it unpipelined, settle with the full head
+                if nxt is not None:
+                    nxt.synchronize()  # step i + 1 ran on a guess: its K/V slot is rewritten below
+                seed(last_in, start + i)
+                launch(i)
+                tok = self.full_head(1)[0]
+                if i + 1 < limit:
+                    seed(tok, start + i + 1)
+                    nxt = launch(i + 1)
+            yield tok
+            last_in, pending = tok, nxt
