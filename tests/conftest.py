@@ -75,3 +75,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def phase0_of(dep, reqs, stock):
+    """Phase 0 (AR vs ``stock`` and stock A/A, §3.3) of the controller on deployment ``dep``, seeded."""
+    import random
+
+    from specpilot.config import SystemConfig
+    from specpilot.pilot import controller as ctl
+    from specpilot.pilot.forcing import Scorer
+
+    avoid = set(dep.eos_ids()) | set(dep.tokenizer.all_special_ids)
+    return ctl.phase0(lambda: dep.system(SystemConfig.ar()), lambda: dep.system(stock), reqs, Scorer(dep.target),
+                      dep.target.args.vocab_size, avoid_ids=avoid, rng=random.Random(0))

@@ -13,16 +13,14 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from specpilot.config import SystemConfig
 from specpilot.engine.deployment import Deployment
-from specpilot.pilot import controller as ctl
-from specpilot.pilot.forcing import Scorer
+from specpilot.pilot.adversarial import Lazy, Memo, Saboteur, SkipVerify, SuffixMemo, Twice, biased, fp8_logits
 from specpilot.pilot.setup import build_requests
 from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
 
-from specpilot.pilot.adversarial import Lazy, Memo, Saboteur, SkipVerify, SuffixMemo, Twice, biased, fp8_logits
+from .conftest import phase0_of
 
 STOCK = SystemConfig.stock("ngram")
 
@@ -42,9 +40,7 @@ def reqs(dep):
 
 @pytest.fixture(scope="module")
 def p0(dep, reqs):
-    avoid = set(dep.eos_ids()) | set(dep.tokenizer.all_special_ids)
-    return ctl.phase0(lambda: dep.system(SystemConfig.ar()), lambda: dep.system(STOCK), reqs, Scorer(dep.target),
-                      dep.target.args.vocab_size, avoid_ids=avoid, rng=random.Random(0))
+    return phase0_of(dep, reqs, STOCK)
 
 
 def stock(dep):

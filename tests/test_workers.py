@@ -15,14 +15,13 @@ from specpilot.engine.deployment import Deployment
 from specpilot.pilot import controller as ctl
 from specpilot.pilot.agent import prepare_worktree, run_agent, write_brief
 from specpilot.pilot.dispatch import AgentContext, Dispatch, agent_round, plan_dispatch, stock_commit
-from specpilot.pilot.forcing import Scorer
 from specpilot.pilot.memory import Entry, Evidence, Memory, default_repo
 from specpilot.pilot.setup import build_requests
 from specpilot.pilot.workers import (DeploymentSpec, Worker, WorkerError, WorkerExecutor, WorkerPool, WorkerSession,
                                      WorkerSystem)
 from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
 
-from .conftest import run_cli
+from .conftest import phase0_of, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STOCK = SystemConfig.stock("ngram")
@@ -47,9 +46,7 @@ def reqs(dep):
 
 @pytest.fixture(scope="module")
 def p0(dep, reqs):
-    avoid = set(dep.eos_ids()) | set(dep.tokenizer.all_special_ids)
-    return ctl.phase0(lambda: dep.system(SystemConfig.ar()), lambda: dep.system(STOCK), reqs, Scorer(dep.target),
-                      dep.target.args.vocab_size, avoid_ids=avoid, rng=random.Random(0))
+    return phase0_of(dep, reqs, STOCK)
 
 
 def one(spec, *devices):
