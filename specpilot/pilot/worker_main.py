@@ -94,7 +94,6 @@ def main() -> None:
                 _send(out, {"ok": True})
                 return
             if op == "build":
-                system = None  # a pooled worker builds many systems in turn: free the last one's cache first
                 before = set(_enum())
                 system = dep.system(SystemConfig(**msg["config"]))
                 _send(out, {"ok": True, "outside": sorted(t.name for t in _enum() if t not in before)})
