@@ -97,9 +97,22 @@ def _pass_profiles(model, prefix_len: int, rows=(1, 33, 64)) -> dict:
             for r, p in profile_passes(model, rows, prefix_len).items()}
 
 
+def result_stem(out: Path, ckpt, device: str) -> str:
+    """File stem of a bench result in ``out``: ``bench_<checkpoint dir name>_<device type>_<date>``, with a
+    ``_HHMMSS`` (then a counter) suffix when that JSON exists already: no earlier result is overwritten."""
+    stem = f"bench_{Path(ckpt).name}_{torch.device(device).type}_{_dt.date.today().isoformat()}"
+    if (out / f"{stem}.json").exists():
+        stem += "_" + _dt.datetime.now().strftime("%H%M%S")
+        base, i = stem, 1
+        while (out / f"{stem}.json").exists():
+            stem, i = f"{base}_{i}", i + 1
+    return stem
+
+
 def run_bench(ckpt, device: str = "cuda", dtype: str = "bfloat16", prefix_len: int = 512, new_tokens: int = 128,
               out_dir: str | Path = "bench/results", rows=tuple(sorted({*BUCKETS, 33})), with_transformers: bool = True, seed: int = 0) -> dict:
-    """Run the side-by-side benchmark and write ``out_dir/bench_<name>_<device>_<date>.json`` (+ PNG).
+    """Run the side-by-side benchmark and write ``out_dir/bench_<name>_<device>_<date>.json`` (+ PNG; a
+    ``_HHMMSS`` suffix when that file exists already, so no earlier result is overwritten).
 
     Returns the result dict: ``device``, ``versions``, ``commit``, ``checkpoint``, ``ar_ms_per_step``,
     ``byte_floor_ms`` (AR step, from measured peaks), ``pass_ms`` and ``c`` (rows → ms and ratio to 1 row),
@@ -144,7 +157,7 @@ def run_bench(ckpt, device: str = "cuda", dtype: str = "bfloat16", prefix_len: i
         res["ar_equals_transformers"] = systems[0]["tokens"] == res["transformers"]["ar"]["tokens"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_{Path(ckpt).name}_{torch.device(device).type}_{_dt.date.today().isoformat()}"
+    stem = result_stem(out, ckpt, device)
     (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
     _plot(res, out / f"{stem}.png")
     return res

@@ -25,3 +25,15 @@ def test_bench_cpu_small(tmp_path):
     ours = [s["tokens"] for s in res["systems"]]
     assert ours[0] == ours[2] == ours[3] and ours[1] == ours[0][: len(ours[1])]
     assert res["ar_equals_transformers"]
+
+
+def test_result_stem_never_overwrites(tmp_path):
+    from specpilot.benchmark import result_stem
+
+    first = result_stem(tmp_path, "/x/qwen3-8b", "cpu")
+    assert first.startswith("bench_qwen3-8b_cpu_")
+    (tmp_path / f"{first}.json").write_text("{}")
+    second = result_stem(tmp_path, "/x/qwen3-8b", "cpu")
+    (tmp_path / f"{second}.json").write_text("{}")
+    third = result_stem(tmp_path, "/x/qwen3-8b", "cpu")
+    assert len({first, second, third}) == 3 and second.startswith(first + "_")

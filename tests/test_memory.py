@@ -197,6 +197,11 @@ def test_memory_cli_list_show_check(monkeypatch, capsys, code, tmp_path):
     assert res["w12"]["status"] == "reproduced"
     rc, out, err = run_cli(monkeypatch, capsys, "memory", "check", str(d), "--repo", str(repo))
     assert rc == 1 and "requires missing entry 'gone'" in out and "1 failed" in out
+    (d / "best-first" / "entry.json").write_text("{ not json")  # a corrupted entry: list shows it and exits 1
+    rc, out, err = run_cli(monkeypatch, capsys, "memory", "list", str(d))
+    assert rc == 1 and "1 corrupted entry: best-first" in err and "w12" in out
+    rc, out, err = run_cli(monkeypatch, capsys, "memory", "list", str(d), "--json")
+    assert rc == 1 and "error" in {r["id"]: r for r in json.loads(out)}["best-first"]
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -52,3 +52,16 @@ def test_missing_parts_do_not_crash(tmp_path):
     assert "10.0" in md and "—" in md and "- none" in md
     out = write_report(tmp_path / "p", {}, {"c_vs_n": {2: 1.05, 8: 1.2}})  # plot data passed separately
     assert "c_vs_n.png" in out
+
+
+def test_report_flags_a_sealed_system_slower_than_ar_and_estimator_gaps(tmp_path):
+    """A sealed system below AR is flagged in report.md; a headline that τ / c of the same runs does not back
+    (beyond 5%) gets the note that explains the two estimators; consistent figures get neither."""
+    from specpilot.pilot.report import write_report
+
+    write_report(tmp_path / "slow", {"speedup_vs_ar": 0.9, "speedup_ci_low": 0.8, "tau": 2.0, "c": 2.0})
+    md = (tmp_path / "slow" / "report.md").read_text()
+    assert "slower than AR in this run" in md and "differ by 10%" in md
+    write_report(tmp_path / "ok", {"speedup_vs_ar": 1.3, "speedup_ci_low": 1.2, "tau": 2.6, "c": 2.0})
+    md = (tmp_path / "ok" / "report.md").read_text()
+    assert "slower than AR" not in md and "differ by" not in md

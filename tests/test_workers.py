@@ -181,7 +181,10 @@ def test_dispatch_rule():
     assert d.slots == [("cpu",)] * 3
     assert plan_dispatch("cuda:0", ("cuda:0", "cuda:1", "cuda:2", "cuda:3"), dep=spec).slots == [(f"cuda:{i}",) for i in range(4)]
     assert plan_dispatch("cpu", agent=True, dep=spec).mode == "workers"
-    assert plan_dispatch("cuda:0", ("cuda:0", "cuda:1", "cuda:2"), paired=True, dep=spec).slots == [("cuda:0", "cuda:1")]
+    assert plan_dispatch("cuda:0", ("cuda:0", "cuda:1", "cuda:2", "cuda:3"), paired=True,
+                         dep=spec).slots == [("cuda:0", "cuda:1"), ("cuda:2", "cuda:3")]
+    with pytest.raises(Exception, match="even number of devices"):  # an odd device is not silently dropped
+        plan_dispatch("cuda:0", ("cuda:0", "cuda:1", "cuda:2"), paired=True, dep=spec)
     with pytest.raises(Exception, match="local"):
         plan_dispatch("cpu", ("cpu", "cpu"), executor="local")
 

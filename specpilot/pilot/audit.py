@@ -141,7 +141,10 @@ def render(res: dict, console) -> None:
     console.print(f"audited {res['lines']} outputs, {a['tokens']} tokens against {res['target']} "
                   f"(δ = {res['delta']:g} nat; events: margin >= {res['event_margin']:g})")
     t = Table("benchmark", "tokens", "mismatches", "mismatch rate", "events", "event rate")
-    for name, b in sorted(a["per_benchmark"].items()):
+    per = a["per_benchmark"]
+    for name, b in sorted(per.items()):
+        if name == "all" and len(per) == 1:
+            continue  # lines without a benchmark field: the total row below says it
         t.add_row(name, str(b["tokens"]), str(b["mismatches"]), f"{b['mismatch_rate']:.2%}", str(b["events"]),
                   f"{b['event_rate']:.3%}")
     t.add_row("all", str(a["tokens"]), str(a["mismatches"]), f"{a['mismatch_rate']:.2%}", str(a["events"]),

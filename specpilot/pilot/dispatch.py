@@ -7,7 +7,7 @@
   forces either (``local`` refuses several devices or an agent: code candidates need their own process).
 - *Slots.* With ``--paired-devices`` (default: on iff exactly two devices are given) devices are taken in
   consecutive pairs, each pair one two-device judgement (A on one device, B on the other, swapped);
-  ``D // 2`` slots (an odd last device is left out). Otherwise each device is one slot with A and B
+  ``D / 2`` slots (D must be even). Otherwise each device is one slot with A and B
   interleaved A B B A in two workers on it; ``D`` slots. A round's candidates are judged concurrently,
   one per slot; Phase 0, the agent's candidate and the seal use slot 0.
 - *Threads.* On the CPU each worker gets ``max(1, torch threads // D)`` intra-op threads (D workers run
@@ -126,8 +126,9 @@ def plan_dispatch(device: str, devices: Sequence[str] = (), paired: bool | None 
         raise SpecPilotError("--executor local runs one device in-process: drop --devices/--agent or use workers")
     mode = executor if executor != "auto" else ("workers" if len(devs) > 1 or agent else "local")
     paired = (len(devs) == 2) if paired is None else paired
-    if paired and len(devs) < 2:
-        raise SpecPilotError("--paired-devices needs at least two devices (--devices d0,d1)")
+    if paired and (len(devs) < 2 or len(devs) % 2):
+        raise SpecPilotError(f"--paired-devices needs an even number of devices (--devices d0,d1[,d2,d3]); "
+                             f"got {len(devs)}: drop one or use --no-paired-devices")
     if mode == "local":
         return Dispatch("local", [devs])
     if dep is None:

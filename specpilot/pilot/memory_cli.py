@@ -9,6 +9,7 @@ one-line error with status 2 (:class:`~specpilot.errors.SpecPilotError`).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -46,7 +47,8 @@ def _check_repo(repo: Path) -> None:
 @app.command("list")
 def list_cmd(directory: Path = typer.Argument(..., help="Memory directory (one sub-directory per entry)."),
              as_json: bool = typer.Option(False, "--json", help="Print a JSON list.")):
-    """One line per entry: id, kind, mechanism, requirements, evidence, origin."""
+    """One line per entry: id, kind, mechanism, requirements, evidence, origin. Exit code 1 when an entry
+    is corrupted (listed with its error), so scripts notice."""
     mem = _memory(directory)
     rows = []
     for i in mem.ids():
@@ -57,9 +59,10 @@ def list_cmd(directory: Path = typer.Argument(..., help="Memory directory (one s
                          "reused_from": e.reused_from, "title": e.title})
         except MemoryEntryError as err:
             rows.append({"id": i, "error": str(err)})
+    broken = [r["id"] for r in rows if "error" in r]
     if as_json:
         print(json.dumps(rows))
-        return
+        raise typer.Exit(1 if broken else 0)
     if not rows:
         print(f"no entries in {directory}")
         return
@@ -71,6 +74,10 @@ def list_cmd(directory: Path = typer.Argument(..., help="Memory directory (one s
             t.add_row(r["id"], r["kind"], r["mechanism"], ", ".join(r["requires"]) or "—",
                       f"{r['gain']:.3f} ({r['lower_bound']:.3f})", r["date"], r["reused_from"] or "new")
     Console(width=200).print(t)
+    if broken:
+        print(f"error: {len(broken)} corrupted entr{'y' if len(broken) == 1 else 'ies'}: {', '.join(broken)}",
+              file=sys.stderr)
+        raise typer.Exit(1)
 
 
 @app.command()

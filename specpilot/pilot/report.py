@@ -90,11 +90,30 @@ def _headline(r: dict) -> list[str]:
     ]
     if r.get("steps_method"):
         rows.append(f"- τ and c: {r['steps_method']}")
+    rows += _headline_warnings(r)
     if r.get("sealed_label") or r.get("sealed_seal"):
         rows.append(f"- sealed system: `{r.get('sealed_label', '')}` seal `{str(r.get('sealed_seal', ''))[:16]}`")
     if r.get("sigma") is not None:
         rows.append(f"- stock noise σ: {_pct(r.get('sigma'))}")
     return rows
+
+
+def _headline_warnings(r: dict) -> list[str]:
+    """Lines that flag a sealed system slower than AR, and a headline that τ / c of the same runs does not
+    back (the two weigh requests differently: see the text)."""
+    out = []
+    vs_ar, low, tc = r.get("speedup_vs_ar"), r.get("speedup_ci_low"), _ratio(r.get("tau"), r.get("c"))
+    if isinstance(vs_ar, (int, float)) and vs_ar < 1:
+        out.append(f"- **Warning: the sealed system is slower than AR in this run** ({_num(vs_ar)}x, 95% lower bound "
+                   f"{_num(low)}). Round 0 judges AR only when stock loses to AR in Phase 0; noise (σ) can hide a "
+                   "small loss there: AR (no drafter) may be the better system here; rerun on a quieter machine to decide.")
+    if isinstance(vs_ar, (int, float)) and isinstance(tc, (int, float)) and abs(vs_ar / tc - 1) > 0.05:
+        out.append(f"- Note: the headline speedup ({_num(vs_ar)}x) and τ / c ({_num(tc)}) of the same runs differ by "
+                   f"{abs(vs_ar / tc - 1):.0%}: the headline is the geometric mean over benchmarks of per-request "
+                   "throughput ratios (prefill included, each request's faster run: the controller's statistic), "
+                   "τ / c sums decode steps over all requests (long requests weigh more). Neither is wrong; they "
+                   "answer different questions.")
+    return out
 
 
 def _ratio(a, b):

@@ -241,7 +241,7 @@ class Pilot:
         memory = Memory(o.out / "memory")
         self.reused = []
         if self.source is not None:  # a new deployment starts from stock + memory, re-tuned and re-measured (§3.5)
-            self.say("memory", f"starting from stock + the {len(self.source.ids())} entries of {self.source.root}")
+            self.say("memory", f"starting from stock + the entries of {self.source.root} ({len(self.source.ids())})")
             incumbent, self.reused = reuse_memory(self, self.source, incumbent, memory, entries, candidates, tried)
         if ar_stock.gain < 1.0 and self.ar.seal() not in tried:  # stock loses to AR: speculation off is a candidate
             self.say("round 0", f"stock is {ar_stock.gain:.3f}x AR: candidate AR (no drafter) against {incumbent.label()}")
@@ -528,6 +528,9 @@ class Pilot:
         self.say("seal", f"{vs_ar[0]:.3f}x AR (lower bound {vs_ar[1]:.3f}), {vs_stock[0]:.3f}x stock "
                  f"(lower bound {vs_stock[1]:.3f}); τ {steps['sealed'].tau:.2f}, c {c_sealed:.3f}; token forcing "
                  f"{'passed' if passed else 'FAILED'}; reproduction check {'ok' if check.ok else 'FAILED'}")
+        if vs_ar[0] < 1:
+            self.say("seal", f"[yellow bold]warning: the sealed system {sealed.label()} is slower than AR in this run "
+                     f"({vs_ar[0]:.3f}x, lower bound {vs_ar[1]:.3f}); see the report[/]")
         ceil, _ = self.ceiling(sealed)
         system = {"config": sealed.model_dump(), "label": sealed.label(), "seal": sealed.seal(),
                   "entries": [e.id for e in entries], "deployment": self.deployment(),
