@@ -34,7 +34,6 @@ import concurrent.futures as cf
 import math
 import queue
 import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -43,6 +42,7 @@ from ..errors import SpecPilotError
 from . import controller as ctl
 from .agent import ALLOWED, FORBIDDEN, AgentPatch, AgentRejected, prepare_worktree, run_agent, write_brief
 from .memory import Entry, Evidence
+from .patches import head_state
 from .workers import DeploymentSpec, WorkerError, WorkerExecutor, WorkerPool, WorkerSystem
 
 
@@ -238,11 +238,7 @@ def stock_commit(repo: Path) -> tuple[str, bool]:
         SpecPilotError: ``repo`` is not a git checkout (``--agent`` needs one).
     """
     try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no", "specpilot"],
-                               capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise SpecPilotError(f"--agent needs git: {e}") from None
-    if head.returncode != 0:
-        raise SpecPilotError(f"--agent needs specpilot in a git checkout ({repo} is none)")
-    return head.stdout.strip(), bool(dirty.stdout.strip())
+        commit, _, dirty = head_state(repo, ("specpilot",))
+    except ValueError as e:
+        raise SpecPilotError(f"--agent needs specpilot in a git checkout ({repo}: {e})") from None
+    return commit, dirty

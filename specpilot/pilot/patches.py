@@ -78,3 +78,21 @@ def tree_of(repo: str | Path, rev: str = "HEAD") -> str:
     if r.returncode != 0:
         raise ValueError(f"{rev} is not a commit of {repo}")
     return r.stdout.strip()
+
+
+def head_state(repo: str | Path, paths: Sequence[str] = ()) -> tuple[str, str, bool]:
+    """``(HEAD commit, HEAD tree id, dirty)`` of the checkout ``repo``; ``dirty``: tracked files (under
+    ``paths``, or anywhere) differ from HEAD.
+
+    Raises:
+        ValueError: ``repo`` is not a git checkout (or git is unusable).
+    """
+    try:
+        head = _git(Path(repo), ["rev-parse", "HEAD", "HEAD^{tree}"])
+        status = _git(Path(repo), ["status", "--porcelain", "--untracked-files=no", "--", *paths])
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ValueError(f"git is not usable here ({e})") from None
+    if head.returncode != 0:
+        raise ValueError(f"{repo} is not a git checkout")
+    commit, tree = head.stdout.split()
+    return commit, tree, bool(status.stdout.strip())

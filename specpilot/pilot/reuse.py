@@ -19,7 +19,6 @@ listed with the reason. The normal rounds continue from the resulting incumbent.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -27,6 +26,7 @@ from pydantic import ValidationError
 from ..config import SystemConfig
 from ..errors import SpecPilotError
 from .memory import Entry, Memory, MemoryEntryError, default_repo
+from .patches import head_state
 
 #: How many re-tuned variants of an entry are screened live (the entry's own options always included).
 SCREENED = 3
@@ -61,16 +61,11 @@ def ordered(src: Memory) -> tuple[list[Entry], dict[str, str]]:
 
 def code_tree(repo: Path | None = None) -> str | None:
     """Git tree id of this code base (``HEAD^{tree}``), or None when it is not a clean git checkout."""
-    cwd = repo or default_repo()
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD^{tree}"], cwd=cwd, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+        _, tree, dirty = head_state(repo or default_repo())
+    except ValueError:
         return None
-    if head.returncode != 0 or dirty.stdout.strip():
-        return None
-    return head.stdout.strip()
+    return None if dirty else tree
 
 
 def patch_status(entry: Entry, tree: str | None) -> tuple[str, str]:
