@@ -220,7 +220,7 @@ class Engine:
 
     def _step(self, committed: list[int], remaining: int, prof) -> tuple[list[int], int]:
         """One exact pass; returns (accepted draft tokens + the bonus, before the stop checks; rows)."""
-        cfg, dev = self.config, self.target.device
+        cfg = self.config
         start = len(committed) - 1
         assert self.cache.length == start, "cache must hold every committed token but the last"
         tree = Tree()
