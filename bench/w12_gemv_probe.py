@@ -1,4 +1,4 @@
-"""W12 one-row GEMV (``w12_gemm(..., gemv=True)``: decode to float32 in registers, FMAs, no tensor cores)
+"""W12 one-row GEMV (``w12_gemm(..., gemv=True)``: 3-instruction decode to float32 in registers, FMAs)
 against cuBLAS bf16 and the tensor-core W12 kernel on the Qwen3-8B projections; then the exact pass at
 1 row with every W12 projection on the GEMV path (issue 5).
 
@@ -9,8 +9,8 @@ against cuBLAS bf16 and the tensor-core W12 kernel on the Qwen3-8B projections; 
    has them, two runs bitwise equal.
 2. µs per call at 1 row (one CUDA graph, ≥ 512 MiB of weight copies: no L2 reuse): cuBLAS ``F.linear``, the
    tensor-core W12 kernel (defaults) and GEMV configs.
-3. Exact pass at 1 row (CUDA graphs, fused kernels): bf16, W12 tensor-core default, W12 GEMV with the best
-   config per shape.
+3. Exact pass at 1 row (CUDA graphs, fused kernels): bf16, W12 on the tensor-core kernel only, W12 with the
+   default routing, W12 GEMV with the best config per shape.
 """
 
 from __future__ import annotations
@@ -35,9 +35,12 @@ from w12_bench import SHAPES, bits_equal, check, codes, copies_of  # noqa: E402
 
 dev = "cuda"
 T0 = time.time()
-CONFIGS = [{"gemv": True, "block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": st}
-           for bn, bk, nw, st in ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (16, 256, 8, 3), (16, 128, 4, 4),
-                                  (32, 512, 8, 3), (16, 256, 2, 3), (8 * 2, 1024, 8, 2), (64, 256, 8, 3))]
+CONFIGS = [{"gemv": True, "block_n": bn, "block_k": bk, "split_k": sp, "num_warps": nw, "num_stages": st, "asm": asm}
+           for bn, bk, sp, nw, st, asm in (
+               (16, 512, None, 4, 3, True), (16, 512, 1, 4, 3, True), (16, 256, 1, 4, 3, True),
+               (16, 1024, 1, 8, 2, True), (32, 512, 1, 8, 3, True), (8, 512, 1, 4, 3, True), (16, 512, 2, 4, 3, True),
+               (16, 256, 2, 4, 4, True), (16, 512, 4, 4, 3, True), (32, 256, 1, 4, 3, True), (16, 512, 1, 4, 3, False),
+               (16, 512, None, 4, 3, False), (64, 256, 1, 8, 3, True), (16, 512, 1, 2, 3, True), (8, 256, 2, 2, 3, True))]
 
 
 def correctness() -> dict:
@@ -103,8 +106,17 @@ def ar(best: dict) -> dict:
     out = {"bf16_ms": measure_verify_ms(model, 512, (1,), repeats=20, static=True)[1]}
     to_w12(model, inplace=True)
     torch.cuda.empty_cache()
-    out["w12_tensor_core_ms"] = measure_verify_ms(model, 512, (1,), repeats=20, static=True)[1]
     plain = wg.w12_gemm
+
+    def tensor_core(x, w12, bias=None, escapes=None, **over):
+        return plain(x, w12, bias, escapes, **({"gemv": False} | over))
+
+    wg.w12_gemm = tensor_core
+    try:
+        out["w12_tensor_core_ms"] = measure_verify_ms(model, 512, (1,), repeats=20, static=True)[1]
+    finally:
+        wg.w12_gemm = plain
+    out["w12_default_ms"] = measure_verify_ms(model, 512, (1,), repeats=20, static=True)[1]
 
     def routed(x, w12, bias=None, escapes=None, **over):
         if x.shape[0] == 1 and not over:

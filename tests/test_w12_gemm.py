@@ -66,6 +66,8 @@ CASES = [
     (100, 90, 100, dict(block_n=64, block_k=64)),
     (1, 300, 700, dict(gemv=True)),  # the one-row FMA kernel: default blocking, K not a multiple of its step
     (1, 130, 64, dict(gemv=True, block_n=64, block_k=64)),
+    (1, 300, 700, dict(gemv=True, split_k=3, block_k=128)),  # split K with a ragged last split
+    (1, 200, 1000, dict(gemv=True, split_k=2, block_n=8, block_k=64, asm=False)),  # plain decode on the GPU too
 ]
 
 
@@ -101,6 +103,23 @@ def test_default_config_path_and_reference_order():
     for m in (1, 5, 17, 64):
         x = torch.randint(-4, 5, (m, k), generator=g).float().to(DEV)
         assert torch.equal(w12_gemm(x, t), w12_gemm_reference(x, t))
+
+
+@pytest.mark.parametrize("over", [dict(gemv=True), dict(gemv=True, split_k=2, block_k=64), dict(gemv=False)])
+def test_rows_with_far_apart_windows_are_exact(over):
+    """The one-row kernel decodes ``w · 2^(112 − B_n)`` and rescales each row's sum once: rows whose windows sit
+    anywhere in the bf16 range (scales 2^-100 .. 2^100) must still give the reference exactly when every
+    product and partial sum is exact (small integers times a power of two per row)."""
+    n, k = 48, 320
+    g = torch.Generator().manual_seed(11)
+    ints = torch.randint(-15, 16, (n, k), generator=g).float()
+    ints[ints == 0] = 3.0
+    scale = torch.pow(2.0, torch.linspace(-100, 100, n).round())[:, None]
+    t = encode((ints * scale).to(torch.bfloat16), device=DEV)
+    assert t.num_escapes == 0 and int(t.base.min()) < 40 and int(t.base.max()) > 210
+    x = torch.randint(-4, 5, (1, k), generator=g).float().to(DEV)
+    out = w12_gemm(x, t, **over)
+    assert torch.equal(out.cpu(), w12_gemm_reference(x.cpu(), _cpu(t)))
 
 
 def test_nonfinite_escapes_propagate_like_the_reference():

@@ -210,29 +210,63 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
     return out
 
 
-def _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides) -> torch.Tensor:
-    """One activation row: ``x [1, K] @ W12ᵀ`` decoded straight to float32 in registers and summed with FMAs
-    (no tensor cores, so no layout change between the decode and the dot). A program owns ``block_n``
-    (16/32/64, dividing 128) rows of one record band and the whole K; columns are taken as even / odd
-    pairs (a view pair is one 16-bit load, its nibbles one byte), so no interleave is needed. Escapes and
-    bias are added per channel after the K sum, in list order; fixed order, no atomics.
+def gemv_config(n: int, k: int, num_sms: int = 132) -> dict:
+    """Launch parameters of the one-row kernel :func:`_gemv` from static shapes only: BLOCK_N 16 rows (one
+    record band holds 8 such tiles), BLOCK_K 512 columns a step (64 groups of 8), 4 warps, 3 stages, and the
+    smallest power-of-two split of K that gives at least 2 programs per SM while every split keeps ≥ 2 steps.
+    Untuned starting point; ``bench/w12_gemv_probe.py`` sweeps the alternatives on the GPU."""
+    bn, bk = 16, 512
+    programs = -(-n // bn)
+    steps = -(-(-(-k // RECORD_COLS) * RECORD_COLS) // bk)
+    split = 1
+    while programs * split < 2 * num_sms and steps // (2 * split) >= 2:
+        split *= 2
+    return dict(block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=3, asm=True)
 
-    Taken by default for one row when N > K: on the H200 (``bench/results/w12_gemv_probe_h200_2026-11-30.json``)
-    it beat the tensor-core kernel on qkv (20.2 vs 26.1 µs) and gate_up (65.6 vs 71.2 µs) and lost on o
-    (17.3 vs 16.6) and down (45.0 vs 37.7: few programs, each a long K). Both stay below cuBLAS (0.65–0.80x):
-    the decode is bound by integer instructions (~2 TB/s of W12 bytes), see docs/NOTES.md."""
+
+def _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides) -> torch.Tensor:
+    """One activation row: ``x [1, K] @ W12ᵀ`` with the weights decoded to float32 in registers and summed
+    with FMAs (no tensor cores, so no layout change between the decode and the dot).
+
+    Decode in three integer instructions a weight. A program reads, per row and group of 8 columns, one
+    64-bit word of views and one 32-bit word of nibbles (8 bytes and 4 bytes, contiguous in the record).
+    For weight ``i``: ``t = prmt(view_i, nibble byte) `` puts the view byte in bits 31–24 and the byte holding
+    its nibble in bits 23–16 (the even columns' nibbles are taken from the nibble word shifted left by 4,
+    once per 8 weights); ``t >>= 4`` (arithmetic) moves the offset to the low exponent bits 26–23, the top
+    mantissa bits to 22–20 and the nibble to 19–16 while the sign stays in bit 31; ``lop3`` keeps bits 31 and
+    26–16 and sets exponent bits 30–27 to ``0111``. The result is the float32 ``w' = w · 2^(112 − B_n)``
+    (exponent field ``112 + offset`` instead of ``B_n + offset``), so no per-weight exponent add: the row's
+    sum is multiplied by ``2^(B_n − 112)`` once (``B_n`` in 1..239, so the scale is a normal float32). Scaling
+    by a power of two commutes with every float32 rounding of the sum, so the result is bitwise that of
+    summing ``x_k w_nk`` in the same order, unless a partial sum or product falls into the float32
+    subnormal range in one scaling and not the other (an absolute error of at most ``2^-149`` an operation).
+
+    ``asm`` (default on CUDA): the three instructions as inline PTX (``prmt.b32``, ``shr.s32``, ``lop3.b32``);
+    otherwise the same bit operations in plain Triton (the interpreter, and a GPU comparison). Split K
+    (``split_k`` > 1): partial sums, scaled, in ``[split, 1, N]`` float32, summed in split order by
+    ``_w12_split_sum_kernel``; then escapes in list order, then the bias. Fixed order, no atomics."""
     n, k = w12.shape
-    bn = overrides.get("block_n") or (16 if n <= 8192 else 32)
-    bk = overrides.get("block_k") or (512 if n <= 8192 else 256)
-    if RECORD_ROWS % bn or bk % RECORD_COLS:
-        raise W12GemmError(f"gemv: block_n must divide {RECORD_ROWS}, block_k be a multiple of {RECORD_COLS}")
+    cfg = gemv_config(n, k, _num_sms(x.device.index if x.is_cuda else None))
+    cfg.update({key: v for key, v in overrides.items() if v is not None and key in cfg})
+    bn, bk, split = cfg["block_n"], cfg["block_k"], cfg["split_k"]
+    if RECORD_ROWS % bn or bk % RECORD_COLS or split < 1:
+        raise W12GemmError(f"gemv: block_n must divide {RECORD_ROWS}, block_k be a multiple of {RECORD_COLS}, "
+                           f"split_k >= 1")
     rec = w12.records
     k_pad = rec.shape[1] * RECORD_COLS
+    k_per_split = triton.cdiv(triton.cdiv(k_pad, split), bk) * bk
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _w12_gemv_kernel[(triton.cdiv(n, bn),)](
-        x, rec.view(torch.int16), rec, w12.base, bias if bias is not None else out, out, row_ptr, esc_k, esc_d,
-        n, k, k_pad, BLOCK_N=bn, BLOCK_K=bk, EVEN=k_pad % bk == 0, HAS_BIAS=bias is not None,
-        num_warps=overrides.get("num_warps") or 4, num_stages=overrides.get("num_stages") or 3)
+    part = torch.empty((split, 1, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    b = bias if bias is not None else out
+    _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
+        x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, row_ptr, esc_k, esc_d,
+        n, k, k_pad, k_per_split, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+        EVEN=k_per_split * split == k_pad, HAS_BIAS=bias is not None, ASM=bool(cfg["asm"]) and x.is_cuda,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split > 1:
+        _w12_split_sum_kernel[(triton.cdiv(n, 64), 1)](
+            part, x, b, out, row_ptr, esc_k, esc_d, 1, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
+            HAS_BIAS=bias is not None, num_warps=4)
     return out
 
 
@@ -434,49 +468,104 @@ if triton is not None:
             tl.store(Part + pid_k * M * N + dst, acc, mask=ok)
 
     @triton.jit
-    def _w12_gemv_kernel(X, Rec16, Rec8, Base, Bias, Out, RowPtr, EscK, EscD, N, K, K_PAD,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """Grid ``(cdiv(N, BLOCK_N),)``: ``Out[0, n] = Σ_k x_k w_nk (+ escapes, bias)`` for BLOCK_N rows of
-        one record band (see :func:`_gemv`). Float32 accumulators ``[BLOCK_N, BLOCK_K / 2]`` per parity."""
+    def _w1(t):
+        """Plain-Triton tail of the decode (module ``_gemv``): ``t`` int32 with the view byte in bits 31–24 and
+        the nibble in bits 23–20 -> float32 ``w'`` (exponent bits 30–27 set to ``0111``)."""
+        t = t >> 4  # arithmetic: the sign stays in bit 31
+        return ((t & -2013331456) | 0x38000000).to(tl.float32, bitcast=True)  # -2013331456 == 0x87FF0000 as int32
+
+    @triton.jit
+    def _decode8(vw, qw, ASM: tl.constexpr):
+        """One group of 8 columns: views ``vw`` (int64, byte i = column i) and nibbles ``qw`` (int32, nibble i =
+        column i) -> 8 float32 tensors ``w' = w · 2^(112 − B_n)`` of vw's shape (see ``_gemv``)."""
+        if ASM:
+            w = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 lo, hi, q4, t, m, c;
+                mov.b64 {lo, hi}, $8;
+                shl.b32 q4, $9, 4;
+                mov.b32 m, 0x87FF0000;
+                mov.b32 c, 0x38000000;
+                prmt.b32 t, lo, q4, 0x0400; shr.s32 t, t, 4; lop3.b32 $0, t, m, c, 0xEA;
+                prmt.b32 t, lo, $9, 0x1400; shr.s32 t, t, 4; lop3.b32 $1, t, m, c, 0xEA;
+                prmt.b32 t, lo, q4, 0x2500; shr.s32 t, t, 4; lop3.b32 $2, t, m, c, 0xEA;
+                prmt.b32 t, lo, $9, 0x3500; shr.s32 t, t, 4; lop3.b32 $3, t, m, c, 0xEA;
+                prmt.b32 t, hi, q4, 0x0600; shr.s32 t, t, 4; lop3.b32 $4, t, m, c, 0xEA;
+                prmt.b32 t, hi, $9, 0x1600; shr.s32 t, t, 4; lop3.b32 $5, t, m, c, 0xEA;
+                prmt.b32 t, hi, q4, 0x2700; shr.s32 t, t, 4; lop3.b32 $6, t, m, c, 0xEA;
+                prmt.b32 t, hi, $9, 0x3700; shr.s32 t, t, 4; lop3.b32 $7, t, m, c, 0xEA;
+                }""",
+                constraints="=r,=r,=r,=r,=r,=r,=r,=r,l,r", args=[vw, qw], dtype=(tl.int32,) * 8, is_pure=True,
+                pack=1)
+            return (w[0].to(tl.float32, bitcast=True), w[1].to(tl.float32, bitcast=True),
+                    w[2].to(tl.float32, bitcast=True), w[3].to(tl.float32, bitcast=True),
+                    w[4].to(tl.float32, bitcast=True), w[5].to(tl.float32, bitcast=True),
+                    w[6].to(tl.float32, bitcast=True), w[7].to(tl.float32, bitcast=True))
+        lo = vw.to(tl.int32)  # columns 0-3 (byte i = column i)
+        hi = (vw >> 32).to(tl.int32)  # columns 4-7
+        top = -16777216  # 0xFF000000: the view byte's place; nibble i goes to bits 23-20
+        return (_w1((lo << 24) | ((qw << 20) & 0x00F00000)),
+                _w1(((lo << 16) & top) | ((qw << 16) & 0x00F00000)),
+                _w1(((lo << 8) & top) | ((qw << 12) & 0x00F00000)),
+                _w1((lo & top) | ((qw << 8) & 0x00F00000)),
+                _w1((hi << 24) | ((qw << 4) & 0x00F00000)),
+                _w1(((hi << 16) & top) | (qw & 0x00F00000)),
+                _w1(((hi << 8) & top) | ((qw >> 4) & 0x00F00000)),
+                _w1((hi & top) | ((qw >> 8) & 0x00F00000)))
+
+    @triton.jit
+    def _w12_gemv_kernel(X, RecV, RecQ, Base, Bias, Out, Part, RowPtr, EscK, EscD, N, K, K_PAD, K_PER_SPLIT,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+        """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: ``Out[0, n] = Σ_k x_k w_nk (+ escapes, bias)`` for BLOCK_N rows
+        of one record band and one K chunk (see :func:`_gemv`). ``RecV`` / ``RecQ``: the records as int64 / int32
+        words. Float32 accumulators ``[BLOCK_N, BLOCK_K / 8]``, one per group of 8 columns."""
+        pid_k = tl.program_id(1)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         band = (offs_n // 128) * (K_PAD // 64) * 12288
-        row_v = (band + (offs_n % 128) * 64) // 2  # int16 index of the row's view pairs in the band's record 0
-        row_p = band + 8192 + (offs_n % 128) * 32  # byte index of its nibbles
-        base7 = tl.load(Base + offs_n, mask=n_ok, other=127).to(tl.int32) << 7
-        rj = tl.arange(0, BLOCK_K // 2)  # column pair j: columns 2j, 2j + 1 of the step
-        col_v = (rj // 32) * 6144 + rj % 32
-        col_p = (rj // 32) * 12288 + rj % 32
-        acc_e = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32)
-        acc_o = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32)
-        for kb in range(0, K_PAD, BLOCK_K):
-            r0 = (kb // 64) * 12288
-            ok = (kb + 2 * rj < K_PAD)[None, :]
+        row_v = (band + (offs_n % 128) * 64) // 8  # int64 word of the row's first view group, record 0
+        row_q = (band + 8192 + (offs_n % 128) * 32) // 4  # int32 word of its first nibble group
+        rg = tl.arange(0, BLOCK_K // 8)  # group g: columns 8g .. 8g + 7 of the step
+        col_v = (rg // 8) * 1536 + rg % 8
+        col_q = (rg // 8) * 3072 + rg % 8
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        k0 = pid_k * K_PER_SPLIT
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):
+            kb = k0 + kk
+            r0 = kb // 64
             if EVEN:
-                v = tl.load(Rec16 + r0 // 2 + row_v[:, None] + col_v[None, :]).to(tl.int32) & 0xFFFF
-                p = tl.load(Rec8 + r0 + row_p[:, None] + col_p[None, :]).to(tl.int32)
+                vw = tl.load(RecV + r0 * 1536 + row_v[:, None] + col_v[None, :])
+                qw = tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :])
             else:
-                v = tl.load(Rec16 + r0 // 2 + row_v[:, None] + col_v[None, :], mask=ok, other=0).to(tl.int32) & 0xFFFF
-                p = tl.load(Rec8 + r0 + row_p[:, None] + col_p[None, :], mask=ok, other=0).to(tl.int32)
-            xe = tl.load(X + kb + 2 * rj, mask=kb + 2 * rj < K, other=0.0).to(tl.float32)
-            xo = tl.load(X + kb + 2 * rj + 1, mask=kb + 2 * rj + 1 < K, other=0.0).to(tl.float32)
-            ve = v & 0xFF
-            vo = v >> 8
-            be = ((ve & 0x80) << 24) | (((((ve & 0x7F) << 4) + base7[:, None]) | (p & 15)) << 16)
-            bo = ((vo & 0x80) << 24) | (((((vo & 0x7F) << 4) + base7[:, None]) | (p >> 4)) << 16)
-            acc_e += be.to(tl.float32, bitcast=True) * xe[None, :]
-            acc_o += bo.to(tl.float32, bitcast=True) * xo[None, :]
-        y = tl.sum(acc_e + acc_o, axis=1)
-        lo = tl.load(RowPtr + offs_n, mask=n_ok, other=0)
-        cnt = tl.load(RowPtr + offs_n + 1, mask=n_ok, other=0) - lo
-        for j in range(0, tl.max(cnt, axis=0)):
-            has = j < cnt
-            kk = tl.load(EscK + lo + j, mask=has, other=0)
-            d = tl.load(EscD + lo + j, mask=has, other=0.0)
-            y += tl.load(X + kk, mask=has, other=0.0).to(tl.float32) * d
-        if HAS_BIAS:
-            y += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(Out + offs_n, y.to(Out.dtype.element_ty), mask=n_ok)
+                ok = (kb + 8 * rg < K_PAD)[None, :]
+                vw = tl.load(RecV + r0 * 1536 + row_v[:, None] + col_v[None, :], mask=ok, other=0)
+                qw = tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :], mask=ok, other=0)
+            w0, w1, w2, w3, w4, w5, w6, w7 = _decode8(vw, qw, ASM)
+            xk = X + kb + 8 * rg
+            acc += w0 * tl.load(xk, mask=kb + 8 * rg < K, other=0.0).to(tl.float32)[None, :]
+            acc += w1 * tl.load(xk + 1, mask=kb + 8 * rg + 1 < K, other=0.0).to(tl.float32)[None, :]
+            acc += w2 * tl.load(xk + 2, mask=kb + 8 * rg + 2 < K, other=0.0).to(tl.float32)[None, :]
+            acc += w3 * tl.load(xk + 3, mask=kb + 8 * rg + 3 < K, other=0.0).to(tl.float32)[None, :]
+            acc += w4 * tl.load(xk + 4, mask=kb + 8 * rg + 4 < K, other=0.0).to(tl.float32)[None, :]
+            acc += w5 * tl.load(xk + 5, mask=kb + 8 * rg + 5 < K, other=0.0).to(tl.float32)[None, :]
+            acc += w6 * tl.load(xk + 6, mask=kb + 8 * rg + 6 < K, other=0.0).to(tl.float32)[None, :]
+            acc += w7 * tl.load(xk + 7, mask=kb + 8 * rg + 7 < K, other=0.0).to(tl.float32)[None, :]
+        base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
+        y = tl.sum(acc, axis=1) * ((base + 15) << 23).to(tl.float32, bitcast=True)  # × 2^(B_n − 112), exact
+        if SPLIT_K == 1:
+            lo = tl.load(RowPtr + offs_n, mask=n_ok, other=0)
+            cnt = tl.load(RowPtr + offs_n + 1, mask=n_ok, other=0) - lo
+            for j in range(0, tl.max(cnt, axis=0)):
+                has = j < cnt
+                kj = tl.load(EscK + lo + j, mask=has, other=0)
+                d = tl.load(EscD + lo + j, mask=has, other=0.0)
+                y += tl.load(X + kj, mask=has, other=0.0).to(tl.float32) * d
+            if HAS_BIAS:
+                y += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(Out + offs_n, y.to(Out.dtype.element_ty), mask=n_ok)
+        else:
+            tl.store(Part + pid_k * N + offs_n, y, mask=n_ok)
 
     @triton.jit
     def _w12_split_sum_kernel(Part, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, SPLIT_K: tl.constexpr,
