@@ -481,19 +481,19 @@ if triton is not None:
         if ASM:
             w = tl.inline_asm_elementwise(
                 asm="""{
-                .reg .b32 lo, hi, q4, t, m, c;
-                mov.b64 {lo, hi}, $8;
-                shl.b32 q4, $9, 4;
-                mov.b32 m, 0x87FF0000;
-                mov.b32 c, 0x38000000;
-                prmt.b32 t, lo, q4, 0x0400; shr.s32 t, t, 4; lop3.b32 $0, t, m, c, 0xEA;
-                prmt.b32 t, lo, $9, 0x1400; shr.s32 t, t, 4; lop3.b32 $1, t, m, c, 0xEA;
-                prmt.b32 t, lo, q4, 0x2500; shr.s32 t, t, 4; lop3.b32 $2, t, m, c, 0xEA;
-                prmt.b32 t, lo, $9, 0x3500; shr.s32 t, t, 4; lop3.b32 $3, t, m, c, 0xEA;
-                prmt.b32 t, hi, q4, 0x0600; shr.s32 t, t, 4; lop3.b32 $4, t, m, c, 0xEA;
-                prmt.b32 t, hi, $9, 0x1600; shr.s32 t, t, 4; lop3.b32 $5, t, m, c, 0xEA;
-                prmt.b32 t, hi, q4, 0x2700; shr.s32 t, t, 4; lop3.b32 $6, t, m, c, 0xEA;
-                prmt.b32 t, hi, $9, 0x3700; shr.s32 t, t, 4; lop3.b32 $7, t, m, c, 0xEA;
+                .reg .b32 rlo, rhi, rq4, rt, rm, rc;
+                mov.b64 {rlo, rhi}, $8;
+                shl.b32 rq4, $9, 4;
+                mov.b32 rm, 0x87FF0000;
+                mov.b32 rc, 0x38000000;
+                prmt.b32 rt, rlo, rq4, 0x0400; shr.s32 rt, rt, 4; lop3.b32 $0, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rlo, $9, 0x1400; shr.s32 rt, rt, 4; lop3.b32 $1, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rlo, rq4, 0x2500; shr.s32 rt, rt, 4; lop3.b32 $2, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rlo, $9, 0x3500; shr.s32 rt, rt, 4; lop3.b32 $3, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rhi, rq4, 0x0600; shr.s32 rt, rt, 4; lop3.b32 $4, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rhi, $9, 0x1600; shr.s32 rt, rt, 4; lop3.b32 $5, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rhi, rq4, 0x2700; shr.s32 rt, rt, 4; lop3.b32 $6, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rhi, $9, 0x3700; shr.s32 rt, rt, 4; lop3.b32 $7, rt, rm, rc, 0xEA;
                 }""",
                 constraints="=r,=r,=r,=r,=r,=r,=r,=r,l,r", args=[vw, qw], dtype=(tl.int32,) * 8, is_pure=True,
                 pack=1)
