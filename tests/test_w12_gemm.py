@@ -66,7 +66,7 @@ CASES = [
     (100, 90, 100, dict(block_n=64, block_k=64)),
     (1, 300, 700, dict(gemv=True)),  # the one-row FMA kernel: default blocking, K not a multiple of its step
     (1, 130, 64, dict(gemv=True, block_n=64, block_k=64)),
-    (1, 300, 700, dict(gemv=True, split_k=3, block_k=128)),  # split K with a ragged last split
+    (1, 300, 700, dict(gemv=True, split_k=3, block_k=128, prefetch=True)),  # split K, ragged last split, prefetch
     (1, 200, 1000, dict(gemv=True, split_k=2, block_n=8, block_k=64, asm=False)),  # plain decode on the GPU too
 ]
 

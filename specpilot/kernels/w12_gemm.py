@@ -221,7 +221,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132) -> dict:
     split = 1
     while programs * split < 2 * num_sms and steps // (2 * split) >= 2:
         split *= 2
-    return dict(block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=3, asm=True)
+    return dict(block_n=bn, block_k=bk, split_k=split, num_warps=2, num_stages=3, asm=True, prefetch=False)
 
 
 def _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides) -> torch.Tensor:
@@ -261,8 +261,9 @@ def _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides) -> torch.Tensor:
     _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
         x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, row_ptr, esc_k, esc_d,
         n, k, k_pad, k_per_split, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-        EVEN=k_per_split * split == k_pad, HAS_BIAS=bias is not None, ASM=bool(cfg["asm"]) and x.is_cuda,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
+        ASM=bool(cfg["asm"]) and x.is_cuda, PREFETCH=bool(cfg["prefetch"]), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     if split > 1:
         _w12_split_sum_kernel[(triton.cdiv(n, 64), 1)](
             part, x, b, out, row_ptr, esc_k, esc_d, 1, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
@@ -514,9 +515,21 @@ if triton is not None:
                 _w1((hi & top) | ((qw >> 8) & 0x00F00000)))
 
     @triton.jit
+    def _load_groups(RecV, RecQ, kb, k_end, row_v, row_q, rg, col_v, col_q, EVEN: tl.constexpr):
+        """View words ``[BN, G]`` int64 and nibble words ``[BN, G]`` int32 of the step at column ``kb``; groups at
+        or past ``k_end`` read as 0 (unless EVEN: every group in range)."""
+        r0 = kb // 64
+        if EVEN:
+            return (tl.load(RecV + r0 * 1536 + row_v[:, None] + col_v[None, :]),
+                    tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :]))
+        ok = (kb + 8 * rg < k_end)[None, :]
+        return (tl.load(RecV + r0 * 1536 + row_v[:, None] + col_v[None, :], mask=ok, other=0),
+                tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :], mask=ok, other=0))
+
+    @triton.jit
     def _w12_gemv_kernel(X, RecV, RecQ, Base, Bias, Out, Part, RowPtr, EscK, EscD, N, K, K_PAD, K_PER_SPLIT,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+                         X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: ``Out[0, n] = Σ_k x_k w_nk (+ escapes, bias)`` for BLOCK_N rows
         of one record band and one K chunk (see :func:`_gemv`). ``RecV`` / ``RecQ``: the records as int64 / int32
         words. Float32 accumulators ``[BLOCK_N, BLOCK_K / 8]``, one per group of 8 columns."""
@@ -531,26 +544,37 @@ if triton is not None:
         col_q = (rg // 8) * 3072 + rg % 8
         acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
         k0 = pid_k * K_PER_SPLIT
+        k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)  # this split's end (a multiple of 64)
+        if PREFETCH:
+            vw, qw = _load_groups(RecV, RecQ, k0, k1, row_v, row_q, rg, col_v, col_q, EVEN)
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             kb = k0 + kk
-            r0 = kb // 64
-            if EVEN:
-                vw = tl.load(RecV + r0 * 1536 + row_v[:, None] + col_v[None, :])
-                qw = tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :])
+            if PREFETCH:  # issue the next step's loads before this step's decode (register double buffer)
+                vn, qn = _load_groups(RecV, RecQ, kb + BLOCK_K, k1, row_v, row_q, rg, col_v, col_q, False)
             else:
-                ok = (kb + 8 * rg < K_PAD)[None, :]
-                vw = tl.load(RecV + r0 * 1536 + row_v[:, None] + col_v[None, :], mask=ok, other=0)
-                qw = tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :], mask=ok, other=0)
+                vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
             w0, w1, w2, w3, w4, w5, w6, w7 = _decode8(vw, qw, ASM)
             xk = X + kb + 8 * rg
-            acc += w0 * tl.load(xk, mask=kb + 8 * rg < K, other=0.0).to(tl.float32)[None, :]
-            acc += w1 * tl.load(xk + 1, mask=kb + 8 * rg + 1 < K, other=0.0).to(tl.float32)[None, :]
-            acc += w2 * tl.load(xk + 2, mask=kb + 8 * rg + 2 < K, other=0.0).to(tl.float32)[None, :]
-            acc += w3 * tl.load(xk + 3, mask=kb + 8 * rg + 3 < K, other=0.0).to(tl.float32)[None, :]
-            acc += w4 * tl.load(xk + 4, mask=kb + 8 * rg + 4 < K, other=0.0).to(tl.float32)[None, :]
-            acc += w5 * tl.load(xk + 5, mask=kb + 8 * rg + 5 < K, other=0.0).to(tl.float32)[None, :]
-            acc += w6 * tl.load(xk + 6, mask=kb + 8 * rg + 6 < K, other=0.0).to(tl.float32)[None, :]
-            acc += w7 * tl.load(xk + 7, mask=kb + 8 * rg + 7 < K, other=0.0).to(tl.float32)[None, :]
+            if X_EVEN:
+                acc += w0 * tl.load(xk).to(tl.float32)[None, :]
+                acc += w1 * tl.load(xk + 1).to(tl.float32)[None, :]
+                acc += w2 * tl.load(xk + 2).to(tl.float32)[None, :]
+                acc += w3 * tl.load(xk + 3).to(tl.float32)[None, :]
+                acc += w4 * tl.load(xk + 4).to(tl.float32)[None, :]
+                acc += w5 * tl.load(xk + 5).to(tl.float32)[None, :]
+                acc += w6 * tl.load(xk + 6).to(tl.float32)[None, :]
+                acc += w7 * tl.load(xk + 7).to(tl.float32)[None, :]
+            else:
+                acc += w0 * tl.load(xk, mask=kb + 8 * rg < K, other=0.0).to(tl.float32)[None, :]
+                acc += w1 * tl.load(xk + 1, mask=kb + 8 * rg + 1 < K, other=0.0).to(tl.float32)[None, :]
+                acc += w2 * tl.load(xk + 2, mask=kb + 8 * rg + 2 < K, other=0.0).to(tl.float32)[None, :]
+                acc += w3 * tl.load(xk + 3, mask=kb + 8 * rg + 3 < K, other=0.0).to(tl.float32)[None, :]
+                acc += w4 * tl.load(xk + 4, mask=kb + 8 * rg + 4 < K, other=0.0).to(tl.float32)[None, :]
+                acc += w5 * tl.load(xk + 5, mask=kb + 8 * rg + 5 < K, other=0.0).to(tl.float32)[None, :]
+                acc += w6 * tl.load(xk + 6, mask=kb + 8 * rg + 6 < K, other=0.0).to(tl.float32)[None, :]
+                acc += w7 * tl.load(xk + 7, mask=kb + 8 * rg + 7 < K, other=0.0).to(tl.float32)[None, :]
+            if PREFETCH:
+                vw, qw = vn, qn
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
         y = tl.sum(acc, axis=1) * ((base + 15) << 23).to(tl.float32, bitcast=True)  # × 2^(B_n − 112), exact
         if SPLIT_K == 1:
