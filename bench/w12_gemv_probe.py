@@ -35,15 +35,12 @@ from w12_bench import SHAPES, bits_equal, check, codes, copies_of  # noqa: E402
 
 dev = "cuda"
 T0 = time.time()
-CONFIGS = [{"gemv": True, "block_n": bn, "block_k": bk, "split_k": sp, "num_warps": nw, "num_stages": st, "asm": asm,
-            "prefetch": pf}
-           for bn, bk, sp, nw, st, asm, pf in (
-               (16, 512, 1, 2, 3, True, False), (16, 512, 1, 2, 3, True, True), (16, 512, 1, 2, 1, True, True),
-               (16, 512, 2, 2, 3, True, False), (16, 512, 2, 2, 3, True, True), (16, 1024, 1, 4, 3, True, False),
-               (32, 512, 1, 4, 3, True, False), (16, 512, 1, 1, 3, True, False), (32, 512, 1, 2, 3, True, False),
-               (16, 1024, 1, 2, 2, True, False), (8, 512, 1, 1, 3, True, False), (16, 256, 1, 1, 3, True, False),
-               (16, 512, 4, 2, 3, True, False), (16, 512, 1, 2, 3, False, False), (16, 512, 2, 1, 3, True, True),
-               (8, 512, 2, 1, 3, True, True))]
+CONFIGS = [{"gemv": True}] + [
+    {"gemv": True, "block_n": bn, "block_k": bk, "split_k": sp, "num_warps": nw, "num_stages": st}
+    for bn, bk, sp, nw, st in ((16, 1024, 1, 4, 3), (16, 2048, 1, 8, 3), (16, 1024, 2, 4, 3), (16, 2048, 2, 8, 3),
+                               (16, 512, 4, 2, 3), (16, 256, 1, 1, 3), (16, 512, 1, 2, 3), (8, 1024, 1, 2, 3),
+                               (8, 512, 1, 1, 3), (16, 1024, 1, 4, 2), (16, 1024, 1, 4, 4), (32, 1024, 1, 8, 3),
+                               (16, 256, 2, 1, 3), (16, 1024, 4, 4, 3))]
 
 
 def correctness() -> dict:

@@ -58,7 +58,8 @@ def assert_within_rounding(out, x, t, bias=None):
 
 # (M, N, K, overrides): ragged N / K (not multiples of 128 / 64), split-K 1..3, every BLOCK_M, both operand orders
 CASES = [
-    (1, 200, 300, dict(block_n=64, block_k=128)),
+    (1, 200, 300, dict(block_n=64, block_k=128, gemv=False)),
+    (1, 200, 300, dict()),  # one row: the GEMV with its default launch
     (1, 130, 64, dict(block_n=16, block_k=64, w_left=False, gemv=False)),
     (5, 200, 300, dict(block_n=32, block_k=64, split_k=3)),
     (17, 128, 200, dict(block_n=64, block_k=128, split_k=2, w_left=False)),
@@ -66,7 +67,7 @@ CASES = [
     (100, 90, 100, dict(block_n=64, block_k=64)),
     (1, 300, 700, dict(gemv=True)),  # the one-row FMA kernel: default blocking, K not a multiple of its step
     (1, 130, 64, dict(gemv=True, block_n=64, block_k=64)),
-    (1, 300, 700, dict(gemv=True, split_k=3, block_k=128, prefetch=True)),  # split K, ragged last split, prefetch
+    (1, 300, 700, dict(gemv=True, split_k=3, block_k=128)),  # split K with a ragged last split
     (1, 200, 1000, dict(gemv=True, split_k=2, block_n=8, block_k=64, asm=False)),  # plain decode on the GPU too
 ]
 

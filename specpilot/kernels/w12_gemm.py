@@ -170,8 +170,8 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         bias: ``[N]`` (any float dtype) or None.
         escapes: :func:`escape_table` of ``w12`` (computed when None; :class:`W12Linear` keeps it).
         overrides: block_m / block_n (16–128, dividing 128) / block_k (a multiple of 64) / split_k /
-            num_warps / num_stages / w_left, and ``gemv`` (one row through :func:`_gemv`; default: when
-            N > K) (sweeps and tests).
+            num_warps / num_stages / w_left, and ``gemv`` (one row through :func:`_gemv`, the default;
+            False: the tensor-core kernel) (sweeps and tests).
     Returns: ``[M, N]`` in x's dtype; within the module docstring's bound of :func:`w12_gemm_reference`.
     Raises: W12GemmError on bad shapes / dtypes / devices or M outside 1..256; RuntimeError without triton.
     """
@@ -184,7 +184,7 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         raise W12GemmError(f"w12_gemm takes 1..{MAX_ROWS} rows, got {m}")
     x = x if x.stride(1) == 1 else x.contiguous()
     row_ptr, esc_k, esc_d = escape_table(w12) if escapes is None else escapes
-    if m == 1 and overrides.get("gemv", n > k):
+    if m == 1 and overrides.get("gemv", True):
         return _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides)
     cfg = default_config(m, n, k, _num_sms(x.device.index if x.is_cuda else None))
     cfg.update({key: v for key, v in overrides.items() if v is not None})
@@ -211,17 +211,24 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
 
 
 def gemv_config(n: int, k: int, num_sms: int = 132) -> dict:
-    """Launch parameters of the one-row kernel :func:`_gemv` from static shapes only: BLOCK_N 16 rows (one
-    record band holds 8 such tiles), BLOCK_K 512 columns a step (64 groups of 8), 4 warps, 3 stages, and the
-    smallest power-of-two split of K that gives at least 2 programs per SM while every split keeps ≥ 2 steps.
-    Untuned starting point; ``bench/w12_gemv_probe.py`` sweeps the alternatives on the GPU."""
-    bn, bk = 16, 512
+    """Launch parameters of the one-row kernel :func:`_gemv` from static shapes only.
+
+    From the H200 sweeps (``bench/results/w12_gemv_probe_h200_2026-11-30_session4*.json``): each thread should
+    hold 16 groups of 8 weights (fewer: the activation loads and address arithmetic dominate; more: spills),
+    and the whole grid should hold about 11–12 warps an SM (fewer cannot keep enough loads in flight on the
+    small projections). So BLOCK_N 16, and BLOCK_K the smallest of 256 .. 2048 giving ``N/16 · BLOCK_K/256``
+    ≥ 11 warps per SM, ``num_warps = BLOCK_K / 256`` (16 groups a thread); if the grid is still short, split
+    K in two or four (the partial sums are added by a second kernel, in order). 3 stages."""
+    bn, bk = 16, 256
+    k_pad = -(-k // RECORD_COLS) * RECORD_COLS
+    want = 11 * num_sms
     programs = -(-n // bn)
-    steps = -(-(-(-k // RECORD_COLS) * RECORD_COLS) // bk)
+    while bk < 2048 and bk < k_pad and programs * bk // 256 < want:
+        bk *= 2
     split = 1
-    while programs * split < 2 * num_sms and steps // (2 * split) >= 2:
+    while split < 4 and programs * split * bk // 256 < want and k_pad // (2 * split * bk) >= 2:
         split *= 2
-    return dict(block_n=bn, block_k=bk, split_k=split, num_warps=2, num_stages=3, asm=True, prefetch=False)
+    return dict(block_n=bn, block_k=bk, split_k=split, num_warps=max(1, bk * bn // 4096), num_stages=3, asm=True)
 
 
 def _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides) -> torch.Tensor:
@@ -262,8 +269,7 @@ def _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides) -> torch.Tensor:
         x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, row_ptr, esc_k, esc_d,
         n, k, k_pad, k_per_split, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
         EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
-        ASM=bool(cfg["asm"]) and x.is_cuda, PREFETCH=bool(cfg["prefetch"]), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        ASM=bool(cfg["asm"]) and x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split > 1:
         _w12_split_sum_kernel[(triton.cdiv(n, 64), 1)](
             part, x, b, out, row_ptr, esc_k, esc_d, 1, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
@@ -529,7 +535,7 @@ if triton is not None:
     @triton.jit
     def _w12_gemv_kernel(X, RecV, RecQ, Base, Bias, Out, Part, RowPtr, EscK, EscD, N, K, K_PAD, K_PER_SPLIT,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
-                         X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
+                         X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: ``Out[0, n] = Σ_k x_k w_nk (+ escapes, bias)`` for BLOCK_N rows
         of one record band and one K chunk (see :func:`_gemv`). ``RecV`` / ``RecQ``: the records as int64 / int32
         words. Float32 accumulators ``[BLOCK_N, BLOCK_K / 8]``, one per group of 8 columns."""
@@ -545,14 +551,9 @@ if triton is not None:
         acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
         k0 = pid_k * K_PER_SPLIT
         k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)  # this split's end (a multiple of 64)
-        if PREFETCH:
-            vw, qw = _load_groups(RecV, RecQ, k0, k1, row_v, row_q, rg, col_v, col_q, EVEN)
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             kb = k0 + kk
-            if PREFETCH:  # issue the next step's loads before this step's decode (register double buffer)
-                vn, qn = _load_groups(RecV, RecQ, kb + BLOCK_K, k1, row_v, row_q, rg, col_v, col_q, False)
-            else:
-                vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
+            vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
             w0, w1, w2, w3, w4, w5, w6, w7 = _decode8(vw, qw, ASM)
             xk = X + kb + 8 * rg
             if X_EVEN:
@@ -573,8 +574,6 @@ if triton is not None:
                 acc += w5 * tl.load(xk + 5, mask=kb + 8 * rg + 5 < K, other=0.0).to(tl.float32)[None, :]
                 acc += w6 * tl.load(xk + 6, mask=kb + 8 * rg + 6 < K, other=0.0).to(tl.float32)[None, :]
                 acc += w7 * tl.load(xk + 7, mask=kb + 8 * rg + 7 < K, other=0.0).to(tl.float32)[None, :]
-            if PREFETCH:
-                vw, qw = vn, qn
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
         y = tl.sum(acc, axis=1) * ((base + 15) << 23).to(tl.float32, bitcast=True)  # × 2^(B_n − 112), exact
         if SPLIT_K == 1:
