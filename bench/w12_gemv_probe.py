@@ -78,7 +78,7 @@ def timing(good: list[dict], budget_s: float) -> tuple[list[dict], dict]:
         ws = [w] + [w.clone() for _ in range(max(1, math.ceil((512 << 20) / (n * k * 2))) - 1)]
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         cub = time_calls(lambda a, w_: F.linear(a, w_), ws, x, reps=4)
-        tc = time_calls(lambda a, te: wg.w12_gemm(a, te[0], escapes=te[1]), ts, x, reps=4)
+        tc = time_calls(lambda a, te: wg.w12_gemm(a, te[0], escapes=te[1], gemv=False), ts, x, reps=4)
         res = []
         for v in good:
             if time.time() - T0 > budget_s:

@@ -214,13 +214,14 @@ def exact_linear(n, k, bias, seed):
 
 @pytest.mark.parametrize("kernel", [False, True])
 def test_w12_linear_equals_nn_linear_on_exact_inputs(kernel):
-    lin = exact_linear(150, 100, True, seed=1)
+    dev = DEV if kernel else "cpu"  # the compiled kernel on a GPU machine, the interpreter on the CPU
+    lin = exact_linear(150, 100, True, seed=1).to(dev)
     w12 = W12Linear.from_linear(lin)
     w12.use_kernel = kernel
     assert w12.esc_idx.numel() > 3 and w12.in_features == 100 and w12.out_features == 150
     g = torch.Generator().manual_seed(2)
     for shape in ((1, 100), (17, 100), (2, 3, 100)):
-        x = torch.randint(-6, 7, shape, generator=g).float()
+        x = torch.randint(-6, 7, shape, generator=g).float().to(dev)
         assert torch.equal(w12(x), lin(x)), shape
     assert torch.equal(w12.decoded_weight().float(), lin.weight)
 
@@ -234,6 +235,7 @@ def test_w12_linear_rows_beyond_256_and_reference_bitwise_in_float32():
     w12 = W12Linear.from_linear(lin)
     x = torch.randn(300, 64, generator=g)
     assert torch.equal(w12(x), lin(x))  # reference path: F.linear with the same float32 weight
+    w12, lin, x = w12.to(DEV), lin.to(DEV), x.to(DEV)
     w12.use_kernel = True
     torch.testing.assert_close(w12(x), lin(x), atol=1e-5, rtol=1e-5)
 

@@ -381,9 +381,11 @@ if triton is not None:
         pi = p.to(tl.int32)
         nib = tl.interleave(pi & 15, pi >> 4)  # column 2c from the low nibble, 2c + 1 from the high one
         bits = ((vi & 0x80) << 8) | (((vi & 0x7F) << 4) + base7[:, None]) | nib
-        if FP32:
-            return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        if FP32:  # one return: compiled Triton rejects a constexpr branch's early return of another dtype
+            w = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            w = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return w
 
     @triton.jit
     def _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, TRANS: tl.constexpr):
