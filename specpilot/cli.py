@@ -142,6 +142,9 @@ def generate(
         cfg = cfg.model_copy(update={"drafter_path": str(ddir)})
     dep = Deployment(tdir, ddir, dtype=dtype, device=device)
     tok = dep.tokenizer
+    if tok is None:
+        raise SpecPilotError(f"{tdir} has no tokenizer files, so a text prompt cannot be encoded (random-weight "
+                             "checkpoints are for `specpilot bench` and `specpilot pilot`, which feed token ids)")
     if not prompt.strip():
         raise SpecPilotError("the prompt is empty")
     if chat and tok.chat_template:

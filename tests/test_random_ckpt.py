@@ -9,6 +9,8 @@ from specpilot.engine.checkpoint import load_model
 from specpilot.errors import SpecPilotError
 from specpilot.zoo.random_ckpt import ARCHS, tensor_shapes, write_random_checkpoint
 
+from .conftest import run_cli
+
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}
 
@@ -49,3 +51,26 @@ def test_random_transformer_in_memory():
     assert 0.015 < w.std().item() < 0.025 and torch.all(m.model.norm.weight == 1)
     hidden = m(torch.arange(8), torch.arange(8), m.new_cache(16), 0)
     assert torch.isfinite(m.logits(hidden)).all()
+
+
+def test_checkpoint_without_tokenizer_feeds_byte_ids_to_the_pilot(tmp_path, monkeypatch, capsys):
+    """A random checkpoint has no tokenizer files: the deployment's tokenizer is None (transformers 5 would build
+    an empty one from config.json that encodes every prompt to no ids, and the pilot had no requests), the
+    pilot's requests are the prompts' UTF-8 bytes as ids, and `generate` refuses a text prompt in one line."""
+    from specpilot.data.benchmarks import load_mix
+    from specpilot.engine.deployment import Deployment
+    from specpilot.pilot.setup import BYTE_ID_OFFSET, build_requests
+
+    d = write_random_checkpoint("qwen3-8b", tmp_path / "q", device="cpu", overrides=SMALL | {"vocab_size": 1024})
+    dep = Deployment(d)
+    assert dep.tokenizer is None and dep.eos_ids() == [ARCHS["qwen3-8b"]["eos_token_id"]]
+    reqs = build_requests(dep, 2, 8)
+    texts = load_mix(2)
+    assert len(reqs) == len(texts) == 8
+    for r, t in zip(reqs, texts):
+        assert r.prompt_ids == tuple(BYTE_ID_OFFSET + b for b in t.text.encode("utf-8")) and r.max_new_tokens == 8
+    small = write_random_checkpoint("qwen3-8b", tmp_path / "s", device="cpu", overrides=SMALL)
+    with pytest.raises(SpecPilotError, match="too small"):
+        build_requests(Deployment(small), 1, 8)
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "--target", str(d), "--prompt", "hi", "--max-new-tokens", "2")
+    assert code == 2 and "no tokenizer files" in err and "Traceback" not in err

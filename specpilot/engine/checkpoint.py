@@ -125,14 +125,22 @@ def load_model(
     return model.fuse_projections() if fuse else model
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
+
+
 def load_tokenizer(path: str | Path):
-    """The checkpoint's tokenizer through ``transformers.AutoTokenizer`` (local files only).
+    """The checkpoint's tokenizer through ``transformers.AutoTokenizer`` (local files only), or None when the
+    directory holds no tokenizer file (:data:`TOKENIZER_FILES`), e.g. a ``specpilot zoo random`` checkpoint:
+    transformers 5 would otherwise build an empty tokenizer from config.json alone that maps every text to
+    no ids.
 
     Raises:
-        CheckpointError: if ``path`` holds no loadable tokenizer.
+        CheckpointError: if ``path`` has tokenizer files that do not load.
     """
     from transformers import AutoTokenizer
 
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        return None
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many kinds here; the user needs one line

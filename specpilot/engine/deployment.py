@@ -41,7 +41,7 @@ class Deployment:
         self.drafter_dir = Path(drafter_dir) if drafter_dir else None
         self.dtype, self.device = dtype, check_device(device)
         self.target = load_model(self.target_dir, dtype, device)
-        self.tokenizer = load_tokenizer(self.target_dir)
+        self.tokenizer = load_tokenizer(self.target_dir)  # None: the checkpoint has no tokenizer files
         self.draft_model = None
         self.block_dirs = [Path(b) for b in block_dirs]
         self._block_given_as_drafter = None
@@ -60,7 +60,7 @@ class Deployment:
     def eos_ids(self) -> list[int]:
         """EOS ids: the target config's, else the tokenizer's eos_token_id."""
         ids = list(self.target.args.eos_token_ids)
-        if not ids and self.tokenizer.eos_token_id is not None:
+        if not ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids = [self.tokenizer.eos_token_id]
         return ids
 

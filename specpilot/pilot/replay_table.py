@@ -15,6 +15,7 @@ from pathlib import Path
 from ..config import SystemConfig
 from ..data.benchmarks import BENCHMARKS, load_requests
 from ..engine.deployment import Deployment
+from ..errors import SpecPilotError
 from ..mechanisms.trees import acceptance_profile, set_sequoia_profile
 from .replay import Recording, profile_steps, record, replay
 
@@ -40,6 +41,8 @@ def replay_table(target_dir, drafter_dirs, per_benchmark: int = 4, max_new_token
     """
     dep = Deployment(target_dir, block_dirs=drafter_dirs, dtype="float32", device=device)
     tok = dep.tokenizer
+    if tok is None:
+        raise SpecPilotError(f"{target_dir} has no tokenizer files: the replay table needs the benchmark texts as ids")
     reqs = [r for b in BENCHMARKS for r in load_requests(b, per_benchmark, tok)]
     prompts = [tok(r.text, add_special_tokens=False)["input_ids"] for r in reqs]
     ar_eng = dep.system(SystemConfig.ar())

@@ -187,6 +187,11 @@ class Pilot:
         context = min(self.dep.target.args.max_position_embeddings, 4096)  # the engine's max_len
         self.reqs = [r for r in build_requests(self.dep, plan["per_benchmark"], plan["max_new_tokens"])
                      if len(r.prompt_ids) + ctl.SALT_TOKENS + r.max_new_tokens <= context]  # room for the salt
+        if self.dep.tokenizer is None:
+            self.say("setup", f"{self.dep.target_dir} has no tokenizer: prompts fed as UTF-8 byte ids (timing only)")
+        if not self.reqs:
+            raise SpecPilotError(f"no benchmark prompt fits this target (context {context} tokens, "
+                                 f"{plan['max_new_tokens']} new tokens): nothing to measure")
         self.say("setup", f"{len(self.reqs)} requests from {sorted({r.benchmark for r in self.reqs})}")
 
         # Phase 0

@@ -8,20 +8,37 @@ import time
 import torch
 
 from ..data.benchmarks import load_mix
+from ..errors import SpecPilotError
 from ..provenance import git_commit, versions  # noqa: F401  (used by the pilot)
 from .controller import Req
+
+
+BYTE_ID_OFFSET = 256  # byte b of a prompt becomes token id 256 + b when the target has no tokenizer
 
 
 def build_requests(dep, per_benchmark: int, max_new_tokens: int) -> list[Req]:
     """The pilot's request set: the first ``per_benchmark`` prompts of every bundled benchmark.
 
     MT-Bench goes through the tokenizer's chat template when it has one. Prompts are tokenized without
-    special tokens; requests whose prompt would not fit the context are skipped.
+    special tokens; requests whose prompt would not fit the context are skipped. A target without a
+    tokenizer (``dep.tokenizer`` None: random-weight checkpoints for timing) gets each prompt's UTF-8 bytes
+    as ids ``BYTE_ID_OFFSET + byte``: distinct, repeatable prompts of text-like structure, nothing more.
+
+    Raises:
+        SpecPilotError: no tokenizer and a vocabulary too small for byte ids (< 512).
     """
+    tok = dep.tokenizer
+    vocab = dep.target.args.vocab_size
+    if tok is None and vocab < BYTE_ID_OFFSET + 256:
+        raise SpecPilotError(f"{dep.target_dir} has no tokenizer and a vocabulary of {vocab} ids, too small to feed "
+                             f"the prompts as byte ids (needs {BYTE_ID_OFFSET + 256})")
     reqs = []
     limit = min(dep.target.args.max_position_embeddings, 4096) - max_new_tokens
-    for r in load_mix(per_benchmark, tokenizer=dep.tokenizer):
-        ids = dep.tokenizer(r.text, add_special_tokens=False)["input_ids"]
+    for r in load_mix(per_benchmark, tokenizer=tok):
+        if tok is None:
+            ids = [BYTE_ID_OFFSET + b for b in r.text.encode("utf-8")]
+        else:
+            ids = tok(r.text, add_special_tokens=False)["input_ids"]
         if 0 < len(ids) <= limit:
             reqs.append(Req(r.benchmark, r.index, tuple(ids), max_new_tokens))
     return reqs
