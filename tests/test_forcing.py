@@ -84,9 +84,16 @@ def test_lossless_passes_and_defect_rejected(model, data):
 
 def test_verdict_rules():
     stock = ForcingStats(delta=0.25, tokens=10000, mismatches=72, events=2)
-    assert forcing_verdict(ForcingStats(0.25, 10000, 120, 2), stock)[0]  # +0.48 pp, same events
-    ok, r = forcing_verdict(ForcingStats(0.25, 10000, 125, 2), stock)  # +0.53 pp
-    assert not ok and len(r) == 1
+    # allowance 0.5 pp + 2 standard errors of stock's 0.72% over 10^4 tokens = 0.669 pp
+    assert forcing_verdict(ForcingStats(0.25, 10000, 138, 2), stock)[0]  # +0.66 pp, same events
+    ok, r = forcing_verdict(ForcingStats(0.25, 10000, 140, 2), stock)  # +0.68 pp
+    assert not ok and len(r) == 1 and "0.67 pp" in r[0]
+    never = ForcingStats(0.25, 1000, 0, 0)  # a stock that never mismatches: the paper's bare 0.5 pp
+    assert forcing_verdict(ForcingStats(0.25, 1000, 5, 0), never)[0]
+    assert not forcing_verdict(ForcingStats(0.25, 1000, 6, 0), never)[0]
+    flat = ForcingStats(0.125, 1152, 122, 0)  # random weights on the H200: stock itself at 10.59%
+    assert forcing_verdict(ForcingStats(0.125, 1152, 138, 0), flat)[0]  # 11.98%: AR there (was rejected)
+    assert not forcing_verdict(ForcingStats(0.125, 1152, 150, 0), flat)[0]  # 13.02% > 10.59% + 2.31 pp
     ok, r = forcing_verdict(ForcingStats(0.25, 10000, 72, 3), stock)  # more events than stock
     assert not ok and "events" in r[0]
     with pytest.raises(ValueError):

@@ -38,3 +38,14 @@ def test_kernel_direction_elsewhere_says_why():
     f32 = SystemConfig.stock("ngram")
     cuda = planner("cuda")
     assert cuda.space(f32, "kernel") == [] and "bf16 target" in cuda.kernel_why_not(f32)
+
+
+def test_kernel_direction_on_an_ar_incumbent():
+    """Round 0 often approves AR (stock loses to it): the kernel toggles of AR must still be proposed (AR was
+    not replayable, so every toggle was dropped and the H200 8B pilot never judged W12). AR is τ = 1, c = 1."""
+    p = planner("cuda:0")
+    ar = SystemConfig.ar(dtype="bfloat16")
+    pred = p.predict(ar)
+    assert (pred.tau, pred.c, pred.speedup) == (1.0, 1.0, 1.0)
+    props = p.propose(ar, "kernel", {ar.seal()}, k=3)
+    assert sorted(c.label() for c, _ in props) == sorted([ar.label() + " +w12", ar.label() + " +int8head"])

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 MISMATCH_SLACK = 0.005  # 0.5 percentage points over stock (§3.4)
+NOISE_Z = 2.0  # plus this many standard errors of stock's mismatch rate (see mismatch_allowance)
 DELTA_STEP = 0.125  # δ is a multiple of 1/8 nats (§3.4)
 HEAD_CHUNK = 256  # LM-head rows per FP32 matmul (bounds memory to HEAD_CHUNK x vocab floats)
 
@@ -212,12 +213,28 @@ def round_delta(margin: float) -> float:
     return max(1, steps) * DELTA_STEP
 
 
+def mismatch_allowance(system: ForcingStats, stock: ForcingStats) -> float:
+    """How far ``system``'s mismatch rate may exceed ``stock``'s before the first rule rejects it (fraction):
+    the paper's 0.5 pp plus :data:`NOISE_Z` standard errors of stock's own rate, ``sqrt(p (1 - p) / n)``
+    (``system`` is not used: the allowance is the baseline's sampling error).
+
+    The noise term is ours, not the paper's. A stock that never mismatches (a float32 CPU target) gets the
+    bare 0.5 pp rule; a trained target's ~0.7% over 10^4 tokens adds 0.17 pp. On a target with flat logits
+    (random weights: stock at 10.6% over 1152 tokens on the H200, ``bench/results/pilot_h200_qwen3-8b_random_
+    2026-11-30``) stock's rate has a standard error near 0.9 pp, and the bare rule failed stock against
+    itself (A vs A: 11.11% vs 10.59%) and AR. Large mismatches stay judged by the second rule (events), which
+    has no allowance."""
+    p = stock.mismatch_rate
+    return MISMATCH_SLACK + (NOISE_Z * math.sqrt(p * (1 - p) / stock.tokens) if stock.tokens else 0.0)
+
+
 def forcing_verdict(system: ForcingStats, stock: ForcingStats, baseline: str = "stock") -> tuple[bool, list[str]]:
     """Decision rule of §3.4 for a system's forcing figures against a baseline's, by default stock's (same
     scorer, same δ).
 
-    Reject if ``system.mismatch_rate > stock.mismatch_rate + 0.005`` or if
-    ``system.event_rate > stock.event_rate`` (large mismatches more frequent than the baseline's).
+    Reject if ``system.mismatch_rate > stock.mismatch_rate + mismatch_allowance(system, stock)`` (0.5 pp plus
+    stock's sampling error, :func:`mismatch_allowance`) or if ``system.event_rate > stock.event_rate`` (large
+    mismatches more frequent than the baseline's).
 
     Args:
         system / stock: the audited figures and the baseline's. baseline: what the baseline is, as named in
@@ -230,9 +247,11 @@ def forcing_verdict(system: ForcingStats, stock: ForcingStats, baseline: str = "
     if system.delta != stock.delta:
         raise ValueError(f"different delta: system {system.delta}, {baseline} {stock.delta}")
     reasons = []
-    if system.mismatch_rate > stock.mismatch_rate + MISMATCH_SLACK:
+    allow = mismatch_allowance(system, stock)
+    if system.mismatch_rate > stock.mismatch_rate + allow:
         reasons.append(
-            f"mismatch rate {system.mismatch_rate:.2%} exceeds {baseline}'s {stock.mismatch_rate:.2%} + 0.5 pp"
+            f"mismatch rate {system.mismatch_rate:.2%} exceeds {baseline}'s {stock.mismatch_rate:.2%} + "
+            f"{100 * allow:.2f} pp (0.5 pp + {NOISE_Z:g} standard errors of stock's rate)"
         )
     if system.event_rate > stock.event_rate:
         reasons.append(

@@ -89,7 +89,11 @@ class Planner:
         return None
 
     def predict(self, cfg: SystemConfig) -> Prediction | None:
-        """Predicted τ (exact replay), c and speedup of ``cfg``; None when it cannot be replayed."""
+        """Predicted τ (exact replay), c and speedup of ``cfg``; None when it cannot be replayed. AR
+        (``drafter == "none"``, e.g. a kernel toggle of an AR incumbent) is τ = 1, c = 1: its step is the AR
+        step, and the live screen measures what a kernel mechanism changes."""
+        if cfg.drafter == "none":
+            return Prediction(1.0, 1.0, 1.0)
         rec = self.recording(cfg)
         if rec is None:
             return None
