@@ -181,7 +181,7 @@ def check_float16_device(dtype: str, device: str) -> None:
 @app.command()
 def pilot(
     quick: bool = typer.Option(False, help="Smoke run (about 3 minutes on 2 CPU cores)."),
-    per_benchmark: Optional[int] = typer.Option(None, min=1, help="Requests per benchmark (default 4; --quick 2)."),
+    per_benchmark: Optional[int] = typer.Option(None, min=2, help="Requests per benchmark, at least 2 (the paired bootstrap needs two requests of a benchmark; default 4; --quick 2)."),
     max_new_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per request (default 64; --quick 32)."),
     rounds: Optional[int] = typer.Option(None, min=0, help="Planner rounds after round 0 (default 3; --quick 1)."),
     adversarial: bool = typer.Option(False, help="Also judge A vs A and the cheating candidates (cached outputs, "

@@ -68,10 +68,13 @@ def test_bad_options_name_the_option(monkeypatch, capsys, args, needle):
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
 
 
-@pytest.mark.parametrize("args", [["generate"], ["generate", "--prompt", "x", "--nodes", "abc"], ["pilot", "--bogus"]])
+@pytest.mark.parametrize("args", [["generate"], ["generate", "--prompt", "x", "--nodes", "abc"], ["pilot", "--bogus"],
+                                  ["pilot", "--per-benchmark", "1"]])  # the last was a traceback after the model load
 def test_parser_errors_are_not_tracebacks(monkeypatch, capsys, args):
     code, out, err = run_cli(monkeypatch, capsys, *args)
     assert code == 2 and "Traceback" not in err and err.strip()
+    if "--per-benchmark" in args:
+        assert "--per-benchmark" in err and "greater than or equal to 2" in err
 
 
 def test_fresh_user_bad_options_are_one_line_errors(monkeypatch, capsys, tmp_path):
