@@ -11,6 +11,7 @@ against cuBLAS bf16 and the tensor-core W12 kernel on the Qwen3-8B projections; 
    tensor-core W12 kernel (defaults) and GEMV configs.
 3. Exact pass at 1 row (CUDA graphs, fused kernels): bf16, W12 on the tensor-core kernel only, W12 with the
    default routing, W12 GEMV with the best config per shape.
+4. 2, 4 and 8 rows: the GEMV (``gemv=True``) checked, then timed against the tensor-core kernel and cuBLAS.
 """
 
 from __future__ import annotations
@@ -133,6 +134,36 @@ def ar(best: dict) -> dict:
     return out
 
 
+def few_rows() -> list[dict]:
+    """2, 4 and 8 rows: the GEMV (``gemv=True``, default launch) vs the tensor-core W12 kernel vs cuBLAS, each
+    checked against the reference first (rounding bound, two runs bitwise equal)."""
+    rows = []
+    for name in [s for s in SHAPES if s.startswith("qwen3-8b")]:
+        n, k = SHAPES[name]
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        t = encode(w, device=dev)
+        esc = wg.escape_table(t)
+        ts = copies_of(t, esc)
+        ws = [w] + [w.clone() for _ in range(max(1, math.ceil((512 << 20) / (n * k * 2))) - 1)]
+        aw = decode(t, check=False).float().abs() + codes(t).abs()
+        for m in (2, 4, 8):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            out = wg.w12_gemm(x, t, escapes=esc, gemv=True)
+            row = {"proj": name, "rows": m} | check(out, x, t, aw)
+            row["deterministic"] = bits_equal(out, wg.w12_gemm(x, t, escapes=esc, gemv=True))
+            row["cublas_us"] = time_calls(lambda a, w_: F.linear(a, w_), ws, x, reps=4)
+            row["tensor_core_w12_us"] = time_calls(lambda a, te: wg.w12_gemm(a, te[0], escapes=te[1], gemv=False), ts,
+                                                   x, reps=4)
+            row["gemv_us"] = time_calls(lambda a, te: wg.w12_gemm(a, te[0], escapes=te[1], gemv=True), ts, x, reps=4)
+            row["gemv_vs_cublas"] = row["cublas_us"] / row["gemv_us"]
+            print(name, m, "rows", {k_: row[k_] for k_ in ("within_bound", "deterministic", "cublas_us",
+                                                           "tensor_core_w12_us", "gemv_us")}, flush=True)
+            rows.append(row)
+        del ts, t, ws, w
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     path, budget = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 150.0
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -144,6 +175,8 @@ def main():
     res["timing"], best = timing(good, budget)
     save()
     res["ar"] = ar(best)
+    save()
+    res["few_rows"] = few_rows()
     save()
 
 

@@ -69,6 +69,8 @@ CASES = [
     (1, 130, 64, dict(gemv=True, block_n=64, block_k=64)),
     (1, 300, 700, dict(gemv=True, split_k=3, block_k=128)),  # split K with a ragged last split
     (1, 200, 1000, dict(gemv=True, split_k=2, block_n=8, block_k=64, asm=False)),  # plain decode on the GPU too
+    (3, 300, 700, dict(gemv=True)),  # the FMA kernel on a few rows (padded to 4 in registers)
+    (8, 130, 640, dict(gemv=True, split_k=2, block_k=128)),  # its largest row count, split K
 ]
 
 
@@ -106,8 +108,9 @@ def test_default_config_path_and_reference_order():
         assert torch.equal(w12_gemm(x, t), w12_gemm_reference(x, t))
 
 
+@pytest.mark.parametrize("m", [1, 5])
 @pytest.mark.parametrize("over", [dict(gemv=True), dict(gemv=True, split_k=2, block_k=64), dict(gemv=False)])
-def test_rows_with_far_apart_windows_are_exact(over):
+def test_rows_with_far_apart_windows_are_exact(over, m):
     """The one-row kernel decodes ``w · 2^(112 − B_n)`` and rescales each row's sum once: rows whose windows sit
     anywhere in the bf16 range (scales 2^-100 .. 2^100) must still give the reference exactly when every
     product and partial sum is exact (small integers times a power of two per row)."""
@@ -118,7 +121,7 @@ def test_rows_with_far_apart_windows_are_exact(over):
     scale = torch.pow(2.0, torch.linspace(-100, 100, n).round())[:, None]
     t = encode((ints * scale).to(torch.bfloat16), device=DEV)
     assert t.num_escapes == 0 and int(t.base.min()) < 40 and int(t.base.max()) > 210
-    x = torch.randint(-4, 5, (1, k), generator=g).float().to(DEV)
+    x = torch.randint(-4, 5, (m, k), generator=g).float().to(DEV)
     out = w12_gemm(x, t, **over)
     assert torch.equal(out.cpu(), w12_gemm_reference(x.cpu(), _cpu(t)))
 
@@ -190,6 +193,8 @@ def test_bad_input_raises():
             w12_gemm(x.to(DEV), t)
     with pytest.raises(W12GemmError):
         w12_gemm(torch.randn(2, 70, device=DEV), t, block_n=48)
+    with pytest.raises(W12GemmError, match="1..8 rows"):
+        w12_gemm(torch.randn(9, 70, device=DEV), t, gemv=True)
     with pytest.raises(W12GemmError):
         w12_gemm(torch.randn(2, 70, device=DEV), t, torch.randn(41, device=DEV))
     with pytest.raises(W12GemmError):

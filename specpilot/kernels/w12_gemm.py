@@ -65,6 +65,7 @@ except ImportError:  # CPU installs without triton: the reference still works
     triton = None
 
 MAX_ROWS = 256  # rows per kernel launch; more rows are run in chunks of this many
+GEMV_MAX_ROWS = 8  # the FMA kernel (_gemv) takes up to this many rows (``gemv=True``)
 
 
 class W12GemmError(SpecPilotError):
@@ -170,10 +171,12 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         bias: ``[N]`` (any float dtype) or None.
         escapes: :func:`escape_table` of ``w12`` (computed when None; :class:`W12Linear` keeps it).
         overrides: block_m / block_n (16–128, dividing 128) / block_k (a multiple of 64) / split_k /
-            num_warps / num_stages / w_left, and ``gemv`` (one row through :func:`_gemv`, the default;
-            False: the tensor-core kernel) (sweeps and tests).
+            num_warps / num_stages / w_left, and ``gemv``: True runs :func:`_gemv` (FMAs; 1..8 rows), False
+            the tensor-core kernel; default: the GEMV for one row only (2–8 rows through it are not yet
+            measured on a GPU) (sweeps and tests).
     Returns: ``[M, N]`` in x's dtype; within the module docstring's bound of :func:`w12_gemm_reference`.
-    Raises: W12GemmError on bad shapes / dtypes / devices or M outside 1..256; RuntimeError without triton.
+    Raises: W12GemmError on bad shapes / dtypes / devices, M outside 1..256 (1..8 with ``gemv=True``);
+        RuntimeError without triton.
     """
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -184,7 +187,7 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         raise W12GemmError(f"w12_gemm takes 1..{MAX_ROWS} rows, got {m}")
     x = x if x.stride(1) == 1 else x.contiguous()
     row_ptr, esc_k, esc_d = escape_table(w12) if escapes is None else escapes
-    if m == 1 and overrides.get("gemv", True):
+    if overrides.get("gemv", m == 1):
         return _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides)
     cfg = default_config(m, n, k, _num_sms(x.device.index if x.is_cuda else None))
     cfg.update({key: v for key, v in overrides.items() if v is not None})
@@ -232,8 +235,10 @@ def gemv_config(n: int, k: int, num_sms: int = 132) -> dict:
 
 
 def _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides) -> torch.Tensor:
-    """One activation row: ``x [1, K] @ W12ᵀ`` with the weights decoded to float32 in registers and summed
-    with FMAs (no tensor cores, so no layout change between the decode and the dot).
+    """A few activation rows: ``x [M, K] @ W12ᵀ``, 1 ≤ M ≤ :data:`GEMV_MAX_ROWS`, with the weights decoded to
+    float32 in registers once and summed with M FMAs each (no tensor cores, so no layout change between the
+    decode and the dot). Measured on the H200 at one row only; rows are padded to a power of two in
+    registers (``ROWS``) and masked.
 
     Decode in three integer instructions a weight. A program reads, per row and group of 8 columns, one
     64-bit word of views and one 32-bit word of nibbles (8 bytes and 4 bytes, contiguous in the record).
@@ -259,20 +264,24 @@ def _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides) -> torch.Tensor:
     if RECORD_ROWS % bn or bk % RECORD_COLS or split < 1:
         raise W12GemmError(f"gemv: block_n must divide {RECORD_ROWS}, block_k be a multiple of {RECORD_COLS}, "
                            f"split_k >= 1")
+    m = x.shape[0]
+    if not 1 <= m <= GEMV_MAX_ROWS:
+        raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {m}")
+    rows = triton.next_power_of_2(m)
     rec = w12.records
     k_pad = rec.shape[1] * RECORD_COLS
     k_per_split = triton.cdiv(triton.cdiv(k_pad, split), bk) * bk
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    part = torch.empty((split, 1, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     b = bias if bias is not None else out
     _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
         x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, row_ptr, esc_k, esc_d,
-        n, k, k_pad, k_per_split, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+        m, n, k, k_pad, k_per_split, x.stride(0), BLOCK_N=bn, BLOCK_K=bk, ROWS=rows, SPLIT_K=split,
         EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
         ASM=bool(cfg["asm"]) and x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split > 1:
-        _w12_split_sum_kernel[(triton.cdiv(n, 64), 1)](
-            part, x, b, out, row_ptr, esc_k, esc_d, 1, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
+        _w12_split_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16))](
+            part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
             HAS_BIAS=bias is not None, num_warps=4)
     return out
 
@@ -535,12 +544,31 @@ if triton is not None:
                 tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :], mask=ok, other=0))
 
     @triton.jit
-    def _w12_gemv_kernel(X, RecV, RecQ, Base, Bias, Out, Part, RowPtr, EscK, EscD, N, K, K_PAD, K_PER_SPLIT,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
-                         X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
-        """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: ``Out[0, n] = Σ_k x_k w_nk (+ escapes, bias)`` for BLOCK_N rows
-        of one record band and one K chunk (see :func:`_gemv`). ``RecV`` / ``RecQ``: the records as int64 / int32
-        words. Float32 accumulators ``[BLOCK_N, BLOCK_K / 8]``, one per group of 8 columns."""
+    def _x_times(acc, w, X, col, M, stride_xm, K, X_EVEN: tl.constexpr, ROWS: tl.constexpr):
+        """``acc += w · x[:, col]``: ``w [BN, G]`` decoded weights of column ``col [G]`` of the step; ``acc``
+        ``[BN, G]`` (one row) or ``[ROWS, BN, G]`` (rows ``0..M-1`` of ``X``, the rest masked to 0)."""
+        if ROWS == 1:
+            if X_EVEN:
+                xv = tl.load(X + col)
+            else:
+                xv = tl.load(X + col, mask=col < K, other=0.0)
+            acc += w * xv.to(tl.float32)[None, :]
+        else:
+            rm = tl.arange(0, ROWS)
+            xv = tl.load(X + rm[:, None] * stride_xm + col[None, :], mask=(rm < M)[:, None] & (col < K)[None, :],
+                         other=0.0)
+            acc += w[None, :, :] * xv.to(tl.float32)[:, None, :]
+        return acc
+
+    @triton.jit
+    def _w12_gemv_kernel(X, RecV, RecQ, Base, Bias, Out, Part, RowPtr, EscK, EscD, M, N, K, K_PAD, K_PER_SPLIT,
+                         stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                         SPLIT_K: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         ASM: tl.constexpr):
+        """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: ``Out[m, n] = Σ_k x_mk w_nk (+ escapes, bias)`` for the ``M ≤
+        ROWS`` rows of ``X``, BLOCK_N rows of one record band and one K chunk (see :func:`_gemv`). ``RecV`` /
+        ``RecQ``: the records as int64 / int32 words. Float32 accumulators ``[BLOCK_N, BLOCK_K / 8]`` (one
+        row) or ``[ROWS, BLOCK_N, BLOCK_K / 8]``, one per group of 8 columns; each weight is decoded once."""
         pid_k = tl.program_id(1)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -550,47 +578,42 @@ if triton is not None:
         rg = tl.arange(0, BLOCK_K // 8)  # group g: columns 8g .. 8g + 7 of the step
         col_v = (rg // 8) * 1536 + rg % 8
         col_q = (rg // 8) * 3072 + rg % 8
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        if ROWS == 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        else:
+            acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
         k0 = pid_k * K_PER_SPLIT
         k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)  # this split's end (a multiple of 64)
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             kb = k0 + kk
             vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
             w0, w1, w2, w3, w4, w5, w6, w7 = _decode8(vw, qw, ASM)
-            xk = X + kb + 8 * rg
-            if X_EVEN:
-                acc += w0 * tl.load(xk).to(tl.float32)[None, :]
-                acc += w1 * tl.load(xk + 1).to(tl.float32)[None, :]
-                acc += w2 * tl.load(xk + 2).to(tl.float32)[None, :]
-                acc += w3 * tl.load(xk + 3).to(tl.float32)[None, :]
-                acc += w4 * tl.load(xk + 4).to(tl.float32)[None, :]
-                acc += w5 * tl.load(xk + 5).to(tl.float32)[None, :]
-                acc += w6 * tl.load(xk + 6).to(tl.float32)[None, :]
-                acc += w7 * tl.load(xk + 7).to(tl.float32)[None, :]
-            else:
-                acc += w0 * tl.load(xk, mask=kb + 8 * rg < K, other=0.0).to(tl.float32)[None, :]
-                acc += w1 * tl.load(xk + 1, mask=kb + 8 * rg + 1 < K, other=0.0).to(tl.float32)[None, :]
-                acc += w2 * tl.load(xk + 2, mask=kb + 8 * rg + 2 < K, other=0.0).to(tl.float32)[None, :]
-                acc += w3 * tl.load(xk + 3, mask=kb + 8 * rg + 3 < K, other=0.0).to(tl.float32)[None, :]
-                acc += w4 * tl.load(xk + 4, mask=kb + 8 * rg + 4 < K, other=0.0).to(tl.float32)[None, :]
-                acc += w5 * tl.load(xk + 5, mask=kb + 8 * rg + 5 < K, other=0.0).to(tl.float32)[None, :]
-                acc += w6 * tl.load(xk + 6, mask=kb + 8 * rg + 6 < K, other=0.0).to(tl.float32)[None, :]
-                acc += w7 * tl.load(xk + 7, mask=kb + 8 * rg + 7 < K, other=0.0).to(tl.float32)[None, :]
+            col = kb + 8 * rg
+            acc = _x_times(acc, w0, X, col, M, stride_xm, K, X_EVEN, ROWS)
+            acc = _x_times(acc, w1, X, col + 1, M, stride_xm, K, X_EVEN, ROWS)
+            acc = _x_times(acc, w2, X, col + 2, M, stride_xm, K, X_EVEN, ROWS)
+            acc = _x_times(acc, w3, X, col + 3, M, stride_xm, K, X_EVEN, ROWS)
+            acc = _x_times(acc, w4, X, col + 4, M, stride_xm, K, X_EVEN, ROWS)
+            acc = _x_times(acc, w5, X, col + 5, M, stride_xm, K, X_EVEN, ROWS)
+            acc = _x_times(acc, w6, X, col + 6, M, stride_xm, K, X_EVEN, ROWS)
+            acc = _x_times(acc, w7, X, col + 7, M, stride_xm, K, X_EVEN, ROWS)
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
-        y = tl.sum(acc, axis=1) * ((base + 15) << 23).to(tl.float32, bitcast=True)  # × 2^(B_n − 112), exact
-        if SPLIT_K == 1:
-            lo = tl.load(RowPtr + offs_n, mask=n_ok, other=0)
-            cnt = tl.load(RowPtr + offs_n + 1, mask=n_ok, other=0) - lo
-            for j in range(0, tl.max(cnt, axis=0)):
-                has = j < cnt
-                kj = tl.load(EscK + lo + j, mask=has, other=0)
-                d = tl.load(EscD + lo + j, mask=has, other=0.0)
-                y += tl.load(X + kj, mask=has, other=0.0).to(tl.float32) * d
-            if HAS_BIAS:
-                y += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(Out + offs_n, y.to(Out.dtype.element_ty), mask=n_ok)
+        scale = ((base + 15) << 23).to(tl.float32, bitcast=True)  # 2^(B_n − 112), exact
+        offs_m = tl.arange(0, ROWS)
+        m_ok = offs_m < M
+        if ROWS == 1:
+            y = (tl.sum(acc, axis=1) * scale)[None, :]  # [1, BN]
         else:
-            tl.store(Part + pid_k * N + offs_n, y, mask=n_ok)
+            y = tl.sum(acc, axis=2) * scale[None, :]  # [ROWS, BN]
+        dst = offs_m[:, None] * N + offs_n[None, :]
+        ok = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K == 1:
+            y = _add_escapes(y, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, False)
+            if HAS_BIAS:
+                y += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(Out + dst, y.to(Out.dtype.element_ty), mask=ok)
+        else:
+            tl.store(Part + pid_k * M * N + dst, y, mask=ok)
 
     @triton.jit
     def _w12_split_sum_kernel(Part, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, SPLIT_K: tl.constexpr,

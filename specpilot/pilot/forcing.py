@@ -251,7 +251,7 @@ def forcing_verdict(system: ForcingStats, stock: ForcingStats, baseline: str = "
     if system.mismatch_rate > stock.mismatch_rate + allow:
         reasons.append(
             f"mismatch rate {system.mismatch_rate:.2%} exceeds {baseline}'s {stock.mismatch_rate:.2%} + "
-            f"{100 * allow:.2f} pp (0.5 pp + {NOISE_Z:g} standard errors of stock's rate)"
+            f"{100 * allow:.2f} pp (0.5 pp + {NOISE_Z:g} standard errors of {baseline}'s rate)"
         )
     if system.event_rate > stock.event_rate:
         reasons.append(
