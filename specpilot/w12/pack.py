@@ -8,8 +8,9 @@ multiplied). ``lm_head.weight`` counts as linear unless ``config.json`` says ``t
 (then it is an alias of the embedding and stays as it is). Rows are the tensor's first dimension.
 
 Each bf16 linear weight ``NAME`` becomes four tensors in the same shard: ``NAME.w12.records`` (uint8),
-``NAME.w12.base`` (uint8), ``NAME.w12.esc_idx`` (int32/int64), ``NAME.w12.esc_val`` (int16), see
-:mod:`specpilot.w12.format`. A float16/float32 linear weight has no W12 form: it is stored unchanged under
+``NAME.w12.bases`` (uint8, the rows' window bases packed by :func:`specpilot.w12.format.pack_bases`),
+``NAME.w12.esc_idx`` (int32/int64), ``NAME.w12.esc_val`` (int16), see :mod:`specpilot.w12.format`. Format
+version 1 (still read) stored one byte a row instead, as ``NAME.w12.base``. A float16/float32 linear weight has no W12 form: it is stored unchanged under
 ``NAME`` and listed as ``raw`` (its own bits/weight, 16 or 32) in the manifest and in verify's output.
 
 ``w12.json`` (the manifest): ``{"format": "specpilot-w12", "version": 1, "record": {...}, "tensors":
@@ -35,11 +36,12 @@ import torch
 
 from ..fileio import save_safetensors
 from .format import (RECORD_BYTES, RECORD_COLS, RECORD_ROWS, W12FormatError, W12Tensor, decode, encode,
-                     sha256_of, sha256_of_file)
+                     pack_bases, sha256_of, sha256_of_file, unpack_bases)
 
 MANIFEST = "w12.json"
-FORMAT, VERSION = "specpilot-w12", 1
-PARTS = ("records", "base", "esc_idx", "esc_val")
+FORMAT, VERSION = "specpilot-w12", 2
+PARTS = ("records", "bases", "esc_idx", "esc_val")  # the stored tensors of a W12 weight (version 2)
+PARTS_V1 = ("records", "base", "esc_idx", "esc_val")  # version 1: one window byte a row
 _SKIP = ("embed", "norm", "wte", "wpe")
 
 
@@ -125,13 +127,15 @@ def pack_dir(src: str | Path, out: str | Path) -> dict:
                 entries[name] = _entry(f.name, "raw", t, t.numel() * t.element_size(), 0)
                 continue
             w = encode(t)
-            keys = {f"{name}.w12.{p}": getattr(w, p) for p in PARTS}
+            keys = {f"{name}.w12.records": w.records, f"{name}.w12.bases": pack_bases(w.base),
+                    f"{name}.w12.esc_idx": w.esc_idx, f"{name}.w12.esc_val": w.esc_val}
             clash = set(keys) & set(tensors)
             if clash:
                 raise W12FormatError(f"{f.name} already holds a tensor named {clash.pop()!r}")
             stored.update(keys)
             renames[name] = list(keys)
-            entries[name] = _entry(f.name, "w12", t, w.nbytes, w.num_escapes)
+            entries[name] = _entry(f.name, "w12", t, sum(v.numel() * v.element_size() for v in keys.values()),
+                                   w.num_escapes)
         save_safetensors({k: v.contiguous() for k, v in stored.items()}, out / f.name, metadata=meta)
     hashed: dict[str, dict] = {}
     for p in sorted(src.iterdir()):
@@ -208,18 +212,27 @@ def read_manifest(d: str | Path) -> dict:
         raise W12FormatError(f"{p} is not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("tensors"), dict):
         raise W12FormatError(f"{p} is not a {FORMAT} manifest")
-    if m.get("version") != VERSION:
-        raise W12FormatError(f"{p} has format version {m.get('version')}, this SpecPilot reads version {VERSION}")
+    if m.get("version") not in (1, VERSION):
+        raise W12FormatError(f"{p} has format version {m.get('version')}, this SpecPilot reads versions 1 and {VERSION}")
     return m
 
 
-def _restore_entry(name: str, e: dict, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The restored source tensor of manifest entry ``e`` (no hash check). Raises W12FormatError."""
+def parts_of(manifest: dict) -> tuple[str, ...]:
+    """The stored tensor suffixes of a W12 weight in a directory of ``manifest``'s format version."""
+    return PARTS_V1 if manifest.get("version") == 1 else PARTS
+
+
+def _restore_entry(name: str, e: dict, tensors: dict[str, torch.Tensor], parts=PARTS) -> torch.Tensor:
+    """The restored source tensor of manifest entry ``e`` (no hash check); ``parts``: :func:`parts_of` the
+    manifest. Raises W12FormatError."""
     try:
         if e["encoding"] == "raw":
             return tensors[name]
         n, k = (int(x) for x in e["shape"])
-        t = W12Tensor(*(tensors[f"{name}.w12.{p}"] for p in PARTS), shape=(n, k), sha256=e["sha256"])
+        rec, base, idx, val = (tensors[f"{name}.w12.{p}"] for p in parts)
+        if parts is PARTS:
+            base = unpack_bases(base, n)
+        t = W12Tensor(rec, base, idx, val, shape=(n, k), sha256=e["sha256"])
     except KeyError as err:
         raise W12FormatError(f"{e.get('file')}: tensor {err.args[0]!r} listed in {MANIFEST} is missing") from None
     except (TypeError, ValueError):
@@ -315,13 +328,13 @@ def load_w12_state_dict(d: str | Path) -> dict[str, torch.Tensor]:
         listed = {n: e for n, e in m["tensors"].items() if e.get("file") == f.name}
         for name, e in listed.items():
             try:
-                w = _restore_entry(name, e, tensors)
+                w = _restore_entry(name, e, tensors, parts_of(m))
             except W12FormatError as err:
                 raise W12FormatError(f"{f.name}: tensor {name!r}: {err}") from None
             if sha256_of(w) != e["sha256"]:
                 raise W12FormatError(f"{f.name}: tensor {name!r} does not match its stored sha256 (corrupted)")
             state[name] = w
-        own = {f"{n}.w12.{p}" for n in listed for p in PARTS}
+        own = {f"{n}.w12.{p}" for n in listed for p in parts_of(m)}
         for k, v in tensors.items():
             if k in own or k in listed:
                 continue
@@ -376,7 +389,7 @@ def verify_dir(d: str | Path, source: str | Path | None = None) -> dict:
         tensors, _ = _read_file(f)
         listed = {n: e for n, e in m["tensors"].items() if e.get("file") == f.name}
         for name, e in listed.items():
-            row, err, stored, escapes = _verify_entry(name, e, tensors, src_state)
+            row, err, stored, escapes = _verify_entry(name, e, tensors, src_state, parts_of(m))
             seen.add(name)
             if err in ("not in the source directory", "differs from the source"):
                 src_bad.append({"name": name, "reason": err})
@@ -384,7 +397,7 @@ def verify_dir(d: str | Path, source: str | Path | None = None) -> dict:
             rows.append({"name": name, "encoding": e["encoding"], "dtype": e["dtype"], "shape": e["shape"],
                          "bits_per_weight": 8 * stored / max(n, 1), "bytes": stored, "escapes": escapes,
                          "escape_rate": escapes / max(n, 1), "bit_exact": row, "error": err})
-        own = {f"{n}.w12.{p}" for n in listed for p in PARTS}
+        own = {f"{n}.w12.{p}" for n in listed for p in parts_of(m)}
         for k, v in tensors.items():
             if k in own or k in listed:
                 continue
@@ -429,13 +442,13 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and sha256_of(a) == sha256_of(b)
 
 
-def _verify_entry(name, e, tensors, src_state) -> tuple[bool, str | None, int, int]:
-    """``(bit_exact, error, stored_bytes, escapes)`` of one manifest entry."""
-    parts = [name] if e.get("encoding") == "raw" else [f"{name}.w12.{p}" for p in PARTS]
-    stored = sum(tensors[p].numel() * tensors[p].element_size() for p in parts if p in tensors)
+def _verify_entry(name, e, tensors, src_state, parts=PARTS) -> tuple[bool, str | None, int, int]:
+    """``(bit_exact, error, stored_bytes, escapes)`` of one manifest entry (``parts``: :func:`parts_of`)."""
+    keys = [name] if e.get("encoding") == "raw" else [f"{name}.w12.{p}" for p in parts]
+    stored = sum(tensors[p].numel() * tensors[p].element_size() for p in keys if p in tensors)
     escapes = int(tensors[f"{name}.w12.esc_idx"].numel()) if f"{name}.w12.esc_idx" in tensors else 0
     try:
-        w = _restore_entry(name, e, tensors)
+        w = _restore_entry(name, e, tensors, parts)
     except W12FormatError as err:
         return False, str(err), stored, escapes
     if sha256_of(w) != e["sha256"]:
