@@ -40,6 +40,10 @@ exactly where the reference's is and NaN where it is NaN, but may be NaN where t
 infinities of opposite signs). A finite ``y_ref`` that overflows float32 in one order and not the other
 is outside the guarantee, as for any two float32 GEMMs.
 
+One row goes to :func:`specpilot.kernels.w12_gemv.w12_gemv` instead (decode to float32 in three integer
+instructions a weight, FMAs, no tensor cores; faster than cuBLAS there on the H200), as do 2–8 rows with
+``gemv=True``.
+
 - :func:`w12_gemm_reference`: decode (:func:`specpilot.w12.format.decode`) then a float32 ``F.linear``,
   the oracle; in float32 it is exactly what ``nn.Linear`` computes with the decoded weight.
 - :func:`w12_gemm`: the Triton kernel (interpreter on the CPU in tests).
@@ -65,7 +69,6 @@ except ImportError:  # CPU installs without triton: the reference still works
     triton = None
 
 MAX_ROWS = 256  # rows per kernel launch; more rows are run in chunks of this many
-GEMV_MAX_ROWS = 8  # the FMA kernel (_gemv) takes up to this many rows (``gemv=True``)
 
 
 class W12GemmError(SpecPilotError):
@@ -171,9 +174,9 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         bias: ``[N]`` (any float dtype) or None.
         escapes: :func:`escape_table` of ``w12`` (computed when None; :class:`W12Linear` keeps it).
         overrides: block_m / block_n (16–128, dividing 128) / block_k (a multiple of 64) / split_k /
-            num_warps / num_stages / w_left, and ``gemv``: True runs :func:`_gemv` (FMAs; 1..8 rows), False
-            the tensor-core kernel; default: the GEMV for one row only (2–8 rows through it are not yet
-            measured on a GPU) (sweeps and tests).
+            num_warps / num_stages / w_left, and ``gemv``: True runs
+            :func:`~specpilot.kernels.w12_gemv.w12_gemv` (FMAs; 1..8 rows), False the tensor-core kernel;
+            default: the GEMV for one row only (2–8 rows through it are not yet measured on a GPU).
     Returns: ``[M, N]`` in x's dtype; within the module docstring's bound of :func:`w12_gemm_reference`.
     Raises: W12GemmError on bad shapes / dtypes / devices, M outside 1..256 (1..8 with ``gemv=True``);
         RuntimeError without triton.
@@ -188,7 +191,7 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
     x = x if x.stride(1) == 1 else x.contiguous()
     row_ptr, esc_k, esc_d = escape_table(w12) if escapes is None else escapes
     if overrides.get("gemv", m == 1):
-        return _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides)
+        return w12_gemv(x, w12, bias, (row_ptr, esc_k, esc_d), overrides)
     cfg = default_config(m, n, k, _num_sms(x.device.index if x.is_cuda else None))
     cfg.update({key: v for key, v in overrides.items() if v is not None})
     bm, bn, bk, split = cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["split_k"]
@@ -206,79 +209,6 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_PER_SPLIT=k_per_split, SPLIT_K=split, EVEN=even,
         HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32, W_LEFT=bool(cfg["w_left"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if split > 1:
-        _w12_split_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16))](
-            part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
-            HAS_BIAS=bias is not None, num_warps=4)
-    return out
-
-
-def gemv_config(n: int, k: int, num_sms: int = 132) -> dict:
-    """Launch parameters of the one-row kernel :func:`_gemv` from static shapes only.
-
-    From the H200 sweeps (``bench/results/w12_gemv_probe_h200_2026-11-30_session4*.json``): each thread should
-    hold 16 groups of 8 weights (fewer: the activation loads and address arithmetic dominate; more: spills),
-    and the whole grid should hold about 11–12 warps an SM (fewer cannot keep enough loads in flight on the
-    small projections). So BLOCK_N 16, and BLOCK_K the smallest of 256 .. 2048 giving ``N/16 · BLOCK_K/256``
-    ≥ 11 warps per SM, ``num_warps = BLOCK_K / 256`` (16 groups a thread); if the grid is still short, split
-    K in two or four (the partial sums are added by a second kernel, in order). 3 stages."""
-    bn, bk = 16, 256
-    k_pad = -(-k // RECORD_COLS) * RECORD_COLS
-    want = 11 * num_sms
-    programs = -(-n // bn)
-    while bk < 2048 and bk < k_pad and programs * bk // 256 < want:
-        bk *= 2
-    split = 1
-    while split < 4 and programs * split * bk // 256 < want and k_pad // (2 * split * bk) >= 2:
-        split *= 2
-    return dict(block_n=bn, block_k=bk, split_k=split, num_warps=max(1, bk * bn // 4096), num_stages=3, asm=True)
-
-
-def _gemv(x, w12, bias, row_ptr, esc_k, esc_d, overrides) -> torch.Tensor:
-    """A few activation rows: ``x [M, K] @ W12ᵀ``, 1 ≤ M ≤ :data:`GEMV_MAX_ROWS`, with the weights decoded to
-    float32 in registers once and summed with M FMAs each (no tensor cores, so no layout change between the
-    decode and the dot). Measured on the H200 at one row only; rows are padded to a power of two in
-    registers (``ROWS``) and masked.
-
-    Decode in three integer instructions a weight. A program reads, per row and group of 8 columns, one
-    64-bit word of views and one 32-bit word of nibbles (8 bytes and 4 bytes, contiguous in the record).
-    For weight ``i``: ``t = prmt(view_i, nibble byte) `` puts the view byte in bits 31–24 and the byte holding
-    its nibble in bits 23–16 (the even columns' nibbles are taken from the nibble word shifted left by 4,
-    once per 8 weights); ``t >>= 4`` (arithmetic) moves the offset to the low exponent bits 26–23, the top
-    mantissa bits to 22–20 and the nibble to 19–16 while the sign stays in bit 31; ``lop3`` keeps bits 31 and
-    26–16 and sets exponent bits 30–27 to ``0111``. The result is the float32 ``w' = w · 2^(112 − B_n)``
-    (exponent field ``112 + offset`` instead of ``B_n + offset``), so no per-weight exponent add: the row's
-    sum is multiplied by ``2^(B_n − 112)`` once (``B_n`` in 1..239, so the scale is a normal float32). Scaling
-    by a power of two commutes with every float32 rounding of the sum, so the result is bitwise that of
-    summing ``x_k w_nk`` in the same order, unless a partial sum or product falls into the float32
-    subnormal range in one scaling and not the other (an absolute error of at most ``2^-149`` an operation).
-
-    ``asm`` (default on CUDA): the three instructions as inline PTX (``prmt.b32``, ``shr.s32``, ``lop3.b32``);
-    otherwise the same bit operations in plain Triton (the interpreter, and a GPU comparison). Split K
-    (``split_k`` > 1): partial sums, scaled, in ``[split, 1, N]`` float32, summed in split order by
-    ``_w12_split_sum_kernel``; then escapes in list order, then the bias. Fixed order, no atomics."""
-    n, k = w12.shape
-    cfg = gemv_config(n, k, _num_sms(x.device.index if x.is_cuda else None))
-    cfg.update({key: v for key, v in overrides.items() if v is not None and key in cfg})
-    bn, bk, split = cfg["block_n"], cfg["block_k"], cfg["split_k"]
-    if RECORD_ROWS % bn or bk % RECORD_COLS or split < 1:
-        raise W12GemmError(f"gemv: block_n must divide {RECORD_ROWS}, block_k be a multiple of {RECORD_COLS}, "
-                           f"split_k >= 1")
-    m = x.shape[0]
-    if not 1 <= m <= GEMV_MAX_ROWS:
-        raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {m}")
-    rows = triton.next_power_of_2(m)
-    rec = w12.records
-    k_pad = rec.shape[1] * RECORD_COLS
-    k_per_split = triton.cdiv(triton.cdiv(k_pad, split), bk) * bk
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    b = bias if bias is not None else out
-    _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
-        x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, row_ptr, esc_k, esc_d,
-        m, n, k, k_pad, k_per_split, x.stride(0), BLOCK_N=bn, BLOCK_K=bk, ROWS=rows, SPLIT_K=split,
-        EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
-        ASM=bool(cfg["asm"]) and x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split > 1:
         _w12_split_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16))](
             part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
@@ -486,136 +416,6 @@ if triton is not None:
             tl.store(Part + pid_k * M * N + dst, acc, mask=ok)
 
     @triton.jit
-    def _w1(t):
-        """Plain-Triton tail of the decode (module ``_gemv``): ``t`` int32 with the view byte in bits 31–24 and
-        the nibble in bits 23–20 -> float32 ``w'`` (exponent bits 30–27 set to ``0111``)."""
-        t = t >> 4  # arithmetic: the sign stays in bit 31
-        return ((t & -2013331456) | 0x38000000).to(tl.float32, bitcast=True)  # -2013331456 == 0x87FF0000 as int32
-
-    @triton.jit
-    def _decode8(vw, qw, ASM: tl.constexpr):
-        """One group of 8 columns: views ``vw`` (int64, byte i = column i) and nibbles ``qw`` (int32, nibble i =
-        column i) -> 8 float32 tensors ``w' = w · 2^(112 − B_n)`` of vw's shape (see ``_gemv``)."""
-        if ASM:
-            w = tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 rlo, rhi, rq4, rt, rm, rc;
-                mov.b64 {rlo, rhi}, $8;
-                shl.b32 rq4, $9, 4;
-                mov.b32 rm, 0x87FF0000;
-                mov.b32 rc, 0x38000000;
-                prmt.b32 rt, rlo, rq4, 0x0400; shr.s32 rt, rt, 4; lop3.b32 $0, rt, rm, rc, 0xEA;
-                prmt.b32 rt, rlo, $9, 0x1400; shr.s32 rt, rt, 4; lop3.b32 $1, rt, rm, rc, 0xEA;
-                prmt.b32 rt, rlo, rq4, 0x2500; shr.s32 rt, rt, 4; lop3.b32 $2, rt, rm, rc, 0xEA;
-                prmt.b32 rt, rlo, $9, 0x3500; shr.s32 rt, rt, 4; lop3.b32 $3, rt, rm, rc, 0xEA;
-                prmt.b32 rt, rhi, rq4, 0x0600; shr.s32 rt, rt, 4; lop3.b32 $4, rt, rm, rc, 0xEA;
-                prmt.b32 rt, rhi, $9, 0x1600; shr.s32 rt, rt, 4; lop3.b32 $5, rt, rm, rc, 0xEA;
-                prmt.b32 rt, rhi, rq4, 0x2700; shr.s32 rt, rt, 4; lop3.b32 $6, rt, rm, rc, 0xEA;
-                prmt.b32 rt, rhi, $9, 0x3700; shr.s32 rt, rt, 4; lop3.b32 $7, rt, rm, rc, 0xEA;
-                }""",
-                constraints="=r,=r,=r,=r,=r,=r,=r,=r,l,r", args=[vw, qw], dtype=(tl.int32,) * 8, is_pure=True,
-                pack=1)
-            return (w[0].to(tl.float32, bitcast=True), w[1].to(tl.float32, bitcast=True),
-                    w[2].to(tl.float32, bitcast=True), w[3].to(tl.float32, bitcast=True),
-                    w[4].to(tl.float32, bitcast=True), w[5].to(tl.float32, bitcast=True),
-                    w[6].to(tl.float32, bitcast=True), w[7].to(tl.float32, bitcast=True))
-        lo = vw.to(tl.int32)  # columns 0-3 (byte i = column i)
-        hi = (vw >> 32).to(tl.int32)  # columns 4-7
-        top = -16777216  # 0xFF000000: the view byte's place; nibble i goes to bits 23-20
-        return (_w1((lo << 24) | ((qw << 20) & 0x00F00000)),
-                _w1(((lo << 16) & top) | ((qw << 16) & 0x00F00000)),
-                _w1(((lo << 8) & top) | ((qw << 12) & 0x00F00000)),
-                _w1((lo & top) | ((qw << 8) & 0x00F00000)),
-                _w1((hi << 24) | ((qw << 4) & 0x00F00000)),
-                _w1(((hi << 16) & top) | (qw & 0x00F00000)),
-                _w1(((hi << 8) & top) | ((qw >> 4) & 0x00F00000)),
-                _w1((hi & top) | ((qw >> 8) & 0x00F00000)))
-
-    @triton.jit
-    def _load_groups(RecV, RecQ, kb, k_end, row_v, row_q, rg, col_v, col_q, EVEN: tl.constexpr):
-        """View words ``[BN, G]`` int64 and nibble words ``[BN, G]`` int32 of the step at column ``kb``; groups at
-        or past ``k_end`` read as 0 (unless EVEN: every group in range)."""
-        r0 = kb // 64
-        if EVEN:
-            return (tl.load(RecV + r0 * 1536 + row_v[:, None] + col_v[None, :]),
-                    tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :]))
-        ok = (kb + 8 * rg < k_end)[None, :]
-        return (tl.load(RecV + r0 * 1536 + row_v[:, None] + col_v[None, :], mask=ok, other=0),
-                tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :], mask=ok, other=0))
-
-    @triton.jit
-    def _x_times(acc, w, X, col, M, stride_xm, K, X_EVEN: tl.constexpr, ROWS: tl.constexpr):
-        """``acc += w · x[:, col]``: ``w [BN, G]`` decoded weights of column ``col [G]`` of the step; ``acc``
-        ``[BN, G]`` (one row) or ``[ROWS, BN, G]`` (rows ``0..M-1`` of ``X``, the rest masked to 0)."""
-        if ROWS == 1:
-            if X_EVEN:
-                xv = tl.load(X + col)
-            else:
-                xv = tl.load(X + col, mask=col < K, other=0.0)
-            acc += w * xv.to(tl.float32)[None, :]
-        else:
-            rm = tl.arange(0, ROWS)
-            xv = tl.load(X + rm[:, None] * stride_xm + col[None, :], mask=(rm < M)[:, None] & (col < K)[None, :],
-                         other=0.0)
-            acc += w[None, :, :] * xv.to(tl.float32)[:, None, :]
-        return acc
-
-    @triton.jit
-    def _w12_gemv_kernel(X, RecV, RecQ, Base, Bias, Out, Part, RowPtr, EscK, EscD, M, N, K, K_PAD, K_PER_SPLIT,
-                         stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                         SPLIT_K: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         ASM: tl.constexpr):
-        """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: ``Out[m, n] = Σ_k x_mk w_nk (+ escapes, bias)`` for the ``M ≤
-        ROWS`` rows of ``X``, BLOCK_N rows of one record band and one K chunk (see :func:`_gemv`). ``RecV`` /
-        ``RecQ``: the records as int64 / int32 words. Float32 accumulators ``[BLOCK_N, BLOCK_K / 8]`` (one
-        row) or ``[ROWS, BLOCK_N, BLOCK_K / 8]``, one per group of 8 columns; each weight is decoded once."""
-        pid_k = tl.program_id(1)
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        band = (offs_n // 128) * (K_PAD // 64) * 12288
-        row_v = (band + (offs_n % 128) * 64) // 8  # int64 word of the row's first view group, record 0
-        row_q = (band + 8192 + (offs_n % 128) * 32) // 4  # int32 word of its first nibble group
-        rg = tl.arange(0, BLOCK_K // 8)  # group g: columns 8g .. 8g + 7 of the step
-        col_v = (rg // 8) * 1536 + rg % 8
-        col_q = (rg // 8) * 3072 + rg % 8
-        if ROWS == 1:
-            acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-        else:
-            acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-        k0 = pid_k * K_PER_SPLIT
-        k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)  # this split's end (a multiple of 64)
-        for kk in range(0, K_PER_SPLIT, BLOCK_K):
-            kb = k0 + kk
-            vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
-            w0, w1, w2, w3, w4, w5, w6, w7 = _decode8(vw, qw, ASM)
-            col = kb + 8 * rg
-            acc = _x_times(acc, w0, X, col, M, stride_xm, K, X_EVEN, ROWS)
-            acc = _x_times(acc, w1, X, col + 1, M, stride_xm, K, X_EVEN, ROWS)
-            acc = _x_times(acc, w2, X, col + 2, M, stride_xm, K, X_EVEN, ROWS)
-            acc = _x_times(acc, w3, X, col + 3, M, stride_xm, K, X_EVEN, ROWS)
-            acc = _x_times(acc, w4, X, col + 4, M, stride_xm, K, X_EVEN, ROWS)
-            acc = _x_times(acc, w5, X, col + 5, M, stride_xm, K, X_EVEN, ROWS)
-            acc = _x_times(acc, w6, X, col + 6, M, stride_xm, K, X_EVEN, ROWS)
-            acc = _x_times(acc, w7, X, col + 7, M, stride_xm, K, X_EVEN, ROWS)
-        base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
-        scale = ((base + 15) << 23).to(tl.float32, bitcast=True)  # 2^(B_n − 112), exact
-        offs_m = tl.arange(0, ROWS)
-        m_ok = offs_m < M
-        if ROWS == 1:
-            y = (tl.sum(acc, axis=1) * scale)[None, :]  # [1, BN]
-        else:
-            y = tl.sum(acc, axis=2) * scale[None, :]  # [ROWS, BN]
-        dst = offs_m[:, None] * N + offs_n[None, :]
-        ok = m_ok[:, None] & n_ok[None, :]
-        if SPLIT_K == 1:
-            y = _add_escapes(y, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, False)
-            if HAS_BIAS:
-                y += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(Out + dst, y.to(Out.dtype.element_ty), mask=ok)
-        else:
-            tl.store(Part + pid_k * M * N + dst, y, mask=ok)
-
-    @triton.jit
     def _w12_split_sum_kernel(Part, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, SPLIT_K: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
         """``Out = Σ_s Part[s]`` in split order, then the escapes in list order, then the bias."""
@@ -635,4 +435,7 @@ if triton is not None:
 
 
 __all__ = ["w12_gemm", "w12_gemm_reference", "W12Linear", "W12GemmError", "default_config", "escape_table",
+           "w12_gemv", "gemv_config", "GEMV_MAX_ROWS",
            "codes_at", "MAX_ROWS"]
+
+from .w12_gemv import GEMV_MAX_ROWS, gemv_config, w12_gemv  # noqa: E402  (it imports this module's kernels)
