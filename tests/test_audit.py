@@ -95,6 +95,7 @@ def test_planted_confident_wrong_token_is_rejected(monkeypatch, capsys, tmp_path
     ("too_long", "line 2: prompt + output"),
     ("empty_file", "holds no outputs"),
     ("missing_file", "outputs file not found"),
+    ("missing_reference", "reference file not found"),
     ("missing_target", "checkpoint directory not found"),
     ("bad_delta", "--delta"),
 ])
@@ -113,6 +114,8 @@ def test_bad_input_is_one_line_error(monkeypatch, capsys, tmp_path, case, needle
     args = ["audit", "--target", TARGET, "--outputs", str(f)]
     if case == "missing_file":
         args[-1] = str(tmp_path / "nope.jsonl")
+    if case == "missing_reference":
+        args += ["--reference", str(tmp_path / "none.jsonl")]
     if case == "missing_target":
         args[2] = str(tmp_path / "no-target")
     if case == "bad_delta":

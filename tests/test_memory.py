@@ -205,7 +205,7 @@ def test_memory_cli_list_show_check(monkeypatch, capsys, code, tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["memory", "list", "NOPE"], "memory directory not found"),
+    (["memory", "list", "NOPE"], "NOPE: not found"),
     (["memory", "show", "MEM", "nope"], "no memory entry 'nope'"),
     (["memory", "show", "MEM", "broken"], "corrupted"),
 ])

@@ -71,3 +71,23 @@ def test_second_run_reports_first_runs_memory_as_reused(tmp_path, approve_all):
     assert data["c"] == pytest.approx(steps["sealed"]["step_ms"] / steps["ar"]["step_ms"])
     assert data["ar_step_ms"] == steps["ar"]["step_ms"] and data["tau"] == steps["sealed"]["tau"]
     assert f"T_AR {data['ar_step_ms']:.3f} ms" in md
+
+
+def test_rerun_into_the_same_out_replaces_the_old_memory_and_refuses_it_as_source(tmp_path):
+    """A second pilot into the same --out used to leave the first run's memory entries beside its own report
+    (listed, checked and reusable as if this run had approved them): they are removed at the start, and
+    --memory pointing at OUT/memory itself is refused (the run would delete its own source)."""
+    from specpilot.errors import SpecPilotError
+
+    out = tmp_path / "rep"
+    stale = out / "memory" / "r1-old-entry"
+    stale.mkdir(parents=True)
+    (stale / "entry.json").write_text("{}")
+    opts = pilot_run.PilotOptions(target=bundled_target_dir(), drafter=bundled_drafter_dir(), out=out)
+    pilot = pilot_run.Pilot(opts)
+    pilot.clear_old_memory()
+    assert (out / "memory").is_dir() and not any((out / "memory").iterdir())
+    stale.mkdir(parents=True)
+    (stale / "entry.json").write_text("{}")
+    with pytest.raises(SpecPilotError, match="own output"):
+        pilot_run.Pilot(dataclasses.replace(opts, memory=out / "memory"))

@@ -49,3 +49,14 @@ def test_kernel_direction_on_an_ar_incumbent():
     assert (pred.tau, pred.c, pred.speedup) == (1.0, 1.0, 1.0)
     props = p.propose(ar, "kernel", {ar.seal()}, k=3)
     assert sorted(c.label() for c, _ in props) == sorted([ar.label() + " +w12", ar.label() + " +int8head"])
+
+
+def test_tree_direction_has_no_equivalent_duplicates():
+    """A best-first tree of N nodes is at most N deep, so (N, D > N) is the system (N, N): the planner must not
+    propose both (a fresh-user run judged N=4 with D=4, 8 and 10 as three candidates)."""
+    p = planner("cpu")
+    stock = SystemConfig.stock("ngram")
+    space = [c for c in p.space(stock, "tree") if c.tree == "best_first"]
+    assert space and all(c.depth <= c.nodes for c in space)
+    keys = [(c.drafter, c.nodes, c.top_k, c.depth) for c in space]
+    assert len(keys) == len(set(keys))

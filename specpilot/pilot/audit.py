@@ -44,12 +44,14 @@ class OutputLine(BaseModel):
     benchmark: StrictStr = "all"
 
 
-def read_outputs(path: str | Path, vocab_size: int, max_len: int) -> list[tuple[list[int], list[int], str]]:
+def read_outputs(path: str | Path, vocab_size: int, max_len: int,
+                 what: str = "outputs") -> list[tuple[list[int], list[int], str]]:
     """Parse and check an outputs JSONL file (blank lines are skipped).
 
     Args:
         path: the file. vocab_size: ids must lie in ``[0, vocab_size)``. max_len: the most tokens
-            (prompt + output) the target can score.
+            (prompt + output) the target can score. what: the file's role in messages (``outputs``,
+            ``reference``).
     Returns:
         ``(prompt_ids, output_ids, benchmark)`` per line, in file order.
     Raises:
@@ -59,7 +61,7 @@ def read_outputs(path: str | Path, vocab_size: int, max_len: int) -> list[tuple[
     """
     p = Path(path)
     if not p.is_file():
-        raise AuditInputError(f"outputs file not found: {p}")
+        raise AuditInputError(f"{what} file not found: {p}")
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -118,7 +120,7 @@ def audit_outputs(target: str | Path, outputs: str | Path, delta: float | None =
     model = load_model(target, dtype, device)
     vocab, ctx = model.args.vocab_size, model.args.max_position_embeddings
     rows = read_outputs(outputs, vocab, ctx)
-    ref_rows = read_outputs(reference, vocab, ctx) if reference is not None else None
+    ref_rows = read_outputs(reference, vocab, ctx, "reference") if reference is not None else None
     scorer = Scorer(model)
     stats = audit(scorer, rows, delta)
     base = audit(scorer, ref_rows, delta) if ref_rows is not None else ForcingStats(delta=delta)

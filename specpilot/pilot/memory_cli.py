@@ -26,7 +26,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 def _memory(directory: Path) -> Memory:
     if not directory.is_dir():
-        raise SpecPilotError(f"memory directory not found: {directory}")
+        what = "is a file, not a memory directory" if directory.exists() else "not found"
+        raise SpecPilotError(f"memory directory {directory}: {what}")
     return Memory(directory)
 
 

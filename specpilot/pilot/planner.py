@@ -137,7 +137,10 @@ class Planner:
                     for tree, n in itertools.product(BLOCK_TREES[1:], NODES):
                         out.append(incumbent.model_copy(update={**base, "tree": tree, "nodes": n}))
             for d, n, k, dep in itertools.product(drafters, NODES, TOP_K, DEPTH):
-                out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": None, "tree": "best_first", "nodes": n, "top_k": k, "depth": dep}))
+                # a best-first tree of n nodes is at most n deep: depth > n is the same system as depth n
+                # (the fresh-user run judged N=4 with D=4, 8 and 10 as three candidates), so cap it
+                out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": None, "tree": "best_first",
+                                                        "nodes": n, "top_k": k, "depth": min(dep, n)}))
             for d, dep in itertools.product(drafters, DEPTH):
                 out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": None, "tree": "chain", "nodes": dep, "top_k": 1, "depth": dep}))
         elif direction == "kernel":

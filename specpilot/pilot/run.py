@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import platform
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,9 @@ class Pilot:
         if dev.type == "cuda" and dev.index is not None and torch.cuda.is_available():
             torch.cuda.set_device(dev)  # Triton kernels launch on the current device
         self.source = open_source(opts.memory) if opts.memory is not None else None  # bad --memory: fail first
+        if self.source is not None and Path(self.source.root).resolve() == (opts.out / "memory").resolve():
+            raise SpecPilotError(f"--memory {opts.memory} is this run's own output ({opts.out}/memory), which the run "
+                                 "replaces: copy it elsewhere and pass the copy")
         try:
             self.threads, self.threads_reason = choose_threads(opts.device, opts.threads, available_cores(),
                                                                torch.get_num_threads())
@@ -181,6 +185,7 @@ class Pilot:
     def run(self) -> dict:
         o, plan = self.o, self.o.plan
         torch.manual_seed(o.seed)
+        self.clear_old_memory()
         self.say("setup", f"target {o.target}  drafter {o.drafter or 'ngram'}  device {o.device}  dtype {o.dtype}")
         self.peaks = measure_peaks(o.device, self.dep.target.dtype, seconds_budget=1.5)
         self.say("setup", f"peaks: {self.peaks.flops_per_s / 1e9:.1f} GFLOP/s, {self.peaks.bytes_per_s / 1e9:.1f} GB/s")
@@ -493,6 +498,17 @@ class Pilot:
             limits=["measured on this deployment and device only; re-tune and re-measure on a new one"],
             not_verified=["batching (batch 1 only)", "other dtypes / devices than the one in evidence"],
         )
+
+    def clear_old_memory(self) -> None:
+        """Remove the entries an earlier run left in ``OUT/memory`` (this run rewrites the report beside them;
+        left there, they would be listed, checked and reused as if this run had approved them)."""
+        mem = self.o.out / "memory"
+        old = sorted(p for p in mem.iterdir() if p.is_dir()) if mem.is_dir() else []
+        if old:
+            self.say("setup", f"{mem}: removing {len(old)} entr{'y' if len(old) == 1 else 'ies'} of an earlier run "
+                              "(this run rewrites the report)")
+            for p in old:
+                shutil.rmtree(p)
 
     def deployment(self) -> dict:
         return {"target": str(self.o.target), "drafter": str(self.o.drafter) if self.o.drafter else "ngram",
