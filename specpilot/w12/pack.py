@@ -230,7 +230,7 @@ def _restore_entry(name: str, e: dict, tensors: dict[str, torch.Tensor], parts=P
             return tensors[name]
         n, k = (int(x) for x in e["shape"])
         rec, base, idx, val = (tensors[f"{name}.w12.{p}"] for p in parts)
-        if parts is PARTS:
+        if parts == PARTS:  # format 2: the bases are packed
             base = unpack_bases(base, n)
         t = W12Tensor(rec, base, idx, val, shape=(n, k), sha256=e["sha256"])
     except KeyError as err:
