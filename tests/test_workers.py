@@ -144,19 +144,45 @@ class Deployment:
 """
 
 
-def test_worker_reports_threads_left_running_and_nondeterminism(tmp_path):
-    pkg = tmp_path / "specpilot"
+def fake_tree(root: Path) -> str:
+    """A source tree whose ``specpilot`` is the fake deployment above; returns its path."""
+    pkg = root / "specpilot"
     (pkg / "engine").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "engine" / "__init__.py").write_text("")
     (pkg / "config.py").write_text("def SystemConfig(**kw):\n    return kw\n")
     (pkg / "engine" / "deployment.py").write_text(FAKE_DEPLOYMENT)
+    return str(root)
+
+
+def test_worker_reports_threads_left_running_and_nondeterminism(tmp_path):
+    fake_tree(tmp_path)
     rs = [ctl.Req("b", i, (1 + i, 2, 3), 4) for i in range(2)]
     run = ctl.paired_run(WorkerSystem({"mode": "thread"}, str(tmp_path)), WorkerSystem({"mode": "random"}, str(tmp_path)),
                          rs, 50, rng=random.Random(0), executor=one(DeploymentSpec("unused")))
     assert run.outside_a == ("helper",) and run.outside_b == ()  # seen in the worker, reported back
     assert run.nondeterministic_b and not run.nondeterministic_a  # the recheck ran in the worker
     assert "threads running" in ctl.approve(run, 0.0, True).reason
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu")])
+def test_systems_of_one_tree_share_a_worker_per_device(tmp_path, devices):
+    x, y = fake_tree(tmp_path / "x"), fake_tree(tmp_path / "y")
+    ex = one(DeploymentSpec("unused"), *devices)
+    same = ex.open({"a": WorkerSystem({"mode": "same"}, x), "b": WorkerSystem({"mode": "random"}, x)})
+    other = ex.open({"a": WorkerSystem({"mode": "same"}, x), "b": WorkerSystem({"mode": "same"}, y)})
+    try:
+        assert len(same.workers) == len(devices) and len(other.workers) == 2 * len(devices)
+        for s in (same, other):
+            assert set(s.build()) == {f"{n}@{i}" for n in "ab" for i in range(len(devices))}
+        # one worker, one system per key: b counts its own calls, a answers from the prompt
+        assert [same.run([("b", "b@0")], [1, 2], 3)[0][0] for _ in range(2)] == [(1, 1, 1), (2, 2, 2)]
+        assert same.run([("a", "a@0")], [1, 2], 3)[0][0] == (3, 3, 3)
+        if len(devices) == 2:  # the other device's worker has its own b
+            assert same.run([("a", "a@0"), ("b", "b@1")], [1, 2], 3)[1][0] == (1, 1, 1)
+    finally:
+        same.close()
+        other.close()
 
 
 def test_two_devices_swapped_paired_run(p0, spec, reqs):
@@ -264,8 +290,9 @@ def test_pilot_cli_bad_device_or_agent_flags_are_one_line_errors(monkeypatch, ca
 
 
 def test_pool_reuses_stock_workers_across_runs_and_drops_failed_ones(p0, spec, reqs):
-    """Two paired runs through one :class:`WorkerPool` load the deployment twice (A and B), not four times;
-    a session that failed returns nothing to the pool; ``close`` stops the idle workers."""
+    """Two paired runs through one :class:`WorkerPool` load the deployment once (A and B, both stock code,
+    share a worker), not twice; a session that failed returns nothing to the pool; ``close`` stops the idle
+    workers."""
     pool = WorkerPool()
     ex = WorkerExecutor(spec, ("cpu",), 1, 600.0, pool)
     rs = reqs[:1]
@@ -274,9 +301,9 @@ def test_pool_reuses_stock_workers_across_runs_and_drops_failed_ones(p0, spec, r
         ctl.paired_run(WorkerSystem(STOCK.model_dump()), WorkerSystem(BEST.model_dump()), rs,
                        p0.controller.vocab_size, rng=random.Random(seed), executor=ex)
         idle = [w for ws in pool._idle.values() for w in ws]
-        assert len(idle) == 2
+        assert len(idle) == 1
         pids.append(sorted(w.proc.pid for w in idle))
-    assert pids[0] == pids[1]  # the same two processes served both runs
+    assert pids[0] == pids[1]  # the same process served both runs
     taken = [w.proc for ws in pool._idle.values() for w in ws]
     bad = WorkerSystem({**STOCK.model_dump(), "nodes": 0})  # invalid config: the build fails in the worker
     with pytest.raises(WorkerError):
@@ -286,6 +313,6 @@ def test_pool_reuses_stock_workers_across_runs_and_drops_failed_ones(p0, spec, r
     ctl.paired_run(WorkerSystem(STOCK.model_dump()), WorkerSystem(STOCK.model_dump()), rs, p0.controller.vocab_size,
                    rng=random.Random(8), executor=ex)
     idle = [w.proc for ws in pool._idle.values() for w in ws]
-    assert len(idle) == 2 and all(p.poll() is None for p in idle)
+    assert len(idle) == 1 and all(p.poll() is None for p in idle)
     pool.close()
     assert all(p.poll() is not None for p in idle) and not any(pool._idle.values())

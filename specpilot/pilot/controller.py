@@ -43,15 +43,18 @@ comparison of outputs, the bootstrap, token forcing and the approval rule stay i
 :class:`specpilot.pilot.workers.WorkerExecutor` runs each system in its own worker process
 (:mod:`specpilot.pilot.worker_main`, started from the stock tree by file path, with the clock, the device
 sync and the thread listing bound before the candidate's source tree is importable): on one device A and
-B are two workers run one at a time A B B A; on two devices four workers, A on device 0 and B on device 1
-concurrently on a request's first variant, swapped (A on 1, B on 0) on its second, so a device
-difference enters both systems' best-of-two throughput alike. The recheck and the thread listing run in
+B run one at a time A B B A; on two devices A on device 0 and B on device 1 concurrently on a request's
+first variant, swapped (A on 1, B on 0) on its second, so a device difference enters both systems'
+best-of-two throughput alike. Systems of the same source tree (config candidates: stock code) share one
+worker per device, so a process-to-process difference cancels the same way (an A vs A of two stock
+workers on one CPU measured a 1.19x "gain" in CI); a code candidate's tree always gets its own worker. The recheck and the thread listing run in
 the worker on the system that ran the variant and are reported back.
 
 **Process isolation (worker executor): what it guarantees.** A candidate's code never runs in the
 controller's process: it cannot rewrite this module, the salts (drawn here, from OS entropy, sent only
 as the prompt of each run), the bootstrap, token forcing, the scorer or its weights, and it never sees A's
-outputs or A's process (A and B share no memory; each loads its own copy of the weights). A candidate
+outputs or A's process (a patched tree's worker shares no memory with any other; each loads its own copy
+of the weights). A candidate
 that crashes, hangs (per-reply timeout, then killed) or prints to stdout (fd 1 is redirected to stderr;
 replies go over a private descriptor) cannot forge a reply; its error comes back as one line and the
 pilot rejects it. **What it does not guarantee:** inside its own worker the candidate runs in the same

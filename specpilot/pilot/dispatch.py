@@ -8,7 +8,7 @@
 - *Slots.* With ``--paired-devices`` (default: on iff exactly two devices are given) devices are taken in
   consecutive pairs, each pair one two-device judgement (A on one device, B on the other, swapped);
   ``D / 2`` slots (D must be even). Otherwise each device is one slot with A and B
-  interleaved A B B A in two workers on it; ``D`` slots. A round's candidates are judged concurrently,
+  interleaved A B B A on it (one worker per source tree); ``D`` slots. A round's candidates are judged concurrently,
   one per slot; Phase 0, the agent's candidate and the seal use slot 0.
 - *Threads.* On the CPU each worker gets ``max(1, torch threads // D)`` intra-op threads (D workers run
   at once).

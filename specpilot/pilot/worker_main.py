@@ -16,10 +16,13 @@ Protocol: JSON lines. The first line from the parent is the init message ``{"tre
 "target", "drafter", "blocks", "threads"}``; the worker loads the deployment and answers ``{"ok": true,
 "vocab_size", "specpilot"}``. Then requests, one reply each:
 
-- ``{"op": "build", "config": {SystemConfig fields}}``: build the worker's one system (untimed) ->
-  ``{"ok": true, "outside": [thread names it left running]}``.
-- ``{"op": "run", "prompt": [int], "max_new": int}``: one timed ``generate`` (clock + reading every token
-  into a host list + device sync) -> ``{"ok": true, "tokens": [int], "seconds": float, "outside": [...]}``.
+- ``{"op": "build", "config": {SystemConfig fields}, "key": str}``: build a system under ``key`` (untimed;
+  default key ``""``; a worker holds several, one per key) -> ``{"ok": true, "outside": [thread names it
+  left running]}``.
+- ``{"op": "run", "prompt": [int], "max_new": int, "key": str}``: one timed ``generate`` of the system built
+  under ``key`` (clock + reading every token into a host list + device sync) -> ``{"ok": true, "tokens":
+  [int], "seconds": float, "outside": [...]}``.
+- ``{"op": "drop"}``: free every system built (the worker goes back to a pool) -> ``{"ok": true}``.
 - ``{"op": "quit"}``: exit.
 
 Any exception is answered ``{"ok": false, "error": "<Type>: <message>"}`` and the worker stays usable.
@@ -85,7 +88,7 @@ def main() -> None:
         _send(out, _error(e))
         return
     _send(out, {"ok": True, "vocab_size": dep.target.args.vocab_size, "specpilot": where, "pid": os.getpid()})
-    system = None
+    systems = {}
     for line in inp:
         try:
             msg = json.loads(line)
@@ -93,13 +96,17 @@ def main() -> None:
             if op == "quit":
                 _send(out, {"ok": True})
                 return
-            if op == "build":
+            if op == "drop":
+                systems.clear()
+                _send(out, {"ok": True})
+            elif op == "build":
                 before = set(_enum())
-                system = dep.system(SystemConfig(**msg["config"]))
+                systems[str(msg.get("key", ""))] = dep.system(SystemConfig(**msg["config"]))  # kept on failure
                 _send(out, {"ok": True, "outside": sorted(t.name for t in _enum() if t not in before)})
             elif op == "run":
+                system = systems.get(str(msg.get("key", "")))
                 if system is None:
-                    raise RuntimeError("run before build")
+                    raise RuntimeError(f"run before build of system {msg.get('key', '')!r}")
                 prompt, max_new = [int(t) for t in msg["prompt"]], int(msg["max_new"])
                 before = set(_enum())
                 t0 = _clock()

@@ -9,9 +9,10 @@ over pipes; the worker's stderr goes to a file whose tail is quoted when it dies
 
 :class:`WorkerExecutor` is the controller's executor over workers (see
 :class:`specpilot.pilot.controller.LocalExecutor` for the session interface): with one device, A and B
-in two worker processes on it, run one at a time A B B A; with two devices, four workers (A and B on
-each device): A on device 0 and B on device 1 run concurrently on the first variant of a request, then
-swapped (A on 1, B on 0) on the second. The parent keeps salts, order, comparisons, bootstrap and token
+run one at a time A B B A; with two devices, A on device 0 and B on device 1 run concurrently on the
+first variant of a request, then swapped (A on 1, B on 0) on the second. Systems of the same source tree
+share one worker per device (built under separate keys), so process-to-process differences cancel like
+device differences do; a system from another tree gets its own worker. The parent keeps salts, order, comparisons, bootstrap and token
 forcing; workers only build, run and time.
 """
 
@@ -208,6 +209,11 @@ class WorkerPool:
         if w.tree != str(STOCK_TREE) or w.proc.poll() is not None or w.info is None:
             w.close()
             return
+        try:
+            w.request({"op": "drop"})  # the session's systems are freed, not kept until the next build
+        except WorkerError:
+            w.close()
+            return
         with self._lock:
             self._idle.setdefault(w.key, []).append(w)
 
@@ -225,9 +231,9 @@ class WorkerExecutor:
     :func:`~specpilot.pilot.controller.paired_run`, ``interleaved_run``, ``phase0`` or ``Controller.judge``.
 
     Attributes:
-        dep: the deployment every worker loads. devices: one device (A and B in two workers on it, A B B A)
-            or two (four workers, A and B concurrently on different devices, swapped between the two
-            variants of a request). More than two systems (the seal's interleaved run) use ``devices[0]``.
+        dep: the deployment every worker loads. devices: one device (A and B run one at a time, A B B A)
+            or two (A and B concurrently on different devices, swapped between the two variants of a
+            request); one worker per source tree and device. More than two systems (the seal's interleaved run) use ``devices[0]``.
         threads: torch threads per worker (None: torch's default in the worker).
         timeout_s: seconds one reply may take (deployment load, build, one request).
         pool: a :class:`WorkerPool` to take workers from and return them to (None: every session starts
@@ -255,18 +261,26 @@ class WorkerExecutor:
 
 class WorkerSession:
     """Workers of one controller run; the interface of :class:`~specpilot.pilot.controller.LocalExecutor`'s
-    sessions (``schedule``, ``build``, ``run``, ``close``)."""
+    sessions (``schedule``, ``build``, ``run``, ``close``).
+
+    Systems that run the same source tree share one worker process per device (each built under its own
+    key), so a difference between two processes (memory placement, scheduling) cannot pass for a
+    difference between the systems: A B B A within one process, as in-process. Systems from different
+    trees (a code candidate) need their own process; that bias is then only averaged over variants."""
 
     def __init__(self, ex: WorkerExecutor, makers: dict[str, WorkerSystem]):
         self.makers, self.names = makers, list(makers)
         self.swapped = len(ex.devices) == 2 and len(makers) == 2
-        place = ([(n, i) for i in (0, 1) for n in self.names] if self.swapped else [(n, 0) for n in self.names])
-        self.workers: dict[str, Worker] = {}
+        self.home: dict[str, tuple[str, int]] = {}  # "name@i" -> (tree, device index) of its worker
+        for i in ((0, 1) if self.swapped else (0,)):
+            for n in self.names:
+                self.home[f"{n}@{i}"] = (str(makers[n].tree or STOCK_TREE), i)
+        self.workers: dict[tuple[str, int], Worker] = {}
         self.pool, self.failed = ex.pool, False
         try:
-            for n, i in place:  # all start at once: loading the deployment is the slow part
-                self.workers[f"{n}@{i}"] = (ex.pool.take if ex.pool else Worker)(
-                    ex.dep, ex.devices[i], makers[n].tree, ex.threads, ex.timeout_s)
+            for tree, i in dict.fromkeys(self.home.values()):  # all start at once: loading is the slow part
+                self.workers[(tree, i)] = (ex.pool.take if ex.pool else Worker)(
+                    ex.dep, ex.devices[i], tree, ex.threads, ex.timeout_s)
             for w in self.workers.values():
                 w.ready()
         except BaseException:
@@ -283,22 +297,24 @@ class WorkerSession:
         return [[(n, f"{n}@0")] for n in names]
 
     def build(self) -> dict[str, list[str]]:
-        """Build every worker's system (untimed, all at once); returns thread names each left running."""
+        """Build every system in its worker (untimed, all workers at once); returns ``{key: thread names
+        left running}``."""
         try:
-            for k, w in self.workers.items():
-                w.send({"op": "build", "config": self.makers[k.rsplit("@", 1)[0]].config})
-            return {k: w.recv()["outside"] for k, w in self.workers.items()}
+            for k, home in self.home.items():
+                self.workers[home].send({"op": "build", "config": self.makers[k.rsplit("@", 1)[0]].config, "key": k})
+            return {k: self.workers[home].recv()["outside"] for k, home in self.home.items()}
         except BaseException:
             self.failed = True
             raise
 
     def run(self, group, prompt, max_new) -> list[tuple[tuple[int, ...], float, list[str]]]:
-        """Time ``prompt`` on every worker of ``group`` concurrently; [(tokens, seconds, threads left)]."""
+        """Time ``prompt`` on every system of ``group`` concurrently (one worker each, by construction:
+        a group's systems are on different devices); [(tokens, seconds, threads left)]."""
         msg = {"op": "run", "prompt": [int(t) for t in prompt], "max_new": int(max_new)}
         try:
             for _, k in group:
-                self.workers[k].send(msg)
-            replies = [self.workers[k].recv() for _, k in group]
+                self.workers[self.home[k]].send({**msg, "key": k})
+            replies = [self.workers[self.home[k]].recv() for _, k in group]
         except BaseException:
             self.failed = True
             raise
