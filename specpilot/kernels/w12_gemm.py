@@ -191,6 +191,8 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
     x = x if x.stride(1) == 1 else x.contiguous()
     row_ptr, esc_k, esc_d = escape_table(w12) if escapes is None else escapes
     if overrides.get("gemv", m == 1):
+        from .w12_gemv import w12_gemv  # here, not at the top: w12_gemv imports this module's kernels
+
         return w12_gemv(x, w12, bias, (row_ptr, esc_k, esc_d), overrides)
     cfg = default_config(m, n, k, _num_sms(x.device.index if x.is_cuda else None))
     cfg.update({key: v for key, v in overrides.items() if v is not None})
@@ -435,7 +437,4 @@ if triton is not None:
 
 
 __all__ = ["w12_gemm", "w12_gemm_reference", "W12Linear", "W12GemmError", "default_config", "escape_table",
-           "w12_gemv", "gemv_config", "GEMV_MAX_ROWS",
            "codes_at", "MAX_ROWS"]
-
-from .w12_gemv import GEMV_MAX_ROWS, gemv_config, w12_gemv  # noqa: E402  (it imports this module's kernels)
