@@ -38,6 +38,8 @@ class DraftModelDrafter:
         self.cache = model.new_cache(max_len + (BUCKETS[-1] if self.static else 0))
         self.n_seen = 0  # committed tokens whose K/V are in the cache
         self.runner = BucketRunner(model, self.cache, BUCKETS, output="logits") if self.static else None
+        if self.runner is not None:
+            self.runner.capture_all()  # every bucket now, never inside a timed request
         self._loops: dict[int, dict] = {}
 
     def reset(self) -> None:

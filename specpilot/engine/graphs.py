@@ -103,6 +103,30 @@ class BucketRunner:
         self._graphs[b] = g
 
     @torch.inference_mode()
+    def capture_all(self) -> list[int]:
+        """Capture every bucket's graph now (each at prefix 0, padding-row inputs: token 0, a diagonal mask),
+        so that no capture, Triton compile or cuBLAS warm-up happens later inside a timed request (a bucket
+        first met mid-run cost a capture there, which the controller timed as noise). Writes K/V only to
+        slots ``[0, B)``, which a request's prefill overwrites. Returns the buckets captured (``[]`` on the
+        CPU or without graphs). Raises: ValueError when a bucket does not fit the cache."""
+        if not self.graphs:
+            return []
+        for b in self.buckets:
+            if b > self.cache.max_len:
+                raise ValueError(f"bucket {b} exceeds the cache of {self.cache.max_len} slots")
+            if b in self._graphs:
+                continue
+            s = self._buffers(b)
+            host = s["host_np"]
+            host[:] = 0
+            host[b:2 * b] = np.arange(b)
+            np.fill_diagonal(host[2 * b + 1:].reshape(b, b), 1)
+            s["io"].copy_(s["host"])
+            self._capture(b)
+        torch.cuda.synchronize(self.dev)
+        return sorted(self._graphs)
+
+    @torch.inference_mode()
     def run(self, tokens: list[int], positions: list[int], start: int, tree_mask: torch.Tensor | None):
         """One pass of R rows at prefix ``start``; returns ``[R]`` argmax or ``[R, V]`` logits on the
         device, or None when R exceeds the largest bucket (the caller then runs the eager path).
