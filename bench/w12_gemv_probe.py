@@ -11,7 +11,8 @@ against cuBLAS bf16 and the tensor-core W12 kernel on the Qwen3-8B projections; 
    tensor-core W12 kernel (defaults) and GEMV configs.
 3. Exact pass at 1 row (CUDA graphs, fused kernels): bf16, W12 on the tensor-core kernel only, W12 with the
    default routing, W12 GEMV with the best config per shape.
-4. 2, 4 and 8 rows: the GEMV (``gemv=True``) checked, then timed against the tensor-core kernel and cuBLAS.
+4. 2, 4 and 8 rows: the GEMV (``gemv=True``) checked, then timed against the tensor-core kernel and cuBLAS,
+   default launch (:func:`~specpilot.kernels.w12_gemv.gemv_config`) and 4 / 8 / 16 groups a thread.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import specpilot.kernels.w12_gemm as wg
 from specpilot.mechanisms.w12 import to_w12
 from specpilot.pilot.setup import measure_verify_ms
 from specpilot.provenance import git_commit, versions
+from specpilot.kernels.w12_gemv import gemv_config
 from specpilot.w12.format import decode, encode
 from specpilot.zoo.random_ckpt import random_transformer
 
@@ -42,6 +44,8 @@ CONFIGS = [{"gemv": True}] + [
                                (16, 512, 4, 2, 3), (16, 256, 1, 1, 3), (16, 512, 1, 2, 3), (8, 1024, 1, 2, 3),
                                (8, 512, 1, 1, 3), (16, 1024, 1, 4, 2), (16, 1024, 1, 4, 4), (32, 1024, 1, 8, 3),
                                (16, 256, 2, 1, 3), (16, 1024, 4, 4, 3))]
+
+FEW_ROW_CONFIGS = ((256, 4), (512, 8), (256, 2), (512, 4), (1024, 8), (512, 2), (1024, 4), (2048, 8))
 
 
 def correctness() -> dict:
@@ -156,6 +160,16 @@ def few_rows() -> list[dict]:
                                                    x, reps=4)
             row["gemv_us"] = time_calls(lambda a, te: wg.w12_gemm(a, te[0], escapes=te[1], gemv=True), ts, x, reps=4)
             row["gemv_vs_cublas"] = row["cublas_us"] / row["gemv_us"]
+            row["gemv_default"] = gemv_config(n, k, m=m)
+            row["gemv_configs"] = []  # 4 / 8 / 16 groups of 8 weights a thread (ptxas_probe.py: registers)
+            for bk, nw in FEW_ROW_CONFIGS:
+                over = dict(block_n=16, block_k=bk, num_warps=nw, split_k=1, num_stages=3)
+                got = wg.w12_gemm(x, t, escapes=esc, gemv=True, **over)
+                ok = check(got, x, t, aw)["within_bound"] and bits_equal(got, wg.w12_gemm(x, t, escapes=esc, gemv=True,
+                                                                                         **over))
+                us = time_calls(lambda a, te: wg.w12_gemm(a, te[0], escapes=te[1], gemv=True, **over), ts, x,
+                                reps=4) if ok else None
+                row["gemv_configs"].append(over | {"ok": ok, "us": us})
             print(name, m, "rows", {k_: row[k_] for k_ in ("within_bound", "deterministic", "cublas_us",
                                                            "tensor_core_w12_us", "gemv_us")}, flush=True)
             rows.append(row)

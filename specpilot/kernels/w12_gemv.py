@@ -33,25 +33,37 @@ if triton is not None:
 GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
 
 
-def gemv_config(n: int, k: int, num_sms: int = 132) -> dict:
-    """Launch parameters of :func:`w12_gemv` from static shapes only.
+#: warps an SM the grid should hold, by padded rows: one row from the H200 sweeps
+#: (``bench/results/w12_gemv_probe_h200_2026-11-30_session4*.json``); 2–8 rows: what the registers allow
+#: (``bench/results/ptxas_w12_gemv_2026-11-30.json``), not yet timed.
+GEMV_WARPS_PER_SM = {1: 11, 2: 16, 4: 10, 8: 8}
 
-    From the H200 sweeps (``bench/results/w12_gemv_probe_h200_2026-11-30_session4*.json``): each thread should
-    hold 16 groups of 8 weights (fewer: the activation loads and address arithmetic dominate; more: spills),
-    and the whole grid should hold about 11–12 warps an SM (fewer cannot keep enough loads in flight on the
-    small projections). So BLOCK_N 16, and BLOCK_K the smallest of 256 .. 2048 giving ``N/16 · BLOCK_K/256``
-    ≥ 11 warps per SM, ``num_warps = BLOCK_K / 256`` (16 groups a thread); if the grid is still short, split
-    K in two or four (the partial sums are added by a second kernel, in order). 3 stages."""
-    bn, bk = 16, 256
+
+def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
+    """Launch parameters of :func:`w12_gemv` for ``m`` rows from static shapes only.
+
+    One row, from the H200 sweeps: each thread holds 16 groups of 8 weights (fewer: the activation loads
+    and address arithmetic dominate; more: spills) and the grid about 11 warps an SM (fewer cannot keep
+    enough loads in flight on the small projections). 2–8 rows: 8 groups a thread, since ptxas reports that
+    16 groups take 254–255 registers from 2 rows on and spill at 8 rows, and 8 groups 128 / ~175 / ~250
+    registers at 2 / 4 / 8 rows (so at most 16 / 10 / 8 warps an SM). BLOCK_N 16; BLOCK_K the smallest of
+    256 .. 2048 whose grid reaches :data:`GEMV_WARPS_PER_SM` warps an SM, ``num_warps = 16 · BLOCK_K / (256 ·
+    groups)``; if the grid is still short, split K in two or four (the partial sums are added by a second
+    kernel, in order). 3 stages."""
+    rows = 1 << max(0, int(m) - 1).bit_length()
+    if rows not in GEMV_WARPS_PER_SM:
+        raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {m}")
+    bn, bk, groups = 16, 256, 16 if rows == 1 else 8
+    warps = lambda b: max(1, bn * b // (8 * 32 * groups))  # noqa: E731
     k_pad = -(-k // RECORD_COLS) * RECORD_COLS
-    want = 11 * num_sms
+    want = GEMV_WARPS_PER_SM[rows] * num_sms
     programs = -(-n // bn)
-    while bk < 2048 and bk < k_pad and programs * bk // 256 < want:
+    while bk < 2048 and bk < k_pad and warps(2 * bk) <= 16 and programs * warps(bk) < want:
         bk *= 2
     split = 1
-    while split < 4 and programs * split * bk // 256 < want and k_pad // (2 * split * bk) >= 2:
+    while split < 4 and programs * split * warps(bk) < want and k_pad // (2 * split * bk) >= 2:
         split *= 2
-    return dict(block_n=bn, block_k=bk, split_k=split, num_warps=max(1, bk * bn // 4096), num_stages=3, asm=True)
+    return dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps(bk), num_stages=3, asm=True)
 
 
 def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict) -> torch.Tensor:
@@ -84,15 +96,15 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     the subnormal caveat above). Raises: W12GemmError on bad launch overrides or M outside 1..8."""
     row_ptr, esc_k, esc_d = escapes
     n, k = w12.shape
-    cfg = gemv_config(n, k, _num_sms(x.device.index if x.is_cuda else None))
+    m = x.shape[0]
+    if not 1 <= m <= GEMV_MAX_ROWS:
+        raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {m}")
+    cfg = gemv_config(n, k, _num_sms(x.device.index if x.is_cuda else None), m)
     cfg.update({key: v for key, v in overrides.items() if v is not None and key in cfg})
     bn, bk, split = cfg["block_n"], cfg["block_k"], cfg["split_k"]
     if RECORD_ROWS % bn or bk % RECORD_COLS or split < 1:
         raise W12GemmError(f"gemv: block_n must divide {RECORD_ROWS}, block_k be a multiple of {RECORD_COLS}, "
                            f"split_k >= 1")
-    m = x.shape[0]
-    if not 1 <= m <= GEMV_MAX_ROWS:
-        raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {m}")
     rows = triton.next_power_of_2(m)
     rec = w12.records
     k_pad = rec.shape[1] * RECORD_COLS
@@ -110,6 +122,25 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
             part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
             HAS_BIAS=bias is not None, num_warps=4)
     return out
+
+
+#: the kernel's runtime arguments and their Triton types (bf16 activations), for :func:`gemv_resources`
+GEMV_SIGNATURE = {"X": "*bf16", "RecV": "*i64", "RecQ": "*i32", "Base": "*u8", "Bias": "*bf16", "Out": "*bf16",
+                  "Part": "*fp32", "RowPtr": "*i32", "EscK": "*i32", "EscD": "*fp32", "M": "i32", "N": "i32",
+                  "K": "i32", "K_PAD": "i32", "K_PER_SPLIT": "i32", "stride_xm": "i32"}
+
+
+def gemv_resources(rows: int, block_n: int, block_k: int, num_warps: int, num_stages: int = 3, split_k: int = 1):
+    """Registers and spills of the GEMV kernel for ``rows`` (1..8) compiled for sm_90a without a GPU
+    (:func:`specpilot.kernels.resources.kernel_resources`; bf16 activations, inline-PTX decode, even K).
+    Raises: ResourcesUnavailable without Triton's ptxas; W12GemmError for rows outside 1..8."""
+    from .resources import kernel_resources
+
+    if not 1 <= rows <= GEMV_MAX_ROWS:
+        raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=triton.next_power_of_2(rows), SPLIT_K=split_k, EVEN=True,
+                  X_EVEN=True, HAS_BIAS=False, ASM=True)
+    return kernel_resources(_w12_gemv_kernel, GEMV_SIGNATURE, consts, num_warps, num_stages)
 
 
 if triton is not None:
@@ -245,4 +276,4 @@ if triton is not None:
             tl.store(Part + pid_k * M * N + dst, y, mask=ok)
 
 
-__all__ = ["w12_gemv", "gemv_config", "GEMV_MAX_ROWS"]
+__all__ = ["w12_gemv", "gemv_config", "gemv_resources", "GEMV_MAX_ROWS", "GEMV_SIGNATURE"]
