@@ -338,11 +338,12 @@ def bench(
     """Our AR and speculative systems side by side with transformers' generate; c(N) by rows; byte floor."""
     from .benchmark import run_bench
 
-    from .engine.checkpoint import DTYPES
+    from .engine.checkpoint import DTYPES, read_args
     from .engine.deployment import check_device
 
     if dtype not in DTYPES:
         raise SpecPilotError(f"unknown --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    read_args(target)  # a bad checkpoint directory is named before the device is checked
     res = run_bench(target, check_device(device), dtype, prefix, new_tokens, out, with_transformers=transformers_generate)
     print(json.dumps({k: res[k] for k in ("device", "ar_ms_per_step", "ar_tokens_per_s", "byte_floor_ms", "percent_of_floor")}
                      | {"c_33": res["c"].get(33), "c_64": res["c"].get(64)}
