@@ -13,6 +13,9 @@ against cuBLAS bf16 and the tensor-core W12 kernel on the Qwen3-8B projections; 
    default routing, W12 GEMV with the best config per shape.
 4. 2, 4 and 8 rows: the GEMV (``gemv=True``) checked, then timed against the tensor-core kernel and cuBLAS,
    default launch (:func:`~specpilot.kernels.w12_gemv.gemv_config`) and 4 / 8 / 16 groups a thread.
+5. 8, 16 and 32 rows: the tensor-core kernel over record words (``words=True``,
+   :mod:`specpilot.kernels.w12_mma`) checked, then timed against the byte-loading one and cuBLAS, default
+   launch and a few variants.
 """
 
 from __future__ import annotations
@@ -178,6 +181,42 @@ def few_rows() -> list[dict]:
     return rows
 
 
+WORDS_VARIANTS = ({}, {"block_n": 128}, {"num_warps": 8}, {"block_k": 256}, {"num_stages": 3}, {"block_n": 128, "num_warps": 8})
+
+
+def words_rows() -> list[dict]:
+    """Section 5: ``words=True`` at 8 / 16 / 32 rows vs ``words=False`` vs cuBLAS, each variant checked
+    against the reference first (rounding bound, two runs bitwise equal)."""
+    rows = []
+    for name in [s for s in SHAPES if s.startswith("qwen3-8b")]:
+        n, k = SHAPES[name]
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        t = encode(w, device=dev)
+        esc = wg.escape_table(t)
+        ts = copies_of(t, esc)
+        ws = [w] + [w.clone() for _ in range(max(1, math.ceil((512 << 20) / (n * k * 2))) - 1)]
+        aw = decode(t, check=False).float().abs() + codes(t).abs()
+        for m in (8, 16, 32):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            row = {"proj": name, "rows": m, "cublas_us": time_calls(lambda a, w_: F.linear(a, w_), ws, x, reps=4),
+                   "bytes_us": time_calls(lambda a, te: wg.w12_gemm(a, te[0], escapes=te[1], gemv=False), ts, x,
+                                          reps=4), "words": []}
+            for v in WORDS_VARIANTS:
+                over = dict(gemv=False, words=True, **v)
+                try:
+                    got = wg.w12_gemm(x, t, escapes=esc, **over)
+                    ok = check(got, x, t, aw)["within_bound"] and bits_equal(got, wg.w12_gemm(x, t, escapes=esc, **over))
+                    us = time_calls(lambda a, te: wg.w12_gemm(a, te[0], escapes=te[1], **over), ts, x, reps=4) if ok else None
+                    row["words"].append(v | {"ok": ok, "us": us, "vs_cublas": row["cublas_us"] / us if us else None})
+                except Exception as exc:  # a variant that does not compile is recorded, not fatal
+                    row["words"].append(v | {"error": str(exc).splitlines()[0][:160]})
+            print(name, m, "rows", json.dumps(row), flush=True)
+            rows.append(row)
+        del ts, t, ws, w, aw
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     path, budget = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 150.0
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -191,6 +230,8 @@ def main():
     res["ar"] = ar(best)
     save()
     res["few_rows"] = few_rows()
+    save()
+    res["words"] = words_rows()
     save()
 
 

@@ -71,6 +71,10 @@ CASES = [
     (1, 200, 1000, dict(gemv=True, split_k=2, block_n=8, block_k=64, asm=False)),  # plain decode on the GPU too
     (3, 300, 700, dict(gemv=True)),  # the FMA kernel on a few rows (padded to 4 in registers)
     (8, 130, 640, dict(gemv=True, split_k=2, block_k=128)),  # its largest row count, split K
+    (5, 200, 300, dict(words=True, block_n=32, block_k=64, split_k=3)),  # tensor cores from record words
+    (17, 130, 700, dict(words=True, block_n=64, block_k=128)),  # ragged N and K, a ragged last step
+    (40, 128, 256, dict(words=True, block_n=16, block_k=256, split_k=2, block_m=32)),
+    (8, 200, 1000, dict(words=True, block_n=64, block_k=128, asm=False)),  # plain decode on the GPU too
 ]
 
 
@@ -109,7 +113,8 @@ def test_default_config_path_and_reference_order():
 
 
 @pytest.mark.parametrize("m", [1, 5])
-@pytest.mark.parametrize("over", [dict(gemv=True), dict(gemv=True, split_k=2, block_k=64), dict(gemv=False)])
+@pytest.mark.parametrize("over", [dict(gemv=True), dict(gemv=True, split_k=2, block_k=64), dict(gemv=False),
+                                  dict(gemv=False, words=True), dict(gemv=False, words=True, split_k=2, block_k=64)])
 def test_rows_with_far_apart_windows_are_exact(over, m):
     """The one-row kernel decodes ``w · 2^(112 − B_n)`` and rescales each row's sum once: rows whose windows sit
     anywhere in the bf16 range (scales 2^-100 .. 2^100) must still give the reference exactly when every
@@ -140,7 +145,8 @@ def test_nonfinite_escapes_propagate_like_the_reference():
     x[0, 8] = 0.0
     x[1, 3] = -1.0  # -inf * ... row 1, channel 1 becomes -inf
     x = x.to(DEV)
-    for over in (dict(), dict(split_k=2, block_k=64, block_n=16), dict(w_left=False)):
+    for over in (dict(), dict(split_k=2, block_k=64, block_n=16), dict(w_left=False), dict(words=True),
+                 dict(words=True, split_k=2, block_k=64, block_n=16)):
         out = w12_gemm(x, t, **over).cpu()
         ref = w12_gemm_reference(x.cpu(), _cpu(t))
         assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())

@@ -177,6 +177,8 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
             num_warps / num_stages / w_left, and ``gemv``: True runs
             :func:`~specpilot.kernels.w12_gemv.w12_gemv` (FMAs; 1..8 rows), False the tensor-core kernel;
             default: the GEMV for one row only (2–8 rows through it are not yet measured on a GPU).
+            ``words=True``: the tensor-core kernel that reads record words
+            (:func:`~specpilot.kernels.w12_mma.w12_mma`; not yet timed, so not the default).
     Returns: ``[M, N]`` in x's dtype; within the module docstring's bound of :func:`w12_gemm_reference`.
     Raises: W12GemmError on bad shapes / dtypes / devices, M outside 1..256 (1..8 with ``gemv=True``);
         RuntimeError without triton.
@@ -199,6 +201,10 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
     bm, bn, bk, split = cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["split_k"]
     if RECORD_ROWS % bn or bk % RECORD_COLS or bm < 16 or bn < 16:
         raise W12GemmError(f"block_n must divide {RECORD_ROWS}, block_k be a multiple of {RECORD_COLS}, blocks >= 16")
+    if cfg.get("words"):
+        from .w12_mma import w12_mma  # here, not at the top: w12_mma imports this module's kernels
+
+        return w12_mma(x, w12, bias, (row_ptr, esc_k, esc_d), cfg)
     kt = w12.records.shape[1]
     k_pad = kt * RECORD_COLS
     k_per_split = triton.cdiv(triton.cdiv(k_pad, split), bk) * bk

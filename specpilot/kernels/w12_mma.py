@@ -1,0 +1,122 @@
+"""W12 GEMM on tensor cores from record *words*: ``x [M, K] @ W[N, K]ᵀ`` for 2–256 rows (§4.1, issue 5).
+
+The first tensor-core kernel (:func:`~specpilot.kernels.w12_gemm.w12_gemm`, ``words=False``) loads the
+records byte by byte: compiled for sm_90a it issues 128 one-byte global loads a thread per 128-column step
+(``ld.global.b8``; ``bench/results/ptxas_w12_mma_2026-11-30.json``), decodes each weight with an exponent
+add, and waits for every MMA. This one reads what the GEMV reads (:mod:`specpilot.kernels.w12_tiles`): per
+row and group of 8 columns a 64-bit word of views and a 32-bit word of nibbles, decodes them in three
+integer instructions a weight to ``w' = w · 2^(112 − B_n)`` (exactly representable in bf16), interleaves
+the 8 columns into a ``[BLOCK_N, BLOCK_K]`` tile, and feeds it to ``tl.dot`` as the left operand
+(``acc [BLOCK_N, BLOCK_M] = W' xᵀ``). The epilogue multiplies each output row by the exact power of two
+``2^(B_n − 112)``, then adds the escapes in list order and the bias, as the first kernel does; split K sums
+in fixed order (:func:`~specpilot.kernels.w12_gemm._w12_split_sum_kernel`).
+
+Rounding: the bound of :mod:`specpilot.kernels.w12_gemm`, plus the GEMV's caveat (scaling by a power of two
+commutes with float32 rounding unless a partial sum or product is subnormal in one scaling and not the
+other: at most ``2^-149`` an operation). Not yet timed on a GPU; ``words=True`` selects it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..w12.format import RECORD_COLS, RECORD_ROWS, W12Tensor
+from .w12_gemm import W12GemmError, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from .w12_gemm import _add_escapes, _w12_split_sum_kernel
+    from .w12_tiles import _decode_tile, _load_groups
+
+
+def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, cfg: dict) -> torch.Tensor:
+    """``x [M, K] @ W12ᵀ (+ bias)`` on tensor cores from record words; called by
+    :func:`~specpilot.kernels.w12_gemm.w12_gemm` (which checks shapes, dtypes, devices and ``cfg``: its
+    :func:`~specpilot.kernels.w12_gemm.default_config` plus overrides) with ``escapes`` its escape table.
+    ``cfg["asm"]`` (default: on CUDA) selects the inline-PTX decode. Returns ``[M, N]`` in x's dtype.
+    Raises: W12GemmError when BLOCK_K is not a multiple of 64 or BLOCK_N does not divide 128."""
+    row_ptr, esc_k, esc_d = escapes
+    m, k = x.shape
+    n = w12.shape[0]
+    bm, bn, bk, split = cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["split_k"]
+    if RECORD_ROWS % bn or bk % RECORD_COLS:
+        raise W12GemmError(f"block_n must divide {RECORD_ROWS}, block_k be a multiple of {RECORD_COLS}")
+    rec = w12.records
+    k_pad = rec.shape[1] * RECORD_COLS
+    k_per_split = triton.cdiv(triton.cdiv(k_pad, split), bk) * bk
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    b = bias if bias is not None else out
+    _w12_mma_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, bm))](
+        x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, row_ptr, esc_k, esc_d, m, n, k,
+        k_pad, k_per_split, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+        EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
+        FP32=x.dtype == torch.float32,
+        ASM=bool(cfg.get("asm", True)) and x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split > 1:
+        _w12_split_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16))](
+            part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
+            HAS_BIAS=bias is not None, num_warps=4)
+    return out
+
+
+#: the kernel's runtime arguments and their Triton types (bf16 activations), for resource probes
+MMA_SIGNATURE = {"X": "*bf16", "RecV": "*i64", "RecQ": "*i32", "Base": "*u8", "Bias": "*bf16", "Out": "*bf16",
+                 "Part": "*fp32", "RowPtr": "*i32", "EscK": "*i32", "EscD": "*fp32", "M": "i32", "N": "i32",
+                 "K": "i32", "K_PAD": "i32", "K_PER_SPLIT": "i32", "stride_xm": "i32"}
+
+if triton is not None:
+
+    @triton.jit
+    def _w12_mma_kernel(X, RecV, RecQ, Base, Bias, Out, Part, RowPtr, EscK, EscD, M, N, K, K_PAD, K_PER_SPLIT,
+                        stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT_K: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        FP32: tl.constexpr, ASM: tl.constexpr):
+        """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: BLOCK_N rows of one record band, one K
+        chunk, BLOCK_M activation rows; ``acc [BLOCK_N, BLOCK_M] = W' xᵀ`` in float32 (see :func:`w12_mma`).
+        ``RecV`` / ``RecQ``: the records as int64 / int32 words. ``X_EVEN``: every split ends inside K, so the
+        activation loads need only the row mask (and can be vector loads)."""
+        pid_k = tl.program_id(1)
+        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        band = (offs_n // 128) * (K_PAD // 64) * 12288
+        row_v = (band + (offs_n % 128) * 64) // 8  # int64 word of the row's first view group, record 0
+        row_q = (band + 8192 + (offs_n % 128) * 32) // 4  # int32 word of its first nibble group
+        rg = tl.arange(0, BLOCK_K // 8)  # group g: columns 8g .. 8g + 7 of the step
+        col_v = (rg // 8) * 1536 + rg % 8
+        col_q = (rg // 8) * 3072 + rg % 8
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        k0 = pid_k * K_PER_SPLIT
+        k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):
+            kb = k0 + kk
+            offs_k = kb + rk
+            if X_EVEN:
+                a = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+            else:
+                a = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
+                            mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+            vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
+            w = _decode_tile(vw, qw, ASM)  # float32 w' [BLOCK_N, BLOCK_K]
+            if FP32:
+                acc += tl.dot(w, tl.trans(a), input_precision="ieee")
+            else:
+                acc += tl.dot(w.to(tl.bfloat16), tl.trans(a))  # exact: w' has zero low 16 bits
+        base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
+        acc = acc * ((base + 15) << 23).to(tl.float32, bitcast=True)[:, None]  # 2^(B_n − 112), exact
+        dst = offs_m[None, :] * N + offs_n[:, None]
+        ok = n_ok[:, None] & m_ok[None, :]
+        if SPLIT_K == 1:
+            acc = _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, True)
+            if HAS_BIAS:
+                acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(Out + dst, acc.to(Out.dtype.element_ty), mask=ok)
+        else:
+            tl.store(Part + pid_k * M * N + dst, acc, mask=ok)
+
+
+__all__ = ["w12_mma", "MMA_SIGNATURE"]

@@ -1,0 +1,88 @@
+"""Triton helpers shared by the W12 kernels (§4.1, issue 5): record words to decoded weights.
+
+The records (:mod:`specpilot.w12.format`) are read as words: per row and group of 8 columns, one 64-bit
+word of views (byte i = column i) and one 32-bit word of nibbles (nibble i = column i), both contiguous in
+the record. :func:`_decode8` turns them into 8 float32 tensors ``w' = w · 2^(112 − B_n)`` in three integer
+instructions a weight (see :func:`specpilot.kernels.w12_gemv.w12_gemv` for the bit layout); the kernel
+multiplies each output row by ``2^(B_n − 112)`` once. :func:`_decode_tile` interleaves them into a
+``[BN, 8G]`` tile in column order for ``tl.dot``. A float32 ``w'`` has zero low 16 bits, so its bfloat16
+cast is exact: the tensor-core kernel feeds bf16 with no rounding.
+
+Used by :mod:`specpilot.kernels.w12_gemv` (FMAs, 1–8 rows) and :mod:`specpilot.kernels.w12_mma` (tensor
+cores); tested through both against :func:`~specpilot.kernels.w12_gemm.w12_gemm_reference`.
+"""
+
+from __future__ import annotations
+
+from .w12_gemm import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _w1(t):
+        """Plain-Triton tail of the decode (:func:`~specpilot.kernels.w12_gemv.w12_gemv`): ``t`` int32 with the view byte in bits 31–24 and
+        the nibble in bits 23–20 -> float32 ``w'`` (exponent bits 30–27 set to ``0111``)."""
+        t = t >> 4  # arithmetic: the sign stays in bit 31
+        return ((t & -2013331456) | 0x38000000).to(tl.float32, bitcast=True)  # -2013331456 == 0x87FF0000 as int32
+
+    @triton.jit
+    def _decode8(vw, qw, ASM: tl.constexpr):
+        """One group of 8 columns: views ``vw`` (int64, byte i = column i) and nibbles ``qw`` (int32, nibble i =
+        column i) -> 8 float32 tensors ``w' = w · 2^(112 − B_n)`` of vw's shape (bit layout:
+        :func:`~specpilot.kernels.w12_gemv.w12_gemv`)."""
+        if ASM:
+            w = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 rlo, rhi, rq4, rt, rm, rc;
+                mov.b64 {rlo, rhi}, $8;
+                shl.b32 rq4, $9, 4;
+                mov.b32 rm, 0x87FF0000;
+                mov.b32 rc, 0x38000000;
+                prmt.b32 rt, rlo, rq4, 0x0400; shr.s32 rt, rt, 4; lop3.b32 $0, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rlo, $9, 0x1400; shr.s32 rt, rt, 4; lop3.b32 $1, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rlo, rq4, 0x2500; shr.s32 rt, rt, 4; lop3.b32 $2, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rlo, $9, 0x3500; shr.s32 rt, rt, 4; lop3.b32 $3, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rhi, rq4, 0x0600; shr.s32 rt, rt, 4; lop3.b32 $4, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rhi, $9, 0x1600; shr.s32 rt, rt, 4; lop3.b32 $5, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rhi, rq4, 0x2700; shr.s32 rt, rt, 4; lop3.b32 $6, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rhi, $9, 0x3700; shr.s32 rt, rt, 4; lop3.b32 $7, rt, rm, rc, 0xEA;
+                }""",
+                constraints="=r,=r,=r,=r,=r,=r,=r,=r,l,r", args=[vw, qw], dtype=(tl.int32,) * 8, is_pure=True,
+                pack=1)
+            return (w[0].to(tl.float32, bitcast=True), w[1].to(tl.float32, bitcast=True),
+                    w[2].to(tl.float32, bitcast=True), w[3].to(tl.float32, bitcast=True),
+                    w[4].to(tl.float32, bitcast=True), w[5].to(tl.float32, bitcast=True),
+                    w[6].to(tl.float32, bitcast=True), w[7].to(tl.float32, bitcast=True))
+        lo = vw.to(tl.int32)  # columns 0-3 (byte i = column i)
+        hi = (vw >> 32).to(tl.int32)  # columns 4-7
+        top = -16777216  # 0xFF000000: the view byte's place; nibble i goes to bits 23-20
+        return (_w1((lo << 24) | ((qw << 20) & 0x00F00000)),
+                _w1(((lo << 16) & top) | ((qw << 16) & 0x00F00000)),
+                _w1(((lo << 8) & top) | ((qw << 12) & 0x00F00000)),
+                _w1((lo & top) | ((qw << 8) & 0x00F00000)),
+                _w1((hi << 24) | ((qw << 4) & 0x00F00000)),
+                _w1(((hi << 16) & top) | (qw & 0x00F00000)),
+                _w1(((hi << 8) & top) | ((qw >> 4) & 0x00F00000)),
+                _w1((hi & top) | ((qw >> 8) & 0x00F00000)))
+
+    @triton.jit
+    def _load_groups(RecV, RecQ, kb, k_end, row_v, row_q, rg, col_v, col_q, EVEN: tl.constexpr):
+        """View words ``[BN, G]`` int64 and nibble words ``[BN, G]`` int32 of the step at column ``kb``; groups at
+        or past ``k_end`` read as 0 (unless EVEN: every group in range)."""
+        r0 = kb // 64
+        if EVEN:
+            return (tl.load(RecV + r0 * 1536 + row_v[:, None] + col_v[None, :]),
+                    tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :]))
+        ok = (kb + 8 * rg < k_end)[None, :]
+        return (tl.load(RecV + r0 * 1536 + row_v[:, None] + col_v[None, :], mask=ok, other=0),
+                tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :], mask=ok, other=0))
+
+    @triton.jit
+    def _decode_tile(vw, qw, ASM: tl.constexpr):
+        """Words ``vw [BN, G]`` int64 / ``qw [BN, G]`` int32 -> float32 ``w' [BN, 8G]`` in column order
+        (column ``8g + i`` from byte / nibble ``i`` of group ``g``): :func:`_decode8` then three levels of
+        ``tl.interleave`` (pairs ``i, i+4``, then ``+2``, then ``+1``)."""
+        w0, w1, w2, w3, w4, w5, w6, w7 = _decode8(vw, qw, ASM)
+        return tl.interleave(tl.interleave(tl.interleave(w0, w4), tl.interleave(w2, w6)),
+                             tl.interleave(tl.interleave(w1, w5), tl.interleave(w3, w7)))
