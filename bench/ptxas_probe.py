@@ -19,6 +19,7 @@ import time
 from specpilot.kernels import w12_gemm, w12_mma
 from specpilot.kernels.resources import kernel_resources
 from specpilot.kernels.w12_gemv import gemv_config, gemv_resources
+from specpilot.kernels.w12_tiles import WORD_KERNEL_SIGNATURE
 from specpilot.provenance import git_commit, versions
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # Qwen3-8B
@@ -37,7 +38,7 @@ def tensor_core() -> list[dict]:
         common = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, EVEN=True, HAS_BIAS=False, FP32=False)
         for name, kern, sig, consts in (
                 ("bytes (w12_gemm)", w12_gemm._w12_gemm_kernel, BYTES_SIGNATURE, common | dict(W_LEFT=True)),
-                ("words (w12_mma)", w12_mma._w12_mma_kernel, w12_mma.MMA_SIGNATURE,
+                ("words (w12_mma)", w12_mma._w12_mma_kernel, WORD_KERNEL_SIGNATURE,
                  common | dict(ASM=True, X_EVEN=True))):
             r = kernel_resources(kern, sig, consts, 4, 4)
             rows.append(dict(kernel=name, block_m=bm, registers=r.registers, spill_bytes=r.spill_bytes,

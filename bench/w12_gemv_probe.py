@@ -141,18 +141,23 @@ def ar(best: dict) -> dict:
     return out
 
 
+def shape_setup(name: str):
+    """One Qwen3-8B projection: ``n, k``, a random bf16 weight, its W12 encoding and escape table, copies of
+    both (≥ 512 MiB, so timed calls read HBM, not L2) and ``|w| + |c|`` for the rounding bound."""
+    n, k = SHAPES[name]
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+    t = encode(w, device=dev)
+    esc = wg.escape_table(t)
+    ws = [w] + [w.clone() for _ in range(max(1, math.ceil((512 << 20) / (n * k * 2))) - 1)]
+    return n, k, w, t, esc, copies_of(t, esc), ws, decode(t, check=False).float().abs() + codes(t).abs()
+
+
 def few_rows() -> list[dict]:
     """2, 4 and 8 rows: the GEMV (``gemv=True``, default launch) vs the tensor-core W12 kernel vs cuBLAS, each
     checked against the reference first (rounding bound, two runs bitwise equal)."""
     rows = []
     for name in [s for s in SHAPES if s.startswith("qwen3-8b")]:
-        n, k = SHAPES[name]
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        t = encode(w, device=dev)
-        esc = wg.escape_table(t)
-        ts = copies_of(t, esc)
-        ws = [w] + [w.clone() for _ in range(max(1, math.ceil((512 << 20) / (n * k * 2))) - 1)]
-        aw = decode(t, check=False).float().abs() + codes(t).abs()
+        n, k, w, t, esc, ts, ws, aw = shape_setup(name)
         for m in (2, 4, 8):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             out = wg.w12_gemm(x, t, escapes=esc, gemv=True)
@@ -189,13 +194,7 @@ def words_rows() -> list[dict]:
     against the reference first (rounding bound, two runs bitwise equal)."""
     rows = []
     for name in [s for s in SHAPES if s.startswith("qwen3-8b")]:
-        n, k = SHAPES[name]
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        t = encode(w, device=dev)
-        esc = wg.escape_table(t)
-        ts = copies_of(t, esc)
-        ws = [w] + [w.clone() for _ in range(max(1, math.ceil((512 << 20) / (n * k * 2))) - 1)]
-        aw = decode(t, check=False).float().abs() + codes(t).abs()
+        n, k, w, t, esc, ts, ws, aw = shape_setup(name)
         for m in (8, 16, 32):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             row = {"proj": name, "rows": m, "cublas_us": time_calls(lambda a, w_: F.linear(a, w_), ws, x, reps=4),

@@ -209,18 +209,33 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
     k_pad = kt * RECORD_COLS
     k_per_split = triton.cdiv(triton.cdiv(k_pad, split), bk) * bk
     even = k_per_split * split == k_pad
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    b = bias if bias is not None else out
+    out, part, b = _outputs(x, n, split, bias)
     _w12_gemm_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, bm))](
         x, w12.records, w12.base, b, out, part, row_ptr, esc_k, esc_d, m, n, k, k_pad, x.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_PER_SPLIT=k_per_split, SPLIT_K=split, EVEN=even,
         HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32, W_LEFT=bool(cfg["w_left"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return _sum_splits(part, x, b, out, (row_ptr, esc_k, esc_d), split, bias is not None)
+
+
+def _outputs(x: torch.Tensor, n: int, split: int, bias: torch.Tensor | None):
+    """Buffers of one W12 kernel launch: ``out [M, N]`` in x's dtype, the split-K partial sums ``[split, M, N]``
+    float32 (``out`` itself without split) and the bias argument (``out`` as a placeholder without bias)."""
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    return out, part, (bias if bias is not None else out)
+
+
+def _sum_splits(part, x, b, out, escapes, split: int, has_bias: bool) -> torch.Tensor:
+    """With split K: add the partial sums in split order, then the escapes and the bias, into ``out``
+    (:func:`_w12_split_sum_kernel`); returns ``out``."""
     if split > 1:
+        m, n = out.shape
+        row_ptr, esc_k, esc_d = escapes
         _w12_split_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16))](
             part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
-            HAS_BIAS=bias is not None, num_warps=4)
+            HAS_BIAS=has_bias, num_warps=4)
     return out
 
 

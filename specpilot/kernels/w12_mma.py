@@ -21,13 +21,13 @@ from __future__ import annotations
 import torch
 
 from ..w12.format import RECORD_COLS, RECORD_ROWS, W12Tensor
-from .w12_gemm import W12GemmError, triton
+from .w12_gemm import W12GemmError, _outputs, _sum_splits, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from .w12_gemm import _add_escapes, _w12_split_sum_kernel
-    from .w12_tiles import _decode_tile, _load_groups
+    from .w12_gemm import _add_escapes
+    from .w12_tiles import _decode_tile, _load_groups, _word_offsets
 
 
 def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, cfg: dict) -> torch.Tensor:
@@ -45,26 +45,16 @@ def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes,
     rec = w12.records
     k_pad = rec.shape[1] * RECORD_COLS
     k_per_split = triton.cdiv(triton.cdiv(k_pad, split), bk) * bk
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    b = bias if bias is not None else out
+    out, part, b = _outputs(x, n, split, bias)
     _w12_mma_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, bm))](
         x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, row_ptr, esc_k, esc_d, m, n, k,
         k_pad, k_per_split, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
         EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
         FP32=x.dtype == torch.float32,
         ASM=bool(cfg.get("asm", True)) and x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if split > 1:
-        _w12_split_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16))](
-            part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
-            HAS_BIAS=bias is not None, num_warps=4)
-    return out
+    return _sum_splits(part, x, b, out, escapes, split, bias is not None)
 
 
-#: the kernel's runtime arguments and their Triton types (bf16 activations), for resource probes
-MMA_SIGNATURE = {"X": "*bf16", "RecV": "*i64", "RecQ": "*i32", "Base": "*u8", "Bias": "*bf16", "Out": "*bf16",
-                 "Part": "*fp32", "RowPtr": "*i32", "EscK": "*i32", "EscD": "*fp32", "M": "i32", "N": "i32",
-                 "K": "i32", "K_PAD": "i32", "K_PER_SPLIT": "i32", "stride_xm": "i32"}
 
 if triton is not None:
 
@@ -82,12 +72,7 @@ if triton is not None:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = offs_m < M
         n_ok = offs_n < N
-        band = (offs_n // 128) * (K_PAD // 64) * 12288
-        row_v = (band + (offs_n % 128) * 64) // 8  # int64 word of the row's first view group, record 0
-        row_q = (band + 8192 + (offs_n % 128) * 32) // 4  # int32 word of its first nibble group
-        rg = tl.arange(0, BLOCK_K // 8)  # group g: columns 8g .. 8g + 7 of the step
-        col_v = (rg // 8) * 1536 + rg % 8
-        col_q = (rg // 8) * 3072 + rg % 8
+        row_v, row_q, rg, col_v, col_q = _word_offsets(offs_n, K_PAD, BLOCK_K)
         rk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         k0 = pid_k * K_PER_SPLIT
@@ -119,4 +104,4 @@ if triton is not None:
             tl.store(Part + pid_k * M * N + dst, acc, mask=ok)
 
 
-__all__ = ["w12_mma", "MMA_SIGNATURE"]
+__all__ = ["w12_mma"]

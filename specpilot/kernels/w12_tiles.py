@@ -16,6 +16,12 @@ from __future__ import annotations
 
 from .w12_gemm import triton
 
+#: runtime arguments of the word-reading kernels (``_w12_gemv_kernel``, ``_w12_mma_kernel``) and their Triton
+#: types with bf16 activations, for offline compiles (:mod:`specpilot.kernels.resources`)
+WORD_KERNEL_SIGNATURE = {"X": "*bf16", "RecV": "*i64", "RecQ": "*i32", "Base": "*u8", "Bias": "*bf16", "Out": "*bf16",
+                         "Part": "*fp32", "RowPtr": "*i32", "EscK": "*i32", "EscD": "*fp32", "M": "i32", "N": "i32",
+                         "K": "i32", "K_PAD": "i32", "K_PER_SPLIT": "i32", "stride_xm": "i32"}
+
 if triton is not None:
     import triton.language as tl
 
@@ -65,6 +71,18 @@ if triton is not None:
                 _w1(((hi << 16) & top) | (qw & 0x00F00000)),
                 _w1(((hi << 8) & top) | ((qw >> 4) & 0x00F00000)),
                 _w1((hi & top) | ((qw >> 8) & 0x00F00000)))
+
+    @triton.jit
+    def _word_offsets(offs_n, K_PAD, BLOCK_K: tl.constexpr):
+        """Word addresses of rows ``offs_n`` in the records (128-row bands of 64-column records of 12288 bytes:
+        8192 bytes of views, then 4096 of nibbles): ``row_v`` / ``row_q`` the int64 / int32 word of each row's
+        first view / nibble group in record 0 of its band, ``rg`` the step's groups ``0 .. BLOCK_K/8 − 1`` and
+        ``col_v`` / ``col_q`` their word offsets (group ``g`` is in record ``g // 8`` of the step)."""
+        band = (offs_n // 128) * (K_PAD // 64) * 12288
+        row_v = (band + (offs_n % 128) * 64) // 8
+        row_q = (band + 8192 + (offs_n % 128) * 32) // 4
+        rg = tl.arange(0, BLOCK_K // 8)
+        return row_v, row_q, rg, (rg // 8) * 1536 + rg % 8, (rg // 8) * 3072 + rg % 8
 
     @triton.jit
     def _load_groups(RecV, RecQ, kb, k_end, row_v, row_q, rg, col_v, col_q, EVEN: tl.constexpr):
