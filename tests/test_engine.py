@@ -299,6 +299,32 @@ def test_padded_buckets_equal_unpadded(tiny_models, cfg):
         assert eng.generate(prompt, 30).tokens == ar_tokens(target, prompt, 30)
 
 
+def test_capture_at_build_takes_the_buckets_a_verify_can_use(tiny_models, monkeypatch):
+    """``capture_all`` (run when an engine is built on CUDA) captures the buckets up to ``nodes + 1`` rows, each
+    on padding-row inputs: prefix 0, positions 0..B-1, a diagonal mask (no row sees nothing, so no NaN reaches
+    the cache). The capture itself is replaced here (CPU); the GPU test is tests/test_graphs_gpu.py."""
+    from specpilot.engine.graphs import BucketRunner
+
+    target, _ = tiny_models
+    seen = {}
+
+    def fake_capture(self, b):
+        s = self._static[b]
+        assert b not in seen  # each bucket captured once
+        seen[b] = (s["start"].item(), s["positions"].tolist(), s["mask01"].clone())
+        self._graphs[b] = object()
+
+    monkeypatch.setattr(BucketRunner, "_capture", fake_capture)
+    runner = BucketRunner(target, target.new_cache(400), graphs=False)
+    assert runner.capture_all() == []  # no graphs (the CPU): nothing to capture
+    runner.graphs = True
+    assert runner.capture_all(7) == [1, 2, 4, 8]
+    assert runner.capture_all(30) == [1, 2, 4, 8, 16, 24, 32]  # the rest, once each
+    assert runner.capture_all() == list(runner.buckets)
+    start, pos, mask = seen[24]
+    assert start == 0 and pos == list(range(24)) and torch.equal(mask, torch.eye(24, dtype=mask.dtype))
+
+
 def test_r13_rows_outside_buckets_fall_back(tiny_models, monkeypatch):
     from specpilot.engine import graphs
 

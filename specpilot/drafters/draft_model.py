@@ -39,7 +39,7 @@ class DraftModelDrafter:
         self.n_seen = 0  # committed tokens whose K/V are in the cache
         self.runner = BucketRunner(model, self.cache, BUCKETS, output="logits") if self.static else None
         if self.runner is not None:
-            self.runner.capture_all()  # every bucket now, never inside a timed request
+            self.runner.capture_all()  # every bucket (a request's first catch-up is its prompt), never in a timed request
         self._loops: dict[int, dict] = {}
 
     def reset(self) -> None:

@@ -66,7 +66,7 @@ class Engine:
         if buckets and not getattr(drafter, "target_layers", None):
             self.runner = BucketRunner(target, self.cache, BUCKETS, graphs=True, output="argmax",
                                        logits_hook=logits_hook)
-            self.runner.capture_all()  # every bucket now, never inside a timed request
+            self.runner.capture_all(config.nodes + 1)  # the buckets a verify can use, now, not in a timed request
         self.logits_hook = logits_hook
         self.step_hook = None
         # a drafter that reads target hidden states (block drafters, §1.1) names the layers it wants

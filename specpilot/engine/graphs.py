@@ -103,15 +103,19 @@ class BucketRunner:
         self._graphs[b] = g
 
     @torch.inference_mode()
-    def capture_all(self) -> list[int]:
-        """Capture every bucket's graph now (each at prefix 0, padding-row inputs: token 0, a diagonal mask),
-        so that no capture, Triton compile or cuBLAS warm-up happens later inside a timed request (a bucket
-        first met mid-run cost a capture there, which the controller timed as noise). Writes K/V only to
-        slots ``[0, B)``, which a request's prefill overwrites. Returns the buckets captured (``[]`` on the
-        CPU or without graphs). Raises: ValueError when a bucket does not fit the cache."""
+    def capture_all(self, max_rows: int | None = None) -> list[int]:
+        """Capture the graphs of every bucket up to the one holding ``max_rows`` rows (None: all) now, each
+        at prefix 0 on padding-row inputs (token 0, a diagonal mask), so that no capture, Triton compile or
+        cuBLAS warm-up happens later inside a timed request (a bucket first met mid-run cost a capture
+        there, which the controller timed as noise). Writes K/V only to slots ``[0, B)``, which a request's
+        prefill overwrites. Returns the buckets captured so far (``[]`` on the CPU or without graphs).
+        Raises: ValueError when a bucket does not fit the cache."""
         if not self.graphs:
             return []
+        last = bucket_for(max_rows, self.buckets) if max_rows is not None else None
         for b in self.buckets:
+            if last is not None and b > last:
+                break
             if b > self.cache.max_len:
                 raise ValueError(f"bucket {b} exceeds the cache of {self.cache.max_len} slots")
             if b in self._graphs:
@@ -123,7 +127,8 @@ class BucketRunner:
             np.fill_diagonal(host[2 * b + 1:].reshape(b, b), 1)
             s["io"].copy_(s["host"])
             self._capture(b)
-        torch.cuda.synchronize(self.dev)
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
         return sorted(self._graphs)
 
     @torch.inference_mode()
