@@ -87,6 +87,17 @@ def test_worker_that_raises_or_dies_gives_a_clean_error(tmp_path, spec, init, ma
 
 
 
+def test_a_worker_never_closed_leaves_no_process_or_log(spec):
+    w = Worker(spec, "cpu", threads=1, timeout_s=300)
+    proc, log = w.proc, Path(w._log.name)
+    assert log.is_file() and proc.poll() is None
+    del w  # dropped without close (a pool left open): the finalizer stops it and removes its log
+    import gc
+
+    gc.collect()
+    assert proc.wait(timeout=10) is not None and not log.exists()
+
+
 def test_dispatch_returns_a_failed_judgement_in_its_place(spec):
     def dies(ex):
         raise WorkerError("worker 1 on cpu died (exit code 3): boom")

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -62,6 +63,14 @@ class WorkerSystem:
     tree: str | None = None
 
 
+def _reap(proc: subprocess.Popen, log: str) -> None:
+    """Kill ``proc`` if it still runs and remove its log file (a worker's finalizer)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    Path(log).unlink(missing_ok=True)
+
+
 class Worker:
     """One worker subprocess on ``device`` running ``tree``'s code over the deployment ``dep``.
 
@@ -87,9 +96,13 @@ class Worker:
             self.proc = subprocess.Popen([sys.executable, "-u", str(WORKER_SCRIPT)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=self._log, env=env, cwd=self.tree)
         except OSError as e:
+            self._log.close()
+            Path(self._log.name).unlink(missing_ok=True)
             raise WorkerError(f"cannot start a worker on {device}: {e}") from None
         self._buf = b""
         self.info: dict | None = None
+        # a worker never closed (a pool left open, an interrupted run) is stopped and its log removed at exit
+        self._finalizer = weakref.finalize(self, _reap, self.proc, self._log.name)
         try:
             self.send({"tree": self.tree, "device": device, "dtype": dep.dtype, "target": dep.target,
                        "drafter": dep.drafter, "blocks": list(dep.blocks), "threads": threads})
@@ -177,7 +190,7 @@ class Worker:
             except OSError:
                 pass
         self._log.close()
-        Path(self._log.name).unlink(missing_ok=True)
+        self._finalizer()
 
 
 class WorkerPool:
