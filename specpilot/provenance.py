@@ -12,11 +12,15 @@ def git_commit(repo: Path | None = None) -> str:
     """``git rev-parse HEAD`` of the repository holding this package, ``-dirty`` when tracked files changed.
 
     ``SPECPILOT_COMMIT``, when set, wins: a working tree copied to a GPU machine may carry a stale
-    ``.git`` of an older commit with every later change showing as ``-dirty``. Without git and without the
-    variable: ``unknown``.
+    ``.git`` of an older commit with every later change showing as ``-dirty``. Next, in a non-editable
+    install (``pip install .``), the commit its build recorded (``specpilot/BUILD_COMMIT``, see setup.py);
+    then git; else ``unknown``.
     """
     if os.environ.get("SPECPILOT_COMMIT"):
         return os.environ["SPECPILOT_COMMIT"]
+    built = Path(__file__).resolve().parent / "BUILD_COMMIT"  # written by setup.py into non-editable installs
+    if repo is None and built.is_file() and built.read_text().strip():
+        return built.read_text().strip()
     cwd = repo or Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
@@ -26,7 +30,7 @@ def git_commit(repo: Path | None = None) -> str:
             return head.stdout.strip() + ("-dirty" if st.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("SPECPILOT_COMMIT", "unknown")
+    return "unknown"
 
 
 def versions() -> dict:

@@ -6,6 +6,7 @@ import tomllib
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
@@ -34,3 +35,27 @@ def test_every_dependency_is_bounded_below_and_satisfied_here():
         except PackageNotFoundError:
             continue
         assert req.specifier.contains(have.split("+")[0], prereleases=True), f"{name} {have} outside {req.specifier}"
+
+
+def test_a_built_package_names_its_commit(tmp_path):
+    """Fresh-user finding: ``pip install .`` (the README's first command) gave ``commit: unknown`` in every
+    result, since an installed package is not a git checkout. setup.py's build step writes the commit into
+    the package (``specpilot/BUILD_COMMIT``); ``git_commit`` reads it there, outside any repository."""
+    import os
+    import subprocess
+    import sys
+
+    from specpilot.provenance import git_commit
+
+    root = PYPROJECT.parent
+    expected = git_commit(root)
+    if expected == "unknown":
+        pytest.skip("not a git checkout: the build has no commit to record")
+    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path / "lib")], cwd=root,
+                   check=True, capture_output=True, timeout=300)
+    recorded = (tmp_path / "lib" / "specpilot" / "BUILD_COMMIT").read_text().strip()
+    assert recorded == expected
+    env = {k: v for k, v in os.environ.items() if k != "SPECPILOT_COMMIT"} | {"PYTHONPATH": str(tmp_path / "lib")}
+    got = subprocess.run([sys.executable, "-c", "import specpilot.provenance as p; print(p.__file__); print(p.git_commit())"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert got[0].startswith(str(tmp_path)) and got[1] == recorded
