@@ -106,6 +106,13 @@ def check_drafter_kind(drafter: str, path: Path) -> None:
                              "not a block drafter: use --drafter draft_model")
 
 
+
+def _out_dir(path: Path, flag: str = "--out") -> Path:
+    """``path`` unless it exists and is not a directory (then a one-line error before any work)."""
+    if path.exists() and not path.is_dir():
+        raise SpecPilotError(f"{flag} {path} exists and is not a directory")
+    return path
+
 @app.command()
 def generate(
     prompt: str = typer.Option(..., help="Prompt text."),
@@ -139,6 +146,9 @@ def generate(
                            top_k=1 if tree == "chain" else top_k, dtype=dtype)
     except ValueError as e:
         raise SpecPilotError(f"invalid option: {_pydantic_message(e)}") from None
+    if drafter_path is not None and drafter in ("none", "ngram"):
+        raise SpecPilotError(f"--drafter-path is for --drafter draft_model or block; drafter {drafter!r} reads no "
+                             "checkpoint")
     tdir, ddir = _default_dirs(target, drafter, drafter_path)
     if ddir is not None:
         cfg = cfg.model_copy(update={"drafter_path": str(ddir)})
@@ -218,8 +228,7 @@ def pilot(
         tdir, ddir = bundled_target_dir(), ddir or bundled_drafter_dir()
         if block is None:
             block = [bundled_block_dir(), bundled_block_markov_dir()]
-    if out.exists() and not out.is_dir():
-        raise SpecPilotError(f"--out {out} exists and is not a directory")
+    _out_dir(out)
     devs = tuple(d.strip() for d in devices.split(",")) if devices is not None else ()
     if any(not d for d in devs):
         raise SpecPilotError(f"--devices {devices!r}: give comma-separated devices, e.g. cuda:0,cuda:1")
@@ -321,7 +330,7 @@ def replay(
     if max_new_tokens < 1:
         raise SpecPilotError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     dirs = list(drafter) if drafter else [bundled_block_dir(), bundled_block_markov_dir()]
-    rows, md = replay_table(target or bundled_target_dir(), dirs, per_benchmark, max_new_tokens, out)
+    rows, md = replay_table(target or bundled_target_dir(), dirs, per_benchmark, max_new_tokens, _out_dir(out))
     print(json.dumps(rows) if as_json else md)
 
 
@@ -343,7 +352,14 @@ def bench(
 
     if dtype not in DTYPES:
         raise SpecPilotError(f"unknown --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    read_args(target)  # a bad checkpoint directory is named before the device is checked
+    if prefix < 1 or new_tokens < 1:
+        raise SpecPilotError(f"--prefix and --new-tokens must be at least 1, got {prefix} and {new_tokens}")
+    args = read_args(target)  # a bad checkpoint directory is named before the device is checked
+    context = min(args.max_position_embeddings, 4096)  # the engine's context (Engine.max_len)
+    if prefix + max(new_tokens, 256) > context:  # c(N) is measured up to 256 rows after the prefix
+        raise SpecPilotError(f"--prefix {prefix} + max(--new-tokens {new_tokens}, 256 rows) exceeds the target's "
+                             f"context of {context} tokens")
+    _out_dir(out)
     res = run_bench(target, check_device(device), dtype, prefix, new_tokens, out, with_transformers=transformers_generate)
     print(json.dumps({k: res[k] for k in ("device", "ar_ms_per_step", "ar_tokens_per_s", "byte_floor_ms", "percent_of_floor")}
                      | {"c_33": res["c"].get(33), "c_64": res["c"].get(64)}

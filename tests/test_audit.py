@@ -98,6 +98,7 @@ def test_planted_confident_wrong_token_is_rejected(monkeypatch, capsys, tmp_path
     ("missing_reference", "reference file not found"),
     ("missing_target", "checkpoint directory not found"),
     ("bad_delta", "--delta"),
+    ("inf_delta", "--delta must be a finite number"),  # inf would switch the event rule off
 ])
 def test_bad_input_is_one_line_error(monkeypatch, capsys, tmp_path, case, needle):
     good = {"prompt_ids": [5, 6, 7], "output_ids": [8, 9]}
@@ -118,8 +119,8 @@ def test_bad_input_is_one_line_error(monkeypatch, capsys, tmp_path, case, needle
         args += ["--reference", str(tmp_path / "none.jsonl")]
     if case == "missing_target":
         args[2] = str(tmp_path / "no-target")
-    if case == "bad_delta":
-        args += ["--delta", "0"]
+    if case in ("bad_delta", "inf_delta"):
+        args += ["--delta", "0" if case == "bad_delta" else "inf"]
     code, out, err = run_cli(monkeypatch, capsys, *args)
     lines = [x for x in err.strip().splitlines() if x.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err

@@ -149,3 +149,29 @@ def test_pilot_size_flags_reach_the_plan(monkeypatch, capsys, tmp_path):
     assert code == 0, err
     plan = seen[0].plan
     assert (plan["per_benchmark"], plan["max_new_tokens"], plan["rounds"], plan["candidates"]) == (3, 48, 0, 2)
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["generate", "--prompt", "x", "--device", "mps"], ["'mps' is not supported", "cpu or cuda"]),
+    (["generate", "--prompt", "x", "--device", "meta"], ["'meta' is not supported"]),
+    (["generate", "--prompt", "x", "--device", "cpu:1"], ["'cpu:1' is not supported"]),
+    (["audit", "--target", "TARGET", "--outputs", "README", "--device", "mps"], ["'mps' is not supported"]),
+    (["w12", "pack", "TARGET", "README"], ["exists and is not a directory"]),
+    (["replay", "--out", "README", "--per-benchmark", "1", "--max-new-tokens", "4"], ["--out", "not a directory"]),
+    (["bench", "--target", "TARGET", "--device", "cpu", "--prefix", "100000"], ["--prefix 100000", "context of 2048"]),
+    (["bench", "--target", "TARGET", "--device", "cpu", "--new-tokens", "0"], ["--new-tokens must be at least 1"]),
+    (["generate", "--prompt", "x", "--drafter", "ngram", "--drafter-path", "/nope"], ["--drafter-path is for"]),
+    (["generate", "--prompt", "x", "--drafter", "block", "--drafter-path", "BLOCK", "--depth", "32"],
+     ["at most 16 positions", "depth 32"]),
+])
+def test_eighth_fresh_user_bad_input_is_one_line(monkeypatch, capsys, tmp_path, args, needles):
+    """Eighth fresh-user test: tracebacks (another torch device, a file as output dir, a prefix past the
+    context), an ignored --drafter-path and a block depth silently clamped to the block size."""
+    from specpilot.zoo import bundled_block_dir, bundled_target_dir
+
+    readme = tmp_path / "README.md"
+    readme.write_text("a file\n")
+    subs = {"TARGET": str(bundled_target_dir()), "README": str(readme), "BLOCK": str(bundled_block_dir())}
+    code, out, err = run_cli(monkeypatch, capsys, *[subs.get(a, a) for a in args])
+    _one_line_error(code, err, *needles)
+    assert readme.read_text() == "a file\n"

@@ -77,6 +77,24 @@ def test_reproduction_check(mem, tmp_path):
         m.get("budget-16")
 
 
+def test_entries_missing_their_metadata_or_misnamed_are_corrupted(tmp_path):
+    """Fresh-user finding: an entry dir without entry.json vanished from list/check (0 of 0 passed), and an
+    entry whose id differs from its directory passed check yet could not be shown or reused."""
+    m = Memory(tmp_path)
+    m.add(entry("a", {"nodes": 8}))
+    m.add(entry("b", {"nodes": 9}))
+    (tmp_path / "a" / "entry.json").unlink()
+    meta = json.loads((tmp_path / "b" / "entry.json").read_text())
+    (tmp_path / "b" / "entry.json").write_text(json.dumps(meta | {"id": "other"}))
+    assert m.ids() == ["a", "b"]
+    with pytest.raises(MemoryEntryError, match="entry.json is missing"):
+        m.get("a")
+    with pytest.raises(MemoryEntryError, match="differs from its directory name 'b'"):
+        m.get("b")
+    with pytest.raises(MemoryEntryError, match="no memory entry 'c'"):
+        m.get("c")
+
+
 def test_cycles_and_missing(tmp_path):
     m = Memory(tmp_path)
     m.add(entry("a", {"nodes": 8}, requires=["b"]))
@@ -208,13 +226,16 @@ def test_memory_cli_list_show_check(monkeypatch, capsys, code, tmp_path):
     (["memory", "list", "NOPE"], "NOPE: not found"),
     (["memory", "show", "MEM", "nope"], "no memory entry 'nope'"),
     (["memory", "show", "MEM", "broken"], "corrupted"),
+    (["memory", "check", "REPORT"], "its memory/ directory may"),  # a pilot's report dir, not its memory
 ])
 def test_memory_cli_errors(monkeypatch, capsys, tmp_path, args, needle):
     m = Memory(tmp_path / "mem")
     m.add(entry("ok", {"nodes": 8}, system=STOCK.apply({"nodes": 8})))
     (tmp_path / "mem" / "broken").mkdir()
     (tmp_path / "mem" / "broken" / "entry.json").write_text("{}")
-    args = [str(tmp_path / "mem") if a == "MEM" else str(tmp_path / a) if a == "NOPE" else a for a in args]
+    (tmp_path / "report" / "memory").mkdir(parents=True)
+    args = [str(tmp_path / "mem") if a == "MEM" else str(tmp_path / "report") if a == "REPORT"
+            else str(tmp_path / a) if a == "NOPE" else a for a in args]
     rc, out, err = run_cli(monkeypatch, capsys, *args)
     lines = [x for x in err.strip().splitlines() if x.strip()]
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..config import SystemConfig
+from ..drafters.block import TOP_K as BLOCK_TOP_K
 from ..drafters.block import BlockDrafter, is_block_dir, load_block
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NgramDrafter
@@ -120,7 +121,8 @@ class Deployment:
         certified INT8 head when ``config.lm_head_int8``).
 
         Raises:
-            DrafterError: ``draft_model`` requested but the deployment has no draft model.
+            DrafterError: ``draft_model`` requested but the deployment has no draft model; a block drafter
+                asked for more positions than its block size or more than 16 candidates a position.
             W12FormatError: ``config.w12`` with a target whose weights are not bfloat16 values.
         """
         target = self.w12_target() if config.w12 else self.target
@@ -137,7 +139,12 @@ class Deployment:
                 raise DrafterError("drafter 'draft_model' needs a draft model checkpoint (--drafter-path)")
             drafter = DraftModelDrafter(self.draft_model, top_k=config.top_k)
         elif config.drafter == "block":
-            drafter = BlockDrafter(self.block_net(config.drafter_path), target, top_k=config.top_k)
+            net = self.block_net(config.drafter_path)
+            if config.depth > net.cfg.block_size or config.top_k > BLOCK_TOP_K:  # refused, not clamped
+                raise DrafterError(f"the block drafter drafts at most {net.cfg.block_size} positions (its block size) "
+                                   f"with at most {BLOCK_TOP_K} candidates each: depth {config.depth}, top_k "
+                                   f"{config.top_k} asked for")
+            drafter = BlockDrafter(net, target, top_k=config.top_k)
         engine_kw.setdefault("eos_ids", self.eos_ids())
         engine_kw.setdefault("buckets", torch.device(self.device).type == "cuda")  # CUDA graphs per row bucket
         return Engine(target, config, drafter, **engine_kw)
@@ -169,6 +176,8 @@ def check_device(device: str) -> str:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
         raise SpecPilotError(f"unknown device {device!r} (e.g. cpu, cuda, cuda:1)") from None
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        raise SpecPilotError(f"device {device!r} is not supported: SpecPilot runs on cpu or cuda[:N]")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SpecPilotError(f"device {device!r} requested but no CUDA GPU is available here")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():

@@ -21,6 +21,7 @@ or the floor 1/8 nat, the value Phase 0 gives when stock never diverges from AR.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
@@ -109,14 +110,14 @@ def audit_outputs(target: str | Path, outputs: str | Path, delta: float | None =
         ``reasons`` (every failed rule). Outputs with 0 tokens in all (every ``output_ids`` empty) are
         never passed: ``passed`` is False with the reason "nothing audited".
     Raises:
-        AuditInputError: bad outputs / reference file or ``delta <= 0``.
+        AuditInputError: bad outputs / reference file or ``delta`` not finite and > 0.
         CheckpointError: the target cannot be loaded.
     """
     from ..engine.checkpoint import load_model
 
     delta = DEFAULT_DELTA if delta is None else float(delta)
-    if not delta > 0:
-        raise AuditInputError(f"--delta must be > 0 nats, got {delta}")
+    if not (delta > 0 and math.isfinite(delta)):  # inf would switch the event rule off
+        raise AuditInputError(f"--delta must be a finite number > 0 nats, got {delta}")
     model = load_model(target, dtype, device)
     vocab, ctx = model.args.vocab_size, model.args.max_position_embeddings
     rows = read_outputs(outputs, vocab, ctx)

@@ -187,10 +187,12 @@ class Memory:
         return d
 
     def ids(self) -> list[str]:
-        """Sorted ids of the entries on disk."""
+        """Sorted ids of the entries on disk: sub-directories holding ``entry.json`` or a delta file (one with
+        a delta but no ``entry.json`` is listed, and :meth:`get` reports it corrupted)."""
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if (p / "entry.json").is_file())
+        return sorted(p.name for p in self.root.iterdir()
+                      if any((p / f).is_file() for f in ("entry.json", *DELTA_FILES.values())))
 
     def list(self) -> list[Entry]:
         """All entries, sorted by id. Raises MemoryEntryError on a corrupted entry."""
@@ -201,6 +203,8 @@ class Memory:
         d = self.root / entry_id
         f = d / "entry.json"
         if not f.is_file():
+            if any((d / name).is_file() for name in DELTA_FILES.values()):
+                raise MemoryEntryError(f"memory entry {d} is corrupted: its entry.json is missing")
             raise MemoryEntryError(f"no memory entry {entry_id!r} in {self.root}")
         try:
             meta = json.loads(f.read_text())
@@ -212,7 +216,10 @@ class Memory:
                 if not df.is_file():
                     raise ValueError(f"its delta file {df.name} is missing")
                 meta["delta"] = df.read_text() if kind == "patch" else json.loads(df.read_text())
-            return Entry.model_validate(meta)
+            entry = Entry.model_validate(meta)
+            if entry.id != d.name:  # requires / --memory / show find entries by directory name
+                raise ValueError(f"its id {entry.id!r} differs from its directory name {d.name!r}")
+            return entry
         except (ValidationError, ValueError) as e:
             raise MemoryEntryError(f"memory entry {d} is corrupted: {str(e).splitlines()[0]}") from None
 

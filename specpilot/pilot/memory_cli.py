@@ -28,7 +28,11 @@ def _memory(directory: Path) -> Memory:
     if not directory.is_dir():
         what = "is a file, not a memory directory" if directory.exists() else "not found"
         raise SpecPilotError(f"memory directory {directory}: {what}")
-    return Memory(directory)
+    mem = Memory(directory)
+    if not mem.ids() and (directory / "memory").is_dir():  # a pilot's report directory
+        raise SpecPilotError(f"{directory} holds no memory entries; its memory/ directory may: "
+                             f"give {directory / 'memory'}")
+    return mem
 
 
 def _check_repo(repo: Path) -> None:

@@ -103,6 +103,8 @@ def pack_dir(src: str | Path, out: str | Path) -> dict:
         raise W12FormatError(f"source directory not found: {src}")
     if (src / MANIFEST).exists():
         raise W12FormatError(f"{src} is already a W12 directory ({MANIFEST} present)")
+    if out.exists() and not out.is_dir():
+        raise W12FormatError(f"output {out} exists and is not a directory")
     if out.exists() and (out.resolve() == src.resolve() or any(out.iterdir())):
         raise W12FormatError(f"output directory {out} is not empty: choose a new or empty directory")
     files = _files(src)

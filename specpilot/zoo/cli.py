@@ -16,7 +16,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from . import bundled_drafter_dir, bundled_target_dir
+from . import bundled_block_dir, bundled_block_markov_dir, bundled_drafter_dir, bundled_target_dir
 from .corpus import DEFAULT_GSM8K
 
 app = typer.Typer(help="Build the bundled target/drafter pair (corpus, tokenizer, tokens, training).", no_args_is_help=True)
@@ -117,13 +117,15 @@ def train(
 
 @app.command()
 def path(as_json: bool = typer.Option(False, "--json", help="print a JSON object")):
-    """Print the bundled target and drafter directories."""
-    t, d = bundled_target_dir(), bundled_drafter_dir()
+    """Print the bundled model directories: target, drafter (draft model), block and block_markov (block
+    drafters, for ``--drafter block --drafter-path``)."""
+    dirs = {"target": bundled_target_dir(), "drafter": bundled_drafter_dir(), "block": bundled_block_dir(),
+            "block_markov": bundled_block_markov_dir()}
     if as_json:
-        print(json.dumps({"target": str(t), "drafter": str(d), "target_exists": t.is_dir(), "drafter_exists": d.is_dir()}))
+        print(json.dumps({k: str(v) for k, v in dirs.items()} | {f"{k}_exists": v.is_dir() for k, v in dirs.items()}))
     else:
-        print(f"target: {t}")
-        print(f"drafter: {d}")
+        for k, v in dirs.items():
+            print(f"{k}: {v}")
 
 
 @app.command()
