@@ -279,7 +279,8 @@ class WorkerSession:
     Systems that run the same source tree share one worker process per device (each built under its own
     key), so a difference between two processes (memory placement, scheduling) cannot pass for a
     difference between the systems: A B B A within one process, as in-process. Systems from different
-    trees (a code candidate) need their own process; that bias is then only averaged over variants."""
+    trees (a code candidate) need their own processes, and a speed difference between those two processes
+    is not cancelled (nor yet measured): it enters the candidate's gain."""
 
     def __init__(self, ex: WorkerExecutor, makers: dict[str, WorkerSystem]):
         self.makers, self.names = makers, list(makers)
