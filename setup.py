@@ -28,11 +28,15 @@ class BuildPyWithCommit(build_py):
 
     def run(self):
         super().run()
+        if self.dry_run:
+            return
         commit = _commit(Path(__file__).resolve().parent)
-        if commit and not self.dry_run:
-            out = Path(self.build_lib) / "specpilot" / "BUILD_COMMIT"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(commit + "\n")
+        out = Path(self.build_lib) / "specpilot" / "BUILD_COMMIT"
+        if commit is None:  # no git here: ship no commit rather than a stale one left in build/ by an earlier build
+            out.unlink(missing_ok=True)
+            return
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(commit + "\n")
 
 
 setup(cmdclass={"build_py": BuildPyWithCommit})

@@ -303,6 +303,10 @@ def train_drafter_cmd(
     from .drafters.train_block import train_drafter
     from .zoo import bundled_target_dir
 
+    from .engine.deployment import check_device
+
+    check_device(device)
+    _out_dir(out)
     cmd = "specpilot " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     prov = train_drafter(target or bundled_target_dir(), out, kind=kind, block=block, steps=steps,
                          batch_size=batch_size, anchors=anchors, lr=lr, n_seqs=n_seqs, gen_len=gen_len,

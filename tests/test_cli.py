@@ -163,6 +163,9 @@ def test_pilot_size_flags_reach_the_plan(monkeypatch, capsys, tmp_path):
     (["generate", "--prompt", "x", "--drafter", "ngram", "--drafter-path", "/nope"], ["--drafter-path is for"]),
     (["generate", "--prompt", "x", "--drafter", "block", "--drafter-path", "BLOCK", "--depth", "32"],
      ["at most 16 positions", "depth 32"]),
+    (["zoo", "corpus", "--out", "README"], ["--out", "not a directory"]),
+    (["train-drafter", "--kind", "block", "--device", "mps", "--out", "NEW"], ["'mps' is not supported"]),
+    (["train-drafter", "--kind", "block", "--out", "README"], ["--out", "not a directory"]),
 ])
 def test_eighth_fresh_user_bad_input_is_one_line(monkeypatch, capsys, tmp_path, args, needles):
     """Eighth fresh-user test: tracebacks (another torch device, a file as output dir, a prefix past the
@@ -171,7 +174,8 @@ def test_eighth_fresh_user_bad_input_is_one_line(monkeypatch, capsys, tmp_path, 
 
     readme = tmp_path / "README.md"
     readme.write_text("a file\n")
-    subs = {"TARGET": str(bundled_target_dir()), "README": str(readme), "BLOCK": str(bundled_block_dir())}
+    subs = {"TARGET": str(bundled_target_dir()), "README": str(readme), "BLOCK": str(bundled_block_dir()),
+            "NEW": str(tmp_path / "new")}
     code, out, err = run_cli(monkeypatch, capsys, *[subs.get(a, a) for a in args])
     _one_line_error(code, err, *needles)
     assert readme.read_text() == "a file\n"

@@ -227,6 +227,7 @@ def test_memory_cli_list_show_check(monkeypatch, capsys, code, tmp_path):
     (["memory", "show", "MEM", "nope"], "no memory entry 'nope'"),
     (["memory", "show", "MEM", "broken"], "corrupted"),
     (["memory", "check", "REPORT"], "its memory/ directory may"),  # a pilot's report dir, not its memory
+    (["memory", "check", "EMPTY"], "nothing to check"),  # 0 of 0 used to pass
 ])
 def test_memory_cli_errors(monkeypatch, capsys, tmp_path, args, needle):
     m = Memory(tmp_path / "mem")
@@ -234,8 +235,9 @@ def test_memory_cli_errors(monkeypatch, capsys, tmp_path, args, needle):
     (tmp_path / "mem" / "broken").mkdir()
     (tmp_path / "mem" / "broken" / "entry.json").write_text("{}")
     (tmp_path / "report" / "memory").mkdir(parents=True)
-    args = [str(tmp_path / "mem") if a == "MEM" else str(tmp_path / "report") if a == "REPORT"
-            else str(tmp_path / a) if a == "NOPE" else a for a in args]
+    (tmp_path / "empty").mkdir()
+    named = {"MEM": "mem", "REPORT": "report", "EMPTY": "empty", "NOPE": "NOPE"}
+    args = [str(tmp_path / named[a]) if a in named else a for a in args]
     rc, out, err = run_cli(monkeypatch, capsys, *args)
     lines = [x for x in err.strip().splitlines() if x.strip()]
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err

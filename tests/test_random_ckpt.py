@@ -42,6 +42,18 @@ def test_unknown_arch_is_a_clear_error(tmp_path):
         write_random_checkpoint("gpt-5", tmp_path)
 
 
+def test_a_file_or_non_empty_directory_is_refused(tmp_path):
+    """Second fresh-user run this session: ``zoo random --out`` the bundled target's directory rewrote its
+    config.json and wrote 16 GB of shards beside its weights; a file as --out was a traceback."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "file").write_text("x")
+    for out, why in (("ckpt", "is not empty"), ("file", "is not a directory")):
+        with pytest.raises(SpecPilotError, match=why):
+            write_random_checkpoint("qwen3-8b", tmp_path / out, device="cpu")
+    assert (tmp_path / "ckpt" / "config.json").read_text() == "{}" and (tmp_path / "file").read_text() == "x"
+
+
 def test_random_transformer_in_memory():
     from specpilot.zoo.random_ckpt import random_transformer
 

@@ -1,8 +1,8 @@
 """``specpilot memory list|show|check DIR``: read and verify a memory directory (paper §3.5).
 
 ``check`` exits with status 1 when an entry fails its reproduction check (differs, does not apply,
-broken); entries that are honestly *not checkable* (a code entry whose stock commit is not in the
-repository) are reported as such and do not fail it. Bad input (no such directory or entry) is a
+broken), and 2 when the directory holds no entry; entries that are honestly *not checkable* (a code
+entry whose stock commit is not in the repository) are reported as such and do not fail it. Bad input (no such directory or entry) is a
 one-line error with status 2 (:class:`~specpilot.errors.SpecPilotError`).
 """
 
@@ -111,6 +111,8 @@ def check(directory: Path = typer.Argument(..., help="Memory directory."),
     mem = _memory(directory)
     if repo is not None:
         _check_repo(repo)
+    if not mem.ids():  # a check of nothing must not read as a pass
+        raise SpecPilotError(f"no memory entries in {directory}: nothing to check")
     res = [mem.reproduce(i, repo) for i in mem.ids()]
     if as_json:
         print(json.dumps([{"id": r.id, "kind": r.kind, "status": r.status, "detail": r.detail} for r in res]))

@@ -78,7 +78,7 @@ def write_random_checkpoint(arch: str, out: str | Path, seed: int = 0, shard_byt
     Returns:
         the output directory.
     Raises:
-        SpecPilotError: unknown ``arch``.
+        SpecPilotError: unknown ``arch``; ``out`` a file or a non-empty directory.
     """
     from ..fileio import save_safetensors
 
@@ -86,6 +86,9 @@ def write_random_checkpoint(arch: str, out: str | Path, seed: int = 0, shard_byt
         raise SpecPilotError(f"unknown architecture {arch!r} (choose {', '.join(ARCHS)})")
     cfg = {**ARCHS[arch], "torch_dtype": "bfloat16", **(overrides or {})}
     out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never mix with (or overwrite) a checkpoint
+        raise SpecPilotError(f"output {out} {'is not a directory' if not out.is_dir() else 'is not empty'}: "
+                             "choose a new or empty directory")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -125,7 +128,7 @@ def random_transformer(arch: str, device: str = "cuda", dtype: torch.dtype = tor
     built directly on ``device`` without writing files (for timing scripts); ``fuse`` as in ``load_model``.
 
     Raises:
-        SpecPilotError: unknown ``arch``.
+        SpecPilotError: unknown ``arch``; ``out`` a file or a non-empty directory.
     """
     from ..engine.model import ModelArgs, Transformer, rope_inv_freq
 
