@@ -14,6 +14,7 @@ from typing import List, Optional
 import typer
 
 from .errors import SpecPilotError
+from .fileio import output_dir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Lossless speculative decoding, tuned per deployment.")
 
@@ -106,12 +107,6 @@ def check_drafter_kind(drafter: str, path: Path) -> None:
                              "not a block drafter: use --drafter draft_model")
 
 
-
-def _out_dir(path: Path, flag: str = "--out") -> Path:
-    """``path`` unless it exists and is not a directory (then a one-line error before any work)."""
-    if path.exists() and not path.is_dir():
-        raise SpecPilotError(f"{flag} {path} exists and is not a directory")
-    return path
 
 @app.command()
 def generate(
@@ -228,7 +223,7 @@ def pilot(
         tdir, ddir = bundled_target_dir(), ddir or bundled_drafter_dir()
         if block is None:
             block = [bundled_block_dir(), bundled_block_markov_dir()]
-    _out_dir(out)
+    output_dir(out, "--out")
     devs = tuple(d.strip() for d in devices.split(",")) if devices is not None else ()
     if any(not d for d in devs):
         raise SpecPilotError(f"--devices {devices!r}: give comma-separated devices, e.g. cuda:0,cuda:1")
@@ -306,7 +301,7 @@ def train_drafter_cmd(
     from .engine.deployment import check_device
 
     check_device(device)
-    _out_dir(out)
+    output_dir(out, "--out")
     cmd = "specpilot " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     prov = train_drafter(target or bundled_target_dir(), out, kind=kind, block=block, steps=steps,
                          batch_size=batch_size, anchors=anchors, lr=lr, n_seqs=n_seqs, gen_len=gen_len,
@@ -334,7 +329,7 @@ def replay(
     if max_new_tokens < 1:
         raise SpecPilotError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     dirs = list(drafter) if drafter else [bundled_block_dir(), bundled_block_markov_dir()]
-    rows, md = replay_table(target or bundled_target_dir(), dirs, per_benchmark, max_new_tokens, _out_dir(out))
+    rows, md = replay_table(target or bundled_target_dir(), dirs, per_benchmark, max_new_tokens, output_dir(out, "--out"))
     print(json.dumps(rows) if as_json else md)
 
 
@@ -363,7 +358,7 @@ def bench(
     if prefix + max(new_tokens, 256) > context:  # c(N) is measured up to 256 rows after the prefix
         raise SpecPilotError(f"--prefix {prefix} + max(--new-tokens {new_tokens}, 256 rows) exceeds the target's "
                              f"context of {context} tokens")
-    _out_dir(out)
+    output_dir(out, "--out")
     res = run_bench(target, check_device(device), dtype, prefix, new_tokens, out, with_transformers=transformers_generate)
     print(json.dumps({k: res[k] for k in ("device", "ar_ms_per_step", "ar_tokens_per_s", "byte_floor_ms", "percent_of_floor")}
                      | {"c_33": res["c"].get(33), "c_64": res["c"].get(64)}

@@ -1,4 +1,4 @@
-"""Writing output files with the permissions a user expects.
+"""Writing output files with the permissions a user expects, into directories that may take them.
 
 ``safetensors.torch.save_file`` creates its file with mode 0600 whatever the umask (it writes a private
 temporary file and renames it), so a packed or generated checkpoint could not be read by other users or a
@@ -41,3 +41,17 @@ def save_safetensors(tensors: dict, path: str | Path, metadata: dict | None = No
 
 
 __all__ = ["current_umask", "normal_file_mode", "save_safetensors"]
+
+
+def output_dir(path: str | Path, flag: str = "output", empty: bool = False, error: type = None) -> Path:
+    """``Path(path)`` after checking, before any work, that it can be an output directory: it must not be a
+    file, and with ``empty`` it must be new or empty (never mix new files into, or overwrite, an existing
+    checkpoint). ``flag`` names it in the message (``--out``). Raises ``error`` (default SpecPilotError)."""
+    from .errors import SpecPilotError
+
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise (error or SpecPilotError)(f"{flag} {p} exists and is not a directory")
+    if empty and p.exists() and any(p.iterdir()):
+        raise (error or SpecPilotError)(f"{flag} {p} is not empty: choose a new or empty directory")
+    return p

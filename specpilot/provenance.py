@@ -19,8 +19,8 @@ def git_commit(repo: Path | None = None) -> str:
     if os.environ.get("SPECPILOT_COMMIT"):
         return os.environ["SPECPILOT_COMMIT"]
     built = Path(__file__).resolve().parent / "BUILD_COMMIT"  # written by setup.py into non-editable installs
-    if repo is None and built.is_file() and built.read_text().strip():
-        return built.read_text().strip()
+    if repo is None and built.is_file() and (recorded := built.read_text().strip()):
+        return recorded
     cwd = repo or Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)

@@ -27,7 +27,7 @@ if triton is not None:
     import triton.language as tl
 
     from .w12_gemm import _add_escapes
-    from .w12_tiles import _decode_tile, _load_groups, _word_offsets
+    from .w12_tiles import _decode_words, _load_groups, _word_offsets
 
 
 def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, cfg: dict) -> torch.Tensor:
@@ -86,7 +86,7 @@ if triton is not None:
                 a = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
                             mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
             vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
-            w = _decode_tile(vw, qw, ASM)  # float32 w' [BLOCK_N, BLOCK_K]
+            w = _decode_words(vw, qw, ASM)  # float32 w' [BLOCK_N, BLOCK_K]
             if FP32:
                 acc += tl.dot(w, tl.trans(a), input_precision="ieee")
             else:

@@ -4,7 +4,7 @@ The records (:mod:`specpilot.w12.format`) are read as words: per row and group o
 word of views (byte i = column i) and one 32-bit word of nibbles (nibble i = column i), both contiguous in
 the record. :func:`_decode8` turns them into 8 float32 tensors ``w' = w · 2^(112 − B_n)`` in three integer
 instructions a weight (see :func:`specpilot.kernels.w12_gemv.w12_gemv` for the bit layout); the kernel
-multiplies each output row by ``2^(B_n − 112)`` once. :func:`_decode_tile` interleaves them into a
+multiplies each output row by ``2^(B_n − 112)`` once. :func:`_decode_words` interleaves them into a
 ``[BN, 8G]`` tile in column order for ``tl.dot``. A float32 ``w'`` has zero low 16 bits, so its bfloat16
 cast is exact: the tensor-core kernel feeds bf16 with no rounding.
 
@@ -97,7 +97,7 @@ if triton is not None:
                 tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :], mask=ok, other=0))
 
     @triton.jit
-    def _decode_tile(vw, qw, ASM: tl.constexpr):
+    def _decode_words(vw, qw, ASM: tl.constexpr):
         """Words ``vw [BN, G]`` int64 / ``qw [BN, G]`` int32 -> float32 ``w' [BN, 8G]`` in column order
         (column ``8g + i`` from byte / nibble ``i`` of group ``g``): :func:`_decode8` then three levels of
         ``tl.interleave`` (pairs ``i, i+4``, then ``+2``, then ``+1``)."""

@@ -2,8 +2,8 @@
 
 ``check`` exits with status 1 when an entry fails its reproduction check (differs, does not apply,
 broken), and 2 when the directory holds no entry; entries that are honestly *not checkable* (a code
-entry whose stock commit is not in the repository) are reported as such and do not fail it. Bad input (no such directory or entry) is a
-one-line error with status 2 (:class:`~specpilot.errors.SpecPilotError`).
+entry whose stock commit is not in the repository) are reported as such and do not fail it. Bad input
+(no such directory or entry) is a one-line error with status 2 (:class:`~specpilot.errors.SpecPilotError`).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ..fileio import save_safetensors
+from ..fileio import output_dir, save_safetensors
 from .format import (RECORD_BYTES, RECORD_COLS, RECORD_ROWS, W12FormatError, W12Tensor, decode, encode,
                      pack_bases, sha256_of, sha256_of_file, unpack_bases)
 
@@ -103,10 +103,7 @@ def pack_dir(src: str | Path, out: str | Path) -> dict:
         raise W12FormatError(f"source directory not found: {src}")
     if (src / MANIFEST).exists():
         raise W12FormatError(f"{src} is already a W12 directory ({MANIFEST} present)")
-    if out.exists() and not out.is_dir():
-        raise W12FormatError(f"output {out} exists and is not a directory")
-    if out.exists() and (out.resolve() == src.resolve() or any(out.iterdir())):
-        raise W12FormatError(f"output directory {out} is not empty: choose a new or empty directory")
+    output_dir(out, empty=True, error=W12FormatError)
     files = _files(src)
     tied = False
     if (src / "config.json").is_file():

@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from . import bundled_block_dir, bundled_block_markov_dir, bundled_drafter_dir, bundled_target_dir
-from ..errors import SpecPilotError
+from ..fileio import output_dir
 from .corpus import DEFAULT_GSM8K
 
 app = typer.Typer(help="Build the bundled target/drafter pair (corpus, tokenizer, tokens, training).", no_args_is_help=True)
@@ -52,9 +52,7 @@ def corpus(
     """Write the training corpus (stdlib *.py + GSM8K train) and its metadata (Python version, sha256)."""
     from .corpus import write_corpus
 
-    if out.exists() and not out.is_dir():
-        raise SpecPilotError(f"--out {out} exists and is not a directory")
-    path, meta = write_corpus(out, gsm8k=gsm8k, seed=seed, max_chars=max_chars)
+    path, meta = write_corpus(output_dir(out, "--out"), gsm8k=gsm8k, seed=seed, max_chars=max_chars)
     console.print(f"{path}: {meta['chars']:,} chars, {meta['documents']} documents "
                   f"({meta['stdlib_files']} stdlib files of Python {meta['python_version']}, "
                   f"{meta['gsm8k_documents']} GSM8K), sha256 {meta['sha256'][:16]}…")

@@ -80,15 +80,12 @@ def write_random_checkpoint(arch: str, out: str | Path, seed: int = 0, shard_byt
     Raises:
         SpecPilotError: unknown ``arch``; ``out`` a file or a non-empty directory.
     """
-    from ..fileio import save_safetensors
+    from ..fileio import output_dir, save_safetensors
 
     if arch not in ARCHS:
         raise SpecPilotError(f"unknown architecture {arch!r} (choose {', '.join(ARCHS)})")
     cfg = {**ARCHS[arch], "torch_dtype": "bfloat16", **(overrides or {})}
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never mix with (or overwrite) a checkpoint
-        raise SpecPilotError(f"output {out} {'is not a directory' if not out.is_dir() else 'is not empty'}: "
-                             "choose a new or empty directory")
+    out = output_dir(out, empty=True)  # never mix files into (or overwrite) an existing checkpoint
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
