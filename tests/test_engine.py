@@ -323,6 +323,11 @@ def test_capture_at_build_takes_the_buckets_a_verify_can_use(tiny_models, monkey
     assert runner.capture_all() == list(runner.buckets)
     start, pos, mask = seen[24]
     assert start == 0 and pos == list(range(24)) and torch.equal(mask, torch.eye(24, dtype=mask.dtype))
+    runner._pool = "pool of the dropped graphs"
+    runner.drop_graphs()  # graphs and their pool go together (a capture into a freed pool fails on CUDA)
+    assert runner._graphs == {} and runner._pool is None
+    seen.clear()
+    assert runner.capture_all(1) == [1]
 
 
 def test_r13_rows_outside_buckets_fall_back(tiny_models, monkeypatch):

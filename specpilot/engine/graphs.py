@@ -102,6 +102,15 @@ class BucketRunner:
         self._pool = g.pool()
         self._graphs[b] = g
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph and their memory pool (the next pass of each bucket captures again).
+        The pool handle must go with the graphs: once they are freed PyTorch releases the pool, and a capture
+        into a released pool fails inside the caching allocator (``use_count > 0`` assert)."""
+        self._graphs.clear()
+        self._pool = None
+        for s in self._static.values():
+            s["out"] = None
+
     @torch.inference_mode()
     def capture_all(self, max_rows: int | None = None) -> list[int]:
         """Capture the graphs of every bucket up to the one holding ``max_rows`` rows (None: all) now, each
