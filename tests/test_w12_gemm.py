@@ -238,7 +238,8 @@ def test_w12_linear_equals_nn_linear_on_exact_inputs(kernel):
 
 
 def test_w12_linear_rows_beyond_256_and_reference_bitwise_in_float32():
-    """> 256 rows go through the kernel in chunks; the CPU reference path is bitwise nn.Linear in float32."""
+    """> 256 rows (a prefill) take the dense path (test_w12_dense.py); the CPU reference path is bitwise nn.Linear
+    in float32."""
     g = torch.Generator().manual_seed(4)
     lin = torch.nn.Linear(64, 40).requires_grad_(False)
     with torch.no_grad():

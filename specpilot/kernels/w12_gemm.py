@@ -150,6 +150,12 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
                 w_left=True)
 
 
+def _dense_rows() -> int:
+    from .w12_dense import DENSE_ROWS  # here, not at the top: w12_dense imports this module
+
+    return DENSE_ROWS
+
+
 def _check(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None) -> None:
     n, k = w12.shape
     if x.dim() != 2 or x.shape[1] != k:
@@ -248,7 +254,10 @@ class W12Linear(nn.Module):
     int32 ``[N + 1]``, ``esc_k`` int32 ``[E]``, ``esc_delta_bits`` int32 ``[E]`` (float32 bits, so a dtype cast
     leaves them alone), and ``bias`` ``[N]`` or None.
 
-    Forward: :func:`w12_gemm` on CUDA for bf16 / float32 activations, in chunks of 256 rows; elsewhere
+    Forward: :func:`w12_gemm` on CUDA for bf16 / float32 activations up to
+    :data:`~specpilot.kernels.w12_dense.DENSE_ROWS` rows; wider passes (prefill) decode the weight once with
+    :func:`~specpilot.kernels.w12_dense.w12_decode_dense` and call ``F.linear`` (bf16: bit for bit the bf16
+    layer's output); elsewhere
     the reference, :func:`w12_gemm_reference` (in float32 bitwise ``nn.Linear`` with the decoded weight). On
     CUDA (float16 activations) the reference decodes on every call and caches nothing; on the CPU, where the
     path exists for correctness tests and a full decode per pass would dominate, the decoded bf16 weight is
@@ -321,6 +330,11 @@ class W12Linear(nn.Module):
                 w = self.decoded_weight()
                 self._dense = None if w.is_cuda else w
             y = _linear_f32(x2, w, self.bias)
+        elif x2.shape[0] > _dense_rows():  # wide pass (prefill): decode once, then the bf16 model's own GEMM
+            from .w12_dense import w12_decode_dense
+
+            w = w12_decode_dense(self.w12())
+            y = F.linear(x2, w, self.bias) if x2.dtype == torch.bfloat16 else _linear_f32(x2, w, self.bias)
         else:
             esc = (self.esc_row_ptr, self.esc_k, self.esc_delta_bits.view(torch.float32))
             y = torch.cat([w12_gemm(x2[i:i + MAX_ROWS], self.w12(), self.bias, escapes=esc)

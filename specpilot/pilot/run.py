@@ -223,7 +223,8 @@ class Pilot:
 
         # cost model inputs: T_AR (interleaved with stock), pass time by rows right after, lattices for replay
         base_m = self.measure(self.stock, n=4)
-        verify_ms = measure_verify_ms(self.dep.target, prefix_len=200, rows=(1, 2, 4, 8, 16, 24, 32, 48, 64))
+        verify_ms = measure_verify_ms(self.dep.target, prefix_len=200, rows=(1, 2, 4, 8, 16, 24, 32, 48, 64),
+                                      static=torch.device(self.dep.device).type == "cuda")  # as the engine runs there
         self.cost_inputs = {"ar_step_ms": base_m["ar_step_ms"], "stock": base_m, "verify_ms": verify_ms,
                             "source": "AR and stock interleaved on 4 requests (decode steps, prefill excluded); "
                                       "pass times by rows measured right after"}
