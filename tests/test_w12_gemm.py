@@ -58,12 +58,14 @@ def assert_within_rounding(out, x, t, bias=None):
 
 # (M, N, K, overrides): ragged N / K (not multiples of 128 / 64), split-K 1..3, every BLOCK_M, both operand orders
 CASES = [
-    (1, 200, 300, dict(block_n=64, block_k=128, gemv=False)),
+    (1, 200, 300, dict(block_n=64, block_k=128, gemv=False, words=False)),  # the byte-loading kernel
     (1, 200, 300, dict()),  # one row: the GEMV with its default launch
-    (1, 130, 64, dict(block_n=16, block_k=64, w_left=False, gemv=False)),
-    (5, 200, 300, dict(block_n=32, block_k=64, split_k=3)),
-    (17, 128, 200, dict(block_n=64, block_k=128, split_k=2, w_left=False)),
-    (64, 70, 130, dict(block_n=32, block_k=64, split_k=2)),
+    (1, 130, 64, dict(block_n=16, block_k=64, w_left=False, gemv=False, words=False)),
+    (5, 200, 300, dict(block_n=32, block_k=64, split_k=3, words=False)),
+    (17, 128, 200, dict(block_n=64, block_k=128, split_k=2, w_left=False, words=False)),
+    (64, 70, 130, dict(block_n=32, block_k=64, split_k=2, words=False)),
+    (64, 70, 130, dict(block_n=32, block_k=64, split_k=2)),  # default: tensor cores from record words
+    (100, 90, 100, dict(block_n=64, block_k=64, words=False)),
     (100, 90, 100, dict(block_n=64, block_k=64)),
     (1, 300, 700, dict(gemv=True)),  # the one-row FMA kernel: default blocking, K not a multiple of its step
     (1, 130, 64, dict(gemv=True, block_n=64, block_k=64)),
@@ -113,7 +115,7 @@ def test_default_config_path_and_reference_order():
 
 
 @pytest.mark.parametrize("m", [1, 5])
-@pytest.mark.parametrize("over", [dict(gemv=True), dict(gemv=True, split_k=2, block_k=64), dict(gemv=False),
+@pytest.mark.parametrize("over", [dict(gemv=True), dict(gemv=True, split_k=2, block_k=64), dict(gemv=False, words=False),
                                   dict(gemv=False, words=True), dict(gemv=False, words=True, split_k=2, block_k=64)])
 def test_rows_with_far_apart_windows_are_exact(over, m):
     """The one-row kernel decodes ``w · 2^(112 − B_n)`` and rescales each row's sum once: rows whose windows sit
@@ -145,7 +147,7 @@ def test_nonfinite_escapes_propagate_like_the_reference():
     x[0, 8] = 0.0
     x[1, 3] = -1.0  # -inf * ... row 1, channel 1 becomes -inf
     x = x.to(DEV)
-    for over in (dict(), dict(split_k=2, block_k=64, block_n=16), dict(w_left=False), dict(words=True),
+    for over in (dict(), dict(split_k=2, block_k=64, block_n=16, words=False), dict(w_left=False, words=False), dict(words=True),
                  dict(words=True, split_k=2, block_k=64, block_n=16)):
         out = w12_gemm(x, t, **over).cpu()
         ref = w12_gemm_reference(x.cpu(), _cpu(t))

@@ -135,7 +135,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
 
     BLOCK_M: the rows rounded up to 16/32/64 (more rows: tiles of 64 on a third grid axis). BLOCK_N 64
     (inside a 128-row band), BLOCK_K 128 (two records a step), 4 stages, weights as the left tl.dot
-    operand. SPLIT_K as :func:`specpilot.kernels.gemm.default_config`: the smallest power of two that puts
+    operand, the record-word kernel (``words``). SPLIT_K as :func:`specpilot.kernels.gemm.default_config`: the smallest power of two that puts
     a program on every SM with at least 4 K-blocks per split, dividing the padded K into whole blocks.
     Untuned starting point: ``bench/w12_bench.py`` sweeps the alternatives on the GPU.
     """
@@ -147,7 +147,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     while programs * split < num_sms and k_blocks % (2 * split) == 0 and k_blocks // (2 * split) >= 4:
         split *= 2
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4,
-                w_left=True)
+                w_left=True, words=True)
 
 
 def _dense_rows() -> int:
@@ -183,8 +183,9 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
             num_warps / num_stages / w_left, and ``gemv``: True runs
             :func:`~specpilot.kernels.w12_gemv.w12_gemv` (FMAs; 1..8 rows), False the tensor-core kernel;
             default: the GEMV for one row only (2–8 rows through it are not yet measured on a GPU).
-            ``words=True``: the tensor-core kernel that reads record words
-            (:func:`~specpilot.kernels.w12_mma.w12_mma`; not yet timed, so not the default).
+            ``words`` (default True): the tensor-core kernel that reads record words
+            (:func:`~specpilot.kernels.w12_mma.w12_mma`; on the H200 1.0–1.2x faster than ``words=False``, the
+            byte-loading kernel below, at 16–256 rows: ``bench/results/w12_dense_probe_h200_2026-11-30.json``).
     Returns: ``[M, N]`` in x's dtype; within the module docstring's bound of :func:`w12_gemm_reference`.
     Raises: W12GemmError on bad shapes / dtypes / devices, M outside 1..256 (1..8 with ``gemv=True``);
         RuntimeError without triton.
