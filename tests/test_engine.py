@@ -393,3 +393,26 @@ def test_pipelined_ar_through_buckets_equals_ar(tiny_models, monkeypatch):
         got = eng.generate(prompt, 20, stop_ids=[stop]).tokens
         assert got == ref[: ref.index(stop) + 1]
     assert len(calls) >= 3  # at least every full-length request (a stop at the first token needs no step)
+
+
+def test_prefill_in_bucket_chunks_equals_one_causal_pass(tiny_models, monkeypatch):
+    """With row buckets the prompt is prefilled in chunks of the largest bucket through the static path (CUDA
+    graphs on a GPU): chunk i at prefix i·B, causal inside. Its K/V and the tokens equal one eager pass."""
+    from specpilot.engine.graphs import BucketRunner
+
+    target, _ = tiny_models
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, target.args.vocab_size, (21,), generator=g).tolist()
+    eager = Engine(target, SystemConfig.ar(), None, eos_ids=[])
+    chunked = Engine(target, SystemConfig.ar(), None, eos_ids=[], buckets=True)
+    chunked.runner.buckets = (1, 2, 4, 8)
+    calls = []
+    real = BucketRunner.run
+    monkeypatch.setattr(BucketRunner, "run", lambda self, t, p, s, m: calls.append((len(t), s, p[0])) or real(self, t, p, s, m))
+    ref = eager.generate(prompt, 10)
+    got = chunked.generate(prompt, 10)
+    assert calls[:3] == [(8, 0, 0), (8, 8, 8), (5, 16, 16)]  # the prefill's chunks, then the decode steps
+    assert got.tokens == ref.tokens == ar_tokens(target, prompt, 10)
+    n = len(prompt)
+    torch.testing.assert_close(chunked.cache.k[:, :n], eager.cache.k[:, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked.cache.v[:, :n], eager.cache.v[:, :n], atol=1e-5, rtol=1e-5)

@@ -66,7 +66,7 @@ class Engine:
         if buckets and not getattr(drafter, "target_layers", None):
             self.runner = BucketRunner(target, self.cache, BUCKETS, graphs=True, output="argmax",
                                        logits_hook=logits_hook)
-            self.runner.capture_all(config.nodes + 1)  # the buckets a verify can use, now, not in a timed request
+            self.runner.capture_all()  # every bucket (verify, prefill chunks) now, not in a timed request
         self.logits_hook = logits_hook
         self.step_hook = None
         # a drafter that reads target hidden states (block drafters, §1.1) names the layers it wants
@@ -161,9 +161,12 @@ class Engine:
         if self.drafter is not None:
             self.drafter.reset()
         p = len(prompt_ids)
-        first = self._argmax(  # the prefill is not part of a decode step's profile
-            torch.tensor(prompt_ids, device=dev), torch.arange(p, device=dev), 0, None, None
-        )[-1].item()
+        if self.runner is not None:  # chunks through the row-bucket graphs (not part of a step's profile)
+            first = self.runner.prefill(list(prompt_ids))
+        else:
+            first = self._argmax(  # the prefill is not part of a decode step's profile
+                torch.tensor(prompt_ids, device=dev), torch.arange(p, device=dev), 0, None, None
+            )[-1].item()
         self.cache.length = p
         self._observe(None, 0)
         committed = list(prompt_ids) + [first]
