@@ -39,7 +39,8 @@ class Engine:
             argmax (used to plant defects the controller and token forcing must catch); captured with the
             pass in the row-bucket graphs when those are on.
         buckets: run decode passes padded to row buckets through the static path, replayed as CUDA
-            graphs on CUDA (:mod:`specpilot.engine.graphs`); rows above the largest bucket run eagerly.
+            graphs on CUDA (:mod:`specpilot.engine.graphs`); rows above the largest bucket run eagerly. The
+            prefill then runs in chunks of the largest bucket (:meth:`BucketRunner.prefill`).
 
     Attributes:
         step_hook: test-only: called as ``step_hook(engine, committed)`` after every exact pass, with
