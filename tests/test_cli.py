@@ -95,6 +95,8 @@ def test_fresh_user_bad_options_are_one_line_errors(monkeypatch, capsys, tmp_pat
         assert code == 2 and err.startswith("error:") and "Traceback" not in err, (args, err)
     code, _, err = run_cli(monkeypatch, capsys, "bench", "--target", str(tmp_path / "missing"))
     _one_line_error(code, err, "checkpoint directory not found")  # named before the (default cuda) device
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--target", str(afile), "--prompt", "hi")
+    _one_line_error(code, err, "is a file", "directory")
 
 
 def _one_line_error(code, err, *needles):

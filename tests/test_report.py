@@ -7,7 +7,7 @@ import numpy as np
 from specpilot.pilot.report import write_report
 
 REPORT = {
-    "device": "cpu (2 cores)",
+    "device": "cpu (2 cores)", "commit": "0123abc", "versions": {"torch": "2.13.0"},
     "ar_tokens_per_s": 41.5, "stock_tokens_per_s": 63.2, "sealed_tokens_per_s": 97.8,
     "speedup_vs_ar": 2.357, "speedup_vs_stock": 1.547, "speedup_ci_low": 1.512,
     "tau": 3.21, "c": 1.362, "sigma": 0.0012,
@@ -43,6 +43,7 @@ def test_writes_everything(tmp_path):
               "best_first N=16", "chain D=8", "rejected", "`best-first`", "`budget-16`", "![ceiling](ceiling.png)"):
         assert s in md, s
     assert "| 1.800 | 1.300 | 1.100 | 2.574 |" in md  # ceiling factors and their product
+    assert "Commit: 0123abc; versions: torch 2.13.0" in md
 
 
 def test_missing_parts_do_not_crash(tmp_path):

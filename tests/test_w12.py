@@ -234,6 +234,7 @@ def test_cli_pack_verify_bundled_target(monkeypatch, capsys, tmp_path):
     assert man["totals"]["bits_per_weight"] == pytest.approx(rep["bits_per_weight"])
     code, so, err = run_cli(monkeypatch, capsys, "w12", "verify", str(out))
     assert code == 0 and "total" in so and "12.006" in so
+    assert "no --source given" in so  # bit-exact against the stored hashes, said so
 
 
 def test_load_w12_state_dict_bit_exact(packed_target):

@@ -25,6 +25,8 @@ def read_config(path: str | Path) -> dict:
         CheckpointError: if the directory or its config.json is missing or not valid JSON.
     """
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise CheckpointError(f"{p} is a file: give the checkpoint's directory (config.json + *.safetensors)")
     if not p.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {p}")
     cfg = p / "config.json"

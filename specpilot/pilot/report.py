@@ -199,7 +199,9 @@ def _stock_vs_ar(r: dict) -> str:
 def _markdown(r: dict, images: list[str]) -> str:
     dev = r.get("device")
     dev = ", ".join(f"{k}: {v}" for k, v in dev.items()) if isinstance(dev, dict) else (dev or "—")
-    md = ["# SpecPilot report", "", f"Device: {dev}", ""]
+    ver = r.get("versions")
+    ver = ", ".join(f"{k} {v}" for k, v in ver.items()) if isinstance(ver, dict) else "—"
+    md = ["# SpecPilot report", "", f"Commit: {r.get('commit') or '—'}; versions: {ver}", "", f"Device: {dev}", ""]
     if isinstance(r.get("deployment"), dict):
         md += ["Deployment: " + ", ".join(f"{k}: {v}" for k, v in r["deployment"].items()), ""]
     if isinstance(r.get("device"), dict) and r["device"].get("threads") is not None:

@@ -73,6 +73,9 @@ def _print_table(rep: dict) -> None:
     if fl:
         n_bad = sum(not r["ok"] for r in fl)
         con.print(f"files copied: {len(fl)}, " + ("all match their sha256" if not n_bad else f"{n_bad} do NOT"))
+    if not rep["source_checked"]:
+        con.print("bit-exact = equal to the sha256 stored at pack time (no --source given: the source itself was "
+                  "not read)")
     if rep["source_checked"]:
         bad = rep.get("source_mismatches") or []
         con.print(f"unconverted tensors match the source: {'yes' if rep['unconverted_match_source'] else 'NO'}")
