@@ -68,6 +68,23 @@ class BucketRunner:
                                "start": io[2 * b], "mask01": io[2 * b + 1:].view(b, b), "out": None}
         return self._static[b]
 
+    @staticmethod
+    def _host(s: dict):
+        """The pinned host twin of bucket ``s``'s inputs (numpy view), once the device has read its previous
+        upload: back-to-back passes of one bucket without a host read in between (prefill chunks, a redone
+        AR step) must not rewrite it while the last copy is still queued."""
+        if s.get("copied") is not None:
+            s["copied"].synchronize()
+            s["copied"] = None
+        return s["host_np"]
+
+    def _upload(self, s: dict) -> None:
+        """The one host-to-device copy of a pass (asynchronous on CUDA; an event marks when it was read)."""
+        s["io"].copy_(s["host"], non_blocking=True)
+        if self.dev.type == "cuda":
+            s["copied"] = torch.cuda.Event()
+            s["copied"].record()
+
     def _body(self, s: dict) -> torch.Tensor:
         mask = s["mask01"] != 0
         hidden = self.model.forward(s["tokens"], s["positions"], self.cache, s["start"], mask)
@@ -130,7 +147,7 @@ class BucketRunner:
             if b in self._graphs:
                 continue
             s = self._buffers(b)
-            host = s["host_np"]
+            host = self._host(s)
             host[:] = 0
             host[b:2 * b] = np.arange(b)
             np.fill_diagonal(host[2 * b + 1:].reshape(b, b), 1)
@@ -159,9 +176,7 @@ class BucketRunner:
         if start + b > self.cache.max_len:
             raise ValueError(f"bucket {b} at prefix {start} exceeds the cache of {self.cache.max_len} slots")
         s = self._buffers(b)
-        host_t, host = s["host"], s["host_np"]  # numpy view of the pinned buffer: far cheaper per op than torch on the host
-        if s.get("copied") is not None:  # the previous pass of this bucket may not have read its inputs yet
-            s["copied"].synchronize()  # (back-to-back passes without a host read: prefill chunks)
+        host = self._host(s)  # numpy view of the pinned buffer: far cheaper per op than torch on the host
         host[:r] = tokens
         host[b:2 * b] = positions[0]  # padding rows: any valid position
         host[b:b + r] = positions
@@ -173,10 +188,7 @@ class BucketRunner:
             mask[:r, :r] = np.tri(r, dtype=np.int64)
         else:
             mask[:r, :r] = tree_mask.numpy()
-        s["io"].copy_(host_t, non_blocking=True)  # the one host-to-device copy of a step
-        if self.dev.type == "cuda":
-            s["copied"] = torch.cuda.Event()
-            s["copied"].record()
+        self._upload(s)
         self._last_bucket = b
         if self.graphs:
             if b not in self._graphs:
@@ -230,9 +242,8 @@ class BucketRunner:
         if start + limit + 1 > self.cache.max_len:
             raise ValueError(f"{limit} AR steps from slot {start} exceed the cache of {self.cache.max_len} slots")
         s = self._buffers(1)
-        host = s["host_np"]
-        host[:4] = (token, start, start, 1)  # tokens, positions, start, mask of bucket 1
-        s["io"].copy_(s["host"], non_blocking=True)
+        self._host(s)[:4] = (token, start, start, 1)  # tokens, positions, start, mask of bucket 1
+        self._upload(s)
         if self.graphs and 1 not in self._graphs:
             self._capture(1)
         cuda = self.dev.type == "cuda"
@@ -255,8 +266,8 @@ class BucketRunner:
             return done
 
         def seed(tok: int, slot: int):  # device inputs of a one-row pass of ``tok`` at ``slot``, from the host
-            host[:4] = (tok, slot, slot, 1)
-            s["io"].copy_(s["host"], non_blocking=True)
+            self._host(s)[:4] = (tok, slot, slot, 1)
+            self._upload(s)
 
         vocab, last_in = self.model.args.vocab_size, token
         self._last_bucket = 1
