@@ -17,8 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("cfg", [SystemConfig.stock("ngram"),
-                                 SystemConfig(drafter="draft_model", tree="best_first", nodes=16, depth=5, top_k=3)],
-                         ids=["ngram", "draft_model_tree"])
+                                 SystemConfig(drafter="draft_model", tree="best_first", nodes=16, depth=5, top_k=3),
+                                 SystemConfig(drafter="ngram", tree="best_first", nodes=16, depth=5, top_k=3, w12=True)],
+                         ids=["ngram", "draft_model_tree", "w12_ngram_tree"])  # w12: GEMV, word kernel, dense path in graphs
 def test_all_buckets_captured_at_build_and_none_later(cfg):
     dep = Deployment(bundled_target_dir(), bundled_drafter_dir(), dtype="float32", device="cuda")
     eng = dep.system(cfg)
