@@ -99,7 +99,8 @@ def escape_check() -> dict:
     for m in (1, 5, 17, 64, 100, 256):
         x = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
         x[0, :5] = 0.0
-        for over in ({}, {"split_k": 1}, {"split_k": 4}, {"w_left": False}, {"block_n": 128, "block_k": 256}):
+        for over in ({}, {"split_k": 1}, {"split_k": 4}, {"words": False}, {"w_left": False, "words": False},
+                     {"block_n": 128, "block_k": 256}):
             out = w12_gemm(x, t, escapes=esc, **over)
             row = {"rows": m, "config": over} | check(out, x, t, aw)
             row["deterministic"] = bits_equal(out, w12_gemm(x, t, escapes=esc, **over))
@@ -185,7 +186,8 @@ def sweep() -> list[dict]:
     """Section 4: one factor at a time around the default config, 1 and 32 rows, Qwen3-8B shapes."""
     variants = ([{"block_n": b} for b in (16, 32, 128)] + [{"block_k": b} for b in (64, 256)]
                 + [{"split_k": s} for s in (1, 2, 4, 8, 16)] + [{"num_stages": s} for s in (2, 3, 5, 6)]
-                + [{"num_warps": 8}, {"w_left": False}, {"w_left": False, "block_n": 128},
+                + [{"num_warps": 8}, {"words": False}, {"w_left": False, "words": False},
+                   {"w_left": False, "block_n": 128, "words": False},
                    {"block_n": 128, "block_k": 256}, {"block_n": 32, "block_k": 256}])
     out = []
     for name in [s for s in SHAPES if s.startswith("qwen3-8b")]:
