@@ -8,6 +8,7 @@ prompt lookup) on the same prompt. Writes JSON (and a PNG of c(N)) under ``out``
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import json
 import time
@@ -50,7 +51,12 @@ def _hf(ckpt, dtype: str, device: str, prompt: list[int], new: int) -> dict:
     ids = torch.tensor([prompt], device=device)
     out = {}
     for name, kw in (("ar", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": 10})):
-        gen = lambda n: hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+        # exactly n tokens through any EOS, as our engine runs here (eos_ids=[]): an empty EOS list (None falls back
+        # to the model's EOS and stops there), not
+        # min_new_tokens, which masks EOS's logit and so changes the argmax wherever EOS wins
+        cfg = copy.deepcopy(hf.generation_config)
+        cfg.update(eos_token_id=[], do_sample=False, pad_token_id=0, **kw)
+        gen = lambda n: hf.generate(ids, generation_config=cfg, max_new_tokens=n)
         gen(4)
         _sync(device)
         t0 = time.perf_counter()

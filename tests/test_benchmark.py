@@ -37,3 +37,23 @@ def test_result_stem_never_overwrites(tmp_path):
     (tmp_path / f"{second}.json").write_text("{}")
     third = result_stem(tmp_path, "/x/qwen3-8b", "cpu")
     assert len({first, second, third}) == 3 and second.startswith(first + "_")
+
+
+def test_transformers_reference_runs_through_eos_like_our_engine():
+    """The bench's transformers AR runs exactly n tokens through any EOS, as our engine does with eos_ids=[]:
+    with ``min_new_tokens`` (before) transformers masked EOS's logit and picked another token where the bundled
+    target emits EOS, so ``ar_equals_transformers`` read false on correct output (fresh-user run 10)."""
+    import torch
+
+    from specpilot.benchmark import _hf
+    from specpilot.config import SystemConfig
+    from specpilot.engine.checkpoint import load_model
+    from specpilot.engine.engine import Engine
+    from specpilot.zoo import bundled_target_dir
+
+    model = load_model(bundled_target_dir(), "float32", "cpu")
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(1, 2000, (64,), generator=g).tolist()  # greedy AR emits EOS (id 0) at token 6 here
+    ours = Engine(model, SystemConfig.ar(), None, eos_ids=[]).generate(prompt, 12).tokens
+    assert 0 in ours[:-1]  # an EOS with tokens after it: the case in question
+    assert _hf(bundled_target_dir(), "float32", "cpu", prompt, 12)["ar"]["tokens"] == ours
