@@ -136,6 +136,8 @@ def generate(
         raise SpecPilotError(f"unknown tree builder {tree!r} (choose {', '.join(BUILDERS)})")
     if top_k < 1:  # a chain ignores --top-k (it takes 1), but a bad value is still refused, not dropped
         raise SpecPilotError(f"invalid option: --top-k must be at least 1, got {top_k}")
+    if max_new_tokens < 1:  # before loading anything, named by its flag
+        raise SpecPilotError(f"invalid option: --max-new-tokens must be at least 1, got {max_new_tokens}")
     try:
         cfg = SystemConfig(drafter=drafter, tree=tree, nodes=nodes, depth=depth,
                            top_k=1 if tree == "chain" else top_k, dtype=dtype)

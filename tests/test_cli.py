@@ -109,6 +109,7 @@ def _one_line_error(code, err, *needles):
 @pytest.mark.parametrize("args,needles", [
     (["replay", "--per-benchmark", "0"], ["--per-benchmark", "at least 1"]),
     (["replay", "--max-new-tokens", "0"], ["--max-new-tokens"]),
+    (["generate", "--prompt", "x", "--max-new-tokens", "0"], ["--max-new-tokens", "at least 1"]),
     (["pilot", "--quick", "--dtype", "float16", "--device", "cpu"], ["float16", "CPU", "bfloat16"]),
 ])
 def test_fourth_fresh_user_bad_options_rejected(monkeypatch, capsys, tmp_path, args, needles):
@@ -127,6 +128,23 @@ def test_memory_check_bad_repo_rejected(monkeypatch, capsys, tmp_path):
     (tmp_path / "plain").mkdir()
     code, out, err = run_cli(monkeypatch, capsys, "memory", "check", str(tmp_path / "mem"), "--repo", str(tmp_path / "plain"))
     _one_line_error(code, err, "not a git repository")
+    (tmp_path / "afile").write_text("x")
+    code, out, err = run_cli(monkeypatch, capsys, "memory", "check", str(tmp_path / "mem"), "--repo", str(tmp_path / "afile"))
+    _one_line_error(code, err, "is a file")
+
+
+def test_files_and_directories_given_for_each_other_are_named(monkeypatch, capsys, tmp_path):
+    """Tenth fresh-user run: an existing file or directory of the wrong kind was reported as not found."""
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    code, out, err = run_cli(monkeypatch, capsys, "pilot", "--quick", "--memory", str(tmp_path / "afile"),
+                             "--out", str(tmp_path / "r"))
+    _one_line_error(code, err, "--memory", "is a file")
+    from specpilot.zoo import bundled_target_dir
+
+    code, out, err = run_cli(monkeypatch, capsys, "audit", "--target", str(bundled_target_dir()), "--outputs",
+                             str(tmp_path / "adir"))
+    _one_line_error(code, err, "is a directory")
 
 
 def test_drafter_path_of_the_other_kind_says_what_it_is(monkeypatch, capsys):

@@ -258,3 +258,11 @@ def test_legacy_entry_with_inline_delta_is_read_as_config(tmp_path):
     (d / "entry.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "delta"}))
     with pytest.raises(MemoryEntryError, match="delta.json is missing"):
         m.get("old")
+
+
+def test_a_delta_that_does_not_apply_names_its_fields(tmp_path):
+    """Tenth fresh-user run: a bad delta said only '1 validation error for SystemConfig'."""
+    m = Memory(tmp_path / "memory")
+    m.add(entry("bad", {"nodes": -4, "bogus": 1}))
+    with pytest.raises(MemoryEntryError, match=r"delta does not apply: nodes: .*greater than or equal to 1; bogus: Extra"):
+        m.apply(STOCK, ["bad"])

@@ -62,7 +62,7 @@ def read_outputs(path: str | Path, vocab_size: int, max_len: int,
     """
     p = Path(path)
     if not p.is_file():
-        raise AuditInputError(f"{what} file not found: {p}")
+        raise AuditInputError(f"{what} file {p} is a directory" if p.is_dir() else f"{what} file not found: {p}")
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:

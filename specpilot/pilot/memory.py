@@ -148,6 +148,14 @@ class MemoryCheck:
     ok: bool
 
 
+def _why(err: Exception) -> str:
+    """One line naming what is wrong in a delta: pydantic's field errors (``nodes: Input should be greater
+    than or equal to 1``), else the exception's first line."""
+    if isinstance(err, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'delta'}: {e['msg']}" for e in err.errors())
+    return str(err).splitlines()[0]
+
+
 def default_repo() -> Path:
     """The git checkout holding this package (where stock commits of code entries are looked up)."""
     return Path(__file__).resolve().parents[2]
@@ -268,7 +276,7 @@ class Memory:
             try:
                 cfg = cfg.apply(e.delta)
             except (ValidationError, TypeError) as err:
-                raise MemoryEntryError(f"entry {e.id!r}: delta does not apply: {str(err).splitlines()[0]}") from None
+                raise MemoryEntryError(f"entry {e.id!r}: delta does not apply: {_why(err)}") from None
         return cfg
 
     def reproduce(self, entry_id: str, repo: str | Path | None = None) -> Reproduction:

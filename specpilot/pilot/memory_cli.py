@@ -40,7 +40,8 @@ def _check_repo(repo: Path) -> None:
     import subprocess
 
     if not repo.is_dir():
-        raise SpecPilotError(f"--repo {repo}: directory not found (give the git checkout holding the stock commit)")
+        what = "is a file, not a directory" if repo.exists() else "directory not found"
+        raise SpecPilotError(f"--repo {repo}: {what} (give the git checkout holding the stock commit)")
     try:
         r = subprocess.run(["git", "-C", str(repo), "rev-parse", "--git-dir"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):

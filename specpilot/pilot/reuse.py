@@ -40,7 +40,7 @@ def open_source(directory: str | Path) -> Memory:
     """
     d = Path(directory)
     if not d.is_dir():
-        raise SpecPilotError(f"--memory {d}: no such directory")
+        raise SpecPilotError(f"--memory {d}: " + ("is a file, not a memory directory" if d.exists() else "no such directory"))
     mem = Memory(d)
     if not mem.ids():
         raise SpecPilotError(f"--memory {d}: no memory entries (sub-directories with entry.json) in it")
