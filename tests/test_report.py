@@ -8,6 +8,7 @@ from specpilot.pilot.report import write_report
 
 REPORT = {
     "device": "cpu (2 cores)", "commit": "0123abc", "versions": {"torch": "2.13.0"},
+    "stock_label": "draft_model/chain N=6", "sealed_label": "ngram/best_first N=6",
     "ar_tokens_per_s": 41.5, "stock_tokens_per_s": 63.2, "sealed_tokens_per_s": 97.8,
     "speedup_vs_ar": 2.357, "speedup_vs_stock": 1.547, "speedup_ci_low": 1.512,
     "tau": 3.21, "c": 1.362, "sigma": 0.0012,
@@ -44,6 +45,7 @@ def test_writes_everything(tmp_path):
         assert s in md, s
     assert "| 1.800 | 1.300 | 1.100 | 2.574 |" in md  # ceiling factors and their product
     assert "Commit: 0123abc; versions: torch 2.13.0" in md
+    assert "| stock (`draft_model/chain N=6`) | 63.2 |" in md and "| sealed (`ngram/best_first N=6`) | 97.8 |" in md
 
 
 def test_missing_parts_do_not_crash(tmp_path):

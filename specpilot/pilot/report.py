@@ -74,14 +74,19 @@ def _curve(d) -> tuple[list[float], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _label(r: dict, key: str) -> str:
+    """`` (`label`)`` of a headline system when the report names it, else ''."""
+    return f" (`{r[key]}`)" if r.get(key) else ""
+
+
 def _headline(r: dict) -> list[str]:
     speed = r.get("speedup_vs_stock")
     rows = [
         "| system | tokens/s | speedup vs AR (95% lower bound) | speedup vs stock (95% lower bound) |",
         "|---|---:|---:|---:|",
         f"| AR | {_num(r.get('ar_tokens_per_s'), '{:.1f}')} | 1.000 | — |",
-        f"| stock | {_num(r.get('stock_tokens_per_s'), '{:.1f}')} | {_stock_vs_ar(r)} | 1.000 |",
-        f"| sealed | {_num(r.get('sealed_tokens_per_s'), '{:.1f}')} | {_num(r.get('speedup_vs_ar'))} "
+        f"| stock{_label(r, 'stock_label')} | {_num(r.get('stock_tokens_per_s'), '{:.1f}')} | {_stock_vs_ar(r)} | 1.000 |",
+        f"| sealed{_label(r, 'sealed_label')} | {_num(r.get('sealed_tokens_per_s'), '{:.1f}')} | {_num(r.get('speedup_vs_ar'))} "
         f"({_num(r.get('speedup_ci_low'))}) | {_num(speed)} ({_num(r.get('speedup_vs_stock_ci_low'))}) |",
         "",
         f"- τ (tokens per exact pass): **{_num(r.get('tau'))}**; c(N) = T_step / T_AR: **{_num(r.get('c'))}**"

@@ -87,7 +87,7 @@ class Pilot:
     """State of one pilot run; :meth:`run` does the whole procedure and returns the report dict."""
 
     def __init__(self, opts: PilotOptions, console: Console | None = None):
-        self.o, self.con = opts, console or Console(stderr=True)
+        self.o, self.con = opts, console or Console(stderr=True, soft_wrap=True)  # piped: no 80-column wrap inside paths
         dev = torch.device(opts.device)
         if dev.type == "cuda" and dev.index is not None and torch.cuda.is_available():
             torch.cuda.set_device(dev)  # Triton kernels launch on the current device
