@@ -88,5 +88,10 @@ def test_pilot_end_to_end_tiny_plan(tmp_path):
     for i in data["reproduction_check"]["entries"]:
         assert (out / "memory" / i / "delta.json").is_file() and mem.reproduce(i).ok, i
     assert data["ar_tokens_per_s"] > 0 and data["sealed_tokens_per_s"] > 0
+    for rd in data["rounds"]:  # a round names the direction its candidates came from, or says there were none
+        judged = any(c["round"] == rd["round"] for c in data["candidates"])
+        if rd["round"] >= 1:
+            assert (rd["attacked"] in ("tree", "kernel", "outside")) == judged, (rd, judged)
+            assert judged or rd["attacked"].startswith("none (no candidate: "), rd
     system = json.loads((out / "system.json").read_text())
     assert system["seal"] == SystemConfig(**system["config"]).seal() == rep["sealed_seal"]

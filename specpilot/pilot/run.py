@@ -275,6 +275,8 @@ class Pilot:
                 why = ((self.planner.kernel_why_not(incumbent) if direction == "kernel" else None)
                        or "no untried candidate is predicted to beat the incumbent")
                 self.say(f"round {rnd}", f"{direction}: {why}; next factor")
+            if not proposals:  # every direction came up empty: say so, not the first one tried
+                attacked = "none (no candidate: " + ", ".join(order) + ")"
             rounds.append(self.round_row(rnd, ceil, inc_m, incumbent, attacked))
             best = None
             for i, (cand, pred) in enumerate(proposals, 1):
