@@ -52,8 +52,7 @@ def _hf(ckpt, dtype: str, device: str, prompt: list[int], new: int) -> dict:
     out = {}
     for name, kw in (("ar", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": 10})):
         # exactly n tokens through any EOS, as our engine runs here (eos_ids=[]): an empty EOS list (None falls back
-        # to the model's EOS and stops there), not
-        # min_new_tokens, which masks EOS's logit and so changes the argmax wherever EOS wins
+        # to the model's EOS and stops there), not min_new_tokens, which masks EOS's logit and so changes the argmax
         cfg = copy.deepcopy(hf.generation_config)
         cfg.update(eos_token_id=[], do_sample=False, pad_token_id=0, **kw)
         gen = lambda n: hf.generate(ids, generation_config=cfg, max_new_tokens=n)

@@ -107,7 +107,6 @@ def check_drafter_kind(drafter: str, path: Path) -> None:
                              "not a block drafter: use --drafter draft_model")
 
 
-
 @app.command()
 def generate(
     prompt: str = typer.Option(..., help="Prompt text."),

@@ -9,6 +9,7 @@ import torch
 from .tritonutil import DEV, triton  # noqa: F401
 
 import specpilot.kernels.w12_dense as wd
+import specpilot.kernels.w12_gemm as wg
 from specpilot.kernels.w12_gemm import W12GemmError, W12Linear
 from specpilot.w12.format import decode, encode
 
@@ -51,7 +52,7 @@ def test_wide_w12_pass_takes_the_dense_path_and_equals_f_linear(monkeypatch):
     calls = []
     real = wd.w12_decode_dense
     monkeypatch.setattr(wd, "w12_decode_dense", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(wd, "DENSE_ROWS", 8)
+    monkeypatch.setattr(wg, "DENSE_ROWS", 8)
     x = torch.randn(9, 96, generator=g).to(DEV)
     assert torch.equal(layer(x), lin(x)) and calls == [1]
     torch.testing.assert_close(layer(x[:8]), lin(x[:8]), atol=1e-5, rtol=1e-5)

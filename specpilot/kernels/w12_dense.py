@@ -21,12 +21,6 @@ import torch
 from ..w12.format import RECORD_COLS, W12Tensor
 from .w12_gemm import W12GemmError, triton
 
-#: W12Linear decodes to bf16 and calls cuBLAS for passes of more than this many rows (the tensor-core W12
-#: kernel up to it). H200, Qwen3-8B projections (``bench/results/w12_dense_probe_h200_2026-11-30.json``):
-#: at 128 rows the record-word kernel is faster on o / gate_up / down (29.9 / 151.9 / 74.0 µs vs 37.2 /
-#: 159.7 / 88.8), from 192 rows decode + cuBLAS is faster on all four (gate_up 163.0 vs 225.5 µs)
-DENSE_ROWS = 128
-
 if triton is not None:
     import triton.language as tl
 
@@ -83,4 +77,4 @@ if triton is not None:
                  mask=n_ok[:, None] & (offs_k < K)[None, :])
 
 
-__all__ = ["w12_decode_dense", "DENSE_ROWS"]
+__all__ = ["w12_decode_dense"]

@@ -69,6 +69,12 @@ except ImportError:  # CPU installs without triton: the reference still works
     triton = None
 
 MAX_ROWS = 256  # rows per kernel launch; more rows are run in chunks of this many
+#: W12Linear decodes to bf16 and calls cuBLAS for passes of more than this many rows
+#: (:mod:`specpilot.kernels.w12_dense`; the tensor-core W12 kernel up to it). H200, Qwen3-8B projections
+#: (``bench/results/w12_dense_probe_h200_2026-11-30.json``):
+#: at 128 rows the record-word kernel is faster on o / gate_up / down (29.9 / 151.9 / 74.0 µs vs 37.2 /
+#: 159.7 / 88.8), from 192 rows decode + cuBLAS is faster on all four (gate_up 163.0 vs 225.5 µs)
+DENSE_ROWS = 128
 
 
 class W12GemmError(SpecPilotError):
@@ -148,12 +154,6 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
         split *= 2
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4,
                 w_left=True, words=True)
-
-
-def _dense_rows() -> int:
-    from .w12_dense import DENSE_ROWS  # here, not at the top: w12_dense imports this module
-
-    return DENSE_ROWS
 
 
 def _check(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None) -> None:
@@ -256,7 +256,7 @@ class W12Linear(nn.Module):
     leaves them alone), and ``bias`` ``[N]`` or None.
 
     Forward: :func:`w12_gemm` on CUDA for bf16 / float32 activations up to
-    :data:`~specpilot.kernels.w12_dense.DENSE_ROWS` rows; wider passes (prefill) decode the weight once with
+    :data:`DENSE_ROWS` rows; wider passes (prefill) decode the weight once with
     :func:`~specpilot.kernels.w12_dense.w12_decode_dense` and call ``F.linear`` (bf16: bit for bit the bf16
     layer's output); elsewhere
     the reference, :func:`w12_gemm_reference` (in float32 bitwise ``nn.Linear`` with the decoded weight). On
@@ -331,7 +331,7 @@ class W12Linear(nn.Module):
                 w = self.decoded_weight()
                 self._dense = None if w.is_cuda else w
             y = _linear_f32(x2, w, self.bias)
-        elif x2.shape[0] > _dense_rows():  # wide pass (prefill): decode once, then the bf16 model's own GEMM
+        elif x2.shape[0] > DENSE_ROWS:  # wide pass (prefill): decode once, then the bf16 model's own GEMM
             from .w12_dense import w12_decode_dense
 
             w = w12_decode_dense(self.w12())
@@ -473,4 +473,4 @@ if triton is not None:
 
 
 __all__ = ["w12_gemm", "w12_gemm_reference", "W12Linear", "W12GemmError", "default_config", "escape_table",
-           "codes_at", "MAX_ROWS"]
+           "codes_at", "MAX_ROWS", "DENSE_ROWS"]
