@@ -94,10 +94,32 @@ def test_verdict_rules():
     flat = ForcingStats(0.125, 1152, 122, 0)  # random weights on the H200: stock itself at 10.59%
     assert forcing_verdict(ForcingStats(0.125, 1152, 138, 0), flat)[0]  # 11.98%: AR there (was rejected)
     assert not forcing_verdict(ForcingStats(0.125, 1152, 150, 0), flat)[0]  # 13.02% > 10.59% + 2.31 pp
-    ok, r = forcing_verdict(ForcingStats(0.25, 10000, 72, 3), stock)  # more events than stock
-    assert not ok and "events" in r[0]
+    assert forcing_verdict(ForcingStats(0.25, 10000, 72, 3), stock)[0]  # 3 events vs 2: chance (p = 0.5)
+    ok, r = forcing_verdict(ForcingStats(0.25, 10000, 72, 12), stock)  # 12 vs 2: p = 106 / 2^14 = 0.0065
+    assert not ok and len(r) == 1 and "events" in r[0] and "p = 0.00647" in r[0]
+    # session 7's seal on the H200 (flat logits): one event at 0.26 nats against stock's none
+    assert forcing_verdict(ForcingStats(0.125, 1152, 120, 1), ForcingStats(0.125, 1152, 107, 0))[0]
     with pytest.raises(ValueError):
         forcing_verdict(ForcingStats(0.125, 10, 0, 0), stock)
+
+
+def test_event_p_value_is_the_exact_count_test():
+    import math
+    from specpilot.pilot.forcing import EVENT_ALPHA, event_p_value
+    zero = ForcingStats(0.25, 1000, 0, 0)
+    assert event_p_value(zero, zero) == 1.0
+    assert event_p_value(ForcingStats(0.25, 1000, 0, 0), ForcingStats(0.25, 1000, 0, 9)) == 1.0
+    # equal token counts, stock at zero: P = 0.5^a; five events pass, six are rejected
+    assert event_p_value(ForcingStats(0.25, 1000, 5, 5), zero) == pytest.approx(0.5 ** 5)
+    assert event_p_value(ForcingStats(0.25, 1000, 6, 6), zero) == pytest.approx(0.5 ** 6)
+    assert 0.5 ** 6 < EVENT_ALPHA < 0.5 ** 5
+    assert forcing_verdict(ForcingStats(0.25, 1000, 5, 5), zero)[0]
+    assert not forcing_verdict(ForcingStats(0.25, 1000, 6, 6), zero)[0]
+    # unequal exposure, by hand: a = 4 of k = 5 with q = 3000 / 4000
+    q, a, k = 0.75, 4, 5
+    want = sum(math.comb(k, i) * q ** i * (1 - q) ** (k - i) for i in range(a, k + 1))
+    got = event_p_value(ForcingStats(0.25, 3000, 10, 4), ForcingStats(0.25, 1000, 10, 1))
+    assert got == pytest.approx(want, rel=1e-9)
 
 
 def test_delta(model, data):

@@ -5,7 +5,8 @@ Accuracy cannot see a small planted logit bias; token forcing can. The scorer is
 pass. A **mismatch** is an output token that is not the scorer's argmax; its **margin** is
 ``logp[argmax] - logp[token]`` (nats). An **event** is a mismatch with margin >= 2δ, where δ is the
 near-tie threshold set in Phase 0 (:func:`delta_from_phase0`). A system is rejected if its mismatch rate
-exceeds stock's by more than 0.5 percentage points, or if its events are more frequent than stock's.
+exceeds stock's by more than 0.5 percentage points (plus stock's sampling error), or if its events are more
+frequent than stock's beyond chance (a one-sided exact test of the two counts, :func:`event_p_value`).
 This module takes a model and plain token lists; it never imports the engine.
 """
 
@@ -17,9 +18,11 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from scipy.stats import binomtest
 
 MISMATCH_SLACK = 0.005  # 0.5 percentage points over stock (§3.4)
 NOISE_Z = 2.0  # plus this many standard errors of stock's mismatch rate (see mismatch_allowance)
+EVENT_ALPHA = 0.025  # events rule: one-sided level of the exact count test (NOISE_Z = 2's level; event_p_value)
 DELTA_STEP = 0.125  # δ is a multiple of 1/8 nats (§3.4)
 HEAD_CHUNK = 256  # LM-head rows per FP32 matmul (bounds memory to HEAD_CHUNK x vocab floats)
 
@@ -228,13 +231,40 @@ def mismatch_allowance(system: ForcingStats, stock: ForcingStats) -> float:
     return MISMATCH_SLACK + (NOISE_Z * math.sqrt(p * (1 - p) / stock.tokens) if stock.tokens else 0.0)
 
 
+def event_p_value(system: ForcingStats, stock: ForcingStats) -> float:
+    """One-sided p-value that ``system``'s events are no more frequent than ``stock``'s (the events rule).
+
+    The exact conditional test for two Poisson counts: with ``a`` events over ``n_a`` tokens and ``b`` over
+    ``n_b``, under equal rates ``a`` given ``a + b`` is Binomial(a + b, n_a / (n_a + n_b)); the p-value is
+    P(X >= a) (``scipy.stats.binomtest``, alternative "greater"). 1.0 when neither has an event.
+
+    Why a test and not the paper's bare "more frequent": on a target with flat logits the near-tie
+    threshold is crossed by kernel rounding alone. On the H200 pilot of a random Qwen3-8B (session 7,
+    ``bench/results/pilot_h200_qwen3-8b_random_2026-11-30_session7_run1``) stock's own largest mismatch was
+    0.245 nats against 2δ = 0.25, and the sealed W12 system (bit-exact weights, another accumulation order)
+    had one event at 0.260 over 1152 tokens against stock's none: p = 0.5, no evidence of a defect. With equal
+    token counts and stock at zero events, six system events are rejected (p = 0.016), five are not (0.031).
+
+    Args:
+        system / stock: audited figures (``tokens`` > 0 for a meaningful test).
+    Returns:
+        The p-value in [0, 1].
+    """
+    a, b = system.events, stock.events
+    if a == 0 or system.tokens == 0:
+        return 1.0
+    if stock.tokens == 0:
+        return 0.0
+    return float(binomtest(a, a + b, system.tokens / (system.tokens + stock.tokens), alternative="greater").pvalue)
+
+
 def forcing_verdict(system: ForcingStats, stock: ForcingStats, baseline: str = "stock") -> tuple[bool, list[str]]:
     """Decision rule of §3.4 for a system's forcing figures against a baseline's, by default stock's (same
     scorer, same δ).
 
     Reject if ``system.mismatch_rate > stock.mismatch_rate + mismatch_allowance(system, stock)`` (0.5 pp plus
-    stock's sampling error, :func:`mismatch_allowance`) or if ``system.event_rate > stock.event_rate`` (large
-    mismatches more frequent than the baseline's).
+    stock's sampling error, :func:`mismatch_allowance`) or if the system's events (large mismatches) are more
+    frequent than the baseline's beyond chance: ``event_p_value(system, stock) < EVENT_ALPHA``.
 
     Args:
         system / stock: the audited figures and the baseline's. baseline: what the baseline is, as named in
@@ -253,9 +283,11 @@ def forcing_verdict(system: ForcingStats, stock: ForcingStats, baseline: str = "
             f"mismatch rate {system.mismatch_rate:.2%} exceeds {baseline}'s {stock.mismatch_rate:.2%} + "
             f"{100 * allow:.2f} pp (0.5 pp + {NOISE_Z:g} standard errors of {baseline}'s rate)"
         )
-    if system.event_rate > stock.event_rate:
+    p = event_p_value(system, stock)
+    if p < EVENT_ALPHA:
         reasons.append(
-            f"events (margin >= 2δ = {2 * system.delta:g}) at {system.event_rate:.3%} of tokens, "
-            f"more frequent than {baseline}'s {stock.event_rate:.3%}"
+            f"events (margin >= 2δ = {2 * system.delta:g}) at {system.event_rate:.3%} of tokens ({system.events}), "
+            f"more frequent than {baseline}'s {stock.event_rate:.3%} ({stock.events}): one-sided p = {p:.3g} "
+            f"< {EVENT_ALPHA:g}"
         )
     return not reasons, reasons
