@@ -82,6 +82,13 @@ def test_pilot_end_to_end_tiny_plan(tmp_path):
     for f in ("mismatch_rate", "events", "delta"):
         assert f in data["token_forcing"]
     assert data["token_forcing"]["passed"] and data["reproduction_check"]["ok"]
+    from specpilot.pilot.audit import audit_outputs
+
+    tf = data["token_forcing"]  # the audited outputs are kept: re-auditing them gives the pilot's figures
+    again = audit_outputs(bundled_target_dir(), out / tf["outputs"], tf["delta"],
+                          reference=out / tf["stock_outputs"])
+    assert again["audited"]["tokens"] == tf["tokens"] and again["audited"]["mismatches"] == tf["mismatches"]
+    assert again["baseline"]["mismatch_rate"] == tf["stock_mismatch_rate"] and again["passed"]
     from specpilot.pilot.memory import Memory
 
     mem = Memory(out / "memory")  # entries in the directory layout of §3.5, each reproducing on its own

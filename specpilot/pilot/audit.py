@@ -93,6 +93,22 @@ def read_outputs(path: str | Path, vocab_size: int, max_len: int,
     return out
 
 
+def write_outputs(path: str | Path, samples) -> Path:
+    """Write audited outputs as the JSONL that :func:`read_outputs` (``specpilot audit --outputs``) reads: one
+    ``{"prompt_ids", "output_ids", "benchmark"}`` line per ``(prompt_ids, output_ids, benchmark)`` sample, so a
+    pilot's verdict can be re-audited later (e.g. with another δ or ``--reference``).
+
+    Returns:
+        The path written. Raises: OSError when it cannot be written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"prompt_ids": [int(t) for t in p], "output_ids": [int(t) for t in o], "benchmark": b})
+             for p, o, b in samples]
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
 def audit_outputs(target: str | Path, outputs: str | Path, delta: float | None = None,
                   reference: str | Path | None = None, device: str = "cpu", dtype: str = "float32") -> dict:
     """Token-force the outputs in ``outputs`` against the checkpoint ``target`` (§3.4).

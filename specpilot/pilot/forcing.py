@@ -21,7 +21,7 @@ import torch
 from scipy.stats import binomtest
 
 MISMATCH_SLACK = 0.005  # 0.5 percentage points over stock (§3.4)
-NOISE_Z = 2.0  # plus this many standard errors of stock's mismatch rate (see mismatch_allowance)
+NOISE_Z = 2.0  # plus this many standard errors of the two rates' difference (see mismatch_allowance)
 EVENT_ALPHA = 0.025  # events rule: one-sided level of the exact count test (NOISE_Z = 2's level; event_p_value)
 DELTA_STEP = 0.125  # δ is a multiple of 1/8 nats (§3.4)
 HEAD_CHUNK = 256  # LM-head rows per FP32 matmul (bounds memory to HEAD_CHUNK x vocab floats)
@@ -113,6 +113,7 @@ class ForcingStats:
         mismatch_rate / event_rate: per output token (fractions, 0.0072 = 0.72%).
         top_margins: the largest mismatch margins (nats), descending, at most 10.
         per_benchmark: ``{benchmark: {tokens, mismatches, events, mismatch_rate, event_rate}}``.
+        per_request: ``[(tokens, mismatches)]`` per audited output, in order (for :func:`rate_se`).
     """
 
     delta: float
@@ -121,6 +122,7 @@ class ForcingStats:
     events: int = 0
     top_margins: list[float] = field(default_factory=list)
     per_benchmark: dict[str, dict] = field(default_factory=dict)
+    per_request: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def mismatch_rate(self) -> float:
@@ -138,6 +140,7 @@ class ForcingStats:
             "delta": self.delta, "tokens": self.tokens, "mismatches": self.mismatches, "events": self.events,
             "mismatch_rate": self.mismatch_rate, "event_rate": self.event_rate,
             "top_margins": list(self.top_margins), "per_benchmark": self.per_benchmark,
+            "per_request": [list(r) for r in self.per_request], "mismatch_rate_se": rate_se(self),
         }
 
 
@@ -168,6 +171,7 @@ def audit(scorer: Scorer, outputs: Sequence[tuple[Sequence[int], Sequence[int], 
         st.tokens += int(s.tokens.size)
         st.mismatches += n_mm
         st.events += n_ev
+        st.per_request.append((int(s.tokens.size), n_mm))
         margins.append(s.margin[mm])
     for b in st.per_benchmark.values():
         b["mismatch_rate"] = b["mismatches"] / b["tokens"] if b["tokens"] else 0.0
@@ -216,19 +220,48 @@ def round_delta(margin: float) -> float:
     return max(1, steps) * DELTA_STEP
 
 
+def rate_se(stats: ForcingStats) -> float:
+    """Standard error of ``stats.mismatch_rate`` (fraction): the larger of the binomial ``sqrt(p (1 - p) / n)``
+    and the cluster-robust error over requests.
+
+    Mismatches cluster by request (a flat-logit stretch of one output holds many near-ties), so tokens are not
+    independent draws and the binomial error understates the noise. The cluster-robust error of the ratio
+    estimator ``r = Σ m_i / Σ t_i`` over ``k`` requests (``per_request``) is
+    ``sqrt(k / (k - 1) * Σ (m_i - r t_i)^2) / Σ t_i``; with fewer than two requests only the binomial one.
+    0.0 for no tokens.
+    """
+    if not stats.tokens:
+        return 0.0
+    p = stats.mismatch_rate
+    se = math.sqrt(p * (1 - p) / stats.tokens)
+    req = [(t, m) for t, m in stats.per_request if t > 0]
+    if len(req) >= 2:
+        t = np.array([r[0] for r in req], dtype=np.float64)
+        m = np.array([r[1] for r in req], dtype=np.float64)
+        r = m.sum() / t.sum()
+        se = max(se, math.sqrt(len(req) / (len(req) - 1) * float(((m - r * t) ** 2).sum())) / float(t.sum()))
+    return se
+
+
 def mismatch_allowance(system: ForcingStats, stock: ForcingStats) -> float:
     """How far ``system``'s mismatch rate may exceed ``stock``'s before the first rule rejects it (fraction):
-    the paper's 0.5 pp plus :data:`NOISE_Z` standard errors of stock's own rate, ``sqrt(p (1 - p) / n)``
-    (``system`` is not used: the allowance is the baseline's sampling error).
+    the paper's 0.5 pp plus :data:`NOISE_Z` standard errors of the difference of the two rates under equal
+    rates, estimated from the baseline alone: ``rate_se(stock) * sqrt(1 + n_stock / n_system)``
+    (:func:`rate_se`: binomial or, larger, cluster-robust over requests). The system's own spread is not used,
+    so a defective system cannot widen its allowance.
 
     The noise term is ours, not the paper's. A stock that never mismatches (a float32 CPU target) gets the
-    bare 0.5 pp rule; a trained target's ~0.7% over 10^4 tokens adds 0.17 pp. On a target with flat logits
-    (random weights: stock at 10.6% over 1152 tokens on the H200, ``bench/results/pilot_h200_qwen3-8b_random_
-    2026-11-30``) stock's rate has a standard error near 0.9 pp, and the bare rule failed stock against
-    itself (A vs A: 11.11% vs 10.59%) and AR. Large mismatches stay judged by the second rule (events), which
-    has no allowance."""
-    p = stock.mismatch_rate
-    return MISMATCH_SLACK + (NOISE_Z * math.sqrt(p * (1 - p) / stock.tokens) if stock.tokens else 0.0)
+    bare 0.5 pp rule; a trained target's ~0.7% over 10^4 tokens adds ~0.24 pp. On a target with flat logits
+    (random weights: stock at ~10% over 1152 tokens on the H200) the bare rule failed stock against itself
+    (A vs A: 11.11% vs 10.59%, ``bench/results/pilot_h200_qwen3-8b_random_2026-11-30``), and stock's
+    error alone (session 6's rule) failed the seal of W12, bit-exact weights in another accumulation order,
+    at 13.11% vs stock's 9.81% + 2.25 pp over 1152 tokens each
+    (``bench/results/pilot_2xh200_qwen3-8b_random_2026-11-30_session7``). Large mismatches stay judged by the
+    second rule (events, :func:`event_p_value`)."""
+    if not stock.tokens:
+        return MISMATCH_SLACK
+    scale = math.sqrt(1 + stock.tokens / system.tokens) if system.tokens else 1.0
+    return MISMATCH_SLACK + NOISE_Z * rate_se(stock) * scale
 
 
 def event_p_value(system: ForcingStats, stock: ForcingStats) -> float:
@@ -263,7 +296,7 @@ def forcing_verdict(system: ForcingStats, stock: ForcingStats, baseline: str = "
     scorer, same δ).
 
     Reject if ``system.mismatch_rate > stock.mismatch_rate + mismatch_allowance(system, stock)`` (0.5 pp plus
-    stock's sampling error, :func:`mismatch_allowance`) or if the system's events (large mismatches) are more
+    the sampling error of the difference, :func:`mismatch_allowance`) or if the system's events (large mismatches) are more
     frequent than the baseline's beyond chance: ``event_p_value(system, stock) < EVENT_ALPHA``.
 
     Args:
@@ -281,7 +314,7 @@ def forcing_verdict(system: ForcingStats, stock: ForcingStats, baseline: str = "
     if system.mismatch_rate > stock.mismatch_rate + allow:
         reasons.append(
             f"mismatch rate {system.mismatch_rate:.2%} exceeds {baseline}'s {stock.mismatch_rate:.2%} + "
-            f"{100 * allow:.2f} pp (0.5 pp + {NOISE_Z:g} standard errors of {baseline}'s rate)"
+            f"{100 * allow:.2f} pp (0.5 pp + {NOISE_Z:g} standard errors of the difference, from {baseline}'s rate)"
         )
     p = event_p_value(system, stock)
     if p < EVENT_ALPHA:

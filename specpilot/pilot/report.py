@@ -234,7 +234,16 @@ def _markdown(r: dict, images: list[str]) -> str:
                f" ({_pct(tf.get('event_rate'))}) over {tf.get('tokens', '—')} tokens",
                f"- stock: mismatch rate {_pct(tf.get('stock_mismatch_rate'))}, "
                f"event rate {_pct(tf.get('stock_event_rate'))}",
-               f"- passed: {_num(tf.get('passed'))}", ""]
+               f"- passed: {_num(tf.get('passed'))}"]
+        if tf.get("allowance") is not None:
+            md.append(f"- rules: mismatch rate at most stock's + {100 * tf['allowance']:.2f} pp (0.5 pp + 2 standard "
+                      f"errors of the difference); events: one-sided exact test p = {_num(tf.get('event_p_value'))} "
+                      f"(rejected below 0.025)")
+        md += [f"- failed: {r}" for r in tf.get("reasons") or []]
+        if tf.get("outputs"):
+            md.append(f"- audited outputs: `{tf['outputs']}`, stock's: `{tf.get('stock_outputs')}` "
+                      f"(re-audit with `specpilot audit --outputs`)")
+        md.append("")
     cands = r.get("candidates") or []
     if cands:
         md += _candidates(cands)

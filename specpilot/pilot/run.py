@@ -35,7 +35,8 @@ from . import controller as ctl
 from .bootstrap import gain_and_bound
 from .costmodel import build_ceiling, step_counts
 from .dispatch import AgentContext, agent_round, plan_dispatch, stock_commit
-from .forcing import Scorer, audit, forcing_verdict
+from .audit import write_outputs
+from .forcing import Scorer, audit, event_p_value, forcing_verdict, mismatch_allowance
 from .memory import Entry, Evidence, Memory
 from .planner import Planner
 from .profiler import StepProfiler, measure_peaks
@@ -215,7 +216,9 @@ class Pilot:
         if self.sigma > 0.05:
             self.say("phase 0", f"[yellow]warning: stock noise σ = {self.sigma:.1%} is high (another busy process?); "
                      f"only gains above {0.01 + 2 * self.sigma:.0%} can be approved in this run[/]")
-        self.phase0.update({"delta": self.delta, "stock_forcing": self.stock_forcing.to_dict()})
+        self.phase0.update({"delta": self.delta, "stock_forcing": self.stock_forcing.to_dict(),
+                            "stock_outputs": str(write_outputs(self.o.out / "outputs" / "stock_phase0.jsonl",
+                                                               ar_stock.samples("b")).relative_to(self.o.out))})
         self.say("phase 0", f"δ = {self.delta}; stock mismatch rate {self.stock_forcing.mismatch_rate:.3%}, events {self.stock_forcing.events}")
         # replay inputs: the first salted variant of every request and AR's output on it
         prompts = [list(ps[0]) for ps in ar_stock.prompts]
@@ -546,6 +549,7 @@ class Pilot:
         self.c_measured.append({"label": f"sealed {sealed.label()}", "N": steps["sealed"].rows - 1, "c": c_sealed,
                                 "source": "seal's interleaved headline run"})
         outputs = final.samples("sealed")
+        outputs_file = write_outputs(o.out / "outputs" / "sealed.jsonl", outputs).relative_to(o.out)
         forcing = audit(self.scorer, outputs, self.delta)
         passed, reasons = forcing_verdict(forcing, self.stock_forcing)
         check = memory.check_all(self.stock, sealed, [e.id for e in entries])
@@ -588,7 +592,10 @@ class Pilot:
             "sigma": self.sigma,
             "token_forcing": {**forcing.to_dict(), "stock_mismatch_rate": self.stock_forcing.mismatch_rate,
                               "stock_event_rate": self.stock_forcing.event_rate, "stock_events": self.stock_forcing.events,
-                              "passed": passed, "reasons": reasons},
+                              "passed": passed, "reasons": reasons, "outputs": str(outputs_file),
+                              "stock_outputs": self.phase0["stock_outputs"],
+                              "allowance": mismatch_allowance(forcing, self.stock_forcing),
+                              "event_p_value": event_p_value(forcing, self.stock_forcing)},
             "reproduction_check": {"entries": check.entries, "sealed": check.sealed, "ok": check.ok},
             "entries": [{"id": e.id, "title": e.title, "gain": e.evidence.gain, "lower_bound": e.evidence.lower_bound,
                          "requires": e.requires, "delta": e.delta, "reused_from": e.reused_from} for e in entries],
