@@ -84,43 +84,20 @@ def test_lossless_passes_and_defect_rejected(model, data):
 
 def test_verdict_rules():
     stock = ForcingStats(delta=0.25, tokens=10000, mismatches=72, events=2)
-    # allowance 0.5 pp + 2 standard errors of the difference: 2 * sqrt(2) * sqrt(.0072 * .9928 / 1e4) = 0.239 pp
-    assert forcing_verdict(ForcingStats(0.25, 10000, 145, 2), stock)[0]  # 1.45% < 0.72% + 0.739 pp
-    ok, r = forcing_verdict(ForcingStats(0.25, 10000, 146, 2), stock)  # 1.46%
-    assert not ok and len(r) == 1 and "0.74 pp" in r[0]
+    # allowance 0.5 pp + 2 standard errors of stock's 0.72% over 10^4 tokens = 0.669 pp
+    assert forcing_verdict(ForcingStats(0.25, 10000, 138, 2), stock)[0]  # +0.66 pp, same events
+    ok, r = forcing_verdict(ForcingStats(0.25, 10000, 140, 2), stock)  # +0.68 pp
+    assert not ok and len(r) == 1 and "0.67 pp" in r[0]
     never = ForcingStats(0.25, 1000, 0, 0)  # a stock that never mismatches: the paper's bare 0.5 pp
     assert forcing_verdict(ForcingStats(0.25, 1000, 5, 0), never)[0]
     assert not forcing_verdict(ForcingStats(0.25, 1000, 6, 0), never)[0]
     flat = ForcingStats(0.125, 1152, 122, 0)  # random weights on the H200: stock itself at 10.59%
     assert forcing_verdict(ForcingStats(0.125, 1152, 138, 0), flat)[0]  # 11.98%: AR there (was rejected)
-    assert forcing_verdict(ForcingStats(0.125, 1152, 157, 0), flat)[0]  # 13.63% < 10.59% + 3.06 pp
-    assert not forcing_verdict(ForcingStats(0.125, 1152, 158, 0), flat)[0]  # 13.72%
-    assert forcing_verdict(ForcingStats(0.25, 10000, 72, 3), stock)[0]  # 3 events vs 2: chance (p = 0.5)
-    ok, r = forcing_verdict(ForcingStats(0.25, 10000, 72, 12), stock)  # 12 vs 2: p = 106 / 2^14 = 0.0065
-    assert not ok and len(r) == 1 and "events" in r[0] and "p = 0.00647" in r[0]
-    # session 7's seal on the H200 (flat logits): one event at 0.26 nats against stock's none
-    assert forcing_verdict(ForcingStats(0.125, 1152, 120, 1), ForcingStats(0.125, 1152, 107, 0))[0]
+    assert not forcing_verdict(ForcingStats(0.125, 1152, 150, 0), flat)[0]  # 13.02% > 10.59% + 2.31 pp
+    ok, r = forcing_verdict(ForcingStats(0.25, 10000, 72, 3), stock)  # more events than stock
+    assert not ok and "events" in r[0]
     with pytest.raises(ValueError):
         forcing_verdict(ForcingStats(0.125, 10, 0, 0), stock)
-
-
-def test_rate_se_is_cluster_robust_over_requests():
-    import math
-    from specpilot.pilot.forcing import mismatch_allowance, rate_se
-    even = ForcingStats(0.25, 400, 40, 0, per_request=[(100, 10)] * 4)  # no spread between requests
-    assert rate_se(even) == pytest.approx(math.sqrt(0.1 * 0.9 / 400))  # the binomial error wins
-    lumpy = ForcingStats(0.25, 400, 40, 0, per_request=[(100, 0), (100, 0), (100, 5), (100, 35)])
-    r = 0.1  # by hand: residuals m - r t = -10, -10, -5, 25
-    want = math.sqrt(4 / 3 * (100 + 100 + 25 + 625)) / 400
-    assert rate_se(lumpy) == pytest.approx(want) and want > math.sqrt(r * (1 - r) / 400)
-    assert rate_se(ForcingStats(0.25)) == 0.0
-    # the allowance reads the baseline only: a lumpy system gets no more room than an even one
-    sys_lumpy = ForcingStats(0.25, 400, 60, 0, per_request=[(100, 0), (100, 0), (100, 0), (100, 60)])
-    assert mismatch_allowance(sys_lumpy, even) == mismatch_allowance(ForcingStats(0.25, 400, 60, 0), even)
-    assert mismatch_allowance(sys_lumpy, even) == pytest.approx(0.005 + 2 * math.sqrt(2) * rate_se(even))
-    assert mismatch_allowance(sys_lumpy, lumpy) == pytest.approx(0.005 + 2 * math.sqrt(2) * want)
-    # a lumpy baseline at 10% (four requests) lets a system at 15% through (10 + 0.5 + 23.8 pp); an even one not (10 + 0.5 + 4.24)
-    assert forcing_verdict(sys_lumpy, lumpy)[0] and not forcing_verdict(sys_lumpy, even)[0]
 
 
 def test_audit_records_per_request_counts(model, data):
@@ -128,29 +105,11 @@ def test_audit_records_per_request_counts(model, data):
     sc = Scorer(model)
     st = audit(sc, [(p, o, "b") for p, o in zip(prompts, bad)], 0.125)
     assert len(st.per_request) == len(prompts)
-    assert sum(t for t, _ in st.per_request) == st.tokens and sum(m for _, m in st.per_request) == st.mismatches
-    for (t, m), p, o in zip(st.per_request, prompts, bad):
-        assert t == len(o) and m == int(sc.score(p, o).mismatch.sum())
+    assert sum(r[0] for r in st.per_request) == st.tokens and sum(r[1] for r in st.per_request) == st.mismatches
+    for (t, m, e), p, o in zip(st.per_request, prompts, bad):
+        s = sc.score(p, o)
+        assert t == len(o) and m == int(s.mismatch.sum()) and e == int((s.mismatch & (s.margin >= 0.25)).sum())
     assert st.to_dict()["per_request"] == [list(r) for r in st.per_request]
-
-
-def test_event_p_value_is_the_exact_count_test():
-    import math
-    from specpilot.pilot.forcing import EVENT_ALPHA, event_p_value
-    zero = ForcingStats(0.25, 1000, 0, 0)
-    assert event_p_value(zero, zero) == 1.0
-    assert event_p_value(ForcingStats(0.25, 1000, 0, 0), ForcingStats(0.25, 1000, 0, 9)) == 1.0
-    # equal token counts, stock at zero: P = 0.5^a; five events pass, six are rejected
-    assert event_p_value(ForcingStats(0.25, 1000, 5, 5), zero) == pytest.approx(0.5 ** 5)
-    assert event_p_value(ForcingStats(0.25, 1000, 6, 6), zero) == pytest.approx(0.5 ** 6)
-    assert 0.5 ** 6 < EVENT_ALPHA < 0.5 ** 5
-    assert forcing_verdict(ForcingStats(0.25, 1000, 5, 5), zero)[0]
-    assert not forcing_verdict(ForcingStats(0.25, 1000, 6, 6), zero)[0]
-    # unequal exposure, by hand: a = 4 of k = 5 with q = 3000 / 4000
-    q, a, k = 0.75, 4, 5
-    want = sum(math.comb(k, i) * q ** i * (1 - q) ** (k - i) for i in range(a, k + 1))
-    got = event_p_value(ForcingStats(0.25, 3000, 10, 4), ForcingStats(0.25, 1000, 10, 1))
-    assert got == pytest.approx(want, rel=1e-9)
 
 
 def test_delta(model, data):

@@ -68,3 +68,16 @@ def test_report_flags_a_sealed_system_slower_than_ar_and_estimator_gaps(tmp_path
     write_report(tmp_path / "ok", {"speedup_vs_ar": 1.3, "speedup_ci_low": 1.2, "tau": 2.6, "c": 2.0})
     md = (tmp_path / "ok" / "report.md").read_text()
     assert "slower than AR" not in md and "differ by" not in md
+
+
+def test_report_flags_a_seal_that_failed_token_forcing(tmp_path):
+    ok = write_report(tmp_path / "ok", REPORT, {})
+    assert ok and "failed token forcing" not in (tmp_path / "ok" / "report.md").read_text()
+    tf = {**REPORT["token_forcing"], "passed": False, "reasons": ["events (margin >= 2δ = 0.25) at 0.087% of tokens"],
+          "allowance": 0.0131, "outputs": "outputs/sealed.jsonl", "stock_outputs": "outputs/stock_phase0.jsonl"}
+    write_report(tmp_path / "bad", {**REPORT, "token_forcing": tf}, {})
+    md = (tmp_path / "bad" / "report.md").read_text()
+    head = md[md.index("## Headline"):md.index("## Ceiling")]
+    assert "**Warning: the sealed system failed token forcing in the seal's audit** (events (margin >= 2δ" in head
+    assert "- failed: events (margin >= 2δ = 0.25) at 0.087% of tokens" in md
+    assert "stock's + 1.31 pp" in md and "`outputs/sealed.jsonl`" in md and "`outputs/stock_phase0.jsonl`" in md

@@ -5,8 +5,7 @@ Accuracy cannot see a small planted logit bias; token forcing can. The scorer is
 pass. A **mismatch** is an output token that is not the scorer's argmax; its **margin** is
 ``logp[argmax] - logp[token]`` (nats). An **event** is a mismatch with margin >= 2δ, where δ is the
 near-tie threshold set in Phase 0 (:func:`delta_from_phase0`). A system is rejected if its mismatch rate
-exceeds stock's by more than 0.5 percentage points (plus stock's sampling error), or if its events are more
-frequent than stock's beyond chance (a one-sided exact test of the two counts, :func:`event_p_value`).
+exceeds stock's by more than 0.5 percentage points, or if its events are more frequent than stock's.
 This module takes a model and plain token lists; it never imports the engine.
 """
 
@@ -18,11 +17,9 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from scipy.stats import binomtest
 
 MISMATCH_SLACK = 0.005  # 0.5 percentage points over stock (§3.4)
-NOISE_Z = 2.0  # plus this many standard errors of the two rates' difference (see mismatch_allowance)
-EVENT_ALPHA = 0.025  # events rule: one-sided level of the exact count test (NOISE_Z = 2's level; event_p_value)
+NOISE_Z = 2.0  # plus this many standard errors of stock's mismatch rate (see mismatch_allowance)
 DELTA_STEP = 0.125  # δ is a multiple of 1/8 nats (§3.4)
 HEAD_CHUNK = 256  # LM-head rows per FP32 matmul (bounds memory to HEAD_CHUNK x vocab floats)
 
@@ -113,7 +110,7 @@ class ForcingStats:
         mismatch_rate / event_rate: per output token (fractions, 0.0072 = 0.72%).
         top_margins: the largest mismatch margins (nats), descending, at most 10.
         per_benchmark: ``{benchmark: {tokens, mismatches, events, mismatch_rate, event_rate}}``.
-        per_request: ``[(tokens, mismatches)]`` per audited output, in order (for :func:`rate_se`).
+        per_request: ``[(tokens, mismatches, events)]`` per audited output, in order.
     """
 
     delta: float
@@ -122,7 +119,7 @@ class ForcingStats:
     events: int = 0
     top_margins: list[float] = field(default_factory=list)
     per_benchmark: dict[str, dict] = field(default_factory=dict)
-    per_request: list[tuple[int, int]] = field(default_factory=list)
+    per_request: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def mismatch_rate(self) -> float:
@@ -140,7 +137,7 @@ class ForcingStats:
             "delta": self.delta, "tokens": self.tokens, "mismatches": self.mismatches, "events": self.events,
             "mismatch_rate": self.mismatch_rate, "event_rate": self.event_rate,
             "top_margins": list(self.top_margins), "per_benchmark": self.per_benchmark,
-            "per_request": [list(r) for r in self.per_request], "mismatch_rate_se": rate_se(self),
+            "per_request": [list(r) for r in self.per_request],
         }
 
 
@@ -171,7 +168,7 @@ def audit(scorer: Scorer, outputs: Sequence[tuple[Sequence[int], Sequence[int], 
         st.tokens += int(s.tokens.size)
         st.mismatches += n_mm
         st.events += n_ev
-        st.per_request.append((int(s.tokens.size), n_mm))
+        st.per_request.append((int(s.tokens.size), n_mm, n_ev))
         margins.append(s.margin[mm])
     for b in st.per_benchmark.values():
         b["mismatch_rate"] = b["mismatches"] / b["tokens"] if b["tokens"] else 0.0
@@ -220,75 +217,24 @@ def round_delta(margin: float) -> float:
     return max(1, steps) * DELTA_STEP
 
 
-def rate_se(stats: ForcingStats) -> float:
-    """Standard error of ``stats.mismatch_rate`` (fraction): the larger of the binomial ``sqrt(p (1 - p) / n)``
-    and the cluster-robust error over requests.
-
-    Mismatches cluster by request (a flat-logit stretch of one output holds many near-ties), so tokens are not
-    independent draws and the binomial error understates the noise. The cluster-robust error of the ratio
-    estimator ``r = Σ m_i / Σ t_i`` over ``k`` requests (``per_request``) is
-    ``sqrt(k / (k - 1) * Σ (m_i - r t_i)^2) / Σ t_i``; with fewer than two requests only the binomial one.
-    0.0 for no tokens.
-    """
-    if not stats.tokens:
-        return 0.0
-    p = stats.mismatch_rate
-    se = math.sqrt(p * (1 - p) / stats.tokens)
-    req = [(t, m) for t, m in stats.per_request if t > 0]
-    if len(req) >= 2:
-        t = np.array([r[0] for r in req], dtype=np.float64)
-        m = np.array([r[1] for r in req], dtype=np.float64)
-        r = m.sum() / t.sum()
-        se = max(se, math.sqrt(len(req) / (len(req) - 1) * float(((m - r * t) ** 2).sum())) / float(t.sum()))
-    return se
-
-
 def mismatch_allowance(system: ForcingStats, stock: ForcingStats) -> float:
     """How far ``system``'s mismatch rate may exceed ``stock``'s before the first rule rejects it (fraction):
-    the paper's 0.5 pp plus :data:`NOISE_Z` standard errors of the difference of the two rates under equal
-    rates, estimated from the baseline alone: ``rate_se(stock) * sqrt(1 + n_stock / n_system)``
-    (:func:`rate_se`: binomial or, larger, cluster-robust over requests). The system's own spread is not used,
-    so a defective system cannot widen its allowance.
+    the paper's 0.5 pp plus :data:`NOISE_Z` standard errors of stock's own rate, ``sqrt(p (1 - p) / n)``
+    (``system`` is not used: the allowance is the baseline's sampling error).
 
     The noise term is ours, not the paper's. A stock that never mismatches (a float32 CPU target) gets the
-    bare 0.5 pp rule; a trained target's ~0.7% over 10^4 tokens adds ~0.24 pp. On a target with flat logits
-    (random weights: stock at ~10% over 1152 tokens on the H200) the bare rule failed stock against itself
-    (A vs A: 11.11% vs 10.59%, ``bench/results/pilot_h200_qwen3-8b_random_2026-11-30``), and stock's
-    error alone (session 6's rule) failed the seal of W12, bit-exact weights in another accumulation order,
-    at 13.11% vs stock's 9.81% + 2.25 pp over 1152 tokens each
-    (``bench/results/pilot_2xh200_qwen3-8b_random_2026-11-30_session7``). Large mismatches stay judged by the
-    second rule (events, :func:`event_p_value`)."""
-    if not stock.tokens:
-        return MISMATCH_SLACK
-    scale = math.sqrt(1 + stock.tokens / system.tokens) if system.tokens else 1.0
-    return MISMATCH_SLACK + NOISE_Z * rate_se(stock) * scale
+    bare 0.5 pp rule; a trained target's ~0.7% over 10^4 tokens adds 0.17 pp. On a target with flat logits
+    (random weights: stock at 10.6% over 1152 tokens on the H200, ``bench/results/pilot_h200_qwen3-8b_random_
+    2026-11-30``) stock's rate has a standard error near 0.9 pp, and the bare rule failed stock against
+    itself (A vs A: 11.11% vs 10.59%) and AR. Large mismatches stay judged by the second rule (events), which
+    has no allowance.
 
-
-def event_p_value(system: ForcingStats, stock: ForcingStats) -> float:
-    """One-sided p-value that ``system``'s events are no more frequent than ``stock``'s (the events rule).
-
-    The exact conditional test for two Poisson counts: with ``a`` events over ``n_a`` tokens and ``b`` over
-    ``n_b``, under equal rates ``a`` given ``a + b`` is Binomial(a + b, n_a / (n_a + n_b)); the p-value is
-    P(X >= a) (``scipy.stats.binomtest``, alternative "greater"). 1.0 when neither has an event.
-
-    Why a test and not the paper's bare "more frequent": on a target with flat logits the near-tie
-    threshold is crossed by kernel rounding alone. On the H200 pilot of a random Qwen3-8B (session 7,
-    ``bench/results/pilot_h200_qwen3-8b_random_2026-11-30_session7_run1``) stock's own largest mismatch was
-    0.245 nats against 2δ = 0.25, and the sealed W12 system (bit-exact weights, another accumulation order)
-    had one event at 0.260 over 1152 tokens against stock's none: p = 0.5, no evidence of a defect. With equal
-    token counts and stock at zero events, six system events are rejected (p = 0.016), five are not (0.031).
-
-    Args:
-        system / stock: audited figures (``tokens`` > 0 for a meaningful test).
-    Returns:
-        The p-value in [0, 1].
-    """
-    a, b = system.events, stock.events
-    if a == 0 or system.tokens == 0:
-        return 1.0
-    if stock.tokens == 0:
-        return 0.0
-    return float(binomtest(a, a + b, system.tokens / (system.tokens + stock.tokens), alternative="greater").pvalue)
+    Looser rules were tried and withdrawn (session 7, docs/NOTES.md): an allowance from the difference's
+    cluster-robust error over requests plus an exact count test for events let the ``skipped verification``
+    cheat through on a random-weight 8B on the H200 (approved at gain 2.01). On flat logits the audit's power is
+    low; the rules stay strict and err toward rejecting a lossless system, never toward passing a lossy one."""
+    p = stock.mismatch_rate
+    return MISMATCH_SLACK + (NOISE_Z * math.sqrt(p * (1 - p) / stock.tokens) if stock.tokens else 0.0)
 
 
 def forcing_verdict(system: ForcingStats, stock: ForcingStats, baseline: str = "stock") -> tuple[bool, list[str]]:
@@ -296,8 +242,8 @@ def forcing_verdict(system: ForcingStats, stock: ForcingStats, baseline: str = "
     scorer, same δ).
 
     Reject if ``system.mismatch_rate > stock.mismatch_rate + mismatch_allowance(system, stock)`` (0.5 pp plus
-    the sampling error of the difference, :func:`mismatch_allowance`) or if the system's events (large mismatches) are more
-    frequent than the baseline's beyond chance: ``event_p_value(system, stock) < EVENT_ALPHA``.
+    stock's sampling error, :func:`mismatch_allowance`) or if ``system.event_rate > stock.event_rate`` (large
+    mismatches more frequent than the baseline's).
 
     Args:
         system / stock: the audited figures and the baseline's. baseline: what the baseline is, as named in
@@ -314,13 +260,11 @@ def forcing_verdict(system: ForcingStats, stock: ForcingStats, baseline: str = "
     if system.mismatch_rate > stock.mismatch_rate + allow:
         reasons.append(
             f"mismatch rate {system.mismatch_rate:.2%} exceeds {baseline}'s {stock.mismatch_rate:.2%} + "
-            f"{100 * allow:.2f} pp (0.5 pp + {NOISE_Z:g} standard errors of the difference, from {baseline}'s rate)"
+            f"{100 * allow:.2f} pp (0.5 pp + {NOISE_Z:g} standard errors of {baseline}'s rate)"
         )
-    p = event_p_value(system, stock)
-    if p < EVENT_ALPHA:
+    if system.event_rate > stock.event_rate:
         reasons.append(
-            f"events (margin >= 2δ = {2 * system.delta:g}) at {system.event_rate:.3%} of tokens ({system.events}), "
-            f"more frequent than {baseline}'s {stock.event_rate:.3%} ({stock.events}): one-sided p = {p:.3g} "
-            f"< {EVENT_ALPHA:g}"
+            f"events (margin >= 2δ = {2 * system.delta:g}) at {system.event_rate:.3%} of tokens, "
+            f"more frequent than {baseline}'s {stock.event_rate:.3%}"
         )
     return not reasons, reasons

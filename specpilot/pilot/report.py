@@ -104,9 +104,14 @@ def _headline(r: dict) -> list[str]:
 
 
 def _headline_warnings(r: dict) -> list[str]:
-    """Lines that flag a sealed system slower than AR, and a headline that τ / c of the same runs does not
-    back (the two weigh requests differently: see the text)."""
+    """Lines that flag a sealed system that failed its seal's token-forcing audit, one slower than AR, and a
+    headline that τ / c of the same runs does not back (the two weigh requests differently: see the text)."""
     out = []
+    tf = r.get("token_forcing") or {}
+    if tf.get("passed") is False:
+        out.append("- **Warning: the sealed system failed token forcing in the seal's audit** ("
+                   + "; ".join(tf.get("reasons") or ["see Token forcing"]) + "). Its outputs are not certified as "
+                   "stock's: see Token forcing below (the audited outputs are kept for `specpilot audit`).")
     vs_ar, low, tc = r.get("speedup_vs_ar"), r.get("speedup_ci_low"), _ratio(r.get("tau"), r.get("c"))
     if isinstance(vs_ar, (int, float)) and vs_ar < 1:
         out.append(f"- **Warning: the sealed system is slower than AR in this run** ({_num(vs_ar)}x, 95% lower bound "
@@ -237,8 +242,7 @@ def _markdown(r: dict, images: list[str]) -> str:
                f"- passed: {_num(tf.get('passed'))}"]
         if tf.get("allowance") is not None:
             md.append(f"- rules: mismatch rate at most stock's + {100 * tf['allowance']:.2f} pp (0.5 pp + 2 standard "
-                      f"errors of the difference); events: one-sided exact test p = {_num(tf.get('event_p_value'))} "
-                      f"(rejected below 0.025)")
+                      f"errors of stock's rate); events no more frequent than stock's")
         md += [f"- failed: {r}" for r in tf.get("reasons") or []]
         if tf.get("outputs"):
             md.append(f"- audited outputs: `{tf['outputs']}`, stock's: `{tf.get('stock_outputs')}` "

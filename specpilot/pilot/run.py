@@ -36,7 +36,7 @@ from .bootstrap import gain_and_bound
 from .costmodel import build_ceiling, step_counts
 from .dispatch import AgentContext, agent_round, plan_dispatch, stock_commit
 from .audit import write_outputs
-from .forcing import Scorer, audit, event_p_value, forcing_verdict, mismatch_allowance
+from .forcing import Scorer, audit, forcing_verdict, mismatch_allowance
 from .memory import Entry, Evidence, Memory
 from .planner import Planner
 from .profiler import StepProfiler, measure_peaks
@@ -556,6 +556,9 @@ class Pilot:
         self.say("seal", f"{vs_ar[0]:.3f}x AR (lower bound {vs_ar[1]:.3f}), {vs_stock[0]:.3f}x stock "
                  f"(lower bound {vs_stock[1]:.3f}); τ {steps['sealed'].tau:.2f}, c {c_sealed:.3f}; token forcing "
                  f"{'passed' if passed else 'FAILED'}; reproduction check {'ok' if check.ok else 'FAILED'}")
+        if not passed:
+            self.say("seal", f"[yellow bold]warning: the sealed system {sealed.label()} failed token forcing: "
+                     f"{'; '.join(reasons)}[/]")
         if vs_ar[0] < 1:
             self.say("seal", f"[yellow bold]warning: the sealed system {sealed.label()} is slower than AR in this run "
                      f"({vs_ar[0]:.3f}x, lower bound {vs_ar[1]:.3f}); see the report[/]")
@@ -594,8 +597,7 @@ class Pilot:
                               "stock_event_rate": self.stock_forcing.event_rate, "stock_events": self.stock_forcing.events,
                               "passed": passed, "reasons": reasons, "outputs": str(outputs_file),
                               "stock_outputs": self.phase0["stock_outputs"],
-                              "allowance": mismatch_allowance(forcing, self.stock_forcing),
-                              "event_p_value": event_p_value(forcing, self.stock_forcing)},
+                              "allowance": mismatch_allowance(forcing, self.stock_forcing)},
             "reproduction_check": {"entries": check.entries, "sealed": check.sealed, "ok": check.ok},
             "entries": [{"id": e.id, "title": e.title, "gain": e.evidence.gain, "lower_bound": e.evidence.lower_bound,
                          "requires": e.requires, "delta": e.delta, "reused_from": e.reused_from} for e in entries],
