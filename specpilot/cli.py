@@ -209,6 +209,7 @@ def pilot(
     executor: str = typer.Option("auto", help="auto | local (in-process, one device) | workers (one process per system). auto: workers with several devices or --agent."),
     agent: Optional[str] = typer.Option(None, help="External coding agent, a shell command template with {brief} and {worktree}; called once per round after the config candidates."),
     agent_timeout: float = typer.Option(1800.0, help="Seconds the agent may run per round."),
+    scorer_dtype: Optional[str] = typer.Option(None, help="Token forcing's scorer body dtype: default the deployment's (the paper: stock's target with an FP32 LM head); float32 loads a float32 copy of the target (compares every system to unrounded arithmetic; needs the memory)."),
 ):
     """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
     from .engine.checkpoint import DTYPES
@@ -217,6 +218,8 @@ def pilot(
 
     if dtype not in DTYPES:
         raise SpecPilotError(f"unknown --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if scorer_dtype is not None and scorer_dtype not in ("float32", dtype):
+        raise SpecPilotError(f"--scorer-dtype {scorer_dtype!r}: use float32 (or leave it out: the deployment's {dtype})")
     tdir, ddir = target, drafter_path
     if tdir is None:
         from .zoo import bundled_block_dir, bundled_block_markov_dir, bundled_drafter_dir, bundled_target_dir
@@ -239,7 +242,7 @@ def pilot(
     run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
                            blocks=tuple(block or ()), adversarial=adversarial, threads=threads, memory=memory,
                            devices=devs, paired_devices=paired_devices, executor=executor, agent=agent,
-                           agent_timeout=agent_timeout,
+                           agent_timeout=agent_timeout, scorer_dtype=scorer_dtype,
                            overrides={k: v for k, v in (("per_benchmark", per_benchmark), ("max_new_tokens", max_new_tokens),
                                                         ("rounds", rounds)) if v is not None} or None))
 

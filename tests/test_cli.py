@@ -62,6 +62,7 @@ def test_bad_input_is_one_line_error(monkeypatch, capsys, tmp_path, case):
     (["generate", "--prompt", "x", "--device", "bogus"], "device"),
     (["generate", "--prompt", "x", "--device", "cuda:7"], "cuda"),
     (["generate", "--prompt", "x", "--top-k", "0"], "--top-k"),  # a chain used to drop it silently
+    (["pilot", "--scorer-dtype", "float16", "--out", "/nonexistent-specpilot-out"], "--scorer-dtype"),
 ])
 def test_bad_options_name_the_option(monkeypatch, capsys, args, needle):
     code, out, err = run_cli(monkeypatch, capsys, *args)

@@ -102,3 +102,21 @@ def test_pilot_end_to_end_tiny_plan(tmp_path):
             assert judged or rd["attacked"].startswith("none (no candidate: "), rd
     system = json.loads((out / "system.json").read_text())
     assert system["seal"] == SystemConfig(**system["config"]).seal() == rep["sealed_seal"]
+
+
+def test_scorer_dtype_float32_loads_an_unrounded_copy(tmp_path):
+    from specpilot.engine.checkpoint import load_model
+    from specpilot.pilot.run import Pilot, PilotOptions
+
+    kw = dict(target=bundled_target_dir(), drafter=None, out=tmp_path / "r", dtype="bfloat16")
+    same = Pilot(PilotOptions(**kw))
+    assert same.scorer_model() is same.dep.target  # default: the deployment's own target (§3.4)
+    assert Pilot(PilotOptions(**kw, scorer_dtype="bfloat16")).scorer_model() is not None
+    p = Pilot(PilotOptions(**kw, scorer_dtype="float32"))
+    m = p.scorer_model()
+    assert m.dtype == torch.float32 and p.dep.target.dtype == torch.bfloat16
+    ref = load_model(bundled_target_dir(), "float32", "cpu")
+    ids = list(range(5, 40))
+    got, want = Scorer(m).next_logprobs(ids), Scorer(ref).next_logprobs(ids)
+    assert torch.equal(got, want)  # the float32 copy is the checkpoint in float32, not the bf16 weights upcast
+    assert not torch.equal(Scorer(p.dep.target).next_logprobs(ids), want)

@@ -74,10 +74,10 @@ def test_report_flags_a_seal_that_failed_token_forcing(tmp_path):
     ok = write_report(tmp_path / "ok", REPORT, {})
     assert ok and "failed token forcing" not in (tmp_path / "ok" / "report.md").read_text()
     tf = {**REPORT["token_forcing"], "passed": False, "reasons": ["events (margin >= 2δ = 0.25) at 0.087% of tokens"],
-          "allowance": 0.0131, "outputs": "outputs/sealed.jsonl", "stock_outputs": "outputs/stock_phase0.jsonl"}
+          "allowance": 0.0131, "scorer_dtype": "float32", "outputs": "outputs/sealed.jsonl", "stock_outputs": "outputs/stock_phase0.jsonl"}
     write_report(tmp_path / "bad", {**REPORT, "token_forcing": tf}, {})
     md = (tmp_path / "bad" / "report.md").read_text()
     head = md[md.index("## Headline"):md.index("## Ceiling")]
     assert "**Warning: the sealed system failed token forcing in the seal's audit** (events (margin >= 2δ" in head
     assert "- failed: events (margin >= 2δ = 0.25) at 0.087% of tokens" in md
-    assert "stock's + 1.31 pp" in md and "`outputs/sealed.jsonl`" in md and "`outputs/stock_phase0.jsonl`" in md
+    assert "scorer: target in float32, FP32 LM head" in md and "stock's + 1.31 pp" in md and "`outputs/sealed.jsonl`" in md and "`outputs/stock_phase0.jsonl`" in md

@@ -234,7 +234,8 @@ def _markdown(r: dict, images: list[str]) -> str:
     tf = r.get("token_forcing") or {}
     if tf:
         md += ["## Token forcing (§3.4)", "",
-               f"- δ = {_num(tf.get('delta'))} nats; events = mismatches with margin ≥ 2δ",
+               f"- δ = {_num(tf.get('delta'))} nats; events = mismatches with margin ≥ 2δ"
+               + (f"; scorer: target in {tf['scorer_dtype']}, FP32 LM head" if tf.get("scorer_dtype") else ""),
                f"- sealed: mismatch rate {_pct(tf.get('mismatch_rate'))}, events {tf.get('events', '—')}"
                f" ({_pct(tf.get('event_rate'))}) over {tf.get('tokens', '—')} tokens",
                f"- stock: mismatch rate {_pct(tf.get('stock_mismatch_rate'))}, "

@@ -29,13 +29,14 @@ import torch
 from rich.console import Console
 
 from ..config import SystemConfig
+from ..engine.checkpoint import load_model
 from ..engine.deployment import Deployment
 from ..errors import SpecPilotError
 from . import controller as ctl
+from .audit import write_outputs
 from .bootstrap import gain_and_bound
 from .costmodel import build_ceiling, step_counts
 from .dispatch import AgentContext, agent_round, plan_dispatch, stock_commit
-from .audit import write_outputs
 from .forcing import Scorer, audit, forcing_verdict, mismatch_allowance
 from .memory import Entry, Evidence, Memory
 from .planner import Planner
@@ -70,6 +71,7 @@ class PilotOptions:
     executor: str = "auto"  # auto | local | workers
     agent: str | None = None  # command template with {brief} and {worktree}
     agent_timeout: float = 1800.0  # seconds
+    scorer_dtype: str | None = None  # token forcing's scorer body: None = the deployment dtype (§3.4), or float32
 
     @property
     def plan(self) -> dict:
@@ -202,7 +204,7 @@ class Pilot:
 
         # Phase 0
         self.say("phase 0", "AR vs stock and stock A/A (paired A B B A on salted prompts)")
-        self.scorer = Scorer(self.dep.target)
+        self.scorer = Scorer(self.scorer_model())
         bar, advance = self.progress("phase 0 paired runs", 8 * len(self.reqs))
         with bar:
             p0 = ctl.phase0(self.factory(self.ar), self.factory(self.stock), self.reqs, self.scorer,
@@ -520,6 +522,19 @@ class Pilot:
         return {"target": str(self.o.target), "drafter": str(self.o.drafter) if self.o.drafter else "ngram",
                 "device": self.o.device, "dtype": self.o.dtype, "batch": 1}
 
+    def scorer_model(self):
+        """The scorer's target (§3.4): the deployment's own (the paper: stock's target, FP32 head) or, with
+        ``scorer_dtype="float32"`` on a lower-precision deployment, a float32 copy loaded from the checkpoint, so
+        that stock and every candidate are compared to the unrounded arithmetic instead of to stock's own
+        rounding (on flat logits a bf16 scorer shares stock's kernels and so favours stock over a lossless
+        kernel with another accumulation order, e.g. W12: see docs/NOTES.md, session 7). Costs a float32 copy
+        of the target in device memory (32 GB for an 8B)."""
+        want = self.o.scorer_dtype
+        if want is None or want == self.o.dtype:
+            return self.dep.target
+        self.say("setup", f"token forcing scorer: {want} copy of {self.dep.target_dir}")
+        return load_model(self.dep.target_dir, want, self.o.device)
+
     def seal(self, sealed, entries, memory, candidates, rounds) -> dict:
         """Seal the final system, re-measure it against AR and stock in one interleaved run (headline
         speedups and, from the same runs, τ, T_AR, T_step and c), audit it and write the report."""
@@ -597,7 +612,8 @@ class Pilot:
                               "stock_event_rate": self.stock_forcing.event_rate, "stock_events": self.stock_forcing.events,
                               "passed": passed, "reasons": reasons, "outputs": str(outputs_file),
                               "stock_outputs": self.phase0["stock_outputs"],
-                              "allowance": mismatch_allowance(forcing, self.stock_forcing)},
+                              "allowance": mismatch_allowance(forcing, self.stock_forcing),
+                              "scorer_dtype": str(self.scorer.model.dtype).removeprefix("torch.")},
             "reproduction_check": {"entries": check.entries, "sealed": check.sealed, "ok": check.ok},
             "entries": [{"id": e.id, "title": e.title, "gain": e.evidence.gain, "lower_bound": e.evidence.lower_bound,
                          "requires": e.requires, "delta": e.delta, "reused_from": e.reused_from} for e in entries],
