@@ -366,7 +366,8 @@ def bench(
     res = run_bench(target, check_device(device), dtype, prefix, new_tokens, out, with_transformers=transformers_generate)
     print(json.dumps({k: res[k] for k in ("device", "ar_ms_per_step", "ar_tokens_per_s", "byte_floor_ms", "percent_of_floor")}
                      | {"c_33": res["c"].get(33), "c_64": res["c"].get(64)}
-                     | ({"step_over_kernels": res["ar_step_profile"]["wall_over_kernels"]} if "ar_step_profile" in res else {}),
+                     | ({"step_over_kernels": res["ar_step_profile"]["wall_over_kernels"]} if "ar_step_profile" in res else {})
+                     | ({"ar_equals_transformers": res["ar_equals_transformers"]} if "ar_equals_transformers" in res else {}),
                      indent=1))
 
 
@@ -385,6 +386,7 @@ def main() -> None:
         sys.exit(2)
     except typer.Abort:
         sys.exit(130)
+
     except Exception as e:  # usage errors of the parser (click's or typer's vendored click) in non-standalone mode
         if hasattr(e, "show") and isinstance(getattr(e, "exit_code", None), int):
             e.show()

@@ -57,3 +57,23 @@ def test_transformers_reference_runs_through_eos_like_our_engine():
     ours = Engine(model, SystemConfig.ar(), None, eos_ids=[]).generate(prompt, 12).tokens
     assert 0 in ours[:-1]  # an EOS with tokens after it: the case in question
     assert _hf(bundled_target_dir(), "float32", "cpu", prompt, 12)["ar"]["tokens"] == ours
+
+
+def test_bench_console_summary_says_whether_ar_equals_transformers(tmp_path, monkeypatch, capsys):
+    """The console summary carries the lossless check, not only the JSON file (fresh-user run 11)."""
+    import specpilot.benchmark as bm
+
+    from .conftest import run_cli
+
+    ckpt = write_random_checkpoint("qwen3-8b", tmp_path / "ckpt", device="cpu", overrides={**SMALL, "vocab_size": 512})
+    fake = {"device": "cpu", "ar_ms_per_step": 1.0, "ar_tokens_per_s": 1000.0, "byte_floor_ms": 0.5,
+            "percent_of_floor": 50.0, "c": {33: 1.1, 64: 1.2}}
+    for equal in (True, False):
+        monkeypatch.setattr(bm, "run_bench", lambda *a, **k: {**fake, "ar_equals_transformers": equal})
+        code, out, err = run_cli(monkeypatch, capsys, "bench", "--target", str(ckpt), "--device", "cpu",
+                                 "--dtype", "float32", "--prefix", "16", "--out", str(tmp_path / "o"))
+        assert code == 0 and json.loads(out)["ar_equals_transformers"] is equal, (out, err)
+    monkeypatch.setattr(bm, "run_bench", lambda *a, **k: fake)  # --no-transformers: no such key, none printed
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "--target", str(ckpt), "--device", "cpu",
+                             "--dtype", "float32", "--prefix", "16", "--out", str(tmp_path / "o"), "--no-transformers")
+    assert code == 0 and "ar_equals_transformers" not in json.loads(out)

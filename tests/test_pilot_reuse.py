@@ -91,3 +91,20 @@ def test_rerun_into_the_same_out_replaces_the_old_memory_and_refuses_it_as_sourc
     (stale / "entry.json").write_text("{}")
     with pytest.raises(SpecPilotError, match="own output"):
         pilot_run.Pilot(dataclasses.replace(opts, memory=out / "memory"))
+
+
+def test_memory_whose_every_entry_is_broken_is_refused_before_phase0(tmp_path, monkeypatch, capsys):
+    from specpilot.errors import SpecPilotError
+    from specpilot.pilot.reuse import open_source
+
+    mem = tmp_path / "mem"
+    for name in ("a", "b"):
+        (mem / name).mkdir(parents=True)
+        (mem / name / "entry.json").write_text("{ not json")
+    with pytest.raises(SpecPilotError, match=r"none of its 2 entries can be used \(e\.g\. a: .*corrupted"):
+        open_source(mem)
+    from .conftest import run_cli
+
+    code, out, err = run_cli(monkeypatch, capsys, "pilot", "--memory", str(mem), "--out", str(tmp_path / "r"))
+    assert code == 2 and "none of its 2 entries can be used" in err and "Traceback" not in err
+    assert not (tmp_path / "r" / "report.md").exists()

@@ -36,7 +36,8 @@ def open_source(directory: str | Path) -> Memory:
     """The memory directory given with ``--memory``.
 
     Raises:
-        SpecPilotError: ``directory`` does not exist or holds no entry.
+        SpecPilotError: ``directory`` does not exist, holds no entry, or none of its entries can be used
+            (all corrupted, missing requirements, or in a cycle): said before Phase 0, not after it.
     """
     d = Path(directory)
     if not d.is_dir():
@@ -44,6 +45,11 @@ def open_source(directory: str | Path) -> Memory:
     mem = Memory(d)
     if not mem.ids():
         raise SpecPilotError(f"--memory {d}: no memory entries (sub-directories with entry.json) in it")
+    usable, broken = ordered(mem)
+    if not usable:
+        first = next(iter(broken.items()))
+        raise SpecPilotError(f"--memory {d}: none of its {len(broken)} entries can be used (e.g. {first[0]}: {first[1]}); "
+                             "check them with `specpilot memory check`")
     return mem
 
 
