@@ -44,6 +44,9 @@ def test_writes_everything(tmp_path):
               "best_first N=16", "chain D=8", "rejected", "`best-first`", "`budget-16`", "![ceiling](ceiling.png)"):
         assert s in md, s
     assert "| 1.800 | 1.300 | 1.100 | 2.574 |" in md  # ceiling factors and their product
+    assert "< 1: the profiled run" not in md
+    write_report(tmp_path / "low", {**REPORT, "ceiling": {"tree": 1.0, "kernel": 1.3, "outside": 0.964}}, {})
+    assert "outside = measured step ms / profiled ms = 0.964 < 1: the profiled run" in (tmp_path / "low" / "report.md").read_text()
     assert "Commit: 0123abc; versions: torch 2.13.0" in md
     assert "| stock (`draft_model/chain N=6`) | 63.2 |" in md and "| sealed (`ngram/best_first N=6`) | 97.8 |" in md
 
