@@ -16,7 +16,7 @@ import pytest
 
 from specpilot.config import SystemConfig
 from specpilot.engine.deployment import Deployment
-from specpilot.pilot.adversarial import Lazy, Memo, Saboteur, SkipVerify, SuffixMemo, Twice, biased, fp8_logits
+from specpilot.pilot.adversarial import Lazy, Memo, Saboteur, SkipVerify, SuffixMemo, Twice, adversaries, biased, fp8_logits
 from specpilot.pilot.setup import build_requests
 from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
 
@@ -223,3 +223,40 @@ def test_pilot_adversarial_check_builds_in_process_when_candidates_run_in_worker
     pilot.dep, pilot.reqs, pilot.controller = dep, reqs, Judge()
     rows = pilot.check_adversaries()
     assert len(seen) == len(rows) == 7
+
+
+FLAT = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512}
+
+
+def test_skipped_verification_on_a_flat_logit_bf16_target_is_rejected_by_both_rules(tmp_path_factory):
+    """The regime where token forcing is weakest: random weights (flat logits) in bfloat16, where stock itself
+    mismatches the scorer on near-ties (a random-weight 8B on the H200: ~10%). Here (tiny random target,
+    bf16 on the CPU) stock mismatches 0.43%; the skipped-verification cheat 3.73% with one event of 0.81
+    nats (6.5δ). Both rules must fire. Session 7 loosened them on the H200 (an exact count test for events,
+    a cluster-robust allowance) and the cheat was approved there; under those rules this event alone (one
+    against stock's none, p = 0.5) would not have been an event failure."""
+    import random as _random
+
+    from specpilot.pilot import controller as ctl
+    from specpilot.pilot.forcing import Scorer
+    from specpilot.zoo.random_ckpt import write_random_checkpoint
+
+    ck = write_random_checkpoint("qwen3-8b", tmp_path_factory.mktemp("flat") / "ck", device="cpu", overrides=FLAT)
+    dep = Deployment(ck, None, dtype="bfloat16", device="cpu")
+    stock_cfg = SystemConfig.stock("ngram", dtype="bfloat16")
+    reqs = build_requests(dep, 3, 48)
+    p0 = ctl.phase0(lambda: dep.system(SystemConfig.ar(dtype="bfloat16")), lambda: dep.system(stock_cfg), reqs,
+                    Scorer(dep.target), dep.target.args.vocab_size, rng=_random.Random(0))
+    sf = p0.controller.stock_forcing
+    assert 0 < sf.mismatch_rate < 0.02 and sf.events == 0  # stock vs the scorer: near-ties only
+    stop = threading.Event()
+    try:
+        adv = next(a for a in adversaries(dep, stock_cfg, stop) if a.name == "skipped verification")
+        j = p0.controller.judge(adv.make_a, adv.make_b, reqs, rng=_random.Random(1))
+    finally:
+        stop.set()
+    assert not j.verdict.approved and "token forcing failed" in j.verdict.reason
+    assert j.forcing.mismatch_rate > 3 * sf.mismatch_rate and j.forcing.top_margins[0] > 4 * p0.controller.delta
+    assert any(r.startswith("mismatch rate") for r in j.forcing_reasons)
+    assert any(r.startswith("events") for r in j.forcing_reasons), j.forcing_reasons
