@@ -219,7 +219,8 @@ def pilot(
     if dtype not in DTYPES:
         raise SpecPilotError(f"unknown --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if scorer_dtype is not None and scorer_dtype not in ("float32", dtype):
-        raise SpecPilotError(f"--scorer-dtype {scorer_dtype!r}: use float32 (or leave it out: the deployment's {dtype})")
+        raise SpecPilotError(f"--scorer-dtype {scorer_dtype!r}: the scorer runs in float32 or in the deployment's "
+                             f"--dtype ({dtype}, the default: leave the flag out)")
     tdir, ddir = target, drafter_path
     if tdir is None:
         from .zoo import bundled_block_dir, bundled_block_markov_dir, bundled_drafter_dir, bundled_target_dir

@@ -89,6 +89,15 @@ def test_pilot_end_to_end_tiny_plan(tmp_path):
                           reference=out / tf["stock_outputs"])
     assert again["audited"]["tokens"] == tf["tokens"] and again["audited"]["mismatches"] == tf["mismatches"]
     assert again["baseline"]["mismatch_rate"] == tf["stock_mismatch_rate"] and again["passed"]
+    import shutil
+    import subprocess
+
+    if shutil.which("specpilot") and shutil.which("bash"):  # the report's own re-audit line runs as printed
+        assert f"- re-audit: `{tf['reaudit_command']}`" in (out / "report.md").read_text()
+        r = subprocess.run(["bash", "-c", tf["reaudit_command"] + " --json"], capture_output=True, text=True, timeout=300)
+        res = json.loads(r.stdout)
+        assert r.returncode == 0 and res["passed"], r.stderr
+        assert res["audited"]["mismatches"] == tf["mismatches"] and res["audited"]["tokens"] == tf["tokens"]
     from specpilot.pilot.memory import Memory
 
     mem = Memory(out / "memory")  # entries in the directory layout of §3.5, each reproducing on its own

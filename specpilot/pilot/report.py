@@ -251,8 +251,9 @@ def _markdown(r: dict, images: list[str]) -> str:
                       f"errors of stock's rate); events no more frequent than stock's")
         md += [f"- failed: {r}" for r in tf.get("reasons") or []]
         if tf.get("outputs"):
-            md.append(f"- audited outputs: `{tf['outputs']}`, stock's: `{tf.get('stock_outputs')}` "
-                      f"(re-audit with `specpilot audit --outputs`)")
+            md.append(f"- audited outputs: `{tf['outputs']}`, stock's: `{tf.get('stock_outputs')}`")
+        if tf.get("reaudit_command"):
+            md.append(f"- re-audit: `{tf['reaudit_command']}`")
         md.append("")
     cands = r.get("candidates") or []
     if cands:

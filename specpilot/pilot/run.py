@@ -94,10 +94,10 @@ class Pilot:
         dev = torch.device(opts.device)
         if dev.type == "cuda" and dev.index is not None and torch.cuda.is_available():
             torch.cuda.set_device(dev)  # Triton kernels launch on the current device
-        self.source = open_source(opts.memory) if opts.memory is not None else None  # bad --memory: fail first
-        if self.source is not None and Path(self.source.root).resolve() == (opts.out / "memory").resolve():
+        if opts.memory is not None and Path(opts.memory).resolve() == (opts.out / "memory").resolve():
             raise SpecPilotError(f"--memory {opts.memory} is this run's own output ({opts.out}/memory), which the run "
                                  "replaces: copy it elsewhere and pass the copy")
+        self.source = open_source(opts.memory) if opts.memory is not None else None  # bad --memory: fail first
         try:
             self.threads, self.threads_reason = choose_threads(opts.device, opts.threads, available_cores(),
                                                                torch.get_num_threads())
@@ -522,6 +522,19 @@ class Pilot:
         return {"target": str(self.o.target), "drafter": str(self.o.drafter) if self.o.drafter else "ngram",
                 "device": self.o.device, "dtype": self.o.dtype, "batch": 1}
 
+    def reaudit_command(self, outputs_file: Path) -> str:
+        """The ``specpilot audit`` command line that repeats the seal's audit (same target, scorer dtype and
+        device, δ, stock's Phase-0 outputs as the reference); paths as this run was given them."""
+        from ..zoo import bundled_target_dir
+
+        target = self.dep.target_dir
+        tgt = ("$(specpilot zoo path --json | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"target\"])')"
+               if target.resolve() == Path(bundled_target_dir()).resolve() else str(target))
+        dtype = str(self.scorer.model.dtype).removeprefix("torch.")
+        return (f"specpilot audit --target {tgt} --outputs {self.o.out / outputs_file} "
+                f"--reference {self.o.out / self.phase0['stock_outputs']} --delta {self.delta:g} --dtype {dtype} "
+                f"--device {self.o.device}")
+
     def scorer_model(self):
         """The scorer's target (§3.4): the deployment's own (the paper: stock's target, FP32 head) or, with
         ``scorer_dtype="float32"`` on a lower-precision deployment, a float32 copy loaded from the checkpoint, so
@@ -613,7 +626,8 @@ class Pilot:
                               "passed": passed, "reasons": reasons, "outputs": str(outputs_file),
                               "stock_outputs": self.phase0["stock_outputs"],
                               "allowance": mismatch_allowance(forcing, self.stock_forcing),
-                              "scorer_dtype": str(self.scorer.model.dtype).removeprefix("torch.")},
+                              "scorer_dtype": str(self.scorer.model.dtype).removeprefix("torch."),
+                              "reaudit_command": self.reaudit_command(outputs_file)},
             "reproduction_check": {"entries": check.entries, "sealed": check.sealed, "ok": check.ok},
             "entries": [{"id": e.id, "title": e.title, "gain": e.evidence.gain, "lower_bound": e.evidence.lower_bound,
                          "requires": e.requires, "delta": e.delta, "reused_from": e.reused_from} for e in entries],
