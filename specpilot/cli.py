@@ -387,7 +387,6 @@ def main() -> None:
         sys.exit(2)
     except typer.Abort:
         sys.exit(130)
-
     except Exception as e:  # usage errors of the parser (click's or typer's vendored click) in non-standalone mode
         if hasattr(e, "show") and isinstance(getattr(e, "exit_code", None), int):
             e.show()
