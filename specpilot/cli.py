@@ -173,8 +173,9 @@ def generate(
 
 
 def check_float16_device(dtype: str, device: str) -> None:
-    """Refuse float16 on the CPU: torch's CPU float16 kernels are slow and the pilot's timings and margins with
-    them mean nothing for a deployment.
+    """Refuse float16 on the CPU: torch's CPU float16 kernels are slow and the pilot's (and the bench's) timings,
+    margins and byte floor with them mean nothing for a deployment (a float16 CPU matmul peak of ~1 GFLOP/s put
+    a bench at 500% of its "floor").
 
     Raises:
         SpecPilotError: ``dtype == "float16"`` and ``device`` (a valid torch device string) is a CPU.
@@ -363,6 +364,7 @@ def bench(
     if prefix + max(new_tokens, 256) > context:  # c(N) is measured up to 256 rows after the prefix
         raise SpecPilotError(f"--prefix {prefix} + max(--new-tokens {new_tokens}, 256 rows) exceeds the target's "
                              f"context of {context} tokens")
+    check_float16_device(dtype, check_device(device))
     output_dir(out, "--out")
     res = run_bench(target, check_device(device), dtype, prefix, new_tokens, out, with_transformers=transformers_generate)
     print(json.dumps({k: res[k] for k in ("device", "ar_ms_per_step", "ar_tokens_per_s", "byte_floor_ms", "percent_of_floor")}
