@@ -114,6 +114,21 @@ def escape_check() -> dict:
     return res
 
 
+def projection_copies(prefix: str = "qwen3-8b"):
+    """Per projection of :data:`SHAPES` whose name starts with ``prefix``: a random N(0, 0.02) bf16 weight
+    ``w [N, K]``, its W12 encoding ``t`` and escape table ``esc``, and ≥ 512 MiB of copies of each (``ts`` W12
+    ``(t, esc)`` pairs, ``ws`` bf16 weights) for :func:`time_calls`. Yields ``(name, n, k, w, t, esc, ts, ws)``
+    (~1 GiB of device memory each; the caller's names keep one projection alive while the next is built)."""
+    for name in [s_ for s_ in SHAPES if s_.startswith(prefix)]:
+        n, k = SHAPES[name]
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        t = encode(w, device=dev)
+        esc = escape_table(t)
+        ts = copies_of(t, esc)
+        ws = [w] + [w.clone() for _ in range(max(1, math.ceil((512 << 20) / (n * k * 2))) - 1)]
+        yield name, n, k, w, t, esc, ts, ws
+
+
 def copies_of(t: W12Tensor, esc, nbytes_target=512 << 20) -> list:
     """Distinct copies of a W12 weight (and its escape table) totalling ≥ ``nbytes_target``."""
     n = max(1, math.ceil(nbytes_target / t.nbytes))

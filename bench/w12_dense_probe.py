@@ -16,7 +16,6 @@ prefill of a random Qwen3-8B.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 
@@ -31,7 +30,7 @@ from specpilot.w12.format import encode
 from specpilot.zoo.random_ckpt import random_transformer
 
 from timing import time_calls  # noqa: E402  (bench/timing.py)
-from w12_bench import SHAPES, bits_equal, copies_of  # noqa: E402
+from w12_bench import SHAPES, bits_equal, projection_copies  # noqa: E402
 
 dev = "cuda"
 T0 = time.time()
@@ -71,13 +70,7 @@ def correctness() -> dict:
 
 def timing() -> list[dict]:
     rows = []
-    for name in [s for s in SHAPES if s.startswith("qwen3-8b")]:
-        n, k = SHAPES[name]
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        t = encode(w, device=dev)
-        esc = wg.escape_table(t)
-        ts = copies_of(t, esc)
-        ws = [w] + [w.clone() for _ in range(max(1, math.ceil((512 << 20) / (n * k * 2))) - 1)]
+    for name, n, k, w, t, esc, ts, ws in projection_copies("qwen3-8b"):
         dec = time_calls(lambda a, te: wd.w12_decode_dense(te[0]), ts, None, reps=2)
         for m in ROWS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -90,8 +83,6 @@ def timing() -> list[dict]:
             row["best_w12"] = min(("tc_bytes_us", "tc_words_us", "dense_us"), key=row.get)
             print(json.dumps(row), flush=True)
             rows.append(row)
-        del ts, ws, t, w
-        torch.cuda.empty_cache()
     return rows
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import sys
 import time
 
@@ -27,10 +26,9 @@ import torch.nn.functional as F
 import specpilot.kernels.w12_dense as wd
 import specpilot.kernels.w12_gemm as wg
 from specpilot.provenance import git_commit, versions
-from specpilot.w12.format import encode
 
 from timing import time_calls  # noqa: E402  (bench/timing.py)
-from w12_bench import SHAPES, copies_of  # noqa: E402
+from w12_bench import projection_copies  # noqa: E402
 
 dev = "cuda"
 ROWS = (64, 128, 192, 256)
@@ -48,13 +46,7 @@ def main():
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(0), "versions": versions(), "commit": git_commit(),
            "method": __doc__.strip().splitlines()[0], "rows": []}
-    for name in [s for s in SHAPES if s.startswith("qwen3-8b")]:
-        n, k = SHAPES[name]
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        t = encode(w, device=dev)
-        esc = wg.escape_table(t)
-        ts = copies_of(t, esc)
-        ws = [w] + [w.clone() for _ in range(max(1, math.ceil((512 << 20) / (n * k * 2))) - 1)]
+    for name, n, k, w, t, esc, ts, ws in projection_copies("qwen3-8b"):
         for m in ROWS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = F.linear(x, w)
@@ -82,8 +74,6 @@ def main():
             row["best_vs_dense"] = row["dense_us"] / best["us"] if best else None
             print(json.dumps({k_: row[k_] for k_ in row if k_ != "variants"}), flush=True)
             res["rows"].append(row)
-        del ts, ws, t, w
-        torch.cuda.empty_cache()
     res["runtime_s"] = time.time() - t0
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
