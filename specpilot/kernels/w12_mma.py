@@ -29,7 +29,7 @@ if triton is not None:
     import triton.language as tl
 
     from .w12_gemm import _add_escapes
-    from .w12_tiles import _decode_words, _load_groups, _word_offsets
+    from .w12_tiles import _decode_words, _decode_words_bf16, _k_order, _load_groups, _word_offsets
 
 
 def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, cfg: dict) -> torch.Tensor:
@@ -88,11 +88,16 @@ if triton is not None:
                 a = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
                             mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
             vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
-            w = _decode_words(vw, qw, ASM)  # float32 w' [BLOCK_N, BLOCK_K]
+            if ASM and not FP32:
+                w = _decode_words_bf16(vw, qw)  # bf16 w' [BLOCK_N, BLOCK_K] straight from the words
+            else:
+                w = _decode_words(vw, qw, ASM)  # float32 w' (exact in bf16: zero low 16 bits)
+            w = _k_order(w, BLOCK_N, BLOCK_K)  # both operands: the same K permutation (see _k_order)
+            a = _k_order(a, BLOCK_M, BLOCK_K)
             if FP32:
                 acc += tl.dot(w, tl.trans(a), input_precision="ieee")
             else:
-                acc += tl.dot(w.to(tl.bfloat16), tl.trans(a))  # exact: w' has zero low 16 bits
+                acc += tl.dot(w.to(tl.bfloat16), tl.trans(a))
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
         acc = acc * ((base + 15) << 23).to(tl.float32, bitcast=True)[:, None]  # 2^(B_n − 112), exact
         dst = offs_m[None, :] * N + offs_n[:, None]

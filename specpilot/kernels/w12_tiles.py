@@ -25,6 +25,24 @@ WORD_KERNEL_SIGNATURE = {"X": "*bf16", "RecV": "*i64", "RecQ": "*i32", "Base": "
 if triton is not None:
     import triton.language as tl
 
+    #: PTX of :func:`_decode8` (``ASM``): per column a prmt, an arithmetic shift and a lop3 (tested instruction by
+    #: instruction on the CPU by ``tests/test_w12_ptx.py``)
+    DECODE8_F32_PTX = tl.constexpr("""{
+                .reg .b32 rlo, rhi, rq4, rt, rm, rc;
+                mov.b64 {rlo, rhi}, $8;
+                shl.b32 rq4, $9, 4;
+                mov.b32 rm, 0x87FF0000;
+                mov.b32 rc, 0x38000000;
+                prmt.b32 rt, rlo, rq4, 0x0400; shr.s32 rt, rt, 4; lop3.b32 $0, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rlo, $9, 0x1400; shr.s32 rt, rt, 4; lop3.b32 $1, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rlo, rq4, 0x2500; shr.s32 rt, rt, 4; lop3.b32 $2, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rlo, $9, 0x3500; shr.s32 rt, rt, 4; lop3.b32 $3, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rhi, rq4, 0x0600; shr.s32 rt, rt, 4; lop3.b32 $4, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rhi, $9, 0x1600; shr.s32 rt, rt, 4; lop3.b32 $5, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rhi, rq4, 0x2700; shr.s32 rt, rt, 4; lop3.b32 $6, rt, rm, rc, 0xEA;
+                prmt.b32 rt, rhi, $9, 0x3700; shr.s32 rt, rt, 4; lop3.b32 $7, rt, rm, rc, 0xEA;
+                }""")
+
     @triton.jit
     def _w1(t):
         """Plain-Triton tail of the decode (:func:`~specpilot.kernels.w12_gemv.w12_gemv`): ``t`` int32 with the view byte in bits 31–24 and
@@ -39,21 +57,7 @@ if triton is not None:
         :func:`~specpilot.kernels.w12_gemv.w12_gemv`)."""
         if ASM:
             w = tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 rlo, rhi, rq4, rt, rm, rc;
-                mov.b64 {rlo, rhi}, $8;
-                shl.b32 rq4, $9, 4;
-                mov.b32 rm, 0x87FF0000;
-                mov.b32 rc, 0x38000000;
-                prmt.b32 rt, rlo, rq4, 0x0400; shr.s32 rt, rt, 4; lop3.b32 $0, rt, rm, rc, 0xEA;
-                prmt.b32 rt, rlo, $9, 0x1400; shr.s32 rt, rt, 4; lop3.b32 $1, rt, rm, rc, 0xEA;
-                prmt.b32 rt, rlo, rq4, 0x2500; shr.s32 rt, rt, 4; lop3.b32 $2, rt, rm, rc, 0xEA;
-                prmt.b32 rt, rlo, $9, 0x3500; shr.s32 rt, rt, 4; lop3.b32 $3, rt, rm, rc, 0xEA;
-                prmt.b32 rt, rhi, rq4, 0x0600; shr.s32 rt, rt, 4; lop3.b32 $4, rt, rm, rc, 0xEA;
-                prmt.b32 rt, rhi, $9, 0x1600; shr.s32 rt, rt, 4; lop3.b32 $5, rt, rm, rc, 0xEA;
-                prmt.b32 rt, rhi, rq4, 0x2700; shr.s32 rt, rt, 4; lop3.b32 $6, rt, rm, rc, 0xEA;
-                prmt.b32 rt, rhi, $9, 0x3700; shr.s32 rt, rt, 4; lop3.b32 $7, rt, rm, rc, 0xEA;
-                }""",
+                asm=DECODE8_F32_PTX,
                 constraints="=r,=r,=r,=r,=r,=r,=r,=r,l,r", args=[vw, qw], dtype=(tl.int32,) * 8, is_pure=True,
                 pack=1)
             return (w[0].to(tl.float32, bitcast=True), w[1].to(tl.float32, bitcast=True),
@@ -71,6 +75,53 @@ if triton is not None:
                 _w1(((hi << 16) & top) | (qw & 0x00F00000)),
                 _w1(((hi << 8) & top) | ((qw >> 4) & 0x00F00000)),
                 _w1((hi & top) | ((qw >> 8) & 0x00F00000)))
+
+    #: PTX of :func:`_decode8_bf16` (tested instruction by instruction by ``tests/test_w12_ptx.py``)
+    DECODE8_BF16_PTX = tl.constexpr("""{
+                .reg .b32 rlo, rhi, rq4, na, nb, t, s;
+                mov.b64 {rlo, rhi}, $8;
+                shl.b32 rq4, $9, 4;
+                prmt.b32 na, rq4, $9, 0x5140;
+                prmt.b32 nb, rq4, $9, 0x7362;
+                prmt.b32 t, rlo, na, 0x1504; shr.u32 s, t, 4; lop3.b32 s, s, 0x07FF07FF, 0x38003800, 0xEA;
+                lop3.b32 t, t, 0x80008000, s, 0xEA; mov.b32 {$0, $1}, t;
+                prmt.b32 t, rlo, na, 0x3726; shr.u32 s, t, 4; lop3.b32 s, s, 0x07FF07FF, 0x38003800, 0xEA;
+                lop3.b32 t, t, 0x80008000, s, 0xEA; mov.b32 {$2, $3}, t;
+                prmt.b32 t, rhi, nb, 0x1504; shr.u32 s, t, 4; lop3.b32 s, s, 0x07FF07FF, 0x38003800, 0xEA;
+                lop3.b32 t, t, 0x80008000, s, 0xEA; mov.b32 {$4, $5}, t;
+                prmt.b32 t, rhi, nb, 0x3726; shr.u32 s, t, 4; lop3.b32 s, s, 0x07FF07FF, 0x38003800, 0xEA;
+                lop3.b32 t, t, 0x80008000, s, 0xEA; mov.b32 {$6, $7}, t;
+                }""")
+
+    @triton.jit
+    def _decode8_bf16(vw, qw):
+        """:func:`_decode8` straight to bfloat16 (CUDA only: inline PTX): the same 8 values ``w'`` (exact in
+        bf16), two columns a 32-bit register, about 2.4 instructions a weight instead of 3 + a conversion."""
+        w = tl.inline_asm_elementwise(asm=DECODE8_BF16_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,l,r",
+                                      args=[vw, qw], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        return w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]
+
+    @triton.jit
+    def _decode_words_bf16(vw, qw):
+        """:func:`_decode_words` from :func:`_decode8_bf16`: bfloat16 ``w' [BN, 8G]`` in column order."""
+        w0, w1, w2, w3, w4, w5, w6, w7 = _decode8_bf16(vw, qw)
+        return tl.interleave(tl.interleave(tl.interleave(w0, w4), tl.interleave(w2, w6)),
+                             tl.interleave(tl.interleave(w1, w5), tl.interleave(w3, w7)))
+
+    @triton.jit
+    def _k_order(t, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Permute the K positions of a ``[ROWS, BLOCK_K]`` tile in column order (``BLOCK_K`` a multiple of 32):
+        column ``32 g1 + 8 g0 + 4 q + 2 r + e`` goes to position ``32 g1 + 16 q + 8 r + 2 g0 + e``.
+
+        The tensor-core kernel applies it to both operands of ``tl.dot``, which leaves the product unchanged
+        (a sum over K in another order, as the rounding bound of :mod:`specpilot.kernels.w12_gemm` allows).
+        Why: Hopper's register operand of ``wgmma`` (m64nNk16) gives thread ``t`` the positions
+        ``2 (t mod 4) + {0, 1, 8, 9}`` of every 16; after this permutation those are exactly the 8 columns of
+        4 whole record words, which is what a thread decodes, so the decoded tile feeds the tensor cores
+        from registers without a round trip through shared memory (offline SASS of the 16-row config: 257
+        instructions a 128-column step instead of 376)."""
+        t = tl.reshape(t, [ROWS, BLOCK_K // 32, 4, 2, 2, 2])
+        return tl.reshape(tl.permute(t, (0, 1, 3, 4, 2, 5)), [ROWS, BLOCK_K])
 
     @triton.jit
     def _word_offsets(offs_n, K_PAD, BLOCK_K: tl.constexpr):
