@@ -14,7 +14,7 @@ import torch
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
 from specpilot.kernels import gemm
-from specpilot.kernels.w12_gemm import (W12GemmError, W12Linear, codes_at, default_config, escape_table, w12_gemm,
+from specpilot.kernels.w12_gemm import (PROGRAMS_PER_SM, W12GemmError, W12Linear, codes_at, default_config, escape_table, w12_gemm,
                                         w12_gemm_reference)
 from specpilot.w12.format import W12FormatError, W12Tensor, decode, encode
 
@@ -182,6 +182,9 @@ def test_escape_table_and_codes():
 
 
 def test_default_config_fills_the_device_and_divides_k():
+    # the splits the H200 sweep found best (bench/results/w12_mma_sweep_h200_2026-12-01_session8.json)
+    assert [default_config(8, n, k)["split_k"] for n, k in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]] \
+        == [4, 8, 1, 8]
     for m, n, k in [(1, 6144, 4096), (1, 4096, 4096), (8, 24576, 4096), (32, 4096, 12288), (256, 10240, 5120),
                     (1, 5120, 25600), (100, 200, 300)]:
         c = default_config(m, n, k)
@@ -190,7 +193,7 @@ def test_default_config_fills_the_device_and_divides_k():
         assert c["block_m"] >= min(m, 64) and 128 % c["block_n"] == 0 and c["block_k"] % 64 == 0
         progs = -(-n // c["block_n"]) * -(-m // c["block_m"])
         could_double = kb % (2 * c["split_k"]) == 0 and kb // (2 * c["split_k"]) >= 4
-        assert progs * c["split_k"] >= 132 or not could_double
+        assert progs * c["split_k"] >= PROGRAMS_PER_SM * 132 or not could_double
 
 
 def test_bad_input_raises():

@@ -136,21 +136,29 @@ def escape_table(w12: W12Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return row_ptr, torch.cat(((idx % k).to(torch.int32), row_ptr.new_zeros(1))), torch.cat((delta, delta.new_zeros(1)))
 
 
+#: programs a launch aims for, per SM (SPLIT_K grows until reached): on the H200 the best split in
+#: ``bench/results/w12_mma_sweep_h200_2026-12-01_session8.json`` gave 384–512 programs (qkv 96 x 4, o and down
+#: 64 x 8, gate_up 384 x 1) on 132 SMs
+PROGRAMS_PER_SM = 2.9
+
+
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     """Launch parameters for ``[m, k] @ W12[n, k]ᵀ`` from static shapes only (so graphs and eager calls agree).
 
     BLOCK_M: the rows rounded up to 16/32/64 (more rows: tiles of 64 on a third grid axis). BLOCK_N 64
-    (inside a 128-row band), BLOCK_K 128 (two records a step), 4 stages, weights as the left tl.dot
-    operand, the record-word kernel (``words``). SPLIT_K as :func:`specpilot.kernels.gemm.default_config`: the smallest power of two that puts
-    a program on every SM with at least 4 K-blocks per split, dividing the padded K into whole blocks.
-    Untuned starting point: ``bench/w12_bench.py`` sweeps the alternatives on the GPU.
+    (inside a 128-row band), BLOCK_K 64 (one record a step), 4 stages, weights as the left tl.dot operand, the
+    record-word kernel (``words``). SPLIT_K: the smallest power of two that gives at least
+    :data:`PROGRAMS_PER_SM` programs an SM while every split keeps at least 4 K-blocks and the splits divide
+    the padded K into whole blocks. Measured on the H200 (``bench/w12_mma_sweep.py``): BLOCK_K 64 and these
+    splits beat the previous default (BLOCK_K 128, one program an SM) by 1.1–1.3x at 8–32 rows.
     """
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n, block_k = 64, 128
+    block_n, block_k = 64, 64
     programs = -(-n // block_n) * -(-m // block_m)
     k_blocks = -(-(-(-k // RECORD_COLS) * RECORD_COLS) // block_k)
     split = 1
-    while programs * split < num_sms and k_blocks % (2 * split) == 0 and k_blocks // (2 * split) >= 4:
+    while (programs * split < PROGRAMS_PER_SM * num_sms and k_blocks % (2 * split) == 0
+           and k_blocks // (2 * split) >= 4):
         split *= 2
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4,
                 w_left=True, words=True)
