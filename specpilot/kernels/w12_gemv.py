@@ -50,7 +50,9 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     registers at 2 / 4 / 8 rows (so at most 16 / 10 / 8 warps an SM). BLOCK_N 16; BLOCK_K the smallest of
     256 .. 2048 whose grid reaches :data:`GEMV_WARPS_PER_SM` warps an SM, ``num_warps = 16 · BLOCK_K / (256 ·
     groups)``; if the grid is still short, split K in two or four (the partial sums are added by a second
-    kernel, in order). 3 stages."""
+    kernel, in order). BLOCK_K and the splits always divide the padded K: a ragged last block masks every
+    load of the kernel (Qwen3-32B's down projection, K = 25600, ran at 0.45x cuBLAS with BLOCK_K 2048,
+    ``bench/results/w12_bench_h200_2026-12-01_session8.json``). 3 stages."""
     rows = 1 << max(0, int(m) - 1).bit_length()
     if rows not in GEMV_WARPS_PER_SM:
         raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {m}")
@@ -59,10 +61,10 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     k_pad = -(-k // RECORD_COLS) * RECORD_COLS
     want = GEMV_WARPS_PER_SM[rows] * num_sms
     programs = -(-n // bn)
-    while bk < 2048 and bk < k_pad and warps(2 * bk) <= 16 and programs * warps(bk) < want:
+    while bk < 2048 and k_pad % (2 * bk) == 0 and warps(2 * bk) <= 16 and programs * warps(bk) < want:
         bk *= 2
     split = 1
-    while split < 4 and programs * split * warps(bk) < want and k_pad // (2 * split * bk) >= 2:
+    while split < 4 and programs * split * warps(bk) < want and k_pad % (2 * split * bk) == 0:
         split *= 2
     return dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps(bk), num_stages=3, asm=True)
 
