@@ -14,7 +14,7 @@ import torch
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
 from specpilot.kernels import gemm
-from specpilot.kernels.w12_gemm import (PROGRAMS_PER_SM, W12GemmError, W12Linear, codes_at, default_config, escape_table, w12_gemm,
+from specpilot.kernels.w12_gemm import (PROGRAMS_PER_SM, W12GemmError, W12Linear, codes_at, default_config, escape_table, one_row_gemv, w12_gemm,
                                         w12_gemm_reference)
 from specpilot.w12.format import W12FormatError, W12Tensor, decode, encode
 
@@ -112,6 +112,23 @@ def test_default_config_path_and_reference_order():
     for m in (1, 5, 17, 64):
         x = torch.randint(-4, 5, (m, k), generator=g).float().to(DEV)
         assert torch.equal(w12_gemm(x, t), w12_gemm_reference(x, t))
+
+
+def test_one_row_dispatch_follows_the_measured_rule_and_stays_exact():
+    # Qwen3-8B qkv / o / gate_up / down, Qwen3-32B qkv / o / gate_up / down (H200 winners, session 8)
+    shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (10240, 5120), (5120, 8192), (51200, 5120),
+              (5120, 25600)]
+    assert [one_row_gemv(n, k) for n, k in shapes] == [True, True, True, False, False, False, True, False]
+    # one row with K > 4096 takes the tensor-core kernel by default: exact on small integers like the GEMV
+    n, k = 64, 4160
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(-7, 8, (n, k), generator=g).float()
+    w[w == 0] = 1.0
+    t = encode(w.to(torch.bfloat16), device=DEV)
+    x = torch.randint(-4, 5, (1, k), generator=g).float().to(DEV)
+    assert not one_row_gemv(n, k)
+    assert torch.equal(w12_gemm(x, t), w12_gemm_reference(x, t))
+    assert torch.equal(w12_gemm(x, t), w12_gemm(x, t, gemv=True))
 
 
 @pytest.mark.parametrize("m", [1, 5])

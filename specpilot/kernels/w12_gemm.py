@@ -40,9 +40,9 @@ exactly where the reference's is and NaN where it is NaN, but may be NaN where t
 infinities of opposite signs). A finite ``y_ref`` that overflows float32 in one order and not the other
 is outside the guarantee, as for any two float32 GEMMs.
 
-One row goes to :func:`specpilot.kernels.w12_gemv.w12_gemv` instead (decode to float32 in three integer
-instructions a weight, FMAs, no tensor cores; faster than cuBLAS there on the H200), as do 2–8 rows with
-``gemv=True``.
+One row of a short-K or very wide weight (:func:`one_row_gemv`) goes to
+:func:`specpilot.kernels.w12_gemv.w12_gemv` instead (decode to float32 in three integer instructions a weight,
+FMAs, no tensor cores), as do 2–8 rows with ``gemv=True``.
 
 - :func:`w12_gemm_reference`: decode (:func:`specpilot.w12.format.decode`) then a float32 ``F.linear``,
   the oracle; in float32 it is exactly what ``nn.Linear`` computes with the decoded weight.
@@ -164,6 +164,16 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
                 w_left=True, words=True)
 
 
+def one_row_gemv(n: int, k: int) -> bool:
+    """Whether one activation row of ``[1, k] @ W12[n, k]ᵀ`` goes to the GEMV (FMAs) rather than the tensor-core
+    kernel: for ``k ≤ 4096`` or ``n > 4 k``. Empirical, H200: the GEMV won on Qwen3-8B qkv / o (14.7 / 11.9 µs vs
+    16.0 / 13.0) and Qwen3-32B gate_up (1.31x vs 1.23x cuBLAS), tied on 8B gate_up; the tensor cores won where
+    K is long and N moderate (32B qkv / o / down 1.06 / 1.11 / 1.28x cuBLAS vs the GEMV's 0.96 / 0.84 / 1.03;
+    8B down 25.8 vs 26.6 µs): ``bench/results/w12_mma_sweep_h200_2026-12-01_session8.json``,
+    ``w12_one_row_check_h200_2026-12-01_session8.json``."""
+    return k <= 4096 or n > 4 * k
+
+
 def _check(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None) -> None:
     n, k = w12.shape
     if x.dim() != 2 or x.shape[1] != k:
@@ -190,7 +200,7 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         overrides: block_m / block_n (16–128, dividing 128) / block_k (a multiple of 64) / split_k /
             num_warps / num_stages / w_left, and ``gemv``: True runs
             :func:`~specpilot.kernels.w12_gemv.w12_gemv` (FMAs; 1..8 rows), False the tensor-core kernel;
-            default: the GEMV for one row only (2–8 rows through it are not yet measured on a GPU).
+            default: the GEMV for one row when :func:`one_row_gemv` says so, else the tensor-core kernel.
             ``words`` (default True): the tensor-core kernel that reads record words
             (:func:`~specpilot.kernels.w12_mma.w12_mma`; on the H200 1.0–1.2x faster than ``words=False``, the
             byte-loading kernel below, at 16–256 rows: ``bench/results/w12_dense_probe_h200_2026-11-30.json``).
@@ -207,7 +217,7 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         raise W12GemmError(f"w12_gemm takes 1..{MAX_ROWS} rows, got {m}")
     x = x if x.stride(1) == 1 else x.contiguous()
     row_ptr, esc_k, esc_d = escape_table(w12) if escapes is None else escapes
-    if overrides.get("gemv", m == 1):
+    if overrides.get("gemv", m == 1 and one_row_gemv(n, k)):
         from .w12_gemv import w12_gemv  # here, not at the top: w12_gemv imports this module's kernels
 
         return w12_gemv(x, w12, bias, (row_ptr, esc_k, esc_d), overrides)
@@ -480,5 +490,5 @@ if triton is not None:
         tl.store(Out + offs_m[:, None] * N + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=ok)
 
 
-__all__ = ["w12_gemm", "w12_gemm_reference", "W12Linear", "W12GemmError", "default_config", "escape_table",
+__all__ = ["w12_gemm", "w12_gemm_reference", "W12Linear", "W12GemmError", "default_config", "escape_table", "one_row_gemv",
            "codes_at", "MAX_ROWS", "DENSE_ROWS"]
