@@ -84,3 +84,9 @@ def test_report_flags_a_seal_that_failed_token_forcing(tmp_path):
     assert "**Warning: the sealed system failed token forcing in the seal's audit** (events (margin >= 2δ" in head
     assert "- failed: events (margin >= 2δ = 0.25) at 0.087% of tokens" in md
     assert "scorer: target in float32, FP32 LM head" in md and "stock's + 1.31 pp" in md and "`outputs/sealed.jsonl`" in md and "`outputs/stock_phase0.jsonl`" in md
+    assert "against a float32 scorer" not in md  # the scorer was float32 already
+    cmd = "specpilot audit --target T --outputs O --reference R --delta 0.125 --dtype float32 --device cuda"
+    write_report(tmp_path / "bf16", {**REPORT, "token_forcing": {**tf, "scorer_dtype": "bfloat16",
+                                                                 "reaudit_float32_command": cmd}}, {})
+    head = (tmp_path / "bf16" / "report.md").read_text().split("## Ceiling")[0]
+    assert "The scorer ran in bfloat16" in head and f"against a float32 scorer: `{cmd}`" in head

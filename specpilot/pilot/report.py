@@ -112,6 +112,10 @@ def _headline_warnings(r: dict) -> list[str]:
         out.append("- **Warning: the sealed system failed token forcing in the seal's audit** ("
                    + "; ".join(tf.get("reasons") or ["see Token forcing"]) + "). Its outputs are not certified as "
                    "stock's: see Token forcing below (the audited outputs are kept for `specpilot audit`).")
+        if tf.get("reaudit_float32_command"):
+            out.append(f"  The scorer ran in {tf.get('scorer_dtype')}, which rounds like stock's own kernels: on flat "
+                       "logits a lossless kernel that accumulates in another order (W12) can fail on near-ties alone. "
+                       f"The same audit against a float32 scorer: `{tf['reaudit_float32_command']}`.")
     vs_ar, low, tc = r.get("speedup_vs_ar"), r.get("speedup_ci_low"), _ratio(r.get("tau"), r.get("c"))
     if isinstance(vs_ar, (int, float)) and vs_ar < 1:
         out.append(f"- **Warning: the sealed system is slower than AR in this run** ({_num(vs_ar)}x, 95% lower bound "

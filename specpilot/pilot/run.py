@@ -522,15 +522,16 @@ class Pilot:
         return {"target": str(self.o.target), "drafter": str(self.o.drafter) if self.o.drafter else "ngram",
                 "device": self.o.device, "dtype": self.o.dtype, "batch": 1}
 
-    def reaudit_command(self, outputs_file: Path) -> str:
+    def reaudit_command(self, outputs_file: Path, dtype: str | None = None) -> str:
         """The ``specpilot audit`` command line that repeats the seal's audit (same target, scorer dtype and
-        device, δ, stock's Phase-0 outputs as the reference); paths as this run was given them."""
+        device, δ, stock's Phase-0 outputs as the reference); paths as this run was given them. ``dtype``:
+        another scorer dtype (``float32``: the same audit against unrounded arithmetic)."""
         from ..zoo import bundled_target_dir
 
         target = self.dep.target_dir
         tgt = ("$(specpilot zoo path --json | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"target\"])')"
                if target.resolve() == Path(bundled_target_dir()).resolve() else str(target))
-        dtype = str(self.scorer.model.dtype).removeprefix("torch.")
+        dtype = dtype or str(self.scorer.model.dtype).removeprefix("torch.")
         return (f"specpilot audit --target {tgt} --outputs {self.o.out / outputs_file} "
                 f"--reference {self.o.out / self.phase0['stock_outputs']} --delta {self.delta:g} --dtype {dtype} "
                 f"--device {self.o.device}")
@@ -584,9 +585,14 @@ class Pilot:
         self.say("seal", f"{vs_ar[0]:.3f}x AR (lower bound {vs_ar[1]:.3f}), {vs_stock[0]:.3f}x stock "
                  f"(lower bound {vs_stock[1]:.3f}); τ {steps['sealed'].tau:.2f}, c {c_sealed:.3f}; token forcing "
                  f"{'passed' if passed else 'FAILED'}; reproduction check {'ok' if check.ok else 'FAILED'}")
+        scorer_dtype = str(self.scorer.model.dtype).removeprefix("torch.")
         if not passed:
             self.say("seal", f"[yellow bold]warning: the sealed system {sealed.label()} failed token forcing: "
                      f"{'; '.join(reasons)}[/]")
+            if scorer_dtype != "float32":
+                self.say("seal", f"[yellow]a {scorer_dtype} scorer rounds like stock's own kernels, so on flat logits a "
+                         "lossless kernel with another accumulation order can fail on near-ties alone; the same audit "
+                         f"against a float32 scorer: {self.reaudit_command(outputs_file, 'float32')}[/]")
         if vs_ar[0] < 1:
             self.say("seal", f"[yellow bold]warning: the sealed system {sealed.label()} is slower than AR in this run "
                      f"({vs_ar[0]:.3f}x, lower bound {vs_ar[1]:.3f}); see the report[/]")
@@ -626,7 +632,9 @@ class Pilot:
                               "passed": passed, "reasons": reasons, "outputs": str(outputs_file),
                               "stock_outputs": self.phase0["stock_outputs"],
                               "allowance": mismatch_allowance(forcing, self.stock_forcing),
-                              "scorer_dtype": str(self.scorer.model.dtype).removeprefix("torch."),
+                              "scorer_dtype": scorer_dtype,
+                              "reaudit_float32_command": (self.reaudit_command(outputs_file, "float32")
+                                                          if scorer_dtype != "float32" else None),
                               "reaudit_command": self.reaudit_command(outputs_file)},
             "reproduction_check": {"entries": check.entries, "sealed": check.sealed, "ok": check.ok},
             "entries": [{"id": e.id, "title": e.title, "gain": e.evidence.gain, "lower_bound": e.evidence.lower_bound,
