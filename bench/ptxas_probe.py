@@ -39,7 +39,7 @@ def tensor_core() -> list[dict]:
         for name, kern, sig, consts in (
                 ("bytes (w12_gemm)", w12_gemm._w12_gemm_kernel, BYTES_SIGNATURE, common | dict(W_LEFT=True)),
                 ("words (w12_mma)", w12_mma._w12_mma_kernel, WORD_KERNEL_SIGNATURE,
-                 common | dict(ASM=True, X_EVEN=True))):
+                 common | dict(ASM=True, X_EVEN=True, FUSED=False))):
             r = kernel_resources(kern, sig, consts, 4, 4)
             rows.append(dict(kernel=name, block_m=bm, registers=r.registers, spill_bytes=r.spill_bytes,
                              shared_bytes=r.shared_bytes, max_warps_per_sm=r.max_warps_per_sm, ptx=r.ptx))

@@ -1,6 +1,6 @@
 """W12 tensor-core kernel launch sweep at 1–128 rows on the Qwen3-8B projections (issue 5): BLOCK_K 64 / 128,
-2–6 pipeline stages, split K at half / once / twice the default, against cuBLAS bf16, the dense path and
-the current default dispatch (the GEMV at 1 row).
+2–6 pipeline stages, split K at half / once / twice the default, and the default launch with ``fused_split``
+(the split-K sum in the kernel), against cuBLAS bf16, the dense path and the current default dispatch.
 
     python bench/w12_mma_sweep.py OUT.json
 
@@ -25,7 +25,8 @@ def variants(m: int, n: int, k: int) -> list[dict]:
     """Launch overrides around :func:`~specpilot.kernels.w12_gemm.default_config` for ``[m, k] @ [n, k]ᵀ``."""
     d = wg.default_config(m, n, k)
     splits = sorted({max(1, d["split_k"] // 2), d["split_k"], d["split_k"] * 2})
-    return [dict(block_k=bk, num_stages=ns, split_k=sp) for bk, ns, sp in itertools.product((64, 128), (2, 3, 4, 6), splits)]
+    grid = [dict(block_k=bk, num_stages=ns, split_k=sp) for bk, ns, sp in itertools.product((64, 128), (2, 3, 4, 6), splits)]
+    return grid + [dict(fused_split=True)]  # the default launch with the split-K sum in the kernel (no second launch)
 
 
 if __name__ == "__main__":

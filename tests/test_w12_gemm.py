@@ -14,7 +14,7 @@ import torch
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
 from specpilot.kernels import gemm
-from specpilot.kernels.w12_gemm import (PROGRAMS_PER_SM, W12GemmError, W12Linear, codes_at, default_config, escape_table, one_row_gemv, w12_gemm,
+from specpilot.kernels.w12_gemm import (PROGRAMS_PER_SM, W12GemmError, W12Linear, codes_at, default_config, escape_table, one_row_gemv, split_locks, w12_gemm,
                                         w12_gemm_reference)
 from specpilot.w12.format import W12FormatError, W12Tensor, decode, encode
 
@@ -95,6 +95,26 @@ def test_w12_gemm_matches_reference_within_rounding(dtype, m, n, k, over):
     again = w12_gemm(x, t, bias, **over)
     assert torch.equal(again.view(torch.int16 if dtype != torch.float32 else torch.int32),
                        out.view(torch.int16 if dtype != torch.float32 else torch.int32)), "two runs must be bitwise identical"
+
+
+@pytest.mark.parametrize("m,over", [(5, dict(gemv=False, split_k=2, block_k=64)), (17, dict(gemv=False, split_k=4, block_k=64)),
+                                    (1, dict(gemv=True, split_k=2, block_k=64)), (3, dict(gemv=True, split_k=4, block_k=64))])
+def test_fused_split_k_equals_the_split_sum_kernel_bitwise(m, over):
+    """``fused_split``: the tile's last split adds the partials inside the kernel; the sum (split order, then the
+    escapes in list order, then the bias) is the second kernel's, bit for bit, and the tile counters are back
+    at zero afterwards (the next call, and a replayed CUDA graph, start from zero)."""
+    n, k = 192, 320
+    g = torch.Generator().manual_seed(m + 40)
+    t = encode(planted_weight(n, k, seed=m + 7), device=DEV)
+    esc = escape_table(t)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    for bias in (None, torch.randn(n, generator=g).to(DEV, dtype)):
+        x = torch.randn(m, k, generator=g).to(DEV, dtype)
+        want = w12_gemm(x, t, bias, escapes=esc, **over)
+        for _ in range(2):
+            got = w12_gemm(x, t, bias, escapes=esc, fused_split=True, **over)
+            assert torch.equal(got, want)
+        assert int(split_locks(x.device, 1).abs().sum()) == 0
 
 
 def _cpu(t: W12Tensor) -> W12Tensor:

@@ -201,6 +201,8 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
             num_warps / num_stages / w_left, and ``gemv``: True runs
             :func:`~specpilot.kernels.w12_gemv.w12_gemv` (FMAs; 1..8 rows), False the tensor-core kernel;
             default: the GEMV for one row when :func:`one_row_gemv` says so, else the tensor-core kernel.
+            ``fused_split`` (default False; not yet run on a GPU): with split K, the tile's last split adds the
+            partials in the kernel (:func:`_finish_splits`, bitwise the same sum) instead of a second launch.
             ``words`` (default True): the tensor-core kernel that reads record words
             (:func:`~specpilot.kernels.w12_mma.w12_mma`; on the H200 1.0–1.2x faster than ``words=False``, the
             byte-loading kernel below, at 16–256 rows: ``bench/results/w12_dense_probe_h200_2026-11-30.json``).
@@ -252,10 +254,35 @@ def _outputs(x: torch.Tensor, n: int, split: int, bias: torch.Tensor | None):
     return out, part, (bias if bias is not None else out)
 
 
-def _sum_splits(part, x, b, out, escapes, split: int, has_bias: bool) -> torch.Tensor:
+_LOCKS: dict = {}
+_RETIRED: list = []  # outgrown counter buffers: a captured CUDA graph may still point at one, so never freed
+
+
+def split_locks(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters ``[≥ tiles]`` for in-kernel split-K sums (``fused_split``), one buffer per device and
+    current CUDA stream (kernels on one stream run one after another; each tile's last split resets its counter
+    to 0, so the buffer stays zeroed between calls and inside replayed CUDA graphs). Grows by reallocation; an
+    outgrown buffer is kept alive for graphs that captured it.
+
+    Raises: RuntimeError when a new buffer would be allocated while the stream is capturing a CUDA graph (its
+        memory would belong to the graph's pool): make one eager call on that stream first (a warm-up)."""
+    dev = torch.device(device)
+    key = (dev, torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
+    buf = _LOCKS.get(key)
+    if buf is None or buf.numel() < tiles:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fused_split: no tile counters for this stream yet; run the call once on this stream "
+                               "before capturing it in a CUDA graph")
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = _LOCKS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=dev)
+    return buf
+
+
+def _sum_splits(part, x, b, out, escapes, split: int, has_bias: bool, fused: bool = False) -> torch.Tensor:
     """With split K: add the partial sums in split order, then the escapes and the bias, into ``out``
-    (:func:`_w12_split_sum_kernel`); returns ``out``."""
-    if split > 1:
+    (:func:`_w12_split_sum_kernel`; nothing to do when the kernel did it itself, ``fused``); returns ``out``."""
+    if split > 1 and not fused:
         m, n = out.shape
         row_ptr, esc_k, esc_d = escapes
         _w12_split_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16))](
@@ -472,6 +499,31 @@ if triton is not None:
             tl.store(Part + pid_k * M * N + dst, acc, mask=ok)
 
     @triton.jit
+    def _finish_splits(Part, Lock, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, dst,
+                       ok, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, TRANS: tl.constexpr):
+        """In-kernel split-K sum (``fused_split``), after this program stored its partial tile at ``Part + pid_k M N
+        + dst``: a barrier, then one ``acq_rel`` atomic increment of the tile's counter ``Lock``; the program that
+        sees ``SPLIT_K − 1`` (the last split of the tile to finish) adds the partials in split order (reading past
+        L1), the escapes in list order and the bias, exactly as :func:`_w12_split_sum_kernel` does, stores ``Out``
+        and resets the counter. The result does not depend on which split finishes last. ``dst`` / ``ok``: the
+        tile's element offsets in ``[M, N]`` and mask (``[BN, BM]`` when TRANS, else ``[BM, BN]``)."""
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        seen = tl.atomic_add(Lock, 1, sem="acq_rel", scope="gpu")
+        if seen == SPLIT_K - 1:
+            acc = tl.load(Part + dst, mask=ok, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                acc += tl.load(Part + s * M * N + dst, mask=ok, other=0.0, cache_modifier=".cg")
+            acc = _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, TRANS)
+            if HAS_BIAS:
+                bias = tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                if TRANS:
+                    acc += bias[:, None]
+                else:
+                    acc += bias[None, :]
+            tl.store(Out + dst, acc.to(Out.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(Lock, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
     def _w12_split_sum_kernel(Part, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, SPLIT_K: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
         """``Out = Σ_s Part[s]`` in split order, then the escapes in list order, then the bias."""
@@ -491,4 +543,5 @@ if triton is not None:
 
 
 __all__ = ["w12_gemm", "w12_gemm_reference", "W12Linear", "W12GemmError", "default_config", "escape_table", "one_row_gemv",
+           "split_locks",
            "codes_at", "MAX_ROWS", "DENSE_ROWS"]

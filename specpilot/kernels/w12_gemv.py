@@ -23,12 +23,12 @@ import torch
 
 from ..w12.format import RECORD_COLS, RECORD_ROWS, W12Tensor
 from .gemm import _num_sms
-from .w12_gemm import W12GemmError, _outputs, _sum_splits, triton
+from .w12_gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from .w12_gemm import _add_escapes
+    from .w12_gemm import _add_escapes, _finish_splits
     from .w12_tiles import _decode8, _load_groups, _word_offsets
 
 GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
@@ -113,12 +113,14 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     k_pad = rec.shape[1] * RECORD_COLS
     k_per_split = triton.cdiv(triton.cdiv(k_pad, split), bk) * bk
     out, part, b = _outputs(x, n, split, bias)
+    fused = split > 1 and bool(overrides.get("fused_split") or False)
+    lock = split_locks(x.device, triton.cdiv(n, bn)) if fused else row_ptr
     _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
-        x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, row_ptr, esc_k, esc_d,
-        m, n, k, k_pad, k_per_split, x.stride(0), BLOCK_N=bn, BLOCK_K=bk, ROWS=rows, SPLIT_K=split,
+        x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
+        m, n, k, k_pad, k_per_split, x.stride(0), BLOCK_N=bn, BLOCK_K=bk, ROWS=rows, SPLIT_K=split, FUSED=fused,
         EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
         ASM=bool(cfg["asm"]) and x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return _sum_splits(part, x, b, out, escapes, split, bias is not None)
+    return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused)
 
 
 
@@ -132,7 +134,7 @@ def gemv_resources(rows: int, block_n: int, block_k: int, num_warps: int, num_st
 
     if not 1 <= rows <= GEMV_MAX_ROWS:
         raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=triton.next_power_of_2(rows), SPLIT_K=split_k, EVEN=True,
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=triton.next_power_of_2(rows), SPLIT_K=split_k, FUSED=False, EVEN=True,
                   X_EVEN=True, HAS_BIAS=False, ASM=True)
     return kernel_resources(_w12_gemv_kernel, WORD_KERNEL_SIGNATURE, consts, num_warps, num_stages)
 
@@ -157,9 +159,9 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _w12_gemv_kernel(X, RecV, RecQ, Base, Bias, Out, Part, RowPtr, EscK, EscD, M, N, K, K_PAD, K_PER_SPLIT,
-                         stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                         SPLIT_K: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def _w12_gemv_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD,
+                         K_PER_SPLIT, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                         SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
                          ASM: tl.constexpr):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: ``Out[m, n] = Σ_k x_mk w_nk (+ escapes, bias)`` for the ``M ≤
         ROWS`` rows of ``X``, BLOCK_N rows of one record band and one K chunk (see :func:`w12_gemv`). ``RecV`` /
@@ -205,6 +207,9 @@ if triton is not None:
             tl.store(Out + dst, y.to(Out.dtype.element_ty), mask=ok)
         else:
             tl.store(Part + pid_k * M * N + dst, y, mask=ok)
+            if FUSED:  # the tile's last split sums the partials here (no second kernel)
+                _finish_splits(Part, Lock + tl.program_id(0), X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, offs_m,
+                               offs_n, m_ok, n_ok, dst, ok, SPLIT_K, HAS_BIAS, False)
 
 
 __all__ = ["w12_gemv", "gemv_config", "gemv_resources", "GEMV_MAX_ROWS"]

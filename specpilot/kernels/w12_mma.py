@@ -23,12 +23,12 @@ from __future__ import annotations
 import torch
 
 from ..w12.format import RECORD_COLS, RECORD_ROWS, W12Tensor
-from .w12_gemm import W12GemmError, _outputs, _sum_splits, triton
+from .w12_gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from .w12_gemm import _add_escapes
+    from .w12_gemm import _add_escapes, _finish_splits
     from .w12_tiles import _decode_words, _decode_words_bf16, _k_order, _load_groups, _word_offsets
 
 
@@ -48,22 +48,24 @@ def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes,
     k_pad = rec.shape[1] * RECORD_COLS
     k_per_split = triton.cdiv(triton.cdiv(k_pad, split), bk) * bk
     out, part, b = _outputs(x, n, split, bias)
+    fused = split > 1 and bool(cfg.get("fused_split", False))
+    lock = split_locks(x.device, triton.cdiv(n, bn) * triton.cdiv(m, bm)) if fused else row_ptr
     _w12_mma_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, bm))](
-        x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, row_ptr, esc_k, esc_d, m, n, k,
-        k_pad, k_per_split, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+        x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d, m, n,
+        k, k_pad, k_per_split, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FUSED=fused,
         EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
         FP32=x.dtype == torch.float32,
         ASM=bool(cfg.get("asm", True)) and x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return _sum_splits(part, x, b, out, escapes, split, bias is not None)
+    return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused)
 
 
 
 if triton is not None:
 
     @triton.jit
-    def _w12_mma_kernel(X, RecV, RecQ, Base, Bias, Out, Part, RowPtr, EscK, EscD, M, N, K, K_PAD, K_PER_SPLIT,
+    def _w12_mma_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD, K_PER_SPLIT,
                         stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
                         FP32: tl.constexpr, ASM: tl.constexpr):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: BLOCK_N rows of one record band, one K
         chunk, BLOCK_M activation rows; ``acc [BLOCK_N, BLOCK_M] = W' xᵀ`` in float32 (see :func:`w12_mma`).
@@ -109,6 +111,10 @@ if triton is not None:
             tl.store(Out + dst, acc.to(Out.dtype.element_ty), mask=ok)
         else:
             tl.store(Part + pid_k * M * N + dst, acc, mask=ok)
+            if FUSED:  # the tile's last split sums the partials here (no second kernel)
+                _finish_splits(Part, Lock + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), X, Bias, Out,
+                               RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, SPLIT_K,
+                               HAS_BIAS, True)
 
 
 __all__ = ["w12_mma"]

@@ -19,7 +19,7 @@ from .w12_gemm import triton
 #: runtime arguments of the word-reading kernels (``_w12_gemv_kernel``, ``_w12_mma_kernel``) and their Triton
 #: types with bf16 activations, for offline compiles (:mod:`specpilot.kernels.resources`)
 WORD_KERNEL_SIGNATURE = {"X": "*bf16", "RecV": "*i64", "RecQ": "*i32", "Base": "*u8", "Bias": "*bf16", "Out": "*bf16",
-                         "Part": "*fp32", "RowPtr": "*i32", "EscK": "*i32", "EscD": "*fp32", "M": "i32", "N": "i32",
+                         "Part": "*fp32", "Lock": "*i32", "RowPtr": "*i32", "EscK": "*i32", "EscD": "*fp32", "M": "i32", "N": "i32",
                          "K": "i32", "K_PAD": "i32", "K_PER_SPLIT": "i32", "stride_xm": "i32"}
 
 if triton is not None:
