@@ -100,7 +100,7 @@ def check_drafter_kind(drafter: str, path: Path) -> None:
         return
     if drafter == "draft_model" and kind in ("block", "block_markov"):
         raise SpecPilotError(f"--drafter-path {path} is a block drafter (kind {kind}, from its config.json), "
-                             "not a draft model: use --drafter block")
+                             "not a draft model: use --drafter block (pilot: --block)")
     if drafter == "block" and kind == "draft_model":
         mt = json.loads((Path(path) / "config.json").read_text()).get("model_type")
         raise SpecPilotError(f"--drafter-path {path} is a draft model (model_type {mt}, from its config.json), "
@@ -189,7 +189,7 @@ def check_float16_device(dtype: str, device: str) -> None:
 
 @app.command()
 def pilot(
-    quick: bool = typer.Option(False, help="Smoke run (about 3 minutes on 2 CPU cores)."),
+    quick: bool = typer.Option(False, help="Smoke run (1–3 minutes on 2 CPU cores)."),
     per_benchmark: Optional[int] = typer.Option(None, min=2, help="Requests per benchmark, at least 2 (the paired bootstrap needs two requests of a benchmark; default 4; --quick 2)."),
     max_new_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per request (default 64; --quick 32)."),
     rounds: Optional[int] = typer.Option(None, min=0, help="Planner rounds after round 0 (default 3; --quick 1)."),
@@ -223,6 +223,8 @@ def pilot(
         raise SpecPilotError(f"--scorer-dtype {scorer_dtype!r}: the scorer runs in float32 or in the deployment's "
                              f"--dtype ({dtype}, the default: leave the flag out)")
     tdir, ddir = target, drafter_path
+    if ddir is not None:  # stock's draft model: a block drafter goes to --block (planner candidates)
+        check_drafter_kind("draft_model", ddir)
     if tdir is None:
         from .zoo import bundled_block_dir, bundled_block_markov_dir, bundled_drafter_dir, bundled_target_dir
 

@@ -45,13 +45,27 @@ __all__ = ["current_umask", "normal_file_mode", "save_safetensors"]
 
 def output_dir(path: str | Path, flag: str = "output", empty: bool = False, error: type = None) -> Path:
     """``Path(path)`` after checking, before any work, that it can be an output directory: it must not be a
-    file, and with ``empty`` it must be new or empty (never mix new files into, or overwrite, an existing
-    checkpoint). ``flag`` names it in the message (``--out``). Raises ``error`` (default SpecPilotError)."""
+    file, nor lie under one, its nearest existing ancestor must be a directory this process may write to, and
+    with ``empty`` it must be new or empty (never mix new files into, or overwrite, an existing checkpoint).
+    ``flag`` names it in the message (``--out``). Raises ``error`` (default SpecPilotError)."""
+    import os
+    import tempfile
+
     from .errors import SpecPilotError
 
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise (error or SpecPilotError)(f"{flag} {p} exists and is not a directory")
+    parent = p.absolute()
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise (error or SpecPilotError)(f"{flag} {p}: {parent} is a file, so no directory can be made under it")
+    try:  # a real probe (permissions, read-only or pseudo file systems), leaving nothing behind
+        os.rmdir(tempfile.mkdtemp(prefix=".specpilot-probe-", dir=parent))
+    except OSError as e:
+        raise (error or SpecPilotError)(f"{flag} {p}: cannot create a directory in {parent} "
+                                        f"({e.strerror or type(e).__name__})") from None
     if empty and p.exists() and any(p.iterdir()):
         raise (error or SpecPilotError)(f"{flag} {p} is not empty: choose a new or empty directory")
     return p

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -202,3 +203,48 @@ def test_eighth_fresh_user_bad_input_is_one_line(monkeypatch, capsys, tmp_path, 
     code, out, err = run_cli(monkeypatch, capsys, *[subs.get(a, a) for a in args])
     _one_line_error(code, err, *needles)
     assert readme.read_text() == "a file\n"
+
+
+def test_out_under_a_file_or_unwritable_is_refused_before_any_work(monkeypatch, capsys, tmp_path):
+    """Fourteenth fresh-user run: ``--out FILE/sub`` passed the is-a-file check and crashed with a traceback
+    after the work (pilot after Phase 0, bench after timing); an unwritable --out likewise."""
+    from specpilot.zoo import bundled_target_dir
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    target = str(bundled_target_dir())
+    under = str(afile / "sub")
+    for args in [("pilot", "--quick", "--out", under), ("replay", "--out", under, "--per-benchmark", "1"),
+                 ("bench", "--device", "cpu", "--target", target, "--out", under, "--no-transformers"),
+                 ("zoo", "random", "--arch", "qwen3-8b", "--out", under), ("w12", "pack", target, under)]:
+        code, _, err = run_cli(monkeypatch, capsys, *args)
+        _one_line_error(code, err, "is a file, so no directory can be made under it")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        import os
+
+        if not os.access(ro, os.W_OK):  # root may write anyway: then only the under-a-file case applies
+            code, _, err = run_cli(monkeypatch, capsys, "pilot", "--quick", "--out", str(ro / "r"))
+            _one_line_error(code, err, "cannot create a directory in")
+    finally:
+        ro.chmod(0o700)
+    if __import__("pathlib").Path("/proc/self").is_dir():  # a pseudo file system nobody can mkdir in, root included
+        code, _, err = run_cli(monkeypatch, capsys, "pilot", "--quick", "--out", "/proc/specpilot-test-out")
+        _one_line_error(code, err, "cannot create a directory in /proc")
+    assert sorted(tmp_path.iterdir()) == sorted([afile, ro])
+    assert list(ro.iterdir()) == []  # the writability probe leaves nothing behind
+
+
+def test_pilot_drafter_path_of_a_block_drafter_is_refused(monkeypatch, capsys, tmp_path):
+    """Fourteenth fresh-user run: ``pilot --drafter-path <block drafter>`` ran an n-gram stock silently while
+    the report named the block drafter as the deployment's drafter."""
+    from specpilot.zoo import bundled_block_dir
+
+    code, _, err = run_cli(monkeypatch, capsys, "pilot", "--quick", "--drafter-path", str(bundled_block_dir()),
+                           "--out", str(tmp_path / "r"))
+    _one_line_error(code, err, "is a block drafter", "--block")
+    assert not (tmp_path / "r").exists()
+    code, _, err = run_cli(monkeypatch, capsys, "w12", "verify", str(Path(__file__)))
+    _one_line_error(code, err, "is a file, not a W12 directory")

@@ -201,6 +201,12 @@ class Pilot:
             raise SpecPilotError(f"no benchmark prompt fits this target (context {context} tokens, "
                                  f"{plan['max_new_tokens']} new tokens): nothing to measure")
         self.say("setup", f"{len(self.reqs)} requests from {sorted({r.benchmark for r in self.reqs})}")
+        per = {b: sum(r.benchmark == b for r in self.reqs) for b in sorted({r.benchmark for r in self.reqs})}
+        short = {b: n for b, n in per.items() if n < plan["per_benchmark"]}
+        if short:
+            self.say("setup", f"[yellow]fewer than --per-benchmark {plan['per_benchmark']} requests: "
+                     + ", ".join(f"{b} {n}" for b, n in short.items())
+                     + " (prompts available that fit the context)[/]")
 
         # Phase 0
         self.say("phase 0", "AR vs stock and stock A/A (paired A B B A on salted prompts)")

@@ -100,7 +100,7 @@ def pack_dir(src: str | Path, out: str | Path) -> dict:
     """
     src, out = Path(src), Path(out)
     if not src.is_dir():
-        raise W12FormatError(f"source directory not found: {src}")
+        raise W12FormatError(f"source {src} " + ("is a file, not a directory" if src.exists() else "not found"))
     if (src / MANIFEST).exists():
         raise W12FormatError(f"{src} is already a W12 directory ({MANIFEST} present)")
     output_dir(out, empty=True, error=W12FormatError)
@@ -202,7 +202,7 @@ def read_manifest(d: str | Path) -> dict:
     """Parsed ``w12.json`` manifest (§4.1) of W12 directory ``d``. Raises W12FormatError when missing or invalid."""
     p = Path(d) / MANIFEST
     if not Path(d).is_dir():
-        raise W12FormatError(f"directory not found: {d}")
+        raise W12FormatError(f"{d} " + ("is a file, not a W12 directory" if Path(d).exists() else "directory not found"))
     if not p.is_file():
         raise W12FormatError(f"no {MANIFEST} in {d}: not a W12 directory (make one with `specpilot w12 pack`)")
     try:
@@ -373,7 +373,8 @@ def verify_dir(d: str | Path, source: str | Path | None = None) -> dict:
     src_state: dict[str, torch.Tensor] | None = None
     if source is not None:
         if not Path(source).is_dir():
-            raise W12FormatError(f"source directory not found: {source}")
+            raise W12FormatError(f"source {source} " + ("is a file, not a directory" if Path(source).exists()
+                                                         else "not found"))
         src_state = {}
         for f in _files(Path(source)):
             src_state.update(_read_file(f)[0])
