@@ -5,12 +5,17 @@ import torch
 
 def time_graph(calls) -> float:
     """µs per call of the zero-argument callables ``calls``, replayed from one CUDA graph of all of them
-    (CUDA events, best of 5 replays). The first two are run once eagerly first (compiles, cuBLAS handles)."""
-    for c in calls[:2]:
-        c()
+    (CUDA events, best of 5 replays). The first two are run once eagerly first (compiles, cuBLAS handles), on
+    the stream the graph is then captured on (per-stream state such as W12's ``fused_split`` counters exists
+    before the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls[:2]:
+            c()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=side):
         for c in calls:
             c()
     best = float("inf")

@@ -45,27 +45,33 @@ __all__ = ["current_umask", "normal_file_mode", "save_safetensors"]
 
 def output_dir(path: str | Path, flag: str = "output", empty: bool = False, error: type = None) -> Path:
     """``Path(path)`` after checking, before any work, that it can be an output directory: it must not be a
-    file, nor lie under one, its nearest existing ancestor must be a directory this process may write to, and
-    with ``empty`` it must be new or empty (never mix new files into, or overwrite, an existing checkpoint).
-    ``flag`` names it in the message (``--out``). Raises ``error`` (default SpecPilotError)."""
+    file, nor a dangling symlink, nor lie under a file; its nearest existing ancestor must be a directory this
+    process may create a directory in (``os.access``, then a real probe: a temporary subdirectory made and
+    removed at once, which catches read-only and pseudo file systems; it touches that directory's mtime); with
+    ``empty`` it must be new or empty (never mix new files into, or overwrite, an existing checkpoint). ``flag``
+    names it in the message (``--out``). Raises ``error`` (default SpecPilotError)."""
     import os
     import tempfile
 
     from .errors import SpecPilotError
 
+    err = error or SpecPilotError
     p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise (error or SpecPilotError)(f"{flag} {p} exists and is not a directory")
-    parent = p.absolute()
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise (error or SpecPilotError)(f"{flag} {p}: {parent} is a file, so no directory can be made under it")
-    try:  # a real probe (permissions, read-only or pseudo file systems), leaving nothing behind
+    try:
+        if p.is_symlink() and not p.exists():
+            raise err(f"{flag} {p} is a dangling symbolic link")
+        if p.exists() and not p.is_dir():
+            raise err(f"{flag} {p} exists and is not a directory")
+        parent = p.absolute()
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise err(f"{flag} {p}: {parent} is a file, so no directory can be made under it")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise err(f"{flag} {p}: {parent} is not writable here")
         os.rmdir(tempfile.mkdtemp(prefix=".specpilot-probe-", dir=parent))
-    except OSError as e:
-        raise (error or SpecPilotError)(f"{flag} {p}: cannot create a directory in {parent} "
-                                        f"({e.strerror or type(e).__name__})") from None
-    if empty and p.exists() and any(p.iterdir()):
-        raise (error or SpecPilotError)(f"{flag} {p} is not empty: choose a new or empty directory")
+        if empty and p.exists() and any(p.iterdir()):
+            raise err(f"{flag} {p} is not empty: choose a new or empty directory")
+    except OSError as e:  # a parent we may not search, a read-only or pseudo file system
+        raise err(f"{flag} {p}: cannot create a directory there ({e.strerror or type(e).__name__})") from None
     return p

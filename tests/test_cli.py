@@ -227,13 +227,17 @@ def test_out_under_a_file_or_unwritable_is_refused_before_any_work(monkeypatch, 
 
         if not os.access(ro, os.W_OK):  # root may write anyway: then only the under-a-file case applies
             code, _, err = run_cli(monkeypatch, capsys, "pilot", "--quick", "--out", str(ro / "r"))
-            _one_line_error(code, err, "cannot create a directory in")
+            _one_line_error(code, err, "is not writable here")
     finally:
         ro.chmod(0o700)
     if __import__("pathlib").Path("/proc/self").is_dir():  # a pseudo file system nobody can mkdir in, root included
         code, _, err = run_cli(monkeypatch, capsys, "pilot", "--quick", "--out", "/proc/specpilot-test-out")
-        _one_line_error(code, err, "cannot create a directory in /proc")
-    assert sorted(tmp_path.iterdir()) == sorted([afile, ro])
+        _one_line_error(code, err, "cannot create a directory there")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere")
+    code, _, err = run_cli(monkeypatch, capsys, "pilot", "--quick", "--out", str(link))
+    _one_line_error(code, err, "dangling symbolic link")
+    assert sorted(tmp_path.iterdir()) == sorted([afile, ro, link])
     assert list(ro.iterdir()) == []  # the writability probe leaves nothing behind
 
 

@@ -42,6 +42,13 @@ def test_fused_split_matches_the_split_sum_kernel_under_races(m, gemv):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+    g2 = torch.cuda.CUDAGraph()  # captured on PyTorch's own capture stream, never warmed up: the two-kernel sum
+    with torch.cuda.graph(g2):
+        out2 = w12_gemm(x, t, bias, escapes=esc, fused_split=True, **over)
+    out2.zero_()
+    g2.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out2, want)
     assert int(split_locks(x.device, 1).abs().sum()) == 0  # this stream's counters
     with torch.cuda.stream(side):
         assert int(split_locks(x.device, 1).abs().sum()) == 0  # the graph's

@@ -91,7 +91,7 @@ def _words(rng):
     v, n = np.meshgrid(np.arange(256, dtype=np.uint64), np.arange(16, dtype=np.uint64), indexing="ij")
     v, n = np.tile(v.ravel(), 8), np.tile(n.ravel(), 8)
     col = np.repeat(np.arange(8, dtype=np.uint64), 4096)
-    vw = rng.integers(0, 2**63, size=v.size, dtype=np.uint64)
+    vw = rng.integers(0, 2**64, size=v.size, dtype=np.uint64)
     qw = rng.integers(0, 2**32, size=v.size, dtype=np.uint64)
     vw = (vw & ~(np.uint64(0xFF) << (8 * col))) | (v << (8 * col))
     qw = (qw & ~(np.uint64(0xF) << (4 * col))) | (n << (4 * col))

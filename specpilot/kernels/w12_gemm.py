@@ -202,7 +202,9 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
             :func:`~specpilot.kernels.w12_gemv.w12_gemv` (FMAs; 1..8 rows), False the tensor-core kernel;
             default: the GEMV for one row when :func:`one_row_gemv` says so, else the tensor-core kernel.
             ``fused_split`` (default False; not yet run on a GPU): with split K, the tile's last split adds the
-            partials in the kernel (:func:`_finish_splits`, bitwise the same sum) instead of a second launch.
+            partials in the kernel (:func:`_finish_splits`, bitwise the same sum) instead of a second launch
+            (record-word tensor-core kernel and GEMV; ignored by ``words=False``; see :func:`split_locks` for
+            CUDA graphs).
             ``words`` (default True): the tensor-core kernel that reads record words
             (:func:`~specpilot.kernels.w12_mma.w12_mma`; on the H200 1.0–1.2x faster than ``words=False``, the
             byte-loading kernel below, at 16–256 rows: ``bench/results/w12_dense_probe_h200_2026-11-30.json``).
@@ -258,21 +260,23 @@ _LOCKS: dict = {}
 _RETIRED: list = []  # outgrown counter buffers: a captured CUDA graph may still point at one, so never freed
 
 
-def split_locks(device: torch.device, tiles: int) -> torch.Tensor:
+def split_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
     """Zeroed int32 counters ``[≥ tiles]`` for in-kernel split-K sums (``fused_split``), one buffer per device and
     current CUDA stream (kernels on one stream run one after another; each tile's last split resets its counter
     to 0, so the buffer stays zeroed between calls and inside replayed CUDA graphs). Grows by reallocation; an
-    outgrown buffer is kept alive for graphs that captured it.
+    outgrown buffer is kept alive for graphs that captured it. Graphs captured on one stream share its buffer:
+    do not replay two of them at once on different streams.
 
-    Raises: RuntimeError when a new buffer would be allocated while the stream is capturing a CUDA graph (its
-        memory would belong to the graph's pool): make one eager call on that stream first (a warm-up)."""
+    Returns None while the current stream is capturing a CUDA graph and has no buffer yet (a new one would
+    belong to the graph's memory pool): the caller then uses the two-kernel sum, which gives the same bits.
+    Warm up on the capture stream (``torch.cuda.graph(g, stream=s)`` after an eager call on ``s``) to capture
+    the fused path."""
     dev = torch.device(device)
     key = (dev, torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
     buf = _LOCKS.get(key)
     if buf is None or buf.numel() < tiles:
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fused_split: no tile counters for this stream yet; run the call once on this stream "
-                               "before capturing it in a CUDA graph")
+            return None
         if buf is not None:
             _RETIRED.append(buf)
         buf = _LOCKS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=dev)

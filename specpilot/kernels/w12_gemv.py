@@ -50,9 +50,10 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     registers at 2 / 4 / 8 rows (so at most 16 / 10 / 8 warps an SM). BLOCK_N 16; BLOCK_K the smallest of
     256 .. 2048 whose grid reaches :data:`GEMV_WARPS_PER_SM` warps an SM, ``num_warps = 16 · BLOCK_K / (256 ·
     groups)``; if the grid is still short, split K in two or four (the partial sums are added by a second
-    kernel, in order). BLOCK_K and the splits always divide the padded K: a ragged last block masks every
-    load of the kernel (Qwen3-32B's down projection, K = 25600, ran at 0.45x cuBLAS with BLOCK_K 2048,
-    ``bench/results/w12_bench_h200_2026-12-01_session8.json``). 3 stages."""
+    kernel, in order). BLOCK_K grows only to sizes that divide the padded K, and the splits divide it too (the
+    starting 256 itself leaves a ragged last block when the padded K is not a multiple of 256): a ragged block
+    masks every load of the kernel (Qwen3-32B's down projection, K = 25600, ran at 0.46x cuBLAS with BLOCK_K
+    2048 and 1.03x with 1024, ``bench/results/w12_one_row_check_h200_2026-12-01_session8.json``). 3 stages."""
     rows = 1 << max(0, int(m) - 1).bit_length()
     if rows not in GEMV_WARPS_PER_SM:
         raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {m}")
@@ -75,7 +76,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     between the decode and the dot). Measured on the H200 at one row only; rows are padded to a power of
     two in registers (``ROWS``) and masked. Called by :func:`~specpilot.kernels.w12_gemm.w12_gemm` (which
     checks shapes, dtypes and devices) with ``escapes`` its :func:`~specpilot.kernels.w12_gemm.escape_table`
-    and ``overrides`` its launch overrides (block_n, block_k, split_k, num_warps, num_stages, asm).
+    and ``overrides`` its launch overrides (block_n, block_k, split_k, num_warps, num_stages, asm, fused_split).
 
     Decode in three integer instructions a weight. A program reads, per row and group of 8 columns, one
     64-bit word of views and one 32-bit word of nibbles (8 bytes and 4 bytes, contiguous in the record).
@@ -93,7 +94,9 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     ``asm`` (default on CUDA): the three instructions as inline PTX (``prmt.b32``, ``shr.s32``, ``lop3.b32``);
     otherwise the same bit operations in plain Triton (the interpreter, and a GPU comparison). Split K
     (``split_k`` > 1): partial sums, scaled, in ``[split, 1, N]`` float32, summed in split order by
-    ``_w12_split_sum_kernel``; then escapes in list order, then the bias. Fixed order, no atomics.
+    ``_w12_split_sum_kernel``; then escapes in list order, then the bias. Fixed order, no atomics. With the
+    ``fused_split`` override the tile's last split does that sum in this kernel (one atomic counter a tile,
+    :func:`~specpilot.kernels.w12_gemm.split_locks`; the same bits, no second launch; not yet run on a GPU).
 
     Returns: ``[M, N]`` in x's dtype, within the rounding bound of :mod:`specpilot.kernels.w12_gemm` (plus
     the subnormal caveat above). Raises: W12GemmError on bad launch overrides or M outside 1..8."""
@@ -113,8 +116,9 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     k_pad = rec.shape[1] * RECORD_COLS
     k_per_split = triton.cdiv(triton.cdiv(k_pad, split), bk) * bk
     out, part, b = _outputs(x, n, split, bias)
-    fused = split > 1 and bool(overrides.get("fused_split") or False)
-    lock = split_locks(x.device, triton.cdiv(n, bn)) if fused else row_ptr
+    lock = split_locks(x.device, triton.cdiv(n, bn)) if split > 1 and overrides.get("fused_split") else None
+    fused = lock is not None  # None: not asked, no split, or capturing without counters (the two-kernel sum)
+    lock = row_ptr if lock is None else lock
     _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
         x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
         m, n, k, k_pad, k_per_split, x.stride(0), BLOCK_N=bn, BLOCK_K=bk, ROWS=rows, SPLIT_K=split, FUSED=fused,

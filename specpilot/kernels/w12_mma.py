@@ -1,21 +1,24 @@
 """W12 GEMM on tensor cores from record *words*: ``x [M, K] @ W[N, K]ᵀ`` for 2–256 rows (§4.1, issue 5).
 
 The first tensor-core kernel (:func:`~specpilot.kernels.w12_gemm.w12_gemm`, ``words=False``) loads the
-records byte by byte: compiled for sm_90a it issues 128 one-byte global loads a thread per 128-column step
-(``ld.global.b8``; ``bench/results/ptxas_w12_mma_2026-11-30.json``), decodes each weight with an exponent
-add, and waits for every MMA. This one reads what the GEMV reads (:mod:`specpilot.kernels.w12_tiles`): per
-row and group of 8 columns a 64-bit word of views and a 32-bit word of nibbles, decodes them in three
-integer instructions a weight to ``w' = w · 2^(112 − B_n)`` (exactly representable in bf16), interleaves
-the 8 columns into a ``[BLOCK_N, BLOCK_K]`` tile, and feeds it to ``tl.dot`` as the left operand
-(``acc [BLOCK_N, BLOCK_M] = W' xᵀ``). The epilogue multiplies each output row by the exact power of two
-``2^(B_n − 112)``, then adds the escapes in list order and the bias, as the first kernel does; split K sums
-in fixed order (:func:`~specpilot.kernels.w12_gemm._w12_split_sum_kernel`).
+records byte by byte (128 one-byte global loads a thread per 128-column step compiled for sm_90a,
+``bench/ptxas_probe.py``), decodes each weight with an exponent add, and waits for every MMA. This one reads
+what the GEMV reads (:mod:`specpilot.kernels.w12_tiles`): per row and group of 8 columns a 64-bit word of
+views and a 32-bit word of nibbles through ``cp.async``. On the GPU it decodes two weights at once straight
+to a bf16 pair in inline PTX (``_decode8_bf16``: ``w' = w · 2^(112 − B_n)``, exact in bf16; without the PTX,
+e.g. in the interpreter, the float32 decode of ``_decode8``), lays the 8 columns of each word side by side,
+and permutes K on both operands (``_k_order``) so that the decoded words of a thread are exactly its
+``wgmma`` register fragment: the tile feeds ``tl.dot`` as the left operand (``acc [BLOCK_N, BLOCK_M] = W'
+xᵀ``) with no round trip through shared memory. The epilogue multiplies each output row by the exact power of
+two ``2^(B_n − 112)``, then adds the escapes in list order and the bias, as the first kernel does; split K
+sums in fixed order (:func:`~specpilot.kernels.w12_gemm._w12_split_sum_kernel`, or in the kernel with
+``fused_split``).
 
-Rounding: the bound of :mod:`specpilot.kernels.w12_gemm`, plus the GEMV's caveat (scaling by a power of two
-commutes with float32 rounding unless a partial sum or product is subnormal in one scaling and not the
-other: at most ``2^-149`` an operation). The default tensor-core W12 path (``words=True``): on the H200 up to
-1.2x faster than the byte kernel at 8–128 rows, still 0.6–0.93x cuBLAS bf16 there
-(``bench/results/w12_gemv_probe_h200_2026-11-30_session6.json``, ``w12_dense_probe_h200_2026-11-30.json``).
+Rounding: the bound of :mod:`specpilot.kernels.w12_gemm` (a sum over K in another order), plus the GEMV's
+caveat (scaling by a power of two commutes with float32 rounding unless a partial sum or product is
+subnormal in one scaling and not the other: at most ``2^-149`` an operation). On the H200 with the default
+launch: 0.89–1.33x cuBLAS bf16 at 8–32 rows over the Qwen3-8B and -32B projections
+(``bench/results/w12_bench_h200_2026-12-01_session8.json``).
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes,
     k_pad = rec.shape[1] * RECORD_COLS
     k_per_split = triton.cdiv(triton.cdiv(k_pad, split), bk) * bk
     out, part, b = _outputs(x, n, split, bias)
-    fused = split > 1 and bool(cfg.get("fused_split", False))
-    lock = split_locks(x.device, triton.cdiv(n, bn) * triton.cdiv(m, bm)) if fused else row_ptr
+    lock = split_locks(x.device, triton.cdiv(n, bn) * triton.cdiv(m, bm)) if split > 1 and cfg.get("fused_split") else None
+    fused = lock is not None  # None: not asked, no split, or capturing without counters (the two-kernel sum)
+    lock = row_ptr if lock is None else lock
     _w12_mma_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, bm))](
         x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d, m, n,
         k, k_pad, k_per_split, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FUSED=fused,

@@ -118,8 +118,9 @@ if triton is not None:
         Why: Hopper's register operand of ``wgmma`` (m64nNk16) gives thread ``t`` the positions
         ``2 (t mod 4) + {0, 1, 8, 9}`` of every 16; after this permutation those are exactly the 8 columns of
         4 whole record words, which is what a thread decodes, so the decoded tile feeds the tensor cores
-        from registers without a round trip through shared memory (offline SASS of the 16-row config: 257
-        instructions a 128-column step instead of 376)."""
+        from registers without a round trip through shared memory (offline SASS, 16 rows, BLOCK_K 128: 257
+        instructions a step, 434 before the bf16 decode and this permutation;
+        ``bench/results/sass_w12_mma_sm90a_2026-12-01_*.json``, ``bench/sass_w12_mma.py``)."""
         t = tl.reshape(t, [ROWS, BLOCK_K // 32, 4, 2, 2, 2])
         return tl.reshape(tl.permute(t, (0, 1, 3, 4, 2, 5)), [ROWS, BLOCK_K])
 
