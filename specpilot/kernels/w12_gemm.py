@@ -491,16 +491,24 @@ if triton is not None:
             dst = offs_m[:, None] * N + offs_n[None, :]
             ok = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K == 1:
-            acc = _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, W_LEFT)
-            if HAS_BIAS:
-                bias = tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-                if W_LEFT:
-                    acc += bias[:, None]
-                else:
-                    acc += bias[None, :]
-            tl.store(Out + dst, acc.to(Out.dtype.element_ty), mask=ok)
+            _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
+                       W_LEFT)
         else:
             tl.store(Part + pid_k * M * N + dst, acc, mask=ok)
+
+    @triton.jit
+    def _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok,
+                   HAS_BIAS: tl.constexpr, TRANS: tl.constexpr):
+        """The shared epilogue of the W12 kernels: ``acc`` (the K sum, float32, ``[BN, BM]`` when TRANS else
+        ``[BM, BN]``) plus the escapes in list order, then the bias, stored to ``Out + dst`` in Out's dtype."""
+        acc = _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, TRANS)
+        if HAS_BIAS:
+            bias = tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            if TRANS:
+                acc += bias[:, None]
+            else:
+                acc += bias[None, :]
+        tl.store(Out + dst, acc.to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _finish_splits(Part, Lock, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, dst,
@@ -517,14 +525,8 @@ if triton is not None:
             acc = tl.load(Part + dst, mask=ok, other=0.0, cache_modifier=".cg")
             for s in tl.static_range(1, SPLIT_K):
                 acc += tl.load(Part + s * M * N + dst, mask=ok, other=0.0, cache_modifier=".cg")
-            acc = _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, TRANS)
-            if HAS_BIAS:
-                bias = tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-                if TRANS:
-                    acc += bias[:, None]
-                else:
-                    acc += bias[None, :]
-            tl.store(Out + dst, acc.to(Out.dtype.element_ty), mask=ok)
+            _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
+                       TRANS)
             tl.atomic_xchg(Lock, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
@@ -536,14 +538,11 @@ if triton is not None:
         m_ok = offs_m < M
         n_ok = offs_n < N
         ok = m_ok[:, None] & n_ok[None, :]
-        ptr = Part + offs_m[:, None] * N + offs_n[None, :]
-        acc = tl.load(ptr, mask=ok, other=0.0)
+        dst = offs_m[:, None] * N + offs_n[None, :]
+        acc = tl.load(Part + dst, mask=ok, other=0.0)
         for s in range(1, SPLIT_K):
-            acc += tl.load(ptr + s * M * N, mask=ok, other=0.0)
-        acc = _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, False)
-        if HAS_BIAS:
-            acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(Out + offs_m[:, None] * N + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=ok)
+            acc += tl.load(Part + s * M * N + dst, mask=ok, other=0.0)
+        _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS, False)
 
 
 __all__ = ["w12_gemm", "w12_gemm_reference", "W12Linear", "W12GemmError", "default_config", "escape_table", "one_row_gemv",

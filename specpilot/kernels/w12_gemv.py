@@ -28,7 +28,7 @@ from .w12_gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 if triton is not None:
     import triton.language as tl
 
-    from .w12_gemm import _add_escapes, _finish_splits
+    from .w12_gemm import _finish_splits, _store_out
     from .w12_tiles import _decode8, _load_groups, _word_offsets
 
 GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
@@ -205,10 +205,8 @@ if triton is not None:
         dst = offs_m[:, None] * N + offs_n[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K == 1:
-            y = _add_escapes(y, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, False)
-            if HAS_BIAS:
-                y += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(Out + dst, y.to(Out.dtype.element_ty), mask=ok)
+            _store_out(y, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
+                       False)
         else:
             tl.store(Part + pid_k * M * N + dst, y, mask=ok)
             if FUSED:  # the tile's last split sums the partials here (no second kernel)

@@ -31,7 +31,7 @@ from .w12_gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 if triton is not None:
     import triton.language as tl
 
-    from .w12_gemm import _add_escapes, _finish_splits
+    from .w12_gemm import _finish_splits, _store_out
     from .w12_tiles import _decode_words, _decode_words_bf16, _k_order, _load_groups, _word_offsets
 
 
@@ -109,10 +109,8 @@ if triton is not None:
         dst = offs_m[None, :] * N + offs_n[:, None]
         ok = n_ok[:, None] & m_ok[None, :]
         if SPLIT_K == 1:
-            acc = _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, True)
-            if HAS_BIAS:
-                acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(Out + dst, acc.to(Out.dtype.element_ty), mask=ok)
+            _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
+                       True)
         else:
             tl.store(Part + pid_k * M * N + dst, acc, mask=ok)
             if FUSED:  # the tile's last split sums the partials here (no second kernel)
