@@ -12,7 +12,10 @@ session-7 pilot (outside factor 0.71–0.74). This says whether the gap is the d
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 
 import torch
@@ -124,6 +127,16 @@ def main() -> None:
         r["equals_ar"] = toks == ar_tokens
         res["systems"].append(r)
         print(json.dumps(r), flush=True)
+    # where the host time of a speculative step goes, by function (cProfile slows Python calls: relative only)
+    eng = dep.system(systems[2])
+    prof = cProfile.Profile()
+    prof.enable()
+    for p in prompts:
+        eng.generate(p, a.tokens)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    res["cprofile_" + systems[2].label()] = buf.getvalue()
     json.dump(res, open(a.out, "w"), indent=1)
 
 

@@ -12,7 +12,6 @@ Tree builders need nothing else.
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import torch
 
@@ -66,19 +65,17 @@ class TrieLattice(Lattice):
 
     def __init__(self, continuations: list[list[int]], depth: int):
         self.depth = depth
-        counts: dict[tuple[int, ...], Counter] = {}
-        first_seen: dict[tuple[tuple[int, ...], int], int] = {}
-        for rank, cont in enumerate(continuations):
-            cont = cont[:depth]
-            for i, tok in enumerate(cont):
-                key = tuple(cont[:i])
-                counts.setdefault(key, Counter())[tok] += 1
-                first_seen.setdefault((key, tok), rank)
+        counts: dict[tuple[int, ...], dict[int, int]] = {}  # path -> {token: count}, in first-seen order
+        for cont in continuations:
+            key: tuple[int, ...] = ()
+            for tok in cont[:depth]:
+                slot = counts.setdefault(key, {})
+                slot[tok] = slot.get(tok, 0) + 1
+                key += (tok,)
         self._kids: dict[tuple[int, ...], list[tuple[int, float]]] = {}
-        for key, cnt in counts.items():
-            total = sum(cnt.values())
-            order = sorted(cnt, key=lambda t: (-cnt[t], first_seen[(key, t)]))
-            self._kids[key] = [(t, math.log(cnt[t] / total)) for t in order]
+        for key, slot in counts.items():  # most continuations first, ties by first seen (a stable sort)
+            total = sum(slot.values())
+            self._kids[key] = [(t, math.log(c / total)) for t, c in sorted(slot.items(), key=lambda tc: -tc[1])]
 
     def children(self, path: tuple[int, ...]) -> list[tuple[int, float]]:
         return self._kids.get(tuple(path), [])

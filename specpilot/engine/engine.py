@@ -249,10 +249,10 @@ class Engine:
                 row = kids[row][argmax[row]]
                 path.append(row)
             new = [tree.tokens[i - 1] for i in path[1:]] + [argmax[row]]
-            rows_t = torch.tensor(path)
-            if len(path) > 1:
-                self.cache.keep_path(start, rows_t)
+            if path[-1] == len(path) - 1:  # rows 0..k-1 (a path's rows increase): their K/V are in place
+                self.cache.length = start + len(path)
             else:
-                self.cache.length = start + 1
-            self._observe(rows_t, start)
+                self.cache.keep_path(start, torch.tensor(path))
+            if self.feature_layers:
+                self._observe(torch.tensor(path), start)
         return new, r

@@ -142,6 +142,12 @@ def escape_table(w12: W12Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 PROGRAMS_PER_SM = 2.9
 
 
+#: rows up to which split K is summed in the kernel (``fused_split``): on the H200 it saved 5–8% on Qwen3-8B qkv / o /
+#: down at 1–16 rows and lost 20–60% from 32 rows on (the last split adds every partial tile alone), session 9's
+#: ``bench/results/w12_mma_sweep_h200_2026-12-01_session9.json``
+FUSED_SPLIT_MAX_ROWS = 16
+
+
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     """Launch parameters for ``[m, k] @ W12[n, k]ᵀ`` from static shapes only (so graphs and eager calls agree).
 
@@ -151,6 +157,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     :data:`PROGRAMS_PER_SM` programs an SM while every split keeps at least 4 K-blocks and the splits divide
     the padded K into whole blocks. Measured on the H200 (``bench/w12_mma_sweep.py``): BLOCK_K 64 and these
     splits beat the previous default (BLOCK_K 128, one program an SM) by 1.1–1.3x at 8–32 rows.
+    ``fused_split`` (the split-K sum inside the kernel) up to :data:`FUSED_SPLIT_MAX_ROWS` rows.
     """
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = 64, 64
@@ -161,7 +168,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
            and k_blocks // (2 * split) >= 4):
         split *= 2
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4,
-                w_left=True, words=True)
+                w_left=True, words=True, fused_split=m <= FUSED_SPLIT_MAX_ROWS)
 
 
 def one_row_gemv(n: int, k: int) -> bool:
@@ -201,10 +208,10 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
             num_warps / num_stages / w_left, and ``gemv``: True runs
             :func:`~specpilot.kernels.w12_gemv.w12_gemv` (FMAs; 1..8 rows), False the tensor-core kernel;
             default: the GEMV for one row when :func:`one_row_gemv` says so, else the tensor-core kernel.
-            ``fused_split`` (default False; not yet run on a GPU): with split K, the tile's last split adds the
-            partials in the kernel (:func:`_finish_splits`, bitwise the same sum) instead of a second launch
-            (record-word tensor-core kernel and GEMV; ignored by ``words=False``; see :func:`split_locks` for
-            CUDA graphs).
+            ``fused_split`` (default: up to :data:`FUSED_SPLIT_MAX_ROWS` rows): with split K, the tile's last split
+            adds the partials in the kernel (:func:`_finish_splits`, bitwise the same sum) instead of a second
+            launch (record-word tensor-core kernel and GEMV; ignored by ``words=False``; see :func:`split_locks`
+            for CUDA graphs).
             ``words`` (default True): the tensor-core kernel that reads record words
             (:func:`~specpilot.kernels.w12_mma.w12_mma`; on the H200 1.0–1.2x faster than ``words=False``, the
             byte-loading kernel below, at 16–256 rows: ``bench/results/w12_dense_probe_h200_2026-11-30.json``).

@@ -53,7 +53,8 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     kernel, in order). BLOCK_K grows only to sizes that divide the padded K, and the splits divide it too (the
     starting 256 itself leaves a ragged last block when the padded K is not a multiple of 256): a ragged block
     masks every load of the kernel (Qwen3-32B's down projection, K = 25600, ran at 0.46x cuBLAS with BLOCK_K
-    2048 and 1.03x with 1024, ``bench/results/w12_one_row_check_h200_2026-12-01_session8.json``). 3 stages."""
+    2048 and 1.03x with 1024, ``bench/results/w12_one_row_check_h200_2026-12-01_session8.json``). 3 stages;
+    split K summed in the kernel (``fused_split``, see :func:`~specpilot.kernels.w12_gemm.default_config`)."""
     rows = 1 << max(0, int(m) - 1).bit_length()
     if rows not in GEMV_WARPS_PER_SM:
         raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {m}")
@@ -67,7 +68,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     split = 1
     while split < 4 and programs * split * warps(bk) < want and k_pad % (2 * split * bk) == 0:
         split *= 2
-    return dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps(bk), num_stages=3, asm=True)
+    return dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps(bk), num_stages=3, asm=True, fused_split=True)
 
 
 def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict) -> torch.Tensor:
@@ -96,7 +97,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     (``split_k`` > 1): partial sums, scaled, in ``[split, 1, N]`` float32, summed in split order by
     ``_w12_split_sum_kernel``; then escapes in list order, then the bias. Fixed order, no atomics. With the
     ``fused_split`` override the tile's last split does that sum in this kernel (one atomic counter a tile,
-    :func:`~specpilot.kernels.w12_gemm.split_locks`; the same bits, no second launch; not yet run on a GPU).
+    :func:`~specpilot.kernels.w12_gemm.split_locks`; the same bits, no second launch; the default).
 
     Returns: ``[M, N]`` in x's dtype, within the rounding bound of :mod:`specpilot.kernels.w12_gemm` (plus
     the subnormal caveat above). Raises: W12GemmError on bad launch overrides or M outside 1..8."""
@@ -116,7 +117,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     k_pad = rec.shape[1] * RECORD_COLS
     k_per_split = triton.cdiv(triton.cdiv(k_pad, split), bk) * bk
     out, part, b = _outputs(x, n, split, bias)
-    lock = split_locks(x.device, triton.cdiv(n, bn)) if split > 1 and overrides.get("fused_split") else None
+    lock = split_locks(x.device, triton.cdiv(n, bn)) if split > 1 and cfg["fused_split"] else None
     fused = lock is not None  # None: not asked, no split, or capturing without counters (the two-kernel sum)
     lock = row_ptr if lock is None else lock
     _w12_gemv_kernel[(triton.cdiv(n, bn), split)](

