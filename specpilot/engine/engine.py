@@ -239,8 +239,7 @@ class Engine:
         r = len(tree) + 1
         tok_list = [committed[-1]] + tree.tokens
         pos_list = [start] + [start + d for d in tree.depths]
-        out = self._verify(tok_list, pos_list, start, tree, prof)
-        argmax = self.runner.to_host(out) if self.runner is not None else out.tolist()  # the one host read
+        argmax = self._verify(tok_list, pos_list, start, tree, prof).tolist()  # the one host read
         if self.runner is not None and self.runner.packed and max(argmax) >= self.target.args.vocab_size:
             argmax = self.runner.full_head(r)  # certified INT8 head: a flagged row (§4.1)
         with region(prof, "other"):

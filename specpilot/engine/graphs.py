@@ -56,7 +56,6 @@ class BucketRunner:
         self.packed = (self.graphs and output == "argmax" and logits_hook is None
                        and getattr(model, "int8_head", None) is not None)
         self._last_bucket: int | None = None
-        self._read = None  # pinned host buffer of :meth:`to_host`
 
     def _buffers(self, b: int) -> dict:
         """Static inputs of bucket ``b``: views of one device buffer ``io`` (tokens, positions, start, the
@@ -199,22 +198,6 @@ class BucketRunner:
         else:
             out = self._body(s)
         return out[:r]
-
-    def to_host(self, out: torch.Tensor) -> list[int]:
-        """``out`` (``[R] long`` on the device, e.g. :meth:`run`'s argmax) as host ints: the step's one host read,
-        through a pinned buffer and an event (on the H200 a pageable ``.tolist()`` read cost more per step); on
-        the CPU plainly ``out.tolist()``."""
-        if self.dev.type != "cuda":
-            return out.tolist()
-        n = out.numel()
-        if self._read is None or self._read[0].numel() < n:
-            buf = torch.empty(max(n, self.buckets[-1]), dtype=torch.long, pin_memory=True)
-            self._read = (buf, buf.numpy(), torch.cuda.Event())
-        buf, host, done = self._read
-        buf[:n].copy_(out, non_blocking=True)
-        done.record()
-        done.synchronize()
-        return host[:n].tolist()
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int]) -> int:
