@@ -127,7 +127,7 @@ class DraftModelDrafter:
                     self._loop_body(st, depth)
                 torch.cuda.current_stream().wait_stream(side)
                 st["graph"] = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(st["graph"], stream=side):  # captured on the warmed-up stream
+                with torch.cuda.graph(st["graph"]):
                     self._loop_body(st, depth)
             st["graph"].replay()
         return st["toks"].cpu(), st["lps"].float().cpu()

@@ -82,7 +82,9 @@ class BucketRunner:
         """The one host-to-device copy of a pass (asynchronous on CUDA; an event marks when it was read)."""
         s["io"].copy_(s["host"], non_blocking=True)
         if self.dev.type == "cuda":
-            s["copied"] = s.setdefault("event", torch.cuda.Event())  # one event a bucket, recorded again
+            if "event" not in s:
+                s["event"] = torch.cuda.Event()  # one event a bucket, recorded again every pass
+            s["copied"] = s["event"]
             s["copied"].record()
 
     def _body(self, s: dict) -> torch.Tensor:
@@ -114,7 +116,7 @@ class BucketRunner:
                 self._body(s)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool, stream=side):  # the warmed-up stream (W12 split-K counters)
+        with torch.cuda.graph(g, pool=self._pool):
             s["out"] = self._body(s)
         self._pool = g.pool()
         self._graphs[b] = g
