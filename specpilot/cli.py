@@ -231,6 +231,14 @@ def pilot(
         tdir, ddir = bundled_target_dir(), ddir or bundled_drafter_dir()
         if block is None:
             block = [bundled_block_dir(), bundled_block_markov_dir()]
+    if max_new_tokens is not None:  # hopeless before any measurement (the run itself drops single long prompts)
+        from .engine.checkpoint import read_args
+        from .pilot.controller import SALT_TOKENS
+
+        context = min(read_args(tdir).max_position_embeddings, 4096)  # the engine's max_len
+        if max_new_tokens + SALT_TOKENS + 1 > context:
+            raise SpecPilotError(f"--max-new-tokens {max_new_tokens}: no prompt fits the target's context of {context} "
+                                 f"tokens with that many new tokens (and the controller's {SALT_TOKENS}-token salt)")
     output_dir(out, "--out")
     devs = tuple(d.strip() for d in devices.split(",")) if devices is not None else ()
     if any(not d for d in devs):

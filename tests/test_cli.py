@@ -182,6 +182,7 @@ def test_pilot_size_flags_reach_the_plan(monkeypatch, capsys, tmp_path):
     (["replay", "--out", "README", "--per-benchmark", "1", "--max-new-tokens", "4"], ["--out", "not a directory"]),
     (["bench", "--target", "TARGET", "--device", "cpu", "--prefix", "100000"], ["--prefix 100000", "context of 2048"]),
     (["bench", "--target", "TARGET", "--device", "cpu", "--new-tokens", "0"], ["--new-tokens must be at least 1"]),
+    (["pilot", "--max-new-tokens", "100000", "--out", "NEW"], ["--max-new-tokens 100000", "context of 2048"]),
     (["bench", "--target", "TARGET", "--device", "cpu", "--dtype", "float16", "--out", "NEW"],
      ["--dtype float16 is not supported on the CPU"]),  # its byte floor read 500% (fresh-user run 10)
     (["generate", "--prompt", "x", "--drafter", "ngram", "--drafter-path", "/nope"], ["--drafter-path is for"]),
