@@ -6,16 +6,17 @@ at 1 / 8 / 16 / 32 rows, and the certified INT8 head (bounds, select, rescore) v
 
 Each case runs in its own process under ``ncu --clock-control none --nvtx --nvtx-include measure/`` (the device
 notes: ncu reads the counters on the Firecracker H200s, and the clocks are left alone), with the sections
-SpeedOfLight, MemoryWorkloadAnalysis, Occupancy, LaunchStats, WarpStateStats and SchedulerStats; only the
-kernels launched inside the ``measure`` NVTX range are profiled (the warm-up, compiles and weight set-up are
-not). ``--page details --csv`` is parsed into ``{case: [{kernel, grid, block, metrics: {section: {name:
-[unit, value]}}}]}`` plus, per case, the sum of ``Duration`` and ``DRAM Throughput``-weighted bytes read. ncu
+SpeedOfLight, ComputeWorkloadAnalysis, MemoryWorkloadAnalysis, Occupancy, LaunchStats, WarpStateStats and
+SchedulerStats; only the kernels launched inside the ``measure`` NVTX range are profiled (the warm-up, compiles
+and weight set-up are not). ``--page details --csv`` is parsed into ``{case: {kernels: [{kernel, grid, block,
+metrics: {section: {name: [unit, value]}}}], summary}}``, the summary holding the kernels' summed ``Duration``
+and each kernel's DRAM throughput, issue slots busy, eligible-warp share and achieved occupancy. ncu
 replays every kernel several times and serialises them, so its durations are of an isolated kernel, not of a
 CUDA-graph replay: read the percentages (DRAM throughput of peak, issue slots busy, achieved occupancy, warp
 stall reasons), and take the speed from ``bench/w12_bench.py`` / ``bench/lm_head_bench.py``.
 
-Without ``nvidia-smi`` / ``ncu`` (the CPU machines) the script says so and exits 2; ``--parse FILE.csv``
-parses a saved ncu CSV (tests).
+Without ``ncu`` (the CPU machines) the script says so and exits 2; ``--parse FILE.csv`` parses a saved ncu
+CSV (tests).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats")
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats",
+            "WarpStateStats", "SchedulerStats")
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096)}  # Qwen3-8B, (N, K)
 CASES = [f"{impl}-{proj}-{rows}" for proj in SHAPES for rows in (1, 8, 16, 32) for impl in ("w12", "cublas")]
 CASES += ["head-int8-1", "head-bf16-1"]
@@ -63,7 +65,9 @@ def parse_details(text: str) -> list[dict]:
 
 def summary(kernels: list[dict]) -> dict:
     """Per case: kernels, total duration (µs, from SpeedOfLight's Duration in any unit ncu chose), and each
-    kernel's DRAM throughput % of peak, issue slots busy % and achieved occupancy %, where ncu reported them."""
+    kernel's DRAM throughput % of peak, issue slots busy % (Compute Workload Analysis), cycles with an eligible
+    warp % (Scheduler Statistics: "One or More Eligible") and achieved occupancy %, where ncu reported them
+    (None otherwise)."""
     scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
     total, rows = 0.0, []
     for k in kernels:
@@ -73,7 +77,8 @@ def summary(kernels: list[dict]) -> dict:
         total += us or 0.0
         pick = lambda sec, name: (k["metrics"].get(sec, {}).get(name) or [None, None])[1]  # noqa: E731
         rows.append({"kernel": k["kernel"][:80], "us": us, "dram_pct": pick("GPU Speed Of Light Throughput", "DRAM Throughput"),
-                     "issue_busy_pct": pick("Scheduler Statistics", "Issue Slots Busy") or pick("Compute Workload Analysis", "Issue Slots Busy"),
+                     "issue_busy_pct": pick("Compute Workload Analysis", "Issue Slots Busy"),
+                     "eligible_pct": pick("Scheduler Statistics", "One or More Eligible"),
                      "achieved_occupancy_pct": pick("Occupancy", "Achieved Occupancy"),
                      "registers": pick("Launch Statistics", "Registers Per Thread"), "grid": k["grid"]})
     return {"kernels": len(kernels), "total_us": total, "per_kernel": rows}
@@ -155,11 +160,13 @@ def main() -> int:
         for s in SECTIONS:
             cmd += ["--section", s]
         cmd += [sys.executable, os.path.abspath(__file__), "--run-case", case]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        entry: dict = {"returncode": p.returncode}
         try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            entry: dict = {"returncode": p.returncode}
             ks = parse_details(p.stdout)
             entry.update(summary=summary(ks), kernels=ks)
+        except subprocess.TimeoutExpired as e:  # record it and go on with the other cases
+            entry = {"error": f"ncu ran past {e.timeout} s"}
         except ValueError as e:
             entry.update(error=str(e), stdout_tail=p.stdout[-2000:], stderr_tail=p.stderr[-2000:])
         res["cases"][case] = entry

@@ -1,6 +1,7 @@
 """W12 tensor-core kernel launch sweep at 1–128 rows on the Qwen3-8B projections (issue 5): BLOCK_K 64 / 128,
-2–6 pipeline stages, split K at half / once / twice the default, and the default launch with ``fused_split``
-(the split-K sum in the kernel), against cuBLAS bf16, the dense path and the current default dispatch.
+2–6 pipeline stages, split K at half / once / twice the default (each with the default ``fused_split``), and the
+default launch with ``fused_split`` on and off (split-K sum in the kernel or in a second one), against cuBLAS
+bf16, the dense path and the current default dispatch.
 
     python bench/w12_mma_sweep.py OUT.json
 
@@ -26,7 +27,9 @@ def variants(m: int, n: int, k: int) -> list[dict]:
     d = wg.default_config(m, n, k)
     splits = sorted({max(1, d["split_k"] // 2), d["split_k"], d["split_k"] * 2})
     grid = [dict(block_k=bk, num_stages=ns, split_k=sp) for bk, ns, sp in itertools.product((64, 128), (2, 3, 4, 6), splits)]
-    return grid + [dict(fused_split=True)]  # the default launch with the split-K sum in the kernel (no second launch)
+    # the default launch with the split-K sum in the kernel and with the second kernel (the default is fused up to
+    # FUSED_SPLIT_MAX_ROWS rows, so one of the two is the default itself)
+    return grid + [dict(fused_split=True), dict(fused_split=False)]
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@
 Bytes are the weights read: 2 a weight for bf16, 1.5 for W12 (12 bits; escapes and record padding ignored,
 < 0.1%). Least squares per row count and kernel; ``needed_fixed_us`` is the fixed cost W12 would need, at its
 fitted bandwidth, to reach 1.25x cuBLAS's measured time on each Qwen3-8B shape (negative or below cuBLAS's own
-fixed cost: out of reach for a kernel launched on its own); ``ratio_at_cublas_fixed_cost`` is the model's W12 /
-cuBLAS ratio if W12 had cuBLAS's fixed cost and its own fitted bandwidth. No GPU needed: it reads measured
-figures only.
+fixed cost: out of reach for a kernel launched on its own); ``ratio_at_cublas_fixed_cost`` is the model's W12
+speedup over cuBLAS (cuBLAS time / W12 time) if W12 had cuBLAS's fixed cost and its own fitted bandwidth. At one
+row the W12 fit blends two kernels (the GEMV on short-K / very wide shapes, the tensor-core kernel elsewhere; see
+``one_row_gemv``). No GPU needed: it reads measured figures only.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ def test_parse_details_groups_metrics_by_kernel_and_section():
         row(0, "_w12_mma_kernel", "GPU Speed Of Light Throughput", "Duration", "us", "12.48"),
         row(0, "_w12_mma_kernel", "GPU Speed Of Light Throughput", "DRAM Throughput", "%", "71.3"),
         row(0, "_w12_mma_kernel", "Occupancy", "Achieved Occupancy", "%", "22.9"),
-        row(0, "_w12_mma_kernel", "Scheduler Statistics", "Issue Slots Busy", "%", "38.5"),
+        row(0, "_w12_mma_kernel", "Compute Workload Analysis", "Issue Slots Busy", "%", "38.5"),
+        row(0, "_w12_mma_kernel", "Scheduler Statistics", "One or More Eligible", "%", "41.2"),
         row(1, "_w12_split_sum_kernel", "GPU Speed Of Light Throughput", "Duration", "ns", "2,304"),
         row(1, "_w12_split_sum_kernel", "Launch Statistics", "Registers Per Thread", "register/thread", "40",
             grid="(96, 1, 1)"),
@@ -45,7 +46,8 @@ def test_parse_details_groups_metrics_by_kernel_and_section():
     s = ncu_profile.summary(ks)
     assert s["kernels"] == 2 and s["total_us"] == pytest.approx(12.48 + 2.304)
     first = s["per_kernel"][0]
-    assert (first["dram_pct"], first["issue_busy_pct"], first["achieved_occupancy_pct"]) == (71.3, 38.5, 22.9)
+    assert (first["dram_pct"], first["issue_busy_pct"], first["eligible_pct"], first["achieved_occupancy_pct"]) == (
+        71.3, 38.5, 41.2, 22.9)
     assert s["per_kernel"][1]["registers"] == 40.0 and s["per_kernel"][1]["dram_pct"] is None
 
 

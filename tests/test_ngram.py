@@ -38,3 +38,9 @@ def test_a_new_sequence_without_reset_rebuilds_the_index():
     assert d.continuations(c, 4) == ngram_continuations_reference(c, 4, 3, 1, 4)
     d.reset()
     assert d.continuations([4], 4) == [] and d.continuations([4, 4], 0) == []
+
+
+@pytest.mark.parametrize("lo,hi,matches", [(0, 4, 4), (3, 2, 4), (1, 4, 0)])
+def test_bad_parameters_are_refused(lo, hi, matches):
+    with pytest.raises(ValueError, match="ngram_min"):
+        NgramDrafter(hi, lo, max_matches=matches)

@@ -142,8 +142,9 @@ def escape_table(w12: W12Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 PROGRAMS_PER_SM = 2.9
 
 
-#: rows up to which split K is summed in the kernel (``fused_split``): on the H200 it saved 5–8% on Qwen3-8B qkv / o /
-#: down at 1–16 rows and lost 20–60% from 32 rows on (the last split adds every partial tile alone), session 9's
+#: rows up to which split K is summed in the kernel (``fused_split``): on the H200 the tensor-core kernel's fused sum
+#: saved 6.5–7.7% on Qwen3-8B qkv / o and 3.9–5.2% on down at 1–16 rows; from 32 rows it lost 20–60% on o and
+#: down (the last split adds every partial tile alone) and was mixed on qkv: session 9's
 #: ``bench/results/w12_mma_sweep_h200_2026-12-01_session9.json``
 FUSED_SPLIT_MAX_ROWS = 16
 

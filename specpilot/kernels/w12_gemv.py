@@ -94,10 +94,12 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
 
     ``asm`` (default on CUDA): the three instructions as inline PTX (``prmt.b32``, ``shr.s32``, ``lop3.b32``);
     otherwise the same bit operations in plain Triton (the interpreter, and a GPU comparison). Split K
-    (``split_k`` > 1): partial sums, scaled, in ``[split, 1, N]`` float32, summed in split order by
-    ``_w12_split_sum_kernel``; then escapes in list order, then the bias. Fixed order, no atomics. With the
-    ``fused_split`` override the tile's last split does that sum in this kernel (one atomic counter a tile,
-    :func:`~specpilot.kernels.w12_gemm.split_locks`; the same bits, no second launch; the default).
+    (``split_k`` > 1): partial sums, scaled, in ``[split, 1, N]`` float32, summed in split order, then escapes in
+    list order, then the bias; by default (``fused_split``) the tile's last split does that sum in this kernel
+    (one atomic counter a tile only decides which program finishes, :func:`~specpilot.kernels.w12_gemm.split_locks`;
+    no second launch), with ``fused_split=False`` the second kernel ``_w12_split_sum_kernel`` does: the same
+    fixed order and the same bits either way. The GEMV's fused default has no A/B timing of its own yet (the
+    session 9 sweep forced the tensor-core kernel).
 
     Returns: ``[M, N]`` in x's dtype, within the rounding bound of :mod:`specpilot.kernels.w12_gemm` (plus
     the subnormal caveat above). Raises: W12GemmError on bad launch overrides or M outside 1..8."""
