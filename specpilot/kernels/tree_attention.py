@@ -24,9 +24,13 @@ import math
 
 import torch
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_start
 except ImportError:  # CPU installs without triton: the reference still works
     triton = None
 
@@ -192,12 +196,12 @@ def tree_attention(q, k_cache, v_cache, prefix_len, tree_mask, scale, *, block_m
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), tm.stride(0),
         G=g, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_SPLITS=splits, FP32=q.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kw(q.device),
     )
     if splits > 1:
         _combine[(triton.cdiv(m, bm), kvh)](
             part_acc, part_ml, out, r, kvh, out.stride(0), out.stride(1),
-            G=g, HEAD_DIM=d, BLOCK_M=bm, NUM_SPLITS=splits, num_warps=cfg["num_warps"],
+            G=g, HEAD_DIM=d, BLOCK_M=bm, NUM_SPLITS=splits, num_warps=cfg["num_warps"], **pdl.launch_kw(q.device),
         )
     return out
 
@@ -243,9 +247,10 @@ if triton is not None:
     def _tree_attn_fwd(Q, K, V, PrefixLen, TreeMask, Out, PartAcc, PartML, qk_scale, R, S, KVH,
                        stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_or, stride_oh,
                        stride_tm, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32: tl.constexpr):
+                       BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = False):
         """Grid ``(cdiv(R*G, BLOCK_M), KVH, NUM_SPLITS)``: packed rows ``m = r*G + g`` of one KV head.
         TreeMask: the packed words ``[R, ceil(R/32)]`` int32."""
+        pdl_start(PDL)
         pid_m = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -289,8 +294,9 @@ if triton is not None:
 
     @triton.jit
     def _combine(PartAcc, PartML, Out, R, KVH, stride_or, stride_oh, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                 BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr = False):
         """Merge the splits' (acc, m, l) in split order (deterministic): grid ``(cdiv(R*G, BLOCK_M), KVH)``."""
+        pdl_start(PDL)
         pid_m = tl.program_id(0)
         kvh = tl.program_id(1)
         M = R * G

@@ -62,9 +62,13 @@ from ..w12.format import (RECORD_BYTES, RECORD_COLS, RECORD_ROWS, VIEW_BYTES, W1
                           encode)
 from .gemm import _num_sms
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_start
 except ImportError:  # CPU installs without triton: the reference still works
     triton = None
 
@@ -299,7 +303,7 @@ def _sum_splits(part, x, b, out, escapes, split: int, has_bias: bool, fused: boo
         row_ptr, esc_k, esc_d = escapes
         _w12_split_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16))](
             part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
-            HAS_BIAS=has_bias, num_warps=4)
+            HAS_BIAS=has_bias, num_warps=4, **pdl.launch_kw(x.device))
     return out
 
 
@@ -539,8 +543,10 @@ if triton is not None:
 
     @triton.jit
     def _w12_split_sum_kernel(Part, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, SPLIT_K: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              PDL: tl.constexpr = False):
         """``Out = Σ_s Part[s]`` in split order, then the escapes in list order, then the bias."""
+        pdl_start(PDL)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < M

@@ -23,11 +23,13 @@ import torch
 
 from ..w12.format import RECORD_COLS, RECORD_ROWS, W12Tensor
 from .gemm import _num_sms
+from . import pdl
 from .w12_gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 
 if triton is not None:
     import triton.language as tl
 
+    from .pdl import pdl_start
     from .w12_gemm import _finish_splits, _store_out
     from .w12_tiles import _decode8, _load_groups, _word_offsets
 
@@ -126,7 +128,8 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
         x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
         m, n, k, k_pad, k_per_split, x.stride(0), BLOCK_N=bn, BLOCK_K=bk, ROWS=rows, SPLIT_K=split, FUSED=fused,
         EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
-        ASM=bool(cfg["asm"]) and x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        ASM=bool(cfg["asm"]) and x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl.launch_kw(x.device))
     return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused)
 
 
@@ -169,11 +172,12 @@ if triton is not None:
     def _w12_gemv_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD,
                          K_PER_SPLIT, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                          SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         ASM: tl.constexpr):
+                         ASM: tl.constexpr, PDL: tl.constexpr = False):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: ``Out[m, n] = Σ_k x_mk w_nk (+ escapes, bias)`` for the ``M ≤
         ROWS`` rows of ``X``, BLOCK_N rows of one record band and one K chunk (see :func:`w12_gemv`). ``RecV`` /
         ``RecQ``: the records as int64 / int32 words. Float32 accumulators ``[BLOCK_N, BLOCK_K / 8]`` (one
         row) or ``[ROWS, BLOCK_N, BLOCK_K / 8]``, one per group of 8 columns; each weight is decoded once."""
+        pdl_start(PDL)
         pid_k = tl.program_id(1)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N

@@ -26,11 +26,13 @@ from __future__ import annotations
 import torch
 
 from ..w12.format import RECORD_COLS, RECORD_ROWS, W12Tensor
+from . import pdl
 from .w12_gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 
 if triton is not None:
     import triton.language as tl
 
+    from .pdl import pdl_start
     from .w12_gemm import _finish_splits, _store_out
     from .w12_tiles import _decode_words, _decode_words_bf16, _k_order, _load_groups, _word_offsets
 
@@ -59,7 +61,8 @@ def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes,
         k, k_pad, k_per_split, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FUSED=fused,
         EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
         FP32=x.dtype == torch.float32,
-        ASM=bool(cfg.get("asm", True)) and x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        ASM=bool(cfg.get("asm", True)) and x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl.launch_kw(x.device))
     return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused)
 
 
@@ -70,11 +73,12 @@ if triton is not None:
     def _w12_mma_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD, K_PER_SPLIT,
                         stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        FP32: tl.constexpr, ASM: tl.constexpr):
+                        FP32: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: BLOCK_N rows of one record band, one K
         chunk, BLOCK_M activation rows; ``acc [BLOCK_N, BLOCK_M] = W' xᵀ`` in float32 (see :func:`w12_mma`).
         ``RecV`` / ``RecQ``: the records as int64 / int32 words. ``X_EVEN``: every split ends inside K, so the
         activation loads need only the row mask (and can be vector loads)."""
+        pdl_start(PDL)
         pid_k = tl.program_id(1)
         offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

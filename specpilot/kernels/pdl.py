@@ -1,0 +1,62 @@
+"""Programmatic dependent launch (PDL, sm_90+) for the decode path's Triton kernels (issue 5: the fixed cost a kernel
+pays between two others).
+
+A kernel launched with ``launch_pdl=True`` may start while the kernel before it on the stream still runs, as soon
+as every program of that one has executed ``griddepcontrol.launch_dependents``; it must then execute
+``griddepcontrol.wait`` (which returns once the previous kernel has finished and its writes are visible) before it
+reads anything the previous kernels wrote and before it writes anything at all (a buffer it writes may be memory a
+previous kernel still reads). :func:`pdl_start` does both at a kernel's first instruction, so what overlaps is the
+launch, the programs' dispatch and nothing else: a kernel's own work always starts after its predecessor ended.
+Kernels that are not launched this way (cuBLAS, PyTorch's own) serialise as usual, and ``wait`` returns at once
+after them. CUDA graphs captured from such launches keep the programmatic edges (stream capture, CUDA ≥ 12.3).
+
+Off unless ``SPECPILOT_PDL=1`` (or :data:`ENABLED` set to True): prepared in session 9 without a GPU; the
+kernels compile with it for sm_90a (``tests/test_pdl.py``), but it has not run on an H200 yet. Never on the CPU,
+in the Triton interpreter, or on GPUs older than sm_90.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without triton
+    triton = None
+try:  # Triton >= 3.4 has the griddepcontrol intrinsics; without them PDL stays off
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAVE_GDC = True
+except ImportError:
+    HAVE_GDC = False
+
+#: the process-wide switch (``SPECPILOT_PDL=1`` at import; benchmarks flip it to time both ways)
+ENABLED = os.environ.get("SPECPILOT_PDL", "0") == "1"
+
+
+def on(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL: :data:`ENABLED`, a CUDA device of compute capability ≥ 9.0,
+    and not the Triton interpreter."""
+    if not ENABLED or not HAVE_GDC or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def launch_kw(device: torch.device) -> dict:
+    """Keyword arguments of a Triton launch on ``device``: ``{"PDL": bool}`` for the kernel's constexpr and, when on,
+    ``launch_pdl=True`` for the launcher (the programmatic-serialisation launch attribute)."""
+    return {"PDL": True, "launch_pdl": True} if on(device) else {"PDL": False}
+
+
+if triton is not None:
+
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """A PDL kernel's first statement: let the next kernel launch, then wait for the previous one (module
+        docstring); nothing when ``PDL`` is False."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()

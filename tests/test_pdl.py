@@ -1,0 +1,121 @@
+"""Programmatic dependent launch (``specpilot.kernels.pdl``): off on the CPU and by default; the decode path's kernels
+compile with it for sm_90a (offline, Triton's bundled ptxas: the griddepcontrol instructions are in the PTX and
+assemble); on a GPU with it on, outputs and engine tokens equal the plain launches' (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpilot.kernels import pdl
+from specpilot.kernels.resources import ResourcesUnavailable, ptxas_path
+
+triton = pytest.importorskip("triton")
+
+
+def test_off_on_the_cpu_and_by_default(monkeypatch):
+    assert pdl.launch_kw(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert not pdl.on(torch.device("cpu"))  # never on the CPU, even when asked for
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pdl.launch_kw(torch.device("cuda", 0)) == {"PDL": False}  # nor in the interpreter
+
+
+def _ptxas_here() -> bool:
+    try:
+        ptxas_path()
+        return True
+    except ResourcesUnavailable:
+        return False
+
+
+COMPILE = r"""
+import importlib, json, subprocess, sys, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specpilot.kernels import fused, w12_gemm, w12_gemv, w12_mma
+from specpilot.kernels.resources import ptxas_path
+from specpilot.kernels.w12_tiles import WORD_KERNEL_SIGNATURE
+tree_attention = importlib.import_module("specpilot.kernels.tree_attention")  # the package exports a function too
+bf, i32 = "*bf16", "i32"
+KERNELS = {
+    "w12_mma": (w12_mma._w12_mma_kernel, dict(WORD_KERNEL_SIGNATURE), dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1,
+                FUSED=False, EVEN=True, X_EVEN=True, HAS_BIAS=False, FP32=False, ASM=True)),
+    "w12_gemv": (w12_gemv._w12_gemv_kernel, dict(WORD_KERNEL_SIGNATURE), dict(BLOCK_N=16, BLOCK_K=256, ROWS=1,
+                 SPLIT_K=1, FUSED=False, EVEN=True, X_EVEN=True, HAS_BIAS=False, ASM=True)),
+    "w12_split_sum": (w12_gemm._w12_split_sum_kernel, {"Part": "*fp32", "X": bf, "Bias": bf, "Out": bf,
+                      "RowPtr": "*i32", "EscK": "*i32", "EscD": "*fp32", "M": i32, "N": i32, "stride_xm": i32},
+                      dict(SPLIT_K=2, BLOCK_M=16, BLOCK_N=64, HAS_BIAS=False)),
+    "add_rmsnorm": (fused._add_rmsnorm_kernel, {"X": bf, "Delta": bf, "W": bf, "Normed": bf, "NewX": bf, "D": i32,
+                    "eps": "fp32"}, dict(HAS_DELTA=True, BLOCK=256)),
+    "silu_mul": (fused._silu_mul_kernel, {"GU": bf, "Out": bf, "I": i32}, dict(BLOCK=1024)),
+    "tree_attn_fwd": (tree_attention._tree_attn_fwd, {"Q": bf, "K": bf, "V": bf, "PrefixLen": "*i64",
+                      "TreeMask": "*i32", "Out": bf, "PartAcc": "*fp32", "PartML": "*fp32", "qk_scale": "fp32",
+                      "R": i32, "S": i32, "KVH": i32, **{n: i32 for n in ("stride_qr", "stride_qh", "stride_ks",
+                      "stride_kh", "stride_vs", "stride_vh", "stride_or", "stride_oh", "stride_tm")}},
+                      dict(G=2, HEAD_DIM=64, BLOCK_M=16, BLOCK_N=32, NUM_SPLITS=1, FP32=False)),
+}
+kern, sig, const = KERNELS[sys.argv[1]]
+res = {}
+for flag in (False, True):
+    c = {**const, "PDL": flag}
+    out = triton.compile(ASTSource(kern, dict(sig) | {k: "constexpr" for k in c}, c), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4, num_stages=2))
+    ptx = out.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.ptx").write_text(ptx)
+        p = subprocess.run([str(ptxas_path()), "--gpu-name", "sm_90a", str(Path(d) / "k.ptx"), "-o",
+                            str(Path(d) / "k.cubin")], capture_output=True, text=True, timeout=300)
+    res[str(flag)] = {"wait": "griddepcontrol.wait" in ptx, "launch": "griddepcontrol.launch_dependents" in ptx,
+                      "ptxas_rc": p.returncode, "ptxas_err": p.stderr[-300:]}
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.skipif(not _ptxas_here(), reason="Triton's bundled ptxas is not installed here")
+@pytest.mark.parametrize("name", ["w12_mma", "w12_gemv", "w12_split_sum", "add_rmsnorm", "silu_mul", "tree_attn_fwd"])
+def test_kernels_compile_with_pdl_for_sm90(name):
+    import json
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile the real kernels, not the interpreter's
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-c", COMPILE, name], capture_output=True, text=True, timeout=600, env=env,
+                       cwd=root)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["True"] == {"wait": True, "launch": True, "ptxas_rc": 0, "ptxas_err": res["True"]["ptxas_err"]}, res
+    assert not res["False"]["wait"] and not res["False"]["launch"] and res["False"]["ptxas_rc"] == 0, res
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pdl_launches_give_the_same_outputs_and_tokens(monkeypatch):
+    from specpilot.config import SystemConfig
+    from specpilot.engine.deployment import Deployment
+    from specpilot.kernels.w12_gemm import w12_gemm
+    from specpilot.w12.format import encode
+    from specpilot.zoo import bundled_target_dir
+
+    torch.manual_seed(0)
+    w = (torch.randn(4096, 12288, device="cuda") * 0.02).to(torch.bfloat16)
+    t = encode(w, device="cuda")
+    xs = [torch.randn(m, 12288, device="cuda", dtype=torch.bfloat16) for m in (1, 8, 32)]
+    outs = {}
+    for flag in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", flag)
+        outs[flag] = [w12_gemm(x, t) for x in xs for _ in range(3)]
+        dep = Deployment(bundled_target_dir(), None, dtype="bfloat16", device="cuda")
+        eng = dep.system(SystemConfig.ar(dtype="bfloat16"))  # bucket graphs captured with or without PDL
+        outs[flag].append(torch.tensor(eng.generate(list(range(300, 340)), 48).tokens))
+        spec = dep.system(SystemConfig(drafter="ngram", tree="best_first", nodes=8, depth=8, top_k=2, dtype="bfloat16"))
+        outs[flag].append(torch.tensor(spec.generate(list(range(300, 340)) * 2, 48).tokens))
+    assert pdl.on(torch.device("cuda")) == (torch.cuda.get_device_capability() >= (9, 0))
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a.cpu(), b.cpu())
