@@ -83,10 +83,16 @@ def test_rerun_into_the_same_out_replaces_the_old_memory_and_refuses_it_as_sourc
     stale = out / "memory" / "r1-old-entry"
     stale.mkdir(parents=True)
     (stale / "entry.json").write_text("{}")
+    mine = out / "memory" / "my_notes"  # fresh-user run 16: a user's folder there was deleted as an "entry"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me\n")
+    (out / "memory" / "README").write_text("mine too\n")
     opts = pilot_run.PilotOptions(target=bundled_target_dir(), drafter=bundled_drafter_dir(), out=out)
     pilot = pilot_run.Pilot(opts)
     pilot.clear_old_memory()
-    assert (out / "memory").is_dir() and not any((out / "memory").iterdir())
+    assert not stale.exists()
+    assert (mine / "notes.txt").read_text() == "keep me\n" and (out / "memory" / "README").read_text() == "mine too\n"
+    assert sorted(p.name for p in (out / "memory").iterdir()) == ["README", "my_notes"]
     stale.mkdir(parents=True)
     (stale / "entry.json").write_text("{}")
     with pytest.raises(SpecPilotError, match="own output"):

@@ -237,6 +237,20 @@ def test_cli_pack_verify_bundled_target(monkeypatch, capsys, tmp_path):
     assert "no --source given" in so  # bit-exact against the stored hashes, said so
 
 
+def test_cli_pack_into_or_around_its_own_source_is_refused(monkeypatch, capsys, tmp_path):
+    """Fresh-user run 16: ``w12 pack SRC SRC/inner`` exited 0 with a raw copy of the source inside the output."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(bundled_target_dir(), src)
+    before = sorted(p.name for p in src.iterdir())
+    code, _, err = run_cli(monkeypatch, capsys, "w12", "pack", str(src), str(src / "inner"))
+    assert code == 2 and "must not contain one another" in err and "Traceback" not in err, err
+    code, _, err = run_cli(monkeypatch, capsys, "w12", "pack", str(src), str(src / "inner" / ".."))
+    assert code == 2 and err.startswith("error:") and err.count("\n") == 1, err  # the source itself: not empty
+    assert sorted(p.name for p in src.iterdir()) == before  # nothing written into the source
+
+
 def test_load_w12_state_dict_bit_exact(packed_target):
     src = load_file(str(bundled_target_dir() / "model.safetensors"))
     got = load_w12_state_dict(packed_target)

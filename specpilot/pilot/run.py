@@ -515,9 +515,11 @@ class Pilot:
 
     def clear_old_memory(self) -> None:
         """Remove the entries an earlier run left in ``OUT/memory`` (this run rewrites the report beside them;
-        left there, they would be listed, checked and reused as if this run had approved them)."""
+        left there, they would be listed, checked and reused as if this run had approved them). Only entry
+        directories go (:meth:`Memory.ids`: those holding ``entry.json`` or a delta file); anything else a user
+        put there stays (the fresh-user run 16 lost a notes folder to the earlier every-directory rule)."""
         mem = self.o.out / "memory"
-        old = sorted(p for p in mem.iterdir() if p.is_dir()) if mem.is_dir() else []
+        old = [mem / i for i in Memory(mem).ids()] if mem.is_dir() else []
         if old:
             self.say("setup", f"{mem}: removing {len(old)} entr{'y' if len(old) == 1 else 'ies'} of an earlier run "
                               "(this run rewrites the report)")

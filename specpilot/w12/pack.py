@@ -104,6 +104,10 @@ def pack_dir(src: str | Path, out: str | Path) -> dict:
     if (src / MANIFEST).exists():
         raise W12FormatError(f"{src} is already a W12 directory ({MANIFEST} present)")
     output_dir(out, empty=True, error=W12FormatError)
+    s_res, o_res = src.resolve(), out.resolve()
+    if o_res == s_res or s_res in o_res.parents or o_res in s_res.parents:
+        raise W12FormatError(f"output {out} and source {src} must not contain one another (the source's files would "
+                             "be packed into their own copy)")
     files = _files(src)
     tied = False
     if (src / "config.json").is_file():
