@@ -172,6 +172,27 @@ def generate(
               f"{gen.tokens_per_s:.1f} tok/s, stop: {gen.stop_reason}]", file=sys.stderr)
 
 
+#: files a pilot run writes into its --out (rewritten by the next run into the same directory)
+PILOT_FILES = ("report.json", "report.md", "system.json", "speedup.png", "tau_vs_n.png", "c_vs_n.png", "ceiling.png",
+               "outputs/stock_phase0.jsonl", "outputs/sealed.jsonl")
+
+
+def check_report_dir(out: Path) -> None:
+    """Raise :class:`SpecPilotError` when ``out`` already holds a file a pilot writes (:data:`PILOT_FILES`) but no
+    earlier pilot's ``report.json``: the run would overwrite a user's own file (``--out .`` in a project). An earlier
+    report is rewritten, as documented; files of other names are never touched."""
+    clash = [n for n in PILOT_FILES if (out / n).exists()]
+    if not clash:
+        return
+    try:
+        ours = {"deployment", "phase0"} <= set(json.loads((out / "report.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        ours = False
+    if not ours:
+        raise SpecPilotError(f"--out {out} already holds {', '.join(clash[:3])}, which a pilot run would overwrite, and "
+                             "no earlier pilot report: choose a new or empty directory")
+
+
 def check_float16_device(dtype: str, device: str) -> None:
     """Refuse float16 on the CPU: torch's CPU float16 kernels are slow and the pilot's (and the bench's) timings,
     margins and byte floor with them mean nothing for a deployment (a float16 CPU matmul peak of ~1 GFLOP/s put
@@ -240,6 +261,7 @@ def pilot(
             raise SpecPilotError(f"--max-new-tokens {max_new_tokens}: no prompt fits the target's context of {context} "
                                  f"tokens with that many new tokens (and the controller's {SALT_TOKENS}-token salt)")
     output_dir(out, "--out")
+    check_report_dir(out)
     devs = tuple(d.strip() for d in devices.split(",")) if devices is not None else ()
     if any(not d for d in devs):
         raise SpecPilotError(f"--devices {devices!r}: give comma-separated devices, e.g. cuda:0,cuda:1")

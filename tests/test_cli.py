@@ -253,3 +253,23 @@ def test_pilot_drafter_path_of_a_block_drafter_is_refused(monkeypatch, capsys, t
     assert not (tmp_path / "r").exists()
     code, _, err = run_cli(monkeypatch, capsys, "w12", "verify", str(Path(__file__)))
     _one_line_error(code, err, "is a file, not a W12 directory")
+
+
+def test_pilot_will_not_overwrite_a_users_files(monkeypatch, capsys, tmp_path):
+    """Fresh-user run 16: ``pilot --out ''`` ran in the current directory; a user's report.md there would have been
+    overwritten. A directory holding a file a pilot writes is refused unless it holds an earlier pilot report."""
+    from specpilot.cli import check_report_dir
+    from specpilot.errors import SpecPilotError
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "report.md").write_text("my report\n")
+    code, _, err = run_cli(monkeypatch, capsys, "pilot", "--quick", "--out", str(proj))
+    _one_line_error(code, err, "report.md", "no earlier pilot report")
+    assert (proj / "report.md").read_text() == "my report\n" and sorted(p.name for p in proj.iterdir()) == ["report.md"]
+    (proj / "report.json").write_text('{"deployment": {}, "phase0": {}, "commit": "x"}')
+    check_report_dir(proj)  # an earlier pilot's report: rewritten, as the README says
+    (proj / "report.json").write_text('["not", "a", "report"]')
+    with pytest.raises(SpecPilotError, match="no earlier pilot report"):
+        check_report_dir(proj)
+    check_report_dir(tmp_path / "new")  # new or free of the pilot's names: fine
