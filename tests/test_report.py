@@ -68,6 +68,14 @@ def test_report_flags_a_sealed_system_slower_than_ar_and_estimator_gaps(tmp_path
     write_report(tmp_path / "slow", {"speedup_vs_ar": 0.9, "speedup_ci_low": 0.8, "tau": 2.0, "c": 2.0})
     md = (tmp_path / "slow" / "report.md").read_text()
     assert "slower than AR in this run" in md and "differ by 10%" in md
+    assert "Round 0 judges AR only when" in md
+    write_report(tmp_path / "r0", {"speedup_vs_ar": 0.99, "speedup_ci_low": 0.89, "sigma": 0.079,
+                                   "rounds": [{"round": 0, "approved": None}], "sealed_label": "draft_model/chain N=6"})
+    md = (tmp_path / "r0" / "report.md").read_text()  # fresh-user run 17: round 0 did judge AR, below a 17% bar
+    assert "Round 0 judged AR against stock and did not approve it" in md and "σ = 7.9%" in md
+    assert "only when stock loses" not in md
+    write_report(tmp_path / "ar", {"speedup_vs_ar": 0.98, "speedup_ci_low": 0.96, "sealed_label": "AR"})
+    assert "AR against AR, run-to-run noise" in (tmp_path / "ar" / "report.md").read_text()
     write_report(tmp_path / "ok", {"speedup_vs_ar": 1.3, "speedup_ci_low": 1.2, "tau": 2.6, "c": 2.0})
     md = (tmp_path / "ok" / "report.md").read_text()
     assert "slower than AR" not in md and "differ by" not in md

@@ -118,9 +118,18 @@ def _headline_warnings(r: dict) -> list[str]:
                        f"The same audit against a float32 scorer: `{tf['reaudit_float32_command']}`.")
     vs_ar, low, tc = r.get("speedup_vs_ar"), r.get("speedup_ci_low"), _ratio(r.get("tau"), r.get("c"))
     if isinstance(vs_ar, (int, float)) and vs_ar < 1:
+        r0 = next((x for x in r.get("rounds") or [] if x.get("round") == 0), None)
+        if r.get("sealed_label") == "AR":
+            why = "The sealed system is AR itself: this is AR against AR, run-to-run noise."
+        elif r0 is not None and not r0.get("approved"):
+            why = (f"Round 0 judged AR against stock and did not approve it: its 95% lower bound did not clear the bar "
+                   f"(1% + 2σ, σ = {_num(r.get('sigma'), '{:.1%}')}). AR (no drafter) may be the better system here; rerun on "
+                   "a quieter machine to decide.")
+        else:
+            why = ("Round 0 judges AR only when stock loses to AR in Phase 0; noise (σ) can hide a small loss there: "
+                   "AR (no drafter) may be the better system here; rerun on a quieter machine to decide.")
         out.append(f"- **Warning: the sealed system is slower than AR in this run** ({_num(vs_ar)}x, 95% lower bound "
-                   f"{_num(low)}). Round 0 judges AR only when stock loses to AR in Phase 0; noise (σ) can hide a "
-                   "small loss there: AR (no drafter) may be the better system here; rerun on a quieter machine to decide.")
+                   f"{_num(low)}). " + why)
     if isinstance(vs_ar, (int, float)) and isinstance(tc, (int, float)) and abs(vs_ar / tc - 1) > 0.05:
         out.append(f"- Note: the headline speedup ({_num(vs_ar)}x) and τ / c ({_num(tc)}) of the same runs differ by "
                    f"{abs(vs_ar / tc - 1):.0%}: the headline is the geometric mean over benchmarks of per-request "
