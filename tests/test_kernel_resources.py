@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specpilot.kernels.resources import KernelResources, ResourcesUnavailable, ptxas_path
+from specpilot.kernels.resources import KernelResources, ptxas_available
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,15 +44,7 @@ print(json.dumps(mma))
 """
 
 
-def _ptxas_here() -> bool:
-    try:
-        ptxas_path()
-        return True
-    except ResourcesUnavailable:
-        return False
-
-
-@pytest.mark.skipif(not _ptxas_here(), reason="Triton's bundled ptxas is not installed here")
+@pytest.mark.skipif(not ptxas_available(), reason="Triton's bundled ptxas is not installed here")
 def test_gemv_default_configs_do_not_spill():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, env=env,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specpilot.kernels import pdl
-from specpilot.kernels.resources import ResourcesUnavailable, ptxas_path
+from specpilot.kernels.resources import ptxas_available
 
 triton = pytest.importorskip("triton")
 
@@ -22,14 +22,6 @@ def test_off_on_the_cpu_and_by_default(monkeypatch):
     assert not pdl.on(torch.device("cpu"))  # never on the CPU, even when asked for
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert pdl.launch_kw(torch.device("cuda", 0)) == {"PDL": False}  # nor in the interpreter
-
-
-def _ptxas_here() -> bool:
-    try:
-        ptxas_path()
-        return True
-    except ResourcesUnavailable:
-        return False
 
 
 COMPILE = r"""
@@ -77,7 +69,7 @@ print(json.dumps(res))
 """
 
 
-@pytest.mark.skipif(not _ptxas_here(), reason="Triton's bundled ptxas is not installed here")
+@pytest.mark.skipif(not ptxas_available(), reason="Triton's bundled ptxas is not installed here")
 @pytest.mark.parametrize("name", ["w12_mma", "w12_gemv", "w12_split_sum", "add_rmsnorm", "silu_mul", "tree_attn_fwd"])
 def test_kernels_compile_with_pdl_for_sm90(name):
     import json

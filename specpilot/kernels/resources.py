@@ -57,6 +57,15 @@ def ptxas_path() -> Path:
     return p
 
 
+def ptxas_available() -> bool:
+    """Whether :func:`ptxas_path` finds Triton's bundled ``ptxas`` (offline sm_90a compiles in tests and tools)."""
+    try:
+        ptxas_path()
+        return True
+    except ResourcesUnavailable:
+        return False
+
+
 def kernel_resources(kernel, signature: dict[str, str], constants: dict, num_warps: int, num_stages: int,
                      arch: int = 90) -> KernelResources:
     """Compile ``kernel`` (a ``@triton.jit`` function) for ``sm_{arch}a`` and read ptxas's report.
@@ -94,4 +103,4 @@ def kernel_resources(kernel, signature: dict[str, str], constants: dict, num_war
                            dict(sorted(ops.items())))
 
 
-__all__ = ["KernelResources", "ResourcesUnavailable", "kernel_resources", "ptxas_path"]
+__all__ = ["KernelResources", "ResourcesUnavailable", "kernel_resources", "ptxas_available", "ptxas_path"]
