@@ -25,13 +25,9 @@ def test_off_on_the_cpu_and_by_default(monkeypatch):
 
 
 COMPILE = r"""
-import importlib, json, subprocess, sys, tempfile
-from pathlib import Path
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import importlib, json, sys
 from specpilot.kernels import fused, w12_gemm, w12_gemv, w12_mma
-from specpilot.kernels.resources import ptxas_path
+from specpilot.kernels.resources import kernel_resources
 from specpilot.kernels.w12_tiles import WORD_KERNEL_SIGNATURE
 tree_attention = importlib.import_module("specpilot.kernels.tree_attention")  # the package exports a function too
 bf, i32 = "*bf16", "i32"
@@ -53,19 +49,8 @@ KERNELS = {
                       dict(G=2, HEAD_DIM=64, BLOCK_M=16, BLOCK_N=32, NUM_SPLITS=1, FP32=False)),
 }
 kern, sig, const = KERNELS[sys.argv[1]]
-res = {}
-for flag in (False, True):
-    c = {**const, "PDL": flag}
-    out = triton.compile(ASTSource(kern, dict(sig) | {k: "constexpr" for k in c}, c), target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=4, num_stages=2))
-    ptx = out.asm["ptx"]
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "k.ptx").write_text(ptx)
-        p = subprocess.run([str(ptxas_path()), "--gpu-name", "sm_90a", str(Path(d) / "k.ptx"), "-o",
-                            str(Path(d) / "k.cubin")], capture_output=True, text=True, timeout=300)
-    res[str(flag)] = {"wait": "griddepcontrol.wait" in ptx, "launch": "griddepcontrol.launch_dependents" in ptx,
-                      "ptxas_rc": p.returncode, "ptxas_err": p.stderr[-300:]}
-print(json.dumps(res))
+# kernel_resources compiles for sm_90a and assembles with ptxas (RuntimeError if ptxas fails)
+print(json.dumps({str(flag): kernel_resources(kern, sig, {**const, "PDL": flag}, 4, 2).ptx for flag in (False, True)}))
 """
 
 
@@ -81,9 +66,9 @@ def test_kernels_compile_with_pdl_for_sm90(name):
     p = subprocess.run([sys.executable, "-c", COMPILE, name], capture_output=True, text=True, timeout=600, env=env,
                        cwd=root)
     assert p.returncode == 0, p.stderr[-2000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])
-    assert res["True"] == {"wait": True, "launch": True, "ptxas_rc": 0, "ptxas_err": res["True"]["ptxas_err"]}, res
-    assert not res["False"]["wait"] and not res["False"]["launch"] and res["False"]["ptxas_rc"] == 0, res
+    res = json.loads(p.stdout.strip().splitlines()[-1])  # PTX opcode counts with PDL off / on
+    assert res["True"].get("griddepcontrol.wait", 0) >= 1 and res["True"].get("griddepcontrol.launch_dependents", 0) >= 1, res
+    assert not any(op.startswith("griddepcontrol") for op in res["False"]), res
 
 
 @pytest.mark.gpu

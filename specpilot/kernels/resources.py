@@ -28,8 +28,8 @@ class KernelResources:
     """One compiled kernel: ``registers`` per thread, ``spill_bytes`` (spill stores, bytes per thread),
     ``shared_bytes`` (static + Triton's dynamic shared memory, bytes per program), ``num_warps``,
     ``ptx``: static counts of memory and MMA instructions in the PTX (``ld.global.b8``, ``ld.global.v4.b32``,
-    ``st.shared...``, ``wgmma.mma_async``, ``cp.async...``: each distinct opcode with its suffixes; a loop
-    body counts once), and ``max_warps_per_sm``: the register-file limit (at most 64)."""
+    ``st.shared...``, ``wgmma.mma_async``, ``cp.async...``, ``griddepcontrol.wait``: each distinct opcode with its
+    suffixes; a loop body counts once), and ``max_warps_per_sm``: the register-file limit (at most 64)."""
 
     registers: int
     spill_bytes: int
@@ -96,7 +96,7 @@ def kernel_resources(kernel, signature: dict[str, str], constants: dict, num_war
     if proc.returncode != 0 or regs is None or spill is None:
         raise RuntimeError(f"ptxas failed (exit {proc.returncode}): {report.strip()[-300:]}")
     smem = re.search(r"(\d+) bytes smem", report)
-    ops = Counter(re.findall(r"^\s*(?:@!?%\w+\s+)?((?:ld|st|cp|wgmma|mma|ldmatrix|stmatrix)\.[\w.]+)", out.asm["ptx"],
+    ops = Counter(re.findall(r"^\s*(?:@!?%\w+\s+)?((?:ld|st|cp|wgmma|mma|ldmatrix|stmatrix|griddepcontrol)\.[\w.]+)", out.asm["ptx"],
                              re.MULTILINE))
     return KernelResources(int(regs.group(1)), int(spill.group(1)),
                            int(out.metadata.shared) + (int(smem.group(1)) if smem else 0), num_warps,
