@@ -10,14 +10,18 @@ captured in a CUDA graph. One call, for ``h [R, K]`` (the engine's hidden states
    bounded from above in the same loop, from the h tiles it loads anyway), and writes ``U_v = a_v + E_v``
    ``[R, V]`` float32 and, per program, ``max_v L_v`` (``L_v = a_v - E_v``) ``[R, NB]``. The fp32 roundings
    of forming L and U are covered by a relative margin of 2^-20 (on E and |a|) and an absolute 2^-100.
-2. ``T_r = max L`` (one ``amax``); ``_select_kernel`` keeps the survivors ``U_v >= T_r`` of each row, up to
+2. ``_select_kernel`` (grid: vocab blocks x rows): ``T_r = max L`` from the row's ``[NB]`` block maxima
+   (each program re-reads them: a few KB from L2), then keeps the survivors ``U_v >= T_r`` of each row, up to
    a fixed capacity C (slots taken with one atomic add per program: the *set* is deterministic, its order
-   in the slots is not, and nothing below depends on the order).
-3. ``_rescore_kernel`` (one program per row): the survivors' exact logits in float64 (bf16/fp32 products
-   are exact in float64; the float64 sum's error is in the enclosure), the enclosure ``[Lo, Hi]`` of the
-   engine's float32 accumulator, rounded (monotone, round-to-nearest-even) to the head's output dtype, and
-   the reference's decision rule: decided when exactly one survivor has ``Hi >= max Lo`` or every such
-   survivor is known exactly; the token is the lowest vocab index among them with ``Lo == max Lo``.
+   in the slots is not, and nothing below depends on the order). The counters were zeroed by stage 1.
+3. ``_rescore_kernel`` (one program per row and survivor slot, so the float64 dots run side by side instead
+   of one program looping over K for all of a row's survivors: that loop was 48 µs of latency on the H200):
+   the survivor's exact logit in float64 (bf16/fp32 products are exact in float64; the float64 sum's error is
+   in the enclosure) and its sum of magnitudes, and, in slot 0, ``||h||²`` in float64.
+4. ``_decide_kernel`` (one program per row): the enclosure ``[Lo, Hi]`` of the engine's float32 accumulator,
+   rounded (monotone, round-to-nearest-even) to the head's output dtype, and the reference's decision rule:
+   decided when exactly one survivor has ``Hi >= max Lo`` or every such survivor is known exactly; the token
+   is the lowest vocab index among them with ``Lo == max Lo``.
 
 Returns ``(tokens [R] int64, ok [R] bool)``. ``ok`` is False for rows that are undecided (a near-tie within
 rounding), whose survivors exceed the capacity, or whose h is non-finite / could overflow; the caller must
@@ -27,7 +31,8 @@ True the token equals ``argmax(F.linear(h, W).float())`` (ties: lowest index), w
 accumulation units (``u_acc = 2^-23`` on CUDA for both the engine's head and this kernel's fp32 dots).
 
 CUDA-graph capturable: shapes depend only on R, V, K and C; no host sync; the survivor counter is zeroed
-by a device memset inside the call. Five launches per call (bounds, amax, memset, select, rescore). fp16 heads are not supported here (the reference handles them).
+by the bounds kernel. Four launches per call (bounds, select, rescore, decide). fp16 heads are not supported
+here (the reference handles them).
 """
 
 from __future__ import annotations
@@ -109,12 +114,13 @@ class Int8HeadKernel:
         self.norm_limit2 = nl * nl * (1 - 1e-6)
         self._units = units
 
-    def bounds(self, h: torch.Tensor, write_a: bool = False):
+    def bounds(self, h: torch.Tensor, write_a: bool = False, cnt: torch.Tensor | None = None):
         """Stage 1: ``(U [R, V] f32, lmax [R, NB] f32, a, hn)`` for ``h [R, K]``.
 
         ``U`` / ``L`` enclose the engine's exact logits (module docstring). Only with ``write_a`` (tests):
         ``a [R, V] f32`` the approximate INT8 logits and ``hn [R] f32`` the kernel's upper bound of ``||h||``
-        (else None, None). Raises ValueError on a shape mismatch.
+        (else None, None). ``cnt`` (``[R] int32``, optional): survivor counters the kernel zeroes for stage 2.
+        Raises ValueError on a shape mismatch.
         """
         self._refresh()
         h = self._check(h)
@@ -127,31 +133,37 @@ class Int8HeadKernel:
         a = torch.empty(r, self.v, dtype=torch.float32, device=h.device) if write_a else u
         hn = torch.empty(r, dtype=torch.float32, device=h.device) if write_a else u
         _bounds_kernel[(nb, triton.cdiv(r, br))](
-            h, self.head.q, self.head.scale, self.coef, hn, u, lmax, a, r, self.v, nb, h.stride(0),
-            self.head.q.stride(0), _MARGIN, _TINY, 1 + self.k * 2.0**-23, K=self.k, BLOCK_R=br, BLOCK_V=bv, BLOCK_K=bk,
-            F32_DOT=h.dtype == torch.float32 or _interpreted(), WRITE_A=write_a, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            h, self.head.q, self.head.scale, self.coef, hn, u, lmax, a, u if cnt is None else cnt, r, self.v, nb,
+            h.stride(0), self.head.q.stride(0), _MARGIN, _TINY, 1 + self.k * 2.0**-23, K=self.k, BLOCK_R=br,
+            BLOCK_V=bv, BLOCK_K=bk, F32_DOT=h.dtype == torch.float32 or _interpreted(), WRITE_A=write_a,
+            ZERO_CNT=cnt is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return (u, lmax, a, hn) if write_a else (u, lmax, None, None)
 
     def __call__(self, h: torch.Tensor, packed: bool = False):
         """Certified argmax of ``h [R, K]``: ``(tokens [R] int64, ok [R] bool)`` on h's device (module
         docstring); with ``packed`` one LongTensor ``[R]``: the token where certified, ``V + guess`` where
-        not. No host sync; 5 launches (bounds, amax, memset, select, rescore). ``last_survivors`` is set to
-        the survivor counts ``[R] int32`` (device; above ``capacity`` means overflow). Raises ValueError on
-        a shape mismatch."""
-        u, lmax, _, _ = self.bounds(h)
+        not. No host sync; 4 launches (bounds, select, rescore, decide). ``last_survivors`` is set to the
+        survivor counts ``[R] int32`` (device; above ``capacity`` means overflow). Raises ValueError on a
+        shape mismatch."""
         h = self._check(h)
         r, c = h.shape[0], self.capacity
-        t = lmax.amax(dim=1)
-        cnt = torch.zeros(r, dtype=torch.int32, device=h.device)
+        cnt = torch.empty(r, dtype=torch.int32, device=h.device)
+        u, lmax, _, _ = self.bounds(h, cnt=cnt)
         idx = torch.empty(r, c, dtype=torch.int32, device=h.device)
-        bs = 1024
-        _select_kernel[(triton.cdiv(self.v, bs), r)](u, t, cnt, idx, self.v, C=c, BLOCK_S=bs, num_warps=4)
+        bs, nb = 1024, lmax.shape[1]
+        _select_kernel[(triton.cdiv(self.v, bs), r)](u, lmax, cnt, idx, self.v, nb, C=c, BLOCK_S=bs,
+                                                     BLOCK_NB=triton.next_power_of_2(nb), num_warps=4)
+        z = torch.empty(r, c, dtype=torch.float64, device=h.device)
+        amag = torch.empty_like(z)
+        hsq = torch.empty(r, dtype=torch.float64, device=h.device)
+        w = self.head.weight
+        bk = min(triton.next_power_of_2(self.k), 2048)
+        _rescore_kernel[(r, c)](h, w, idx, cnt, z, amag, hsq, h.stride(0), w.stride(0), K=self.k, C=c, BLOCK_K=bk,
+                                num_warps=8)
         tok = torch.empty(r, dtype=torch.int64, device=h.device)
         ok = tok if packed else torch.empty(r, dtype=torch.int8, device=h.device)
-        w = self.head.weight
-        _rescore_kernel[(r,)](h, w, idx, cnt, tok, ok, h.stride(0), w.stride(0), self.eps_r, self.eta,
-                              self.norm_limit2, self.v, K=self.k, C=c, BLOCK_K=64 if c <= 32 else 32,
-                              ROUND_BF16=w.dtype == torch.bfloat16, PACKED=packed, num_warps=4)
+        _decide_kernel[(r,)](idx, cnt, z, amag, hsq, tok, ok, self.eps_r, self.eta, self.norm_limit2, self.v, C=c,
+                             ROUND_BF16=w.dtype == torch.bfloat16, PACKED=packed, num_warps=1)
         self.last_survivors = cnt
         return tok if packed else (tok, ok.view(torch.bool))
 
@@ -179,10 +191,11 @@ def _up32(x64: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _bounds_kernel(H, Q, Scale, Coef, Hn, U, Lmax, A, R, V, NB, stride_h, stride_q, MARGIN, TINY, HN_REL,
+    def _bounds_kernel(H, Q, Scale, Coef, Hn, U, Lmax, A, Cnt, R, V, NB, stride_h, stride_q, MARGIN, TINY, HN_REL,
                        K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
-                       WRITE_A: tl.constexpr):
-        """Grid ``(cdiv(V, BLOCK_V), cdiv(R, BLOCK_R))``: U and per-program max L of one vocab block. K (the
+                       WRITE_A: tl.constexpr, ZERO_CNT: tl.constexpr):
+        """Grid ``(cdiv(V, BLOCK_V), cdiv(R, BLOCK_R))``: U and per-program max L of one vocab block; with
+        ``ZERO_CNT`` the first vocab block's programs zero the survivor counters ``Cnt [R]`` of stage 2. K (the
         hidden size) is a compile-time constant: one compile per head, static loop bounds."""
         pid_v = tl.program_id(0)
         pid_r = tl.program_id(1)
@@ -221,17 +234,20 @@ if triton is not None:
             tl.store(Hn + rows, hn, mask=r_ok & (pid_v == 0))
         lo = tl.where(both, a - e, float("-inf"))
         tl.store(Lmax + rows * NB + pid_v, tl.max(lo, axis=1), mask=r_ok)
+        if ZERO_CNT:
+            tl.store(Cnt + rows, tl.zeros([BLOCK_R], dtype=tl.int32), mask=r_ok & (pid_v == 0))
 
     @triton.jit
-    def _select_kernel(U, T, Cnt, Idx, V, C: tl.constexpr, BLOCK_S: tl.constexpr):
-        """Grid ``(cdiv(V, BLOCK_S), R)``: vocab rows with ``U >= T`` go to free slots of ``Idx [R, C]``;
-        ``Cnt [R]`` counts all survivors (also those past the capacity)."""
+    def _select_kernel(U, Lmax, Cnt, Idx, V, NB, C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NB: tl.constexpr):
+        """Grid ``(cdiv(V, BLOCK_S), R)``: ``T = max Lmax[r, :NB]``; vocab rows with ``U >= T`` go to free slots of
+        ``Idx [R, C]``; ``Cnt [R]`` (zero on entry) counts all survivors (also those past the capacity)."""
         pid = tl.program_id(0)
         r = tl.program_id(1)
+        bs = tl.arange(0, BLOCK_NB)
+        t = tl.max(tl.load(Lmax + r * NB + bs, mask=bs < NB, other=float("-inf")), axis=0)
         cols = pid * BLOCK_S + tl.arange(0, BLOCK_S)
         v_ok = cols < V
         u = tl.load(U + r.to(tl.int64) * V + cols, mask=v_ok, other=float("-inf"))
-        t = tl.load(T + r)
         keep = (u >= t) & v_ok
         ki = keep.to(tl.int32)
         base = tl.atomic_add(Cnt + r, tl.sum(ki, axis=0))
@@ -246,29 +262,42 @@ if triton is not None:
         return b.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _rescore_kernel(H, W, Idx, Cnt, Tok, Ok, stride_h, stride_w, EPS_R, ETA, NORM_LIMIT2, V,
-                        K: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr,
-                        PACKED: tl.constexpr):
-        """Grid ``(R,)``: float64 rescoring of one row's survivors and the reference's decision rule."""
+    def _rescore_kernel(H, W, Idx, Cnt, Z, Amag, Hsq, stride_h, stride_w, K: tl.constexpr, C: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        """Grid ``(R, C)``: program ``(r, j)`` computes, for row r's survivor in slot j (if any), its exact
+        logit ``Z[r, j] = Σ h_k w_k`` and ``Amag[r, j] = Σ |h_k w_k|`` in float64; slot 0 also writes
+        ``Hsq[r] = ||h_r||²`` in float64 (NaN / inf for non-finite h)."""
         r = tl.program_id(0)
-        n = tl.load(Cnt + r)
-        js = tl.arange(0, C)
-        valid = js < n
-        idx = tl.load(Idx + r * C + js, mask=valid, other=0)
-        z = tl.zeros([C], dtype=tl.float64)
-        amag = tl.zeros([C], dtype=tl.float64)
+        j = tl.program_id(1)
+        valid = j < tl.minimum(tl.load(Cnt + r), C)
+        v = tl.load(Idx + r * C + j, mask=valid, other=0)
+        z = tl.zeros([BLOCK_K], dtype=tl.float64)
+        amag = tl.zeros([BLOCK_K], dtype=tl.float64)
         hsq = tl.zeros([BLOCK_K], dtype=tl.float64)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             hv = tl.load(H + r * stride_h + ks, mask=k_ok, other=0.0).to(tl.float32).to(tl.float64)
-            wv = tl.load(W + idx[:, None].to(tl.int64) * stride_w + ks[None, :], mask=valid[:, None] & k_ok[None, :],
-                         other=0.0).to(tl.float32).to(tl.float64)
+            wv = tl.load(W + v.to(tl.int64) * stride_w + ks, mask=valid & k_ok, other=0.0).to(tl.float32).to(tl.float64)
+            p = wv * hv
+            z += p
+            amag += tl.abs(p)
             hsq += hv * hv
-            p = wv * hv[None, :]
-            z += tl.sum(p, axis=1)
-            amag += tl.sum(tl.abs(p), axis=1)
-        d = EPS_R * amag + ETA
+        tl.store(Z + r * C + j, tl.sum(z, axis=0))
+        tl.store(Amag + r * C + j, tl.sum(amag, axis=0))
+        tl.store(Hsq + r, tl.sum(hsq, axis=0), mask=j == 0)
+
+    @triton.jit
+    def _decide_kernel(Idx, Cnt, Z, Amag, Hsq, Tok, Ok, EPS_R, ETA, NORM_LIMIT2, V, C: tl.constexpr,
+                       ROUND_BF16: tl.constexpr, PACKED: tl.constexpr):
+        """Grid ``(R,)``: the reference's decision rule on row r's rescored survivors (module docstring)."""
+        r = tl.program_id(0)
+        n = tl.load(Cnt + r)
+        js = tl.arange(0, C)
+        valid = js < n
+        idx = tl.load(Idx + r * C + js, mask=valid, other=0)
+        z = tl.load(Z + r * C + js, mask=valid, other=0.0)
+        d = EPS_R * tl.load(Amag + r * C + js, mask=valid, other=0.0) + ETA
         lo = (z - d).to(tl.float32)  # round-to-nearest is monotone and the engine's accumulator is a float32
         hi = (z + d).to(tl.float32)
         if ROUND_BF16:
@@ -283,7 +312,7 @@ if triton is not None:
         best = cand & (lo == m)
         tok = tl.min(tl.where(best, idx, 2147483647), axis=0)
         tok = tl.where(ncand >= 1, tok, 0)
-        hsq_r = tl.sum(hsq, axis=0)  # ||h||^2 in float64: NaN / inf for non-finite h
+        hsq_r = tl.load(Hsq + r)
         ok = ((ncand == 1) | (inexact == 0)) & (ncand >= 1) & (n <= C) & (hsq_r == hsq_r) & (hsq_r < NORM_LIMIT2)
         if PACKED:
             tl.store(Tok + r, tok.to(tl.int64) + tl.where(ok, 0, V).to(tl.int64))
