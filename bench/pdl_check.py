@@ -6,10 +6,12 @@
    ``python -m pytest -q tests/test_pdl.py`` first. This script records only whether W12 outputs at 1 / 8 / 32 rows
    are bitwise equal with PDL off and on.
 2. W12 GEMM on the Qwen3-8B projections at 1 / 8 / 16 / 32 rows, µs per call from one CUDA graph of back-to-back
-   calls over ≥ 512 MiB of weight copies (``bench/w12_bench.py``'s method), PDL off then on, with cuBLAS in the
-   same process for the ratio (cuBLAS's own launches never use PDL).
+   calls over ≥ 512 MiB of weight copies (``bench/w12_bench.py``'s method): PDL off, on with the W12 kernels'
+   ``start`` style and with their ``prefetch`` style (:mod:`specpilot.kernels.pdl`), with cuBLAS in the same
+   process for the ratio (cuBLAS's own launches never use PDL).
 3. The exact pass of random Qwen3-8B at 1 and 33 rows through the bucket graphs (``measure_verify_ms``), bf16 and
-   W12, PDL off and on: the fused elementwise kernels, tree attention and the W12 kernels use it; cuBLAS does not.
+   W12, PDL off and on (W12 in both styles): the fused elementwise kernels, tree attention and the W12 kernels use
+   it; cuBLAS does not.
 
 Writes OUT.json after every section (device, versions, commit, every figure).
 """
@@ -33,6 +35,8 @@ from timing import time_calls  # noqa: E402  (bench/timing.py)
 from w12_bench import projection_copies  # noqa: E402  (bench/w12_bench.py)
 
 ROWS = (1, 8, 16, 32)
+#: (name, pdl.ENABLED, pdl.W12_STYLE)
+VARIANTS = (("off", False, "prefetch"), ("start", True, "start"), ("prefetch", True, "prefetch"))
 
 
 def main() -> int:
@@ -50,15 +54,13 @@ def main() -> int:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"proj": name, "rows": m, "cublas_us": time_calls(F.linear, ws, x)}
             outs = {}
-            for flag in (False, True):
-                pdl.ENABLED = flag
-                outs[flag] = w12_gemm(x, t, escapes=esc)
-                row[f"w12_pdl_{'on' if flag else 'off'}_us"] = time_calls(
-                    lambda a, te: w12_gemm(a, te[0], escapes=te[1]), ts, x)
+            for name_, flag, style in VARIANTS:
+                pdl.ENABLED, pdl.W12_STYLE = flag, style
+                outs[name_] = w12_gemm(x, t, escapes=esc)
+                row[f"w12_{name_}_us"] = time_calls(lambda a, te: w12_gemm(a, te[0], escapes=te[1]), ts, x)
+                row[f"speedup_{name_}"] = row["cublas_us"] / row[f"w12_{name_}_us"]
             pdl.ENABLED = False
-            row["bitwise_equal"] = bool(torch.equal(outs[False], outs[True]))
-            row["speedup_off"] = row["cublas_us"] / row["w12_pdl_off_us"]
-            row["speedup_on"] = row["cublas_us"] / row["w12_pdl_on_us"]
+            row["bitwise_equal"] = all(torch.equal(outs["off"], o) for o in outs.values())
             res["gemm"].append(row)
             print(json.dumps(row), flush=True)
         save()
@@ -70,18 +72,18 @@ def main() -> int:
         if kind == "w12":
             to_w12(model, inplace=True)
             torch.cuda.empty_cache()
-        for flag in (False, True):
-            pdl.ENABLED = flag
-            res["ar"][f"{kind}_pdl_{'on' if flag else 'off'}_ms"] = measure_verify_ms(model, 512, (1, 33), repeats=20,
-                                                                                      static=True)
-            print(kind, flag, res["ar"][f"{kind}_pdl_{'on' if flag else 'off'}_ms"], flush=True)
+        for name_, flag, style in VARIANTS[:2] if kind == "bf16" else VARIANTS:  # bf16: no W12 kernel, one "on"
+            pdl.ENABLED, pdl.W12_STYLE = flag, style
+            key = f"{kind}_{'on' if kind == 'bf16' and flag else name_}_ms"
+            res["ar"][key] = measure_verify_ms(model, 512, (1, 33), repeats=20, static=True)
+            print(key, res["ar"][key], flush=True)
             save()
     pdl.ENABLED = False
     ar = res["ar"]
-    res["ar"]["speedup_1row"] = {s: ar[f"bf16_pdl_{s}_ms"][1] / ar[f"w12_pdl_{s}_ms"][1] for s in ("off", "on")}
-    res["ar"]["w12_on_vs_bf16_off_1row"] = ar["bf16_pdl_off_ms"][1] / ar["w12_pdl_on_ms"][1]
+    res["ar"]["w12_over_bf16_1row"] = {f"w12_{w}/bf16_{b}": ar[f"bf16_{b}_ms"][1] / ar[f"w12_{w}_ms"][1]
+                                       for w in ("off", "start", "prefetch") for b in ("off", "on")}
     save()
-    print("AR 1-row speedup", res["ar"]["speedup_1row"], flush=True)
+    print("AR 1-row", res["ar"]["w12_over_bf16_1row"], flush=True)
     return 0
 
 

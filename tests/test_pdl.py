@@ -50,7 +50,10 @@ KERNELS = {
 }
 kern, sig, const = KERNELS[sys.argv[1]]
 # kernel_resources compiles for sm_90a and assembles with ptxas (RuntimeError if ptxas fails)
-print(json.dumps({str(flag): kernel_resources(kern, sig, {**const, "PDL": flag}, 4, 2).ptx for flag in (False, True)}))
+variants = {"False": {"PDL": False}, "True": {"PDL": True}}
+if sys.argv[1].startswith("w12_") and sys.argv[1] != "w12_split_sum":
+    variants["prefetch"] = {"PDL": True, "PREFETCH": True}
+print(json.dumps({name: kernel_resources(kern, sig, {**const, **v}, 4, 2).ptx for name, v in variants.items()}))
 """
 
 
@@ -67,8 +70,47 @@ def test_kernels_compile_with_pdl_for_sm90(name):
                        cwd=root)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])  # PTX opcode counts with PDL off / on
-    assert res["True"].get("griddepcontrol.wait", 0) >= 1 and res["True"].get("griddepcontrol.launch_dependents", 0) >= 1, res
+    for on in [v for v in res if v != "False"]:
+        assert res[on].get("griddepcontrol.wait", 0) >= 1 and res[on].get("griddepcontrol.launch_dependents", 0) >= 1, res
     assert not any(op.startswith("griddepcontrol") for op in res["False"]), res
+    assert ("prefetch" in res) == (name in ("w12_mma", "w12_gemv"))
+
+
+@pytest.mark.parametrize("m,over", [(1, dict(gemv=True)), (3, dict(gemv=True, split_k=2, block_k=64)),
+                                    (1, dict(gemv=True, split_k=3, block_k=128)),
+                                    (5, dict(gemv=False, block_n=32, block_k=64, split_k=3)),
+                                    (17, dict(gemv=False, block_n=16, block_k=64, split_k=2, fused_split=False)),
+                                    (40, dict(gemv=False, block_n=16, block_k=128))])
+def test_w12_prefetch_path_is_bitwise_the_plain_path(monkeypatch, m, over):
+    """The W12 kernels' PREFETCH path (first K step's weight words loaded before the PDL wait, the rest in the loop)
+    performs the same operations in the same order as the plain loop: bitwise equal outputs, with split K (ragged
+    last split included) and several row counts. Run with PDL itself off (the interpreter has no griddepcontrol);
+    the GPU test below runs it with PDL on."""
+    from specpilot.kernels.w12_gemm import w12_gemm, w12_gemm_reference
+    from specpilot.w12.format import encode
+
+    from .tritonutil import DEV
+
+    g = torch.Generator().manual_seed(m * 7 + len(over))
+    n, k = 200, 700
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    w[3, 5] = 0.0  # an escape
+    t = encode(w, device=DEV)
+    x = torch.randn(m, k, generator=g).to(DEV, torch.bfloat16 if DEV == "cuda" else torch.float32)
+    plain = w12_gemm(x, t, **over)
+    monkeypatch.setattr(pdl, "w12_launch_kw", lambda device: {"PDL": False, "PREFETCH": True})
+    pre = w12_gemm(x, t, **over)
+    assert torch.equal(plain, pre)
+    tol = 2e-2 if x.dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(pre.float(), w12_gemm_reference(x, t).float(), rtol=tol, atol=tol)  # and both are the product
+
+
+def test_w12_style_is_checked(monkeypatch):
+    monkeypatch.setattr(pdl, "W12_STYLE", "early")
+    with pytest.raises(ValueError, match="SPECPILOT_PDL_W12"):
+        pdl.w12_launch_kw(torch.device("cpu"))
+    monkeypatch.setattr(pdl, "W12_STYLE", "prefetch")
+    assert pdl.w12_launch_kw(torch.device("cpu")) == {"PDL": False, "PREFETCH": False}
 
 
 @pytest.mark.gpu
@@ -85,14 +127,17 @@ def test_pdl_launches_give_the_same_outputs_and_tokens(monkeypatch):
     t = encode(w, device="cuda")
     xs = [torch.randn(m, 12288, device="cuda", dtype=torch.bfloat16) for m in (1, 8, 32)]
     outs = {}
-    for flag in (False, True):
+    for flag, style in ((False, "prefetch"), (True, "prefetch"), (True, "start")):
         monkeypatch.setattr(pdl, "ENABLED", flag)
-        outs[flag] = [w12_gemm(x, t) for x in xs for _ in range(3)]
+        monkeypatch.setattr(pdl, "W12_STYLE", style)
+        outs[flag, style] = [w12_gemm(x, t) for x in xs for _ in range(3)]
         dep = Deployment(bundled_target_dir(), None, dtype="bfloat16", device="cuda")
         eng = dep.system(SystemConfig.ar(dtype="bfloat16"))  # bucket graphs captured with or without PDL
-        outs[flag].append(torch.tensor(eng.generate(list(range(300, 340)), 48).tokens))
+        outs[flag, style].append(torch.tensor(eng.generate(list(range(300, 340)), 48).tokens))
+        w12 = dep.system(SystemConfig.ar(dtype="bfloat16", w12=True))  # the W12 kernels inside the bucket graphs
+        outs[flag, style].append(torch.tensor(w12.generate(list(range(300, 340)), 48).tokens))
         spec = dep.system(SystemConfig(drafter="ngram", tree="best_first", nodes=8, depth=8, top_k=2, dtype="bfloat16"))
-        outs[flag].append(torch.tensor(spec.generate(list(range(300, 340)) * 2, 48).tokens))
+        outs[flag, style].append(torch.tensor(spec.generate(list(range(300, 340)) * 2, 48).tokens))
     assert pdl.on(torch.device("cuda")) == (torch.cuda.get_device_capability() >= (9, 0))
-    for a, b in zip(outs[False], outs[True]):
-        assert torch.equal(a.cpu(), b.cpu())
+    for a, b, c in zip(outs[False, "prefetch"], outs[True, "prefetch"], outs[True, "start"]):
+        assert torch.equal(a.cpu(), b.cpu()) and torch.equal(a.cpu(), c.cpu())

@@ -10,9 +10,15 @@ launch, the programs' dispatch and nothing else: a kernel's own work always star
 Kernels that are not launched this way (cuBLAS, PyTorch's own) serialise as usual, and ``wait`` returns at once
 after them. CUDA graphs captured from such launches keep the programmatic edges (stream capture, CUDA ≥ 12.3).
 
-Off unless ``SPECPILOT_PDL=1`` (or :data:`ENABLED` set to True): prepared in session 9 without a GPU; the
-kernels compile with it for sm_90a (``tests/test_pdl.py``), but it has not run on an H200 yet. Never on the CPU,
-in the Triton interpreter, or on GPUs older than sm_90.
+The W12 kernels (:data:`W12_STYLE`) do better than wait-at-the-start: their weights do not depend on any earlier
+kernel, so with ``"prefetch"`` a program loads its first K step's weight words *before* ``wait`` (only the
+activations and every store come after it) and signals ``launch_dependents`` only after its K loop, so the next
+kernel's programs do not take SM slots while this one still streams. On the H200 (session 10, one graph of
+back-to-back calls) wait-and-signal-at-the-start made W12 GEMMs 5–37% slower (the waiting programs of the next
+call crowd the SMs) while the elementwise kernels' PDL made the bf16 exact pass 4% faster.
+
+Off unless ``SPECPILOT_PDL=1`` (or :data:`ENABLED` set to True). Never on the CPU, in the Triton interpreter, or
+on GPUs older than sm_90.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ except ImportError:
 
 #: the process-wide switch (``SPECPILOT_PDL=1`` at import; benchmarks flip it to time both ways)
 ENABLED = os.environ.get("SPECPILOT_PDL", "0") == "1"
+#: how the W12 kernels use PDL when it is on: "start" (wait and signal at the first instruction, like the other
+#: kernels) or "prefetch" (first step's weights loaded before the wait, signal after the K loop)
+W12_STYLE = os.environ.get("SPECPILOT_PDL_W12", "prefetch")
 
 
 def on(device: torch.device) -> bool:
@@ -51,6 +60,15 @@ def launch_kw(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True} if on(device) else {"PDL": False}
 
 
+def w12_launch_kw(device: torch.device) -> dict:
+    """:func:`launch_kw` for the W12 kernels, plus their ``PREFETCH`` constexpr (:data:`W12_STYLE` is
+    ``"prefetch"`` and PDL is on). Raises ValueError for an unknown :data:`W12_STYLE`."""
+    if W12_STYLE not in ("start", "prefetch"):
+        raise ValueError(f"SPECPILOT_PDL_W12 must be 'start' or 'prefetch', got {W12_STYLE!r}")
+    kw = launch_kw(device)
+    return {**kw, "PREFETCH": kw["PDL"] and W12_STYLE == "prefetch"}
+
+
 if triton is not None:
 
     @triton.jit
@@ -60,3 +78,15 @@ if triton is not None:
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """``griddepcontrol.wait`` when ``PDL``: the previous kernel has finished and its writes are visible."""
+        if PDL:
+            gdc_wait()
+
+    @triton.jit
+    def pdl_signal(PDL: tl.constexpr):
+        """``griddepcontrol.launch_dependents`` when ``PDL``: the next kernel may launch."""
+        if PDL:
+            gdc_launch_dependents()

@@ -29,7 +29,7 @@ from .w12_gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 if triton is not None:
     import triton.language as tl
 
-    from .pdl import pdl_start
+    from .pdl import pdl_signal, pdl_start, pdl_wait
     from .w12_gemm import _finish_splits, _store_out
     from .w12_tiles import _decode8, _load_groups, _word_offsets
 
@@ -129,7 +129,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
         m, n, k, k_pad, k_per_split, x.stride(0), BLOCK_N=bn, BLOCK_K=bk, ROWS=rows, SPLIT_K=split, FUSED=fused,
         EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
         ASM=bool(cfg["asm"]) and x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl.launch_kw(x.device))
+        **pdl.w12_launch_kw(x.device))
     return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused)
 
 
@@ -169,15 +169,35 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _gemv_step(acc, vw, qw, X, kb, rg, M, stride_xm, K, X_EVEN: tl.constexpr, ROWS: tl.constexpr,
+                   ASM: tl.constexpr):
+        """One K step of :func:`_w12_gemv_kernel`: decode the words ``vw`` / ``qw [BN, G]`` of columns ``kb ..
+        kb + 8G`` and add their products with X's columns to ``acc``."""
+        w0, w1, w2, w3, w4, w5, w6, w7 = _decode8(vw, qw, ASM)
+        col = kb + 8 * rg
+        acc = _x_times(acc, w0, X, col, M, stride_xm, K, X_EVEN, ROWS)
+        acc = _x_times(acc, w1, X, col + 1, M, stride_xm, K, X_EVEN, ROWS)
+        acc = _x_times(acc, w2, X, col + 2, M, stride_xm, K, X_EVEN, ROWS)
+        acc = _x_times(acc, w3, X, col + 3, M, stride_xm, K, X_EVEN, ROWS)
+        acc = _x_times(acc, w4, X, col + 4, M, stride_xm, K, X_EVEN, ROWS)
+        acc = _x_times(acc, w5, X, col + 5, M, stride_xm, K, X_EVEN, ROWS)
+        acc = _x_times(acc, w6, X, col + 6, M, stride_xm, K, X_EVEN, ROWS)
+        acc = _x_times(acc, w7, X, col + 7, M, stride_xm, K, X_EVEN, ROWS)
+        return acc
+
+    @triton.jit
     def _w12_gemv_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD,
                          K_PER_SPLIT, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                          SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         ASM: tl.constexpr, PDL: tl.constexpr = False):
+                         ASM: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: ``Out[m, n] = Σ_k x_mk w_nk (+ escapes, bias)`` for the ``M ≤
         ROWS`` rows of ``X``, BLOCK_N rows of one record band and one K chunk (see :func:`w12_gemv`). ``RecV`` /
         ``RecQ``: the records as int64 / int32 words. Float32 accumulators ``[BLOCK_N, BLOCK_K / 8]`` (one
-        row) or ``[ROWS, BLOCK_N, BLOCK_K / 8]``, one per group of 8 columns; each weight is decoded once."""
-        pdl_start(PDL)
+        row) or ``[ROWS, BLOCK_N, BLOCK_K / 8]``, one per group of 8 columns; each weight is decoded once.
+        ``PREFETCH`` (with ``PDL``): the first step's words are loaded before the PDL wait and the next kernel
+        is signalled after the K loop (:mod:`specpilot.kernels.pdl`); the same operations in the same order."""
+        if not PREFETCH:
+            pdl_start(PDL)
         pid_k = tl.program_id(1)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -188,19 +208,19 @@ if triton is not None:
             acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
         k0 = pid_k * K_PER_SPLIT
         k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)  # this split's end (a multiple of 64)
-        for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        if PREFETCH:  # weights need no wait; activations do (K_PER_SPLIT >= BLOCK_K always)
+            vw, qw = _load_groups(RecV, RecQ, k0, k1, row_v, row_q, rg, col_v, col_q, EVEN)
+            pdl_wait(PDL)
+            acc = _gemv_step(acc, vw, qw, X, k0, rg, M, stride_xm, K, X_EVEN, ROWS, ASM)
+            first = BLOCK_K
+        else:
+            first = 0
+        for kk in range(first, K_PER_SPLIT, BLOCK_K):
             kb = k0 + kk
             vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
-            w0, w1, w2, w3, w4, w5, w6, w7 = _decode8(vw, qw, ASM)
-            col = kb + 8 * rg
-            acc = _x_times(acc, w0, X, col, M, stride_xm, K, X_EVEN, ROWS)
-            acc = _x_times(acc, w1, X, col + 1, M, stride_xm, K, X_EVEN, ROWS)
-            acc = _x_times(acc, w2, X, col + 2, M, stride_xm, K, X_EVEN, ROWS)
-            acc = _x_times(acc, w3, X, col + 3, M, stride_xm, K, X_EVEN, ROWS)
-            acc = _x_times(acc, w4, X, col + 4, M, stride_xm, K, X_EVEN, ROWS)
-            acc = _x_times(acc, w5, X, col + 5, M, stride_xm, K, X_EVEN, ROWS)
-            acc = _x_times(acc, w6, X, col + 6, M, stride_xm, K, X_EVEN, ROWS)
-            acc = _x_times(acc, w7, X, col + 7, M, stride_xm, K, X_EVEN, ROWS)
+            acc = _gemv_step(acc, vw, qw, X, kb, rg, M, stride_xm, K, X_EVEN, ROWS, ASM)
+        if PREFETCH:
+            pdl_signal(PDL)
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
         scale = ((base + 15) << 23).to(tl.float32, bitcast=True)  # 2^(B_n − 112), exact
         offs_m = tl.arange(0, ROWS)

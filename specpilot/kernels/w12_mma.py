@@ -32,7 +32,7 @@ from .w12_gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 if triton is not None:
     import triton.language as tl
 
-    from .pdl import pdl_start
+    from .pdl import pdl_signal, pdl_start, pdl_wait
     from .w12_gemm import _finish_splits, _store_out
     from .w12_tiles import _decode_words, _decode_words_bf16, _k_order, _load_groups, _word_offsets
 
@@ -62,7 +62,7 @@ def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes,
         EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
         FP32=x.dtype == torch.float32,
         ASM=bool(cfg.get("asm", True)) and x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl.launch_kw(x.device))
+        **pdl.w12_launch_kw(x.device))
     return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused)
 
 
@@ -70,44 +70,62 @@ def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes,
 if triton is not None:
 
     @triton.jit
+    def _mma_step(acc, X, vw, qw, offs_m, m_ok, kb, stride_xm, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, X_EVEN: tl.constexpr, FP32: tl.constexpr, ASM: tl.constexpr):
+        """One K step of :func:`_w12_mma_kernel`: load X's tile at column ``kb``, decode the words ``vw`` / ``qw``
+        and add ``W' xᵀ`` of the step to ``acc [BLOCK_N, BLOCK_M]``."""
+        offs_k = kb + tl.arange(0, BLOCK_K)
+        if X_EVEN:
+            a = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+        else:
+            a = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        if ASM and not FP32:
+            w = _decode_words_bf16(vw, qw)  # bf16 w' [BLOCK_N, BLOCK_K] straight from the words
+        else:
+            w = _decode_words(vw, qw, ASM)  # float32 w' (exact in bf16: zero low 16 bits)
+        w = _k_order(w, BLOCK_N, BLOCK_K)  # both operands: the same K permutation (see _k_order)
+        a = _k_order(a, BLOCK_M, BLOCK_K)
+        if FP32:
+            acc += tl.dot(w, tl.trans(a), input_precision="ieee")
+        else:
+            acc += tl.dot(w.to(tl.bfloat16), tl.trans(a))
+        return acc
+
+    @triton.jit
     def _w12_mma_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD, K_PER_SPLIT,
                         stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        FP32: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
+                        FP32: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: BLOCK_N rows of one record band, one K
         chunk, BLOCK_M activation rows; ``acc [BLOCK_N, BLOCK_M] = W' xᵀ`` in float32 (see :func:`w12_mma`).
         ``RecV`` / ``RecQ``: the records as int64 / int32 words. ``X_EVEN``: every split ends inside K, so the
-        activation loads need only the row mask (and can be vector loads)."""
-        pdl_start(PDL)
+        activation loads need only the row mask (and can be vector loads). ``PREFETCH`` (with ``PDL``): the
+        first step's words are loaded before the PDL wait, the next kernel signalled after the K loop."""
+        if not PREFETCH:
+            pdl_start(PDL)
         pid_k = tl.program_id(1)
         offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = offs_m < M
         n_ok = offs_n < N
         row_v, row_q, rg, col_v, col_q = _word_offsets(offs_n, K_PAD, BLOCK_K)
-        rk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         k0 = pid_k * K_PER_SPLIT
         k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)
-        for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        if PREFETCH:  # weights need no wait; activations do (K_PER_SPLIT >= BLOCK_K always)
+            vw, qw = _load_groups(RecV, RecQ, k0, k1, row_v, row_q, rg, col_v, col_q, EVEN)
+            pdl_wait(PDL)
+            acc = _mma_step(acc, X, vw, qw, offs_m, m_ok, k0, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, X_EVEN, FP32, ASM)
+            first = BLOCK_K
+        else:
+            first = 0
+        for kk in range(first, K_PER_SPLIT, BLOCK_K):
             kb = k0 + kk
-            offs_k = kb + rk
-            if X_EVEN:
-                a = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None], other=0.0)
-            else:
-                a = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
-                            mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
             vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
-            if ASM and not FP32:
-                w = _decode_words_bf16(vw, qw)  # bf16 w' [BLOCK_N, BLOCK_K] straight from the words
-            else:
-                w = _decode_words(vw, qw, ASM)  # float32 w' (exact in bf16: zero low 16 bits)
-            w = _k_order(w, BLOCK_N, BLOCK_K)  # both operands: the same K permutation (see _k_order)
-            a = _k_order(a, BLOCK_M, BLOCK_K)
-            if FP32:
-                acc += tl.dot(w, tl.trans(a), input_precision="ieee")
-            else:
-                acc += tl.dot(w.to(tl.bfloat16), tl.trans(a))
+            acc = _mma_step(acc, X, vw, qw, offs_m, m_ok, kb, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, X_EVEN, FP32, ASM)
+        if PREFETCH:
+            pdl_signal(PDL)
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
         acc = acc * ((base + 15) << 23).to(tl.float32, bitcast=True)[:, None]  # 2^(B_n − 112), exact
         dst = offs_m[None, :] * N + offs_n[:, None]
