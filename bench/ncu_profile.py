@@ -1,7 +1,8 @@
-"""Nsight Compute profiles of the kernels behind issue 5's misses: W12 vs cuBLAS on the Qwen3-8B qkv / o projections
-at 1 / 8 / 16 / 32 rows, and the certified INT8 head (bounds, select, rescore) vs the bf16 head at 1 row.
+"""Nsight Compute profiles of the kernels behind issue 5's misses: W12 vs cuBLAS on the Qwen3-8B projections (qkv, o,
+gate_up, down) at 1 / 8 / 16 / 32 rows, and the certified INT8 head (bounds, select, rescore, decide) vs the bf16 head
+at 1 row.
 
-    python bench/ncu_profile.py OUT.json                 # runs ncu once per case, writes every metric as JSON
+    python bench/ncu_profile.py OUT.json                 # runs ncu once per case (34 cases), writes every metric as JSON
     python bench/ncu_profile.py OUT.json --cases w12-qkv-1,head-int8-1
 
 Each case runs in its own process under ``ncu --clock-control none --nvtx --nvtx-include measure/`` (the device
@@ -33,7 +34,7 @@ from pathlib import Path
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats",
             "WarpStateStats", "SchedulerStats")
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096)}  # Qwen3-8B, (N, K)
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # Qwen3-8B, (N, K)
 CASES = [f"{impl}-{proj}-{rows}" for proj in SHAPES for rows in (1, 8, 16, 32) for impl in ("w12", "cublas")]
 CASES += ["head-int8-1", "head-bf16-1"]
 HEAD = (151936, 4096)  # Qwen3-8B LM head (V, K)

@@ -2,6 +2,10 @@
 
 Profiles graph replays at 1 and 33 rows with the PyTorch profiler and writes the kernels' total CUDA time,
 grouped by name, plus the sum of kernel times vs the wall time per replay. Output: JSON at argv[1].
+
+    python bench/profile_graph_step.py OUT.json          # bf16 projections (cuBLAS)
+    python bench/profile_graph_step.py OUT.json --w12    # then the same model with W12 projections, in
+                                                         # the same process: keys rows_N and w12_rows_N
 """
 
 import json
@@ -21,9 +25,17 @@ L = 512
 cache = m.new_cache(4096 + 256)
 with torch.inference_mode():
     m(torch.randint(0, 1000, (L,), device=dev), torch.arange(L, device=dev), cache, 0)
-runner = BucketRunner(m, cache, graphs=True)
 out = {"device": torch.cuda.get_device_name(0), "versions": versions(), "commit": git_commit(), "prefix_len": L}
-for r in (1, 33):
+kinds = ["", "w12_"] if "--w12" in sys.argv[2:] else [""]
+for kind, r in [(k, r) for k in kinds for r in (1, 33)]:
+    if kind == "w12_" and r == 1:
+        from specpilot.mechanisms.w12 import to_w12
+
+        del runner
+        to_w12(m, inplace=True)
+        torch.cuda.empty_cache()
+    if r == 1:
+        runner = BucketRunner(m, cache, graphs=True)
     toks, pos = list(range(r)), list(range(L, L + r))
     mask = torch.ones(r, r, dtype=torch.bool).tril()
     for _ in range(3):
@@ -43,8 +55,8 @@ for r in (1, 33):
             rows.append({"name": e.key[:120], "calls": e.count // 5, "us_per_pass": t / 5})
     rows.sort(key=lambda x: -x["us_per_pass"])
     kern_ms = sum(x["us_per_pass"] for x in rows) / 1e3
-    out[f"rows_{r}"] = {"wall_ms_per_pass": wall, "kernel_ms_per_pass": kern_ms, "top": rows[:25]}
-    print(r, round(wall, 3), round(kern_ms, 3), flush=True)
+    out[f"{kind}rows_{r}"] = {"wall_ms_per_pass": wall, "kernel_ms_per_pass": kern_ms, "top": rows[:25]}
+    print(kind, r, round(wall, 3), round(kern_ms, 3), flush=True)
     for x in rows[:15]:
         print("   ", round(x["us_per_pass"], 1), x["calls"], x["name"][:90])
 json.dump(out, open(sys.argv[1], "w"), indent=2)
