@@ -32,3 +32,45 @@ def test_all_buckets_captured_at_build_and_none_later(cfg):
     for prompt in ([5, 17, 300, 42, 9] * 8, [7] * 3, [11, 400, 23] * 100):  # the last: two prefill chunks
         assert eng.generate(prompt, 40).tokens == lazy.generate(prompt, 40).tokens
     assert [dict(r._graphs) for r in runners] == graphs  # the same graph objects: nothing captured since
+
+
+def _kernel_names(fn) -> set[str]:
+    """Names of the CUDA kernels ``fn()`` launches (PyTorch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages()}
+
+
+def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs():
+    """``reserve_split_locks`` before a capture gives the capture stream its split-K counters, so a captured W12
+    launch with split K sums in the kernel (no ``_w12_split_sum_kernel``) and equals the eager call bitwise; a
+    capture on a stream without counters falls back to the two-kernel sum (same bits). The engine's bucket
+    graphs reserve them: the bundled target's down projection (K 768) runs split K 2 at 8 rows."""
+    from specpilot.kernels.w12_gemm import reserve_split_locks, w12_gemm
+    from specpilot.w12.format import encode
+
+    torch.manual_seed(0)
+    t = encode((torch.randn(256, 768, device="cuda") * 0.05).to(torch.bfloat16), device="cuda")
+    x = torch.randn(8, 768, device="cuda", dtype=torch.bfloat16)
+    eager = w12_gemm(x, t, split_k=2, gemv=False)
+    held = {}
+    for reserve in (True, False):
+        g = torch.cuda.CUDAGraph()
+        capture = torch.cuda.graph(g, stream=torch.cuda.Stream())  # a stream no eager call has used
+        if reserve:
+            reserve_split_locks(x.device, capture.capture_stream)
+        with capture:
+            held[reserve] = w12_gemm(x, t, split_k=2, gemv=False)
+        names = _kernel_names(g.replay)
+        assert any("_w12_mma_kernel" in n for n in names), names
+        assert any("_w12_split_sum_kernel" in n for n in names) == (not reserve), names
+        assert torch.equal(held[reserve], eager)
+
+    dep = Deployment(bundled_target_dir(), None, dtype="bfloat16", device="cuda")
+    eng = dep.system(SystemConfig(drafter="ngram", tree="best_first", nodes=8, depth=8, top_k=2, dtype="bfloat16",
+                                  w12=True))
+    names = _kernel_names(eng.runner._graphs[8].replay)
+    assert any("_w12_mma_kernel" in n for n in names) and not any("_w12_split_sum_kernel" in n for n in names), names

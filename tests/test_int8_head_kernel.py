@@ -17,6 +17,13 @@ from specpilot.mechanisms.lm_head_int8 import CertifiedInt8Head, _eps
 from .test_lm_head_int8 import real_tie_weights
 
 
+@pytest.fixture(autouse=True)
+def fp32_reductions(monkeypatch):
+    """The certified head refuses cuBLAS's reduced-precision bf16 reductions (PyTorch's CUDA default; the engine's
+    Deployment turns them off): turn them off here too, as a user of the head must. No-op on the CPU."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
+
+
 def exact_argmax(h, w):
     """The engine's exact head and argmax (``Transformer.logits``), over all rows at once."""
     return F.linear(h.to(w.dtype), w).float().argmax(dim=-1)

@@ -121,13 +121,17 @@ class DraftModelDrafter:
             self._loop_body(st, depth)
         else:
             if st["graph"] is None:  # capture now that start = n: the warm-up writes only past the prefix
+                from ..kernels.w12_gemm import reserve_split_locks
+
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     self._loop_body(st, depth)
                 torch.cuda.current_stream().wait_stream(side)
                 st["graph"] = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(st["graph"]):
+                capture = torch.cuda.graph(st["graph"])
+                reserve_split_locks(self.model.device, capture.capture_stream)
+                with capture:
                     self._loop_body(st, depth)
             st["graph"].replay()
         return st["toks"].cpu(), st["lps"].float().cpu()

@@ -108,6 +108,8 @@ class BucketRunner:
             return self.model.full_greedy(self._static[self._last_bucket]["hidden"])[:r].tolist()
 
     def _capture(self, b: int) -> None:
+        from ..kernels.w12_gemm import reserve_split_locks
+
         s = self._buffers(b)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -116,7 +118,9 @@ class BucketRunner:
                 self._body(s)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool):
+        capture = torch.cuda.graph(g, pool=self._pool)
+        reserve_split_locks(self.model.device, capture.capture_stream)  # W12's split-K sums stay in the kernel
+        with capture:
             s["out"] = self._body(s)
         self._pool = g.pool()
         self._graphs[b] = g

@@ -198,10 +198,11 @@ def tree_attention(q, k_cache, v_cache, prefix_len, tree_mask, scale, *, block_m
         G=g, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_SPLITS=splits, FP32=q.dtype == torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kw(q.device),
     )
-    if splits > 1:
-        _combine[(triton.cdiv(m, bm), kvh)](
+    if splits > 1:  # rows per combine program: no more than there are (1 row x 4 heads: 4, not the forward's 16)
+        bmc = min(bm, triton.next_power_of_2(m))
+        _combine[(triton.cdiv(m, bmc), kvh)](
             part_acc, part_ml, out, r, kvh, out.stride(0), out.stride(1),
-            G=g, HEAD_DIM=d, BLOCK_M=bm, NUM_SPLITS=splits, num_warps=cfg["num_warps"], **pdl.launch_kw(q.device),
+            G=g, HEAD_DIM=d, BLOCK_M=bmc, NUM_SPLITS=splits, num_warps=cfg["num_warps"], **pdl.launch_kw(q.device),
         )
     return out
 
@@ -295,7 +296,9 @@ if triton is not None:
     @triton.jit
     def _combine(PartAcc, PartML, Out, R, KVH, stride_or, stride_oh, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr = False):
-        """Merge the splits' (acc, m, l) in split order (deterministic): grid ``(cdiv(R*G, BLOCK_M), KVH)``."""
+        """Merge the splits' (acc, m, l) in split order (deterministic): grid ``(cdiv(R*G, BLOCK_M), KVH)``. Both
+        loops over the splits are unrolled (``static_range``) so their loads issue together: as plain loops, 2 x 17
+        dependent L2 round trips made this kernel 5.5 µs a call at one row on the H200, more than the attention."""
         pdl_start(PDL)
         pid_m = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -304,13 +307,13 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         m_ok = offs_m < M
         m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        for sp in range(NUM_SPLITS):
+        for sp in tl.static_range(NUM_SPLITS):
             m_s = tl.load(PartML + (sp * KVH + kvh) * M + offs_m, mask=m_ok, other=float("-inf"))
             m_max = tl.maximum(m_max, m_s)
         m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for sp in range(NUM_SPLITS):
+        for sp in tl.static_range(NUM_SPLITS):
             base = (sp * KVH + kvh) * M + offs_m
             m_s = tl.load(PartML + base, mask=m_ok, other=float("-inf"))
             l_s = tl.load(PartML + NUM_SPLITS * KVH * M + base, mask=m_ok, other=0.0)

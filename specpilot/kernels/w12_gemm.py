@@ -279,19 +279,43 @@ def split_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
     outgrown buffer is kept alive for graphs that captured it. Graphs captured on one stream share its buffer:
     do not replay two of them at once on different streams.
 
-    Returns None while the current stream is capturing a CUDA graph and has no buffer yet (a new one would
-    belong to the graph's memory pool): the caller then uses the two-kernel sum, which gives the same bits.
-    Warm up on the capture stream (``torch.cuda.graph(g, stream=s)`` after an eager call on ``s``) to capture
-    the fused path."""
+    Returns None while the current stream is capturing a CUDA graph and has no (large enough) buffer (a new one
+    would belong to the graph's memory pool): the caller then uses the two-kernel sum, which gives the same bits.
+    Call :func:`reserve_split_locks` for the capture stream before capturing to get the fused path in the graph."""
     dev = torch.device(device)
     key = (dev, torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
     buf = _LOCKS.get(key)
     if buf is None or buf.numel() < tiles:
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = _LOCKS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=dev)
+        buf = _new_locks(key, tiles)
+    return buf
+
+
+#: counters reserved for a capture stream (tiles of the largest split-K launch: cdiv(N, 16) x cdiv(M, BLOCK_M))
+CAPTURE_LOCKS = 1 << 16
+
+
+def reserve_split_locks(device: torch.device, stream: "torch.cuda.Stream", tiles: int = CAPTURE_LOCKS) -> None:
+    """Before a CUDA graph is captured on ``stream`` (``torch.cuda.graph(...).capture_stream``): give that stream a
+    zeroed counter buffer of at least ``tiles`` counters (256 KiB by default), so that the W12 kernels captured
+    there sum their split-K partials in the kernel (:func:`split_locks`). Must not be called while capturing
+    (raises RuntimeError then); does nothing off CUDA."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("reserve_split_locks must run before the capture, not inside it")
+    key = (dev, stream.cuda_stream)
+    if key not in _LOCKS or _LOCKS[key].numel() < tiles:
+        _new_locks(key, tiles)
+
+
+def _new_locks(key, tiles: int) -> torch.Tensor:
+    """A zeroed counter buffer for ``key`` (device, stream handle); the outgrown one is retired, never freed."""
+    if key in _LOCKS:
+        _RETIRED.append(_LOCKS[key])
+    buf = _LOCKS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=key[0])
     return buf
 
 
