@@ -49,13 +49,14 @@ def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs():
     launch with split K sums in the kernel (no ``_w12_split_sum_kernel``) and equals the eager call bitwise; a
     capture on a stream without counters falls back to the two-kernel sum (same bits). The engine's bucket
     graphs reserve them: the bundled target's down projection (K 768) runs split K 2 at 8 rows."""
-    from specpilot.kernels.w12_gemm import reserve_split_locks, w12_gemm
+    from specpilot.kernels.w12_gemm import escape_table, reserve_split_locks, w12_gemm
     from specpilot.w12.format import encode
 
     torch.manual_seed(0)
     t = encode((torch.randn(256, 768, device="cuda") * 0.05).to(torch.bfloat16), device="cuda")
     x = torch.randn(8, 768, device="cuda", dtype=torch.bfloat16)
-    eager = w12_gemm(x, t, split_k=2, gemv=False)
+    esc = escape_table(t)  # computed outside the capture (it reads the escape list on the host)
+    eager = w12_gemm(x, t, escapes=esc, split_k=2, gemv=False)
     held = {}
     for reserve in (True, False):
         g = torch.cuda.CUDAGraph()
@@ -63,7 +64,7 @@ def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs():
         if reserve:
             reserve_split_locks(x.device, capture.capture_stream)
         with capture:
-            held[reserve] = w12_gemm(x, t, split_k=2, gemv=False)
+            held[reserve] = w12_gemm(x, t, escapes=esc, split_k=2, gemv=False)
         names = _kernel_names(g.replay)
         assert any("_w12_mma_kernel" in n for n in names), names
         assert any("_w12_split_sum_kernel" in n for n in names) == (not reserve), names
