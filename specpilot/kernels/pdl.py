@@ -13,12 +13,13 @@ after them. CUDA graphs captured from such launches keep the programmatic edges 
 The W12 kernels (:data:`W12_STYLE`) do better than wait-at-the-start: their weights do not depend on any earlier
 kernel, so with ``"prefetch"`` a program loads its first K step's weight words *before* ``wait`` (only the
 activations and every store come after it) and signals ``launch_dependents`` only after its K loop, so the next
-kernel's programs do not take SM slots while this one still streams. On the H200 (session 10, one graph of
-back-to-back calls) wait-and-signal-at-the-start made W12 GEMMs 5–37% slower (the waiting programs of the next
-call crowd the SMs) while the elementwise kernels' PDL made the bf16 exact pass 4% faster.
+kernel's programs do not take SM slots while this one still streams.
 
-Off unless ``SPECPILOT_PDL=1`` (or :data:`ENABLED` set to True). Never on the CPU, in the Triton interpreter, or
-on GPUs older than sm_90.
+Measured on the H200 (``bench/pdl_check.py``, ``bench/results/pdl_check_h200_2026-12-01_session10_run{1,2}.json``;
+one graph of back-to-back calls) it does not pay: against PDL off the W12 GEMMs were 5–42% slower with ``start``
+and 2–36% slower with ``prefetch`` (1–7% faster in three one-row cases), and the Qwen3-8B exact pass at one row
+moved by −4% / 0% (bf16, two runs) and +1% (W12, prefetch). Hence off by default: ``SPECPILOT_PDL=1`` (or
+:data:`ENABLED` set to True) turns it on. Never on the CPU, in the Triton interpreter, or on GPUs older than sm_90.
 """
 
 from __future__ import annotations

@@ -578,7 +578,7 @@ if triton is not None:
         ok = m_ok[:, None] & n_ok[None, :]
         dst = offs_m[:, None] * N + offs_n[None, :]
         acc = tl.load(Part + dst, mask=ok, other=0.0)
-        for s in range(1, SPLIT_K):
+        for s in tl.static_range(1, SPLIT_K):  # unrolled: the partials' loads issue together, summed in split order
             acc += tl.load(Part + s * M * N + dst, mask=ok, other=0.0)
         _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS, False)
 
