@@ -102,10 +102,11 @@ def _pass_profiles(model, prefix_len: int, rows=(1, 33, 64)) -> dict:
             for r, p in profile_passes(model, rows, prefix_len).items()}
 
 
-def result_stem(out: Path, ckpt, device: str) -> str:
-    """File stem of a bench result in ``out``: ``bench_<checkpoint dir name>_<device type>_<date>``, with a
-    ``_HHMMSS`` (then a counter) suffix when that JSON exists already: no earlier result is overwritten."""
-    stem = f"bench_{Path(ckpt).name}_{torch.device(device).type}_{_dt.date.today().isoformat()}"
+def result_stem(out: Path, ckpt, device: str, label: str | None = None) -> str:
+    """File stem of a bench result in ``out``: ``bench_<checkpoint dir name>_<device type>_<date>`` (``label``
+    instead of ``bench_<checkpoint dir name>`` when given, e.g. ``w12_bench``), with a ``_HHMMSS`` (then a
+    counter) suffix when that JSON exists already: no earlier result is overwritten."""
+    stem = f"{label or 'bench_' + Path(ckpt).name}_{torch.device(device).type}_{_dt.date.today().isoformat()}"
     if (out / f"{stem}.json").exists():
         stem += "_" + _dt.datetime.now().strftime("%H%M%S")
         base, i = stem, 1

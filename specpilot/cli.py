@@ -373,7 +373,12 @@ def replay(
 
 @app.command()
 def bench(
-    target: Path = typer.Option(..., help="Checkpoint directory (e.g. from `specpilot zoo random`)."),
+    target: Optional[Path] = typer.Option(None, help="Checkpoint directory (e.g. from `specpilot zoo random`); "
+                                          "required by the systems suite (and --dtype, --prefix, --new-tokens, "
+                                          "--transformers apply to it alone)."),
+    suite: str = typer.Option("systems", help="systems (our AR and speculative systems vs transformers) | w12 (W12 "
+                              "GEMM vs cuBLAS on Qwen3-8B/32B projections, AR with and without W12; CUDA) | lm-head "
+                              "(certified INT8 head vs bf16 head; CUDA, or a tiny interpreter smoke run on the CPU)."),
     device: str = typer.Option("cuda", help="torch device."),
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16"),
     prefix: int = typer.Option(512, help="Prompt length in tokens."),
@@ -381,11 +386,23 @@ def bench(
     out: Path = typer.Option(Path("bench/results"), help="Directory for the JSON result and PNG."),
     transformers_generate: bool = typer.Option(True, "--transformers/--no-transformers", help="Also time transformers' generate."),
 ):
-    """Our AR and speculative systems side by side with transformers' generate; c(N) by rows; byte floor."""
+    """Our AR and speculative systems side by side with transformers' generate; c(N) by rows; byte floor. With
+    ``--suite w12`` / ``--suite lm-head``: the W12 and certified-INT8-head benchmarks of §4.1 (JSON under --out)."""
     from .benchmark import run_bench
 
     from .engine.checkpoint import DTYPES, read_args
     from .engine.deployment import check_device
+
+    if suite not in ("systems", "w12", "lm-head"):
+        raise SpecPilotError(f"--suite: unknown suite {suite!r} (choose systems, w12 or lm-head)")
+    if suite != "systems":
+        if target is not None:
+            raise SpecPilotError(f"--target applies to the systems suite only (--suite {suite} uses random "
+                                 "Qwen3-8B / 32B-shaped weights)")
+        raise typer.Exit(_bench_suite(suite, check_device(device), out))
+    if target is None:
+        raise SpecPilotError("--target is required by the systems suite (a checkpoint directory, e.g. from "
+                             "`specpilot zoo random`)")
 
     if dtype not in DTYPES:
         raise SpecPilotError(f"unknown --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
@@ -404,6 +421,42 @@ def bench(
                      | ({"step_over_kernels": res["ar_step_profile"]["wall_over_kernels"]} if "ar_step_profile" in res else {})
                      | ({"ar_equals_transformers": res["ar_equals_transformers"]} if "ar_equals_transformers" in res else {}),
                      indent=1))
+
+
+def _bench_suite(suite: str, device: str, out: Path) -> int:
+    """``specpilot bench --suite w12 | lm-head``: run :mod:`specpilot.benchsuite.w12` (CUDA only) or
+    :mod:`specpilot.benchsuite.lm_head` (on the CPU its tiny Triton-interpreter smoke run) into
+    ``out/<suite>_bench_<device type>_<date>.json``. Returns the exit status (lm-head: 1 when a correctness check
+    failed). Raises SpecPilotError for w12 off CUDA or a CPU run after Triton was imported without its interpreter."""
+    import os
+
+    import torch
+
+    from .benchmark import result_stem
+
+    cuda = torch.device(device).type == "cuda"
+    if suite == "w12" and not cuda:
+        raise SpecPilotError("--suite w12 needs a CUDA GPU (--device cuda)")
+    outp = output_dir(out, "--out")
+    outp.mkdir(parents=True, exist_ok=True)
+    path = outp / (result_stem(outp, "", device, label=suite.replace("-", "_") + "_bench") + ".json")
+    if suite == "w12":
+        from .benchsuite.w12 import main as w12_main
+
+        with torch.cuda.device(torch.device(device)):
+            w12_main(str(path))
+        print(f"wrote {path}")
+        return 0
+    if not cuda:  # the interpreter must be chosen before Triton is first imported
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise SpecPilotError("the CPU run of --suite lm-head needs TRITON_INTERPRET=1 before Triton is imported")
+        os.environ["TRITON_INTERPRET"] = "1"
+    from .benchsuite.lm_head import main as lm_main
+
+    if cuda:
+        with torch.cuda.device(torch.device(device)):
+            return lm_main(["--out", str(path), "--bundled"])
+    return lm_main(["--out", str(path), "--quick", "--no-sweep"])
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
-"""``bench/lm_head_bench.py --quick``: the CPU smoke mode of the certified INT8 head benchmark (§4.1) runs
-end to end in the Triton interpreter and writes a complete JSON with a passing correctness section."""
+"""``specpilot bench --suite lm-head --device cpu`` (= ``bench/lm_head_bench.py --quick --no-sweep``): the CPU smoke
+mode of the certified INT8 head benchmark (§4.1) runs end to end in the Triton interpreter and writes a complete
+JSON with a passing correctness section; the suite's bad inputs are refused with a message."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quick_mode_writes_json(tmp_path):
-    out = tmp_path / "lm_head.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "SPECPILOT_COMMIT": "test-commit"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lm_head_bench.py"), "--out", str(out), "--quick",
-                           "--no-sweep"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CLI chooses the interpreter itself
+    env.update(PYTHONPATH=str(ROOT), SPECPILOT_COMMIT="test-commit")
+    proc = subprocess.run([sys.executable, "-m", "specpilot", "bench", "--suite", "lm-head", "--device", "cpu", "--out",
+                           str(tmp_path / "res")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (out,) = (tmp_path / "res").glob("lm_head_bench_cpu_*.json")
     res = json.loads(out.read_text())
     assert res["correct"] is True and res["meta"]["commit"] == "test-commit" and res["meta"]["torch"]
     kinds = res["correctness"]
@@ -27,3 +29,15 @@ def test_quick_mode_writes_json(tmp_path):
         t = res["timing"][r]
         assert "error" not in t, t
         assert t["bf16_us"] > 0 and t["certified_us"] > 0 and t["bounds_kernel_us"] > 0
+
+
+def test_suite_bad_inputs_are_refused(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for args, msg in ((["--suite", "w12", "--device", "cpu"], "needs a CUDA GPU"),
+                      (["--suite", "nope"], "unknown suite 'nope'"),
+                      (["--suite", "lm-head", "--device", "cpu", "--target", str(tmp_path)], "systems suite only"),
+                      (["--device", "cpu"], "--target is required")):
+        proc = subprocess.run([sys.executable, "-m", "specpilot", "bench", *args, "--out", str(tmp_path / "r")],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and msg in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+    assert not (tmp_path / "r").exists()  # refused before anything was written
