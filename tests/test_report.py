@@ -76,9 +76,14 @@ def test_report_flags_a_sealed_system_slower_than_ar_and_estimator_gaps(tmp_path
     assert "only when stock loses" not in md
     write_report(tmp_path / "ar", {"speedup_vs_ar": 0.98, "speedup_ci_low": 0.96, "sealed_label": "AR"})
     assert "AR against AR, run-to-run noise" in (tmp_path / "ar" / "report.md").read_text()
-    write_report(tmp_path / "ok", {"speedup_vs_ar": 1.3, "speedup_ci_low": 1.2, "tau": 2.6, "c": 2.0})
+    write_report(tmp_path / "ok", {"speedup_vs_ar": 1.3, "speedup_ci_low": 1.2, "tau": 2.6, "c": 2.0,
+                                   "sealed_label": "ngram/chain N=4", "stock_label": "ngram/chain N=3"})
     md = (tmp_path / "ok" / "report.md").read_text()
-    assert "slower than AR" not in md and "differ by" not in md
+    assert "slower than AR" not in md and "differ by" not in md and "stock itself" not in md
+    write_report(tmp_path / "st", {"speedup_vs_ar": 1.3, "speedup_vs_stock": 1.016, "speedup_vs_stock_ci_low": 1.003,
+                                   "sealed_label": "ngram/chain N=3", "stock_label": "ngram/chain N=3"})
+    md = (tmp_path / "st" / "report.md").read_text()  # fresh-user run 17: a seal that is stock read 1.016x stock
+    assert "sealed system is stock itself" in md and "1.003" in md and "run-to-run noise" in md
 
 
 def test_report_flags_a_seal_that_failed_token_forcing(tmp_path):

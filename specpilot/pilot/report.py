@@ -104,8 +104,9 @@ def _headline(r: dict) -> list[str]:
 
 
 def _headline_warnings(r: dict) -> list[str]:
-    """Lines that flag a sealed system that failed its seal's token-forcing audit, one slower than AR, and a
-    headline that τ / c of the same runs does not back (the two weigh requests differently: see the text)."""
+    """Lines that flag a sealed system that failed its seal's token-forcing audit, one slower than AR, a seal that is
+    stock itself (its speedup vs stock is noise), and a headline that τ / c of the same runs does not back (the two
+    weigh requests differently: see the text)."""
     out = []
     tf = r.get("token_forcing") or {}
     if tf.get("passed") is False:
@@ -130,6 +131,11 @@ def _headline_warnings(r: dict) -> list[str]:
                    "AR (no drafter) may be the better system here; rerun on a quieter machine to decide.")
         out.append(f"- **Warning: the sealed system is slower than AR in this run** ({_num(vs_ar)}x, 95% lower bound "
                    f"{_num(low)}). " + why)
+    if r.get("sealed_label") and r.get("sealed_label") == r.get("stock_label"):
+        out.append(f"- Note: the sealed system is stock itself (`{r['sealed_label']}`, no change approved): its speedup "
+                   f"vs stock ({_num(r.get('speedup_vs_stock'))}, 95% lower bound {_num(r.get('speedup_vs_stock_ci_low'))}) "
+                   "is stock against stock, run-to-run noise; a paired lower bound of a system against itself clears "
+                   "1.0 about 2.5% of the time.")
     if isinstance(vs_ar, (int, float)) and isinstance(tc, (int, float)) and abs(vs_ar / tc - 1) > 0.05:
         out.append(f"- Note: the headline speedup ({_num(vs_ar)}x) and τ / c ({_num(tc)}) of the same runs differ by "
                    f"{abs(vs_ar / tc - 1):.0%}: the headline is the geometric mean over benchmarks of per-request "
