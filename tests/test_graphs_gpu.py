@@ -49,6 +49,7 @@ def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs():
     launch with split K sums in the kernel (no ``_w12_split_sum_kernel``) and equals the eager call bitwise; a
     capture on a stream without counters falls back to the two-kernel sum (same bits). The engine's bucket
     graphs reserve them: the bundled target's down projection (K 768) runs split K 2 at 8 rows."""
+    from specpilot.kernels import w12_gemm as wg
     from specpilot.kernels.w12_gemm import escape_table, reserve_split_locks, w12_gemm
     from specpilot.w12.format import encode
 
@@ -60,7 +61,9 @@ def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs():
     held = {}
     for reserve in (True, False):
         g = torch.cuda.CUDAGraph()
-        capture = torch.cuda.graph(g, stream=torch.cuda.Stream())  # a stream no eager call has used
+        stream = torch.cuda.Stream()
+        wg._LOCKS.pop((x.device, stream.cuda_stream), None)  # PyTorch recycles pool streams: forget earlier counters
+        capture = torch.cuda.graph(g, stream=stream)
         if reserve:
             reserve_split_locks(x.device, capture.capture_stream)
         with capture:

@@ -202,3 +202,58 @@ def test_cuda_graph_replay_any_prefix():
         graph.replay()
         ref = ta.tree_attention(q, k, v, torch.tensor(prefix, device=DEV), mask, 0.1)
         assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("r,h,kvh,d,splits", [(1, 8, 2, 16, 5), (2, 8, 2, 64, 3), (5, 4, 1, 16, 4)])
+def test_combine_unrolled_and_rolled_are_bitwise_equal(monkeypatch, r, h, kvh, d, splits):
+    """The split-KV combine's loop over the splits, unrolled (few partials a thread) or not (the host's choice,
+    :func:`combine_config`): the same sums in the same order, so bitwise equal outputs."""
+    gen = torch.Generator().manual_seed(r * 31 + d)
+    q, k, v, mask = random_case(gen, r, h, kvh, d, 128, 70, torch.float32)
+    plen = torch.tensor(70, device=DEV)
+    monkeypatch.setattr(ta, "COMBINE_UNROLL_PER_THREAD", 1 << 20)
+    assert ta.combine_config(r * (h // kvh), 16, d, splits, 4)["unroll"]
+    unrolled = ta.tree_attention(q, k, v, plen, mask, 0.3, block_n=16, num_splits=splits)
+    monkeypatch.setattr(ta, "COMBINE_UNROLL_PER_THREAD", 0)
+    assert not ta.combine_config(r * (h // kvh), 16, d, splits, 4)["unroll"]
+    rolled = ta.tree_attention(q, k, v, plen, mask, 0.3, block_n=16, num_splits=splits)
+    assert torch.equal(unrolled, rolled)
+    torch.testing.assert_close(rolled, ta.tree_attention_reference(q, k, v, 70, mask, 0.3), atol=2e-5, rtol=2e-5)
+
+
+COMBINE_COMPILE = r"""
+import importlib, json
+from specpilot.kernels.resources import kernel_resources
+ta = importlib.import_module("specpilot.kernels.tree_attention")
+sig = {"PartAcc": "*fp32", "PartML": "*fp32", "Out": "*bf16", "R": "i32", "KVH": "i32", "stride_or": "i32",
+       "stride_oh": "i32"}
+res = []
+for r in (1, 2, 4, 8, 16, 33):  # Qwen3-8B: 32 heads, 8 KV heads, head_dim 128, a 4352-slot cache
+    cfg = ta.default_config(r, 4, 8, 4352, 128)
+    c = ta.combine_config(r * 4, cfg["block_m"], 128, cfg["num_splits"], cfg["num_warps"])
+    k = kernel_resources(ta._combine, sig, dict(G=4, HEAD_DIM=128, BLOCK_M=c["block_m"], NUM_SPLITS=cfg["num_splits"],
+                                                UNROLL=c["unroll"], PDL=False), c["num_warps"], 1)
+    res.append({"rows": r, **c, "registers": k.registers, "spill_bytes": k.spill_bytes})
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.skipif(not __import__("specpilot.kernels.resources", fromlist=["x"]).ptxas_available(),
+                    reason="Triton's bundled ptxas is not installed here")
+def test_combine_launch_does_not_spill_on_sm90():
+    """Compiled for sm_90a (offline ptxas), the combine as :func:`combine_config` launches it for Qwen3-8B at 1–33
+    rows spills nothing (unrolled at every row count it spilled 4–45 KB a thread from 2 rows on; rolled with 4 warps,
+    40 bytes at 64 x 128); one row is unrolled."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", COMBINE_COMPILE], capture_output=True, text=True, timeout=600, env=env,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [x["spill_bytes"] for x in res] == [0] * len(res), res
+    assert res[0]["unroll"] and res[0]["rows"] == 1, res

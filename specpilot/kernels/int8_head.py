@@ -270,6 +270,7 @@ if triton is not None:
         r = tl.program_id(0)
         j = tl.program_id(1)
         valid = j < tl.minimum(tl.load(Cnt + r), C)
+        need_h = valid | (j == 0)  # an empty slot reads nothing (slot 0 still needs h for ||h||²)
         v = tl.load(Idx + r * C + j, mask=valid, other=0)
         z = tl.zeros([BLOCK_K], dtype=tl.float64)
         amag = tl.zeros([BLOCK_K], dtype=tl.float64)
@@ -277,7 +278,7 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
-            hv = tl.load(H + r * stride_h + ks, mask=k_ok, other=0.0).to(tl.float32).to(tl.float64)
+            hv = tl.load(H + r * stride_h + ks, mask=k_ok & need_h, other=0.0).to(tl.float32).to(tl.float64)
             wv = tl.load(W + v.to(tl.int64) * stride_w + ks, mask=valid & k_ok, other=0.0).to(tl.float32).to(tl.float64)
             p = wv * hv
             z += p

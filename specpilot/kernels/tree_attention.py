@@ -117,6 +117,12 @@ def _num_sms(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+#: the split-KV combine unrolls its loop over the splits when each thread then holds at most this many float32
+#: partials (one row of Qwen3-8B, 17 splits: 68 with 4 warps, 254 registers and no spill on sm_90a; 2 rows and up
+#: spilled 4–45 KB when always unrolled, session 10 review)
+COMBINE_UNROLL_PER_THREAD = 80
+
+
 def default_config(r: int, g: int, kvh: int, s: int, d: int, num_sms: int = 132) -> dict:
     """Launch parameters for ``r`` rows, group ``g``, ``kvh`` KV heads, ``s`` cache slots, head_dim ``d``.
 
@@ -135,6 +141,21 @@ def default_config(r: int, g: int, kvh: int, s: int, d: int, num_sms: int = 132)
         splits = max(1, min(-(-num_sms // programs), max_blocks // 4, 32))
     return dict(block_m=block_m, block_n=block_n, num_splits=splits, num_warps=4,
                 num_stages=3 if d <= 64 else 2)
+
+
+def combine_config(m: int, block_m: int, d: int, splits: int, num_warps: int) -> dict:
+    """Launch of the split-KV combine for ``m`` packed rows (rows x group): ``block_m`` no more than the rows there
+    are (one row x 4 heads: 4, not the forward's 16); its loop over the ``splits`` partials ``unroll``-ed when each
+    thread then holds at most :data:`COMBINE_UNROLL_PER_THREAD` float32 partials, with 8 warps instead of
+    ``num_warps`` if that makes them fit; rolled, 8 warps when a 4-warp program would hold more than 32 floats of
+    accumulator a thread (64 rows x 128 spilled). Static shapes only (graphs and eager agree)."""
+    bmc = min(block_m, triton.next_power_of_2(m))
+    per = bmc * d * splits  # float32 partials a program holds when its loop over the splits is unrolled
+    for warps in (num_warps, max(num_warps, 8)):
+        if per <= COMBINE_UNROLL_PER_THREAD * 32 * warps:
+            return dict(block_m=bmc, num_warps=warps, unroll=True)
+    # rolled: the accumulator and one split's partial; more than 32 floats a thread each spilled (64 x 128, 4 warps)
+    return dict(block_m=bmc, num_warps=num_warps if bmc * d <= 32 * 32 * num_warps else max(num_warps, 8), unroll=False)
 
 
 def tree_attention(q, k_cache, v_cache, prefix_len, tree_mask, scale, *, block_m=None, block_n=None,
@@ -198,11 +219,12 @@ def tree_attention(q, k_cache, v_cache, prefix_len, tree_mask, scale, *, block_m
         G=g, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_SPLITS=splits, FP32=q.dtype == torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kw(q.device),
     )
-    if splits > 1:  # rows per combine program: no more than there are (1 row x 4 heads: 4, not the forward's 16)
-        bmc = min(bm, triton.next_power_of_2(m))
-        _combine[(triton.cdiv(m, bmc), kvh)](
+    if splits > 1:
+        c = combine_config(m, bm, d, splits, cfg["num_warps"])
+        _combine[(triton.cdiv(m, c["block_m"]), kvh)](
             part_acc, part_ml, out, r, kvh, out.stride(0), out.stride(1),
-            G=g, HEAD_DIM=d, BLOCK_M=bmc, NUM_SPLITS=splits, num_warps=cfg["num_warps"], **pdl.launch_kw(q.device),
+            G=g, HEAD_DIM=d, BLOCK_M=c["block_m"], NUM_SPLITS=splits, UNROLL=c["unroll"], num_warps=c["num_warps"],
+            **pdl.launch_kw(q.device),
         )
     return out
 
@@ -294,11 +316,25 @@ if triton is not None:
             tl.store(PartML + NUM_SPLITS * KVH * M + base, l_i, mask=m_ok)
 
     @triton.jit
+    def _merge_split(acc, l_sum, PartAcc, PartML, sp, kvh, KVH, M, offs_m, offs_d, m_ok, m_use,
+                     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        """Add split ``sp``'s partial (acc, l), rescaled to the common max ``m_use``, to ``acc [BLOCK_M, HEAD_DIM]``
+        and ``l_sum [BLOCK_M]``."""
+        base = (sp * KVH + kvh) * M + offs_m
+        m_s = tl.load(PartML + base, mask=m_ok, other=float("-inf"))
+        l_s = tl.load(PartML + NUM_SPLITS * KVH * M + base, mask=m_ok, other=0.0)
+        a_s = tl.load(PartAcc + base[:, None] * HEAD_DIM + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+        w = tl.exp2(m_s - m_use)
+        return acc + a_s * w[:, None], l_sum + l_s * w
+
+    @triton.jit
     def _combine(PartAcc, PartML, Out, R, KVH, stride_or, stride_oh, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr = False):
-        """Merge the splits' (acc, m, l) in split order (deterministic): grid ``(cdiv(R*G, BLOCK_M), KVH)``. Both
-        loops over the splits are unrolled (``static_range``) so their loads issue together: as plain loops, 2 x 17
-        dependent L2 round trips made this kernel 5.5 µs a call at one row on the H200, more than the attention."""
+                 BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False):
+        """Merge the splits' (acc, m, l) in split order (deterministic): grid ``(cdiv(R*G, BLOCK_M), KVH)``. The
+        loop over the splits' maxima is unrolled (``static_range``), and the loop over their partials too when
+        ``UNROLL`` (the host's choice: the unrolled partials fit in registers), so their loads issue together: as
+        plain loops, 2 x 17 dependent L2 round trips made this kernel 5.5 µs a call at one row on the H200, more
+        than the attention; unrolled at every row count it spilled from 2 rows on. Same sum, same order either way."""
         pdl_start(PDL)
         pid_m = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -307,20 +343,25 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         m_ok = offs_m < M
         m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        for sp in tl.static_range(NUM_SPLITS):
-            m_s = tl.load(PartML + (sp * KVH + kvh) * M + offs_m, mask=m_ok, other=float("-inf"))
-            m_max = tl.maximum(m_max, m_s)
+        if UNROLL:
+            for sp in tl.static_range(NUM_SPLITS):
+                m_max = tl.maximum(m_max, tl.load(PartML + (sp * KVH + kvh) * M + offs_m, mask=m_ok,
+                                                  other=float("-inf")))
+        else:
+            for sp in range(NUM_SPLITS):
+                m_max = tl.maximum(m_max, tl.load(PartML + (sp * KVH + kvh) * M + offs_m, mask=m_ok,
+                                                  other=float("-inf")))
         m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for sp in tl.static_range(NUM_SPLITS):
-            base = (sp * KVH + kvh) * M + offs_m
-            m_s = tl.load(PartML + base, mask=m_ok, other=float("-inf"))
-            l_s = tl.load(PartML + NUM_SPLITS * KVH * M + base, mask=m_ok, other=0.0)
-            a_s = tl.load(PartAcc + base[:, None] * HEAD_DIM + offs_d[None, :], mask=m_ok[:, None], other=0.0)
-            w = tl.exp2(m_s - m_use)
-            l_sum += l_s * w
-            acc += a_s * w[:, None]
+        if UNROLL:
+            for sp in tl.static_range(NUM_SPLITS):
+                acc, l_sum = _merge_split(acc, l_sum, PartAcc, PartML, sp, kvh, KVH, M, offs_m, offs_d, m_ok, m_use,
+                                          HEAD_DIM, NUM_SPLITS)
+        else:
+            for sp in range(NUM_SPLITS):
+                acc, l_sum = _merge_split(acc, l_sum, PartAcc, PartML, sp, kvh, KVH, M, offs_m, offs_d, m_ok, m_use,
+                                          HEAD_DIM, NUM_SPLITS)
         out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
         row = offs_m // G
         head = kvh * G + offs_m % G
