@@ -53,7 +53,9 @@ kern, sig, const = KERNELS[sys.argv[1]]
 variants = {"False": {"PDL": False}, "True": {"PDL": True}}
 if sys.argv[1].startswith("w12_") and sys.argv[1] != "w12_split_sum":
     variants["prefetch"] = {"PDL": True, "PREFETCH": True}
-print(json.dumps({name: kernel_resources(kern, sig, {**const, **v}, 4, 2).ptx for name, v in variants.items()}))
+res = {name: kernel_resources(kern, sig, {**const, **v}, 4, 2) for name, v in variants.items()}
+print(json.dumps({"counts": {name: r.ptx for name, r in res.items()},
+                  "order": {name: list(r.ptx_order) for name, r in res.items()}}))
 """
 
 
@@ -69,11 +71,18 @@ def test_kernels_compile_with_pdl_for_sm90(name):
     p = subprocess.run([sys.executable, "-c", COMPILE, name], capture_output=True, text=True, timeout=600, env=env,
                        cwd=root)
     assert p.returncode == 0, p.stderr[-2000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])  # PTX opcode counts with PDL off / on
+    out = json.loads(p.stdout.strip().splitlines()[-1])  # PTX opcode counts and order with PDL off / on
+    res, order = out["counts"], out["order"]
     for on in [v for v in res if v != "False"]:
         assert res[on].get("griddepcontrol.wait", 0) >= 1 and res[on].get("griddepcontrol.launch_dependents", 0) >= 1, res
     assert not any(op.startswith("griddepcontrol") for op in res["False"]), res
     assert ("prefetch" in res) == (name in ("w12_mma", "w12_gemv"))
+    if "prefetch" in order:  # before the wait: global loads (the first K step's weight words), no global store or
+        ops = order["prefetch"]  # atomic (shared-memory traffic is the program's own); the signal after the wait
+        wait = ops.index("griddepcontrol.wait")
+        assert any(op.startswith("ld.global") for op in ops[:wait]), ops
+        assert not any(op.startswith(("st.global", "atom", "red")) for op in ops[:wait]), ops
+        assert ops.index("griddepcontrol.launch_dependents") > wait, ops
 
 
 @pytest.mark.parametrize("m,over", [(1, dict(gemv=True)), (3, dict(gemv=True, split_k=2, block_k=64)),

@@ -28,14 +28,17 @@ class KernelResources:
     """One compiled kernel: ``registers`` per thread, ``spill_bytes`` (spill stores, bytes per thread),
     ``shared_bytes`` (static + Triton's dynamic shared memory, bytes per program), ``num_warps``,
     ``ptx``: static counts of memory and MMA instructions in the PTX (``ld.global.b8``, ``ld.global.v4.b32``,
-    ``st.shared...``, ``wgmma.mma_async``, ``cp.async...``, ``griddepcontrol.wait``: each distinct opcode with its
-    suffixes; a loop body counts once), and ``max_warps_per_sm``: the register-file limit (at most 64)."""
+    ``st.shared...``, ``wgmma.mma_async``, ``cp.async...``, ``atom...``, ``griddepcontrol.wait``: each distinct
+    opcode with its suffixes; a loop body counts once), ``ptx_order``: the same opcodes in the order they appear in
+    the PTX (e.g. that no store precedes ``griddepcontrol.wait``), and ``max_warps_per_sm``: the register-file limit
+    (at most 64)."""
 
     registers: int
     spill_bytes: int
     shared_bytes: int
     num_warps: int
     ptx: dict = field(default_factory=dict)
+    ptx_order: tuple = ()
 
     @property
     def max_warps_per_sm(self) -> int:
@@ -96,11 +99,11 @@ def kernel_resources(kernel, signature: dict[str, str], constants: dict, num_war
     if proc.returncode != 0 or regs is None or spill is None:
         raise RuntimeError(f"ptxas failed (exit {proc.returncode}): {report.strip()[-300:]}")
     smem = re.search(r"(\d+) bytes smem", report)
-    ops = Counter(re.findall(r"^\s*(?:@!?%\w+\s+)?((?:ld|st|cp|wgmma|mma|ldmatrix|stmatrix|griddepcontrol)\.[\w.]+)", out.asm["ptx"],
-                             re.MULTILINE))
+    order = re.findall(r"^\s*(?:@!?%\w+\s+)?((?:ld|st|cp|atom|red|wgmma|mma|ldmatrix|stmatrix|griddepcontrol)\.[\w.]+)",
+                       out.asm["ptx"], re.MULTILINE)
     return KernelResources(int(regs.group(1)), int(spill.group(1)),
                            int(out.metadata.shared) + (int(smem.group(1)) if smem else 0), num_warps,
-                           dict(sorted(ops.items())))
+                           dict(sorted(Counter(order).items())), tuple(order))
 
 
 __all__ = ["KernelResources", "ResourcesUnavailable", "kernel_resources", "ptxas_available", "ptxas_path"]
