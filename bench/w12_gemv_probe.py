@@ -49,7 +49,11 @@ CONFIGS = [{"gemv": True}] + [
                                (16, 256, 2, 1, 3), (16, 1024, 4, 4, 3),
                                # session 10: since split K is summed in the kernel, more programs for qkv / o (ncu:
                                # the default one-row launch keeps ~12 warps an SM and reaches 41-49% of DRAM bandwidth)
-                               (16, 256, 4, 1, 3), (16, 512, 4, 2, 4), (8, 512, 2, 1, 3), (8, 256, 4, 1, 3))]
+                               (16, 256, 4, 1, 3), (16, 512, 4, 2, 4), (8, 512, 2, 1, 3), (8, 256, 4, 1, 3))] + [
+    # session 10: the register double buffer (``pipeline``; Triton does not pipeline these loads). Offline ptxas:
+    # 512 x 4 warps 80 -> 128 registers (16 warps an SM), 1024 x 4 warps 168 -> 255
+    {"gemv": True, "block_n": 16, "block_k": bk, "split_k": sp, "num_warps": nw, "num_stages": 1, "pipeline": True}
+    for bk, sp, nw in ((512, 1, 4), (512, 2, 4), (1024, 1, 4), (512, 2, 2), (256, 2, 2), (256, 4, 2))]
 
 FEW_ROW_CONFIGS = ((256, 4), (512, 8), (256, 2), (512, 4), (1024, 8), (512, 2), (1024, 4), (2048, 8))
 
