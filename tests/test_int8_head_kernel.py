@@ -18,10 +18,16 @@ from .test_lm_head_int8 import real_tie_weights
 
 
 @pytest.fixture(autouse=True)
-def fp32_reductions(monkeypatch):
+def fp32_reductions():
     """The certified head refuses cuBLAS's reduced-precision bf16 reductions (PyTorch's CUDA default; the engine's
-    Deployment turns them off): turn them off here too, as a user of the head must. No-op on the CPU."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
+    Deployment turns them off): turn them off here too, as a user of the head must, and restore the setting after.
+    Set and restored by hand: pytest >= 9.2's monkeypatch restores it by deleting the attribute, which torch's
+    ``cuBLASModule`` refuses."""
+    m = torch.backends.cuda.matmul
+    before = m.allow_bf16_reduced_precision_reduction
+    m.allow_bf16_reduced_precision_reduction = False
+    yield
+    m.allow_bf16_reduced_precision_reduction = before
 
 
 def exact_argmax(h, w):
