@@ -137,6 +137,14 @@ def test_all_empty_outputs_are_not_a_pass(monkeypatch, capsys, tmp_path):
     assert code == 1 and "REJECTED: nothing audited" in out
 
 
+def test_a_reference_without_tokens_is_bad_input(monkeypatch, capsys, tmp_path):
+    """Tenth-session fresh-user test: a --reference whose output_ids are all empty passed as a measured 0.00% baseline."""
+    ref = write(tmp_path / "empty.jsonl", [{"prompt_ids": [5, 6, 7], "output_ids": []}] * 2)
+    outs = write(tmp_path / "outs.jsonl", [{"prompt_ids": [5, 6, 7], "output_ids": [8, 9]}])
+    code, out, err = run_cli(monkeypatch, capsys, "audit", "--target", TARGET, "--outputs", outs, "--reference", ref)
+    assert code == 2 and "gives no baseline" in err and "Traceback" not in err, err
+
+
 def test_generate_json_lines_feed_audit(monkeypatch, capsys, tmp_path):
     """``generate --json`` output lines go straight into ``audit --outputs`` (round trip)."""
     lines = []

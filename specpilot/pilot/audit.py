@@ -126,7 +126,8 @@ def audit_outputs(target: str | Path, outputs: str | Path, delta: float | None =
         ``reasons`` (every failed rule). Outputs with 0 tokens in all (every ``output_ids`` empty) are
         never passed: ``passed`` is False with the reason "nothing audited".
     Raises:
-        AuditInputError: bad outputs / reference file or ``delta`` not finite and > 0.
+        AuditInputError: bad outputs / reference file (a reference without any token included) or ``delta`` not
+            finite and > 0.
         CheckpointError: the target cannot be loaded.
     """
     from ..engine.checkpoint import load_model
@@ -141,6 +142,9 @@ def audit_outputs(target: str | Path, outputs: str | Path, delta: float | None =
     scorer = Scorer(model)
     stats = audit(scorer, rows, delta)
     base = audit(scorer, ref_rows, delta) if ref_rows is not None else ForcingStats(delta=delta)
+    if ref_rows is not None and base.tokens == 0:  # a baseline of nothing would read "0.00%" as if measured
+        raise AuditInputError(f"--reference {reference}: all {len(ref_rows)} output_ids are empty (0 tokens), so it "
+                              "gives no baseline; pass a reference with tokens, or none (the scorer's zero baseline)")
     passed, reasons = forcing_verdict(stats, base, "the reference" if ref_rows is not None else "the scorer")
     if stats.tokens == 0:  # nothing was audited: a pass would vouch for nothing
         passed, reasons = False, [f"nothing audited: all {len(rows)} output_ids in {outputs} are empty (0 tokens)"]

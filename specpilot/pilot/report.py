@@ -225,9 +225,17 @@ def _stock_vs_ar(r: dict) -> str:
     return _num(st / ar) if isinstance(ar, (int, float)) and isinstance(st, (int, float)) and ar else "—"
 
 
+def _device_value(v) -> str:
+    """One device field for report.md: dicts (the measured peaks) as ``name value`` pairs with 3 significant digits."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} {x:.3g}" if isinstance(x, float) else f"{k} {x}" for k, x in v.items()) + "}"
+    return str(v)
+
+
 def _markdown(r: dict, images: list[str]) -> str:
     dev = r.get("device")
-    dev = ", ".join(f"{k}: {v}" for k, v in dev.items()) if isinstance(dev, dict) else (dev or "—")
+    dev = ", ".join(f"{k}: {_device_value(v)}" for k, v in dev.items() if k not in ("threads", "threads_reason")) \
+        if isinstance(dev, dict) else (dev or "—")  # threads get their own line below
     ver = r.get("versions")
     ver = ", ".join(f"{k} {v}" for k, v in ver.items()) if isinstance(ver, dict) else "—"
     md = ["# SpecPilot report", "", f"Commit: {r.get('commit') or '—'}; versions: {ver}", "", f"Device: {dev}", ""]
