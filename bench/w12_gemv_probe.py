@@ -2,7 +2,7 @@
 against cuBLAS bf16 and the tensor-core W12 kernel on the Qwen3-8B projections; then the exact pass at
 1 row with every W12 projection on the GEMV path (issue 5).
 
-    python bench/w12_gemv_probe.py OUT.json [BUDGET_S]
+    python bench/w12_gemv_probe.py OUT.json [BUDGET_S] [--no-words]
 
 1. Correctness on the GPU: planted escapes (zeros, denormals, outliers, ±inf, NaN), each config: within the
    rounding bound of :mod:`specpilot.kernels.w12_gemm` against the reference, NaN / inf where the reference
@@ -12,8 +12,9 @@ against cuBLAS bf16 and the tensor-core W12 kernel on the Qwen3-8B projections; 
 3. Exact pass at 1 row (CUDA graphs, fused kernels): bf16, W12 on the tensor-core kernel only, W12 with the
    default routing, W12 GEMV with the best config per shape.
 4. 2, 4 and 8 rows: the GEMV (``gemv=True``) checked, then timed against the tensor-core kernel and cuBLAS,
-   default launch (:func:`~specpilot.kernels.w12_gemv.gemv_config`) and 4 / 8 / 16 groups a thread.
-5. 8, 16 and 32 rows: the tensor-core kernel over record words (``words=True``,
+   default launch (:func:`~specpilot.kernels.w12_gemv.gemv_config`) and 4 / 8 / 16 groups a thread, with and
+   without ``load_stages``.
+5. (not with ``--no-words``) 8, 16 and 32 rows: the tensor-core kernel over record words (``words=True``,
    :mod:`specpilot.kernels.w12_mma`) checked, then timed against the byte-loading one and cuBLAS, default
    launch and a few variants.
 """
@@ -41,21 +42,23 @@ from w12_bench import SHAPES, bits_equal, check, codes, copies_of  # noqa: E402
 
 dev = "cuda"
 T0 = time.time()
-CONFIGS = [{"gemv": True}] + [
-    {"gemv": True, "block_n": bn, "block_k": bk, "split_k": sp, "num_warps": nw, "num_stages": st}
-    for bn, bk, sp, nw, st in ((16, 1024, 1, 4, 3), (16, 2048, 1, 8, 3), (16, 1024, 2, 4, 3), (16, 2048, 2, 8, 3),
-                               (16, 512, 4, 2, 3), (16, 256, 1, 1, 3), (16, 512, 1, 2, 3), (8, 1024, 1, 2, 3),
-                               (8, 512, 1, 1, 3), (16, 1024, 1, 4, 2), (16, 1024, 1, 4, 4), (32, 1024, 1, 8, 3),
-                               (16, 256, 2, 1, 3), (16, 1024, 4, 4, 3),
-                               # session 10: since split K is summed in the kernel, more programs for qkv / o (ncu:
-                               # the default one-row launch keeps ~12 warps an SM and reaches 41-49% of DRAM bandwidth)
-                               (16, 256, 4, 1, 3), (16, 512, 4, 2, 4), (8, 512, 2, 1, 3), (8, 256, 4, 1, 3))] + [
-    # session 10: the register double buffer (``pipeline``; Triton does not pipeline these loads). Offline ptxas:
-    # 512 x 4 warps 80 -> 128 registers (16 warps an SM), 1024 x 4 warps 168 -> 255
-    {"gemv": True, "block_n": 16, "block_k": bk, "split_k": sp, "num_warps": nw, "num_stages": 1, "pipeline": True}
-    for bk, sp, nw in ((512, 1, 4), (512, 2, 4), (1024, 1, 4), (512, 2, 2), (256, 2, 2), (256, 4, 2))]
+CONFIGS = [{"gemv": True}] + [{"gemv": True, "load_stages": ls} for ls in (2, 3, 4)] + [
+    # the best plain-loop configs of the session-11 run (bench/results/w12_gemv_probe_h200_2026-12-01_session11.json)
+    {"gemv": True, "block_n": bn, "block_k": bk, "split_k": sp, "num_warps": nw, "num_stages": 3}
+    for bn, bk, sp, nw in ((8, 1024, 1, 2), (16, 512, 4, 2), (16, 1024, 2, 4), (16, 256, 4, 1))] + [
+    # session 11: ``load_stages`` (Triton pipelines the record words through shared memory with cp.async only in a
+    # loop given its own num_stages; ``tests/test_kernel_resources.py`` checks the PTX). Shared memory a program:
+    # load_stages * block_n * block_k * 1.5 bytes
+    {"gemv": True, "block_n": bn, "block_k": bk, "split_k": sp, "num_warps": nw, "num_stages": 3, "load_stages": ls}
+    for bn, bk, sp, nw, ls in ((16, 1024, 1, 4, 2), (16, 1024, 1, 4, 3), (16, 512, 1, 4, 3), (16, 512, 1, 4, 4),
+                               (16, 512, 1, 2, 3), (16, 512, 1, 2, 4), (16, 256, 1, 2, 4), (16, 256, 1, 2, 6),
+                               (16, 256, 1, 1, 4), (16, 256, 1, 1, 6), (16, 512, 2, 4, 3), (16, 512, 4, 2, 3),
+                               (16, 256, 4, 1, 3), (16, 256, 4, 1, 4), (8, 1024, 1, 2, 3), (8, 512, 1, 1, 3),
+                               (8, 512, 1, 1, 4), (16, 2048, 1, 8, 2), (16, 2048, 1, 8, 3), (32, 512, 1, 4, 3),
+                               (16, 256, 2, 1, 4), (8, 256, 2, 1, 6))]
 
-FEW_ROW_CONFIGS = ((256, 4), (512, 8), (256, 2), (512, 4), (1024, 8), (512, 2), (1024, 4), (2048, 8))
+FEW_ROW_CONFIGS = ((256, 4, 1), (512, 8, 1), (256, 2, 1), (512, 4, 1), (256, 2, 3), (512, 4, 3), (256, 4, 3),
+                   (512, 8, 3), (256, 2, 4), (1024, 8, 3), (1024, 4, 3))  # block_k, num_warps, load_stages
 
 
 def correctness() -> dict:
@@ -177,8 +180,8 @@ def few_rows() -> list[dict]:
             row["gemv_vs_cublas"] = row["cublas_us"] / row["gemv_us"]
             row["gemv_default"] = gemv_config(n, k, m=m)
             row["gemv_configs"] = []  # 4 / 8 / 16 groups of 8 weights a thread (ptxas_probe.py: registers)
-            for bk, nw in FEW_ROW_CONFIGS:
-                over = dict(block_n=16, block_k=bk, num_warps=nw, split_k=1, num_stages=3)
+            for bk, nw, ls in FEW_ROW_CONFIGS:
+                over = dict(block_n=16, block_k=bk, num_warps=nw, split_k=1, num_stages=3, load_stages=ls)
                 got = wg.w12_gemm(x, t, escapes=esc, gemv=True, **over)
                 ok = check(got, x, t, aw)["within_bound"] and bits_equal(got, wg.w12_gemm(x, t, escapes=esc, gemv=True,
                                                                                          **over))
@@ -224,7 +227,8 @@ def words_rows() -> list[dict]:
 
 
 def main():
-    path, budget = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 150.0
+    args = [a for a in sys.argv[1:] if a != "--no-words"]
+    path, budget = args[0], float(args[1]) if len(args) > 1 else 150.0
     torch.backends.cuda.matmul.allow_tf32 = False
     res = {"device": torch.cuda.get_device_name(0), "versions": versions(), "commit": git_commit()}
     save = lambda: json.dump(res | {"runtime_s": time.time() - T0}, open(path, "w"), indent=1)  # noqa: E731
@@ -237,8 +241,9 @@ def main():
     save()
     res["few_rows"] = few_rows()
     save()
-    res["words"] = words_rows()
-    save()
+    if "--no-words" not in sys.argv:
+        res["words"] = words_rows()
+        save()
 
 
 if __name__ == "__main__":

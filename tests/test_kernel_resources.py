@@ -63,6 +63,28 @@ def test_gemv_default_configs_do_not_spill():
     assert all(words[bm]["ptx"].get("ld.global.b8", 0) * 16 <= byte_loads[bm] for bm in (16, 32, 64)), (words, byte_loads)
 
 
+STAGES_SCRIPT = r"""
+import json
+from specpilot.kernels.w12_gemv import gemv_resources
+print(json.dumps({s: gemv_resources(1, 16, 512, 4, 3, 1, load_stages=s).ptx for s in (1, 3)}))
+"""
+
+
+@pytest.mark.skipif(not ptxas_available(), reason="Triton's bundled ptxas is not installed here")
+def test_gemv_load_stages_pipeline_the_weight_words():
+    """``load_stages`` 3: Triton copies the record words of later K steps to shared memory (cp.async), which it
+    does not do for loads feeding no tl.dot in a plain loop (``load_stages`` 1: global loads, no cp.async)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", STAGES_SCRIPT], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ptx = json.loads(proc.stdout.strip().splitlines()[-1])
+    plain, staged = ptx["1"], ptx["3"]
+    assert "cp.async.ca.shared.global" not in plain and plain.get("ld.global.b64", 0) >= 8
+    assert staged.get("cp.async.ca.shared.global", 0) >= 16 and staged.get("cp.async.wait_group", 0) >= 1
+    assert staged.get("ld.global.b64", 0) == 0  # every 64-bit view word now goes through shared memory
+
+
 def test_max_warps_per_sm_from_registers():
     assert KernelResources(168, 0, 0, 4).max_warps_per_sm == 12  # 168 regs: 5376 a warp, 12 warps fit
     assert KernelResources(172, 0, 0, 8).max_warps_per_sm == 8  # 11 warps fit, whole programs of 8: 8

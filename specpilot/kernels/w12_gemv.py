@@ -55,10 +55,10 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     kernel, in order). BLOCK_K grows only to sizes that divide the padded K, and the splits divide it too (the
     starting 256 itself leaves a ragged last block when the padded K is not a multiple of 256): a ragged block
     masks every load of the kernel (Qwen3-32B's down projection, K = 25600, ran at 0.46x cuBLAS with BLOCK_K
-    2048 and 1.03x with 1024, ``bench/results/w12_one_row_check_h200_2026-12-01_session8.json``). 3 stages (which
-    change nothing: Triton software-pipelines only loads that feed ``tl.dot``, the PTX is the same with 1);
-    split K summed in the kernel (``fused_split``, see :func:`~specpilot.kernels.w12_gemm.default_config`);
-    ``pipeline`` off (the register double buffer of :func:`w12_gemv`, not yet timed)."""
+    2048 and 1.03x with 1024, ``bench/results/w12_one_row_check_h200_2026-12-01_session8.json``). ``num_stages``
+    3 (the launch option; it pipelines nothing here, see ``load_stages``); split K summed in the kernel
+    (``fused_split``, see :func:`~specpilot.kernels.w12_gemm.default_config`); ``load_stages`` 1 (plain loads;
+    see :func:`w12_gemv`)."""
     rows = 1 << max(0, int(m) - 1).bit_length()
     if rows not in GEMV_WARPS_PER_SM:
         raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {m}")
@@ -73,7 +73,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     while split < 4 and programs * split * warps(bk) < want and k_pad % (2 * split * bk) == 0:
         split *= 2
     return dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps(bk), num_stages=3, asm=True, fused_split=True,
-                pipeline=False)
+                load_stages=1)
 
 
 def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict) -> torch.Tensor:
@@ -97,10 +97,13 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     summing ``x_k w_nk`` in the same order, unless a partial sum or product falls into the float32
     subnormal range in one scaling and not the other (an absolute error of at most ``2^-149`` an operation).
 
-    ``pipeline`` (override; default off until timed): the K loop loads step ``i + 1``'s words before it decodes and
-    sums step ``i`` (a double buffer in registers), since Triton does not pipeline loads that feed no ``tl.dot``
-    (ncu, one row of Qwen3-8B qkv: 41–49% of DRAM bandwidth, each of the 4 steps' load latency exposed); the same
-    operations in the same order, so bitwise the same output.
+    ``load_stages`` (override, default 1): K steps whose record words are in flight at once. Triton's pipeliner
+    moves loads that feed no ``tl.dot`` only in a loop given its own ``num_stages`` (``tl.range``), so with 1 each
+    step's load latency is exposed (ncu, one row of Qwen3-8B qkv: 41–49% of DRAM bandwidth); with ``s`` > 1 the
+    words of the next ``s − 1`` steps are copied to shared memory (cp.async, ``s · BLOCK_N · BLOCK_K · 1.5``
+    bytes a program) while a step is summed. The same operations in the same order, so bitwise the same output.
+    (A register double buffer, session 10, was 0.48–1.07x cuBLAS where the plain loop is 1.0–1.16x:
+    ``bench/results/w12_gemv_probe_h200_2026-12-01_session11.json``; removed.)
 
     ``asm`` (default on CUDA): the three instructions as inline PTX (``prmt.b32``, ``shr.s32``, ``lop3.b32``);
     otherwise the same bit operations in plain Triton (the interpreter, and a GPU comparison). Split K
@@ -136,7 +139,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
         x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
         m, n, k, k_pad, k_per_split, x.stride(0), BLOCK_N=bn, BLOCK_K=bk, ROWS=rows, SPLIT_K=split, FUSED=fused,
         EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
-        ASM=bool(cfg["asm"]) and x.is_cuda, PIPELINE=bool(cfg["pipeline"]), num_warps=cfg["num_warps"],
+        ASM=bool(cfg["asm"]) and x.is_cuda, LOAD_STAGES=int(cfg["load_stages"]), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl.w12_launch_kw(x.device))
     return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused)
 
@@ -144,7 +147,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
 
 
 def gemv_resources(rows: int, block_n: int, block_k: int, num_warps: int, num_stages: int = 3, split_k: int = 1,
-                   pipeline: bool = False):
+                   load_stages: int = 1):
     """Registers and spills of the GEMV kernel for ``rows`` (1..8) compiled for sm_90a without a GPU
     (:func:`specpilot.kernels.resources.kernel_resources`; bf16 activations, inline-PTX decode, even K).
     Raises: ResourcesUnavailable without Triton's ptxas; W12GemmError for rows outside 1..8."""
@@ -154,7 +157,7 @@ def gemv_resources(rows: int, block_n: int, block_k: int, num_warps: int, num_st
     if not 1 <= rows <= GEMV_MAX_ROWS:
         raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=triton.next_power_of_2(rows), SPLIT_K=split_k, FUSED=False, EVEN=True,
-                  X_EVEN=True, HAS_BIAS=False, ASM=True, PIPELINE=pipeline)
+                  X_EVEN=True, HAS_BIAS=False, ASM=True, LOAD_STAGES=load_stages)
     return kernel_resources(_w12_gemv_kernel, WORD_KERNEL_SIGNATURE, consts, num_warps, num_stages)
 
 
@@ -198,15 +201,16 @@ if triton is not None:
     def _w12_gemv_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD,
                          K_PER_SPLIT, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                          SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         ASM: tl.constexpr, PIPELINE: tl.constexpr = False, PDL: tl.constexpr = False,
+                         ASM: tl.constexpr, LOAD_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
                          PREFETCH: tl.constexpr = False):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: ``Out[m, n] = Σ_k x_mk w_nk (+ escapes, bias)`` for the ``M ≤
         ROWS`` rows of ``X``, BLOCK_N rows of one record band and one K chunk (see :func:`w12_gemv`). ``RecV`` /
         ``RecQ``: the records as int64 / int32 words. Float32 accumulators ``[BLOCK_N, BLOCK_K / 8]`` (one
         row) or ``[ROWS, BLOCK_N, BLOCK_K / 8]``, one per group of 8 columns; each weight is decoded once.
         ``PREFETCH`` (with ``PDL``): the first step's words are loaded before the PDL wait and the next kernel
-        is signalled after the K loop (:mod:`specpilot.kernels.pdl`). ``PIPELINE``: step ``i + 1``'s words are
-        loaded before step ``i`` is summed. The same operations in the same order in every variant."""
+        is signalled after the K loop (:mod:`specpilot.kernels.pdl`). ``LOAD_STAGES``: steps whose words are in
+        flight at once (cp.async into shared memory; 1: plain loads). The same operations in the same order in
+        every variant."""
         if not PREFETCH:
             pdl_start(PDL)
         pid_k = tl.program_id(1)
@@ -219,27 +223,20 @@ if triton is not None:
             acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
         k0 = pid_k * K_PER_SPLIT
         k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)  # this split's end (a multiple of 64)
-        if PIPELINE:  # double buffer: step kk's words are in flight while step kk - BLOCK_K is summed
+        if PREFETCH:  # weights need no wait; activations do (K_PER_SPLIT >= BLOCK_K always)
             vw, qw = _load_groups(RecV, RecQ, k0, k1, row_v, row_q, rg, col_v, col_q, EVEN)
-            if PREFETCH:
-                pdl_wait(PDL)
-            for kk in range(BLOCK_K, K_PER_SPLIT, BLOCK_K):
-                vn, qn = _load_groups(RecV, RecQ, k0 + kk, k1, row_v, row_q, rg, col_v, col_q, EVEN)
-                acc = _gemv_step(acc, vw, qw, X, k0 + kk - BLOCK_K, rg, M, stride_xm, K, X_EVEN, ROWS, ASM)
-                vw, qw = vn, qn
-            acc = _gemv_step(acc, vw, qw, X, k0 + K_PER_SPLIT - BLOCK_K, rg, M, stride_xm, K, X_EVEN, ROWS, ASM)
+            pdl_wait(PDL)
+            acc = _gemv_step(acc, vw, qw, X, k0, rg, M, stride_xm, K, X_EVEN, ROWS, ASM)
+            first = BLOCK_K
         else:
-            if PREFETCH:  # weights need no wait; activations do (K_PER_SPLIT >= BLOCK_K always)
-                vw, qw = _load_groups(RecV, RecQ, k0, k1, row_v, row_q, rg, col_v, col_q, EVEN)
-                pdl_wait(PDL)
-                acc = _gemv_step(acc, vw, qw, X, k0, rg, M, stride_xm, K, X_EVEN, ROWS, ASM)
-                first = BLOCK_K
-            else:
-                first = 0
-            for kk in range(first, K_PER_SPLIT, BLOCK_K):
-                kb = k0 + kk
-                vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
-                acc = _gemv_step(acc, vw, qw, X, kb, rg, M, stride_xm, K, X_EVEN, ROWS, ASM)
+            first = 0
+        # LOAD_STAGES > 1: Triton's pipeliner copies the words of the next LOAD_STAGES - 1 steps to shared memory
+        # (cp.async) while this step is summed; it does so for loads feeding no tl.dot only in a loop with its
+        # own num_stages. 1: plain loads, each step's latency exposed.
+        for kk in tl.range(first, K_PER_SPLIT, BLOCK_K, num_stages=LOAD_STAGES):
+            kb = k0 + kk
+            vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
+            acc = _gemv_step(acc, vw, qw, X, kb, rg, M, stride_xm, K, X_EVEN, ROWS, ASM)
         if PREFETCH:
             pdl_signal(PDL)
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
