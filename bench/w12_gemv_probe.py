@@ -2,7 +2,7 @@
 against cuBLAS bf16 and the tensor-core W12 kernel on the Qwen3-8B projections; then the exact pass at
 1 row with every W12 projection on the GEMV path (issue 5).
 
-    python bench/w12_gemv_probe.py OUT.json [BUDGET_S] [--no-words]
+    python bench/w12_gemv_probe.py OUT.json [BUDGET_S] [--no-few-rows] [--no-words]
 
 1. Correctness on the GPU: planted escapes (zeros, denormals, outliers, ±inf, NaN), each config: within the
    rounding bound of :mod:`specpilot.kernels.w12_gemm` against the reference, NaN / inf where the reference
@@ -11,7 +11,7 @@ against cuBLAS bf16 and the tensor-core W12 kernel on the Qwen3-8B projections; 
    tensor-core W12 kernel (defaults) and GEMV configs.
 3. Exact pass at 1 row (CUDA graphs, fused kernels): bf16, W12 on the tensor-core kernel only, W12 with the
    default routing, W12 GEMV with the best config per shape.
-4. 2, 4 and 8 rows: the GEMV (``gemv=True``) checked, then timed against the tensor-core kernel and cuBLAS,
+4. (not with ``--no-few-rows``) 2, 4 and 8 rows: the GEMV (``gemv=True``) checked, then timed against the tensor-core kernel and cuBLAS,
    default launch (:func:`~specpilot.kernels.w12_gemv.gemv_config`) and 4 / 8 / 16 groups a thread, with and
    without ``load_stages``.
 5. (not with ``--no-words``) 8, 16 and 32 rows: the tensor-core kernel over record words (``words=True``,
@@ -42,20 +42,17 @@ from w12_bench import SHAPES, bits_equal, check, codes, copies_of  # noqa: E402
 
 dev = "cuda"
 T0 = time.time()
-CONFIGS = [{"gemv": True}] + [{"gemv": True, "load_stages": ls} for ls in (2, 3, 4)] + [
-    # the best plain-loop configs of the session-11 run (bench/results/w12_gemv_probe_h200_2026-12-01_session11.json)
+CONFIGS = [{"gemv": True}] + [
+    # session 11: the defaults before the one-row rule change (qkv; o and down; gate_up), the best of the session-11
+    # runs (bench/results/w12_gemv_probe_h200_2026-12-01_session11{,_run2}.json) and neighbours of the new rule's
     {"gemv": True, "block_n": bn, "block_k": bk, "split_k": sp, "num_warps": nw, "num_stages": 3}
-    for bn, bk, sp, nw in ((8, 1024, 1, 2), (16, 512, 4, 2), (16, 1024, 2, 4), (16, 256, 4, 1))] + [
-    # session 11: ``load_stages`` (Triton pipelines the record words through shared memory with cp.async only in a
-    # loop given its own num_stages; ``tests/test_kernel_resources.py`` checks the PTX). Shared memory a program:
-    # load_stages * block_n * block_k * 1.5 bytes
-    {"gemv": True, "block_n": bn, "block_k": bk, "split_k": sp, "num_warps": nw, "num_stages": 3, "load_stages": ls}
-    for bn, bk, sp, nw, ls in ((16, 1024, 1, 4, 2), (16, 1024, 1, 4, 3), (16, 512, 1, 4, 3), (16, 512, 1, 4, 4),
-                               (16, 512, 1, 2, 3), (16, 512, 1, 2, 4), (16, 256, 1, 2, 4), (16, 256, 1, 2, 6),
-                               (16, 256, 1, 1, 4), (16, 256, 1, 1, 6), (16, 512, 2, 4, 3), (16, 512, 4, 2, 3),
-                               (16, 256, 4, 1, 3), (16, 256, 4, 1, 4), (8, 1024, 1, 2, 3), (8, 512, 1, 1, 3),
-                               (8, 512, 1, 1, 4), (16, 2048, 1, 8, 2), (16, 2048, 1, 8, 3), (32, 512, 1, 4, 3),
-                               (16, 256, 2, 1, 4), (8, 256, 2, 1, 6))]
+    for bn, bk, sp, nw in ((16, 1024, 1, 4), (16, 2048, 1, 8), (16, 256, 1, 1), (16, 512, 2, 2), (16, 512, 4, 2),
+                           (8, 1024, 1, 2), (16, 256, 4, 1), (8, 512, 2, 1), (16, 1024, 2, 4), (8, 512, 4, 1),
+                           (8, 1024, 2, 2), (16, 256, 2, 1), (16, 512, 1, 2))] + [
+    # session 11: ``load_stages`` (cp.async through shared memory; 0.45-0.95x cuBLAS where the plain loop is 1.0-1.2x,
+    # ..._session11_run2.json): two kept as a check
+    {"gemv": True, "load_stages": 3}, {"gemv": True, "block_n": 16, "block_k": 1024, "split_k": 1, "num_warps": 4,
+                                       "num_stages": 3, "load_stages": 3}]
 
 FEW_ROW_CONFIGS = ((256, 4, 1), (512, 8, 1), (256, 2, 1), (512, 4, 1), (256, 2, 3), (512, 4, 3), (256, 4, 3),
                    (512, 8, 3), (256, 2, 4), (1024, 8, 3), (1024, 4, 3))  # block_k, num_warps, load_stages
@@ -227,7 +224,7 @@ def words_rows() -> list[dict]:
 
 
 def main():
-    args = [a for a in sys.argv[1:] if a != "--no-words"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--no-")]
     path, budget = args[0], float(args[1]) if len(args) > 1 else 150.0
     torch.backends.cuda.matmul.allow_tf32 = False
     res = {"device": torch.cuda.get_device_name(0), "versions": versions(), "commit": git_commit()}
@@ -239,8 +236,9 @@ def main():
     save()
     res["ar"] = ar(best)
     save()
-    res["few_rows"] = few_rows()
-    save()
+    if "--no-few-rows" not in sys.argv:
+        res["few_rows"] = few_rows()
+        save()
     if "--no-words" not in sys.argv:
         res["words"] = words_rows()
         save()

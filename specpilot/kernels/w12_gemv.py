@@ -51,8 +51,10 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     16 groups take 254–255 registers from 2 rows on and spill at 8 rows, and 8 groups 128 / ~175 / ~250
     registers at 2 / 4 / 8 rows (so at most 16 / 10 / 8 warps an SM). BLOCK_N 16; BLOCK_K the smallest of
     256 .. 2048 whose grid reaches :data:`GEMV_WARPS_PER_SM` warps an SM, ``num_warps = 16 · BLOCK_K / (256 ·
-    groups)``; if the grid is still short, split K in two or four (the partial sums are added by a second
-    kernel, in order). BLOCK_K grows only to sizes that divide the padded K, and the splits divide it too (the
+    groups)``; if the grid is still short, split K in two or four. At one row BLOCK_K first stops at 512 (2 warps
+    a program), then K is split, then BLOCK_K grows again: more, smaller programs beat fewer wide ones (H200,
+    ``bench/results/w12_gemv_probe_h200_2026-12-01_session11{,_run2}.json``: 8B o 11.25–11.29 µs with 512 / 2
+    warps / split 4 against 11.97–11.98 with 2048 / 8 warps / no split). BLOCK_K grows only to sizes that divide the padded K, and the splits divide it too (the
     starting 256 itself leaves a ragged last block when the padded K is not a multiple of 256): a ragged block
     masks every load of the kernel (Qwen3-32B's down projection, K = 25600, ran at 0.46x cuBLAS with BLOCK_K
     2048 and 1.03x with 1024, ``bench/results/w12_one_row_check_h200_2026-12-01_session8.json``). ``num_stages``
@@ -67,11 +69,15 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     k_pad = -(-k // RECORD_COLS) * RECORD_COLS
     want = GEMV_WARPS_PER_SM[rows] * num_sms
     programs = -(-n // bn)
-    while bk < 2048 and k_pad % (2 * bk) == 0 and warps(2 * bk) <= 16 and programs * warps(bk) < want:
+    first_cap = 2 if rows == 1 else 16  # one row: programs of at most 2 warps first, then split K, then wider
+    while bk < 2048 and k_pad % (2 * bk) == 0 and warps(2 * bk) <= first_cap and programs * warps(bk) < want:
         bk *= 2
     split = 1
     while split < 4 and programs * split * warps(bk) < want and k_pad % (2 * split * bk) == 0:
         split *= 2
+    while (bk < 2048 and k_pad % (2 * bk * split) == 0 and warps(2 * bk) <= 16
+           and programs * split * warps(bk) < want):
+        bk *= 2
     return dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps(bk), num_stages=3, asm=True, fused_split=True,
                 load_stages=1)
 
