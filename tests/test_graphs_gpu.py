@@ -44,20 +44,23 @@ def _kernel_names(fn) -> set[str]:
     return {e.key for e in prof.key_averages()}
 
 
-def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs():
+@pytest.mark.parametrize("gemv", [False, True], ids=["tensor_core_8_rows", "gemv_1_row"])
+def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs(gemv):
     """``reserve_split_locks`` before a capture gives the capture stream its split-K counters, so a captured W12
     launch with split K sums in the kernel (no ``_w12_split_sum_kernel``) and equals the eager call bitwise; a
     capture on a stream without counters falls back to the two-kernel sum (same bits). The engine's bucket
-    graphs reserve them: the bundled target's down projection (K 768) runs split K 2 at 8 rows."""
+    graphs reserve them: the bundled target's down projection (K 768) runs split K 2 at 8 rows. Replayed twice: the
+    counters reset themselves (one row of Qwen3-8B qkv / o runs the GEMV with split K by default)."""
     from specpilot.kernels import w12_gemm as wg
     from specpilot.kernels.w12_gemm import escape_table, reserve_split_locks, w12_gemm
     from specpilot.w12.format import encode
 
     torch.manual_seed(0)
     t = encode((torch.randn(256, 768, device="cuda") * 0.05).to(torch.bfloat16), device="cuda")
-    x = torch.randn(8, 768, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1 if gemv else 8, 768, device="cuda", dtype=torch.bfloat16)
     esc = escape_table(t)  # computed outside the capture (it reads the escape list on the host)
-    eager = w12_gemm(x, t, escapes=esc, split_k=2, gemv=False)
+    kernel = "_w12_gemv_kernel" if gemv else "_w12_mma_kernel"
+    eager = w12_gemm(x, t, escapes=esc, split_k=2, gemv=gemv)
     held = {}
     for reserve in (True, False):
         g = torch.cuda.CUDAGraph()
@@ -67,11 +70,17 @@ def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs():
         if reserve:
             reserve_split_locks(x.device, capture.capture_stream)
         with capture:
-            held[reserve] = w12_gemm(x, t, escapes=esc, split_k=2, gemv=False)
+            held[reserve] = w12_gemm(x, t, escapes=esc, split_k=2, gemv=gemv)
         names = _kernel_names(g.replay)
-        assert any("_w12_mma_kernel" in n for n in names), names
+        assert any(kernel in n for n in names), names
         assert any("_w12_split_sum_kernel" in n for n in names) == (not reserve), names
         assert torch.equal(held[reserve], eager)
+        held[reserve].zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(held[reserve], eager)
+    if gemv:
+        return
 
     dep = Deployment(bundled_target_dir(), None, dtype="bfloat16", device="cuda")
     eng = dep.system(SystemConfig(drafter="ngram", tree="best_first", nodes=8, depth=8, top_k=2, dtype="bfloat16",
