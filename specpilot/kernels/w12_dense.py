@@ -67,7 +67,7 @@ if triton is not None:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         kb = tl.program_id(1) * BLOCK_K
         n_ok = offs_n < N
-        row_v, row_q, rg, col_v, col_q = _word_offsets(offs_n, K_PAD, BLOCK_K)
+        row_v, row_q, rg, col_v, col_q = _word_offsets(tl.program_id(0) * BLOCK_N, BLOCK_N, K_PAD, BLOCK_K)
         vw, qw = _load_groups(RecV, RecQ, kb, K_PAD, row_v, row_q, rg, col_v, col_q, False)
         w = _decode_words(vw, qw, ASM)  # float32 w' [BLOCK_N, BLOCK_K]
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)

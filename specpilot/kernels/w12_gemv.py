@@ -222,7 +222,7 @@ if triton is not None:
         pid_k = tl.program_id(1)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        row_v, row_q, rg, col_v, col_q = _word_offsets(offs_n, K_PAD, BLOCK_K)
+        row_v, row_q, rg, col_v, col_q = _word_offsets(tl.program_id(0) * BLOCK_N, BLOCK_N, K_PAD, BLOCK_K)
         if ROWS == 1:
             acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
         else:

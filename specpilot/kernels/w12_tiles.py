@@ -125,14 +125,20 @@ if triton is not None:
         return tl.reshape(tl.permute(t, (0, 1, 3, 4, 2, 5)), [ROWS, BLOCK_K])
 
     @triton.jit
-    def _word_offsets(offs_n, K_PAD, BLOCK_K: tl.constexpr):
-        """Word addresses of rows ``offs_n`` in the records (128-row bands of 64-column records of 12288 bytes:
-        8192 bytes of views, then 4096 of nibbles): ``row_v`` / ``row_q`` the int64 / int32 word of each row's
-        first view / nibble group in record 0 of its band, ``rg`` the step's groups ``0 .. BLOCK_K/8 − 1`` and
-        ``col_v`` / ``col_q`` their word offsets (group ``g`` is in record ``g // 8`` of the step)."""
-        band = (offs_n // 128) * (K_PAD // 64) * 12288
-        row_v = (band + (offs_n % 128) * 64) // 8
-        row_q = (band + 8192 + (offs_n % 128) * 32) // 4
+    def _word_offsets(n0, BLOCK_N: tl.constexpr, K_PAD, BLOCK_K: tl.constexpr):
+        """Word addresses of rows ``n0 .. n0 + BLOCK_N − 1`` in the records (128-row bands of 64-column records of
+        12288 bytes: 8192 bytes of views, then 4096 of nibbles): ``row_v`` / ``row_q`` ``[BLOCK_N]`` the int64 / int32
+        word of each row's first view / nibble group in record 0 of its band, ``rg`` the step's groups ``0 ..
+        BLOCK_K/8 − 1`` and ``col_v`` / ``col_q`` their word offsets (group ``g`` is in record ``g // 8`` of the step).
+
+        ``n0`` is a multiple of BLOCK_N and BLOCK_N divides 128, so the tile lies in one band: the band and the
+        first row are scalars and a row's offset is ``scalar + 8 · i``. The compiler then addresses a thread's rows
+        from one base register with immediate offsets (per-row 64-bit addresses took 64 registers a thread in the
+        one-row GEMV, session 12's offline SASS)."""
+        band = (n0 // 128) * (K_PAD // 64) * 12288
+        rows = tl.arange(0, BLOCK_N)
+        row_v = (band + (n0 % 128) * 64) // 8 + rows * 8
+        row_q = (band + 8192 + (n0 % 128) * 32) // 4 + rows * 8
         rg = tl.arange(0, BLOCK_K // 8)
         return row_v, row_q, rg, (rg // 8) * 1536 + rg % 8, (rg // 8) * 3072 + rg % 8
 
