@@ -44,8 +44,9 @@ def _kernel_names(fn) -> set[str]:
     return {e.key for e in prof.key_averages()}
 
 
-@pytest.mark.parametrize("gemv", [False, True], ids=["tensor_core_8_rows", "gemv_1_row"])
-def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs(gemv):
+@pytest.mark.parametrize("gemv,lines", [(False, False), (True, True), (True, False)],
+                         ids=["tensor_core_8_rows", "gemv_1_row", "gemv_1_row_groups"])
+def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs(gemv, lines):
     """``reserve_split_locks`` before a capture gives the capture stream its split-K counters, so a captured W12
     launch with split K sums in the kernel (no ``_w12_split_sum_kernel``) and equals the eager call bitwise; a
     capture on a stream without counters falls back to the two-kernel sum (same bits). The engine's bucket
@@ -59,8 +60,9 @@ def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs(gemv):
     t = encode((torch.randn(256, 768, device="cuda") * 0.05).to(torch.bfloat16), device="cuda")
     x = torch.randn(1 if gemv else 8, 768, device="cuda", dtype=torch.bfloat16)
     esc = escape_table(t)  # computed outside the capture (it reads the escape list on the host)
-    kernel = "_w12_gemv_kernel" if gemv else "_w12_mma_kernel"
-    eager = w12_gemm(x, t, escapes=esc, split_k=2, gemv=gemv)
+    kernel = ("_w12_gemv_lines_kernel" if lines else "_w12_gemv_kernel") if gemv else "_w12_mma_kernel"
+    over = dict(split_k=2, gemv=gemv) | (dict(lines=lines) if gemv else {})
+    eager = w12_gemm(x, t, escapes=esc, **over)
     held = {}
     for reserve in (True, False):
         g = torch.cuda.CUDAGraph()
@@ -70,7 +72,7 @@ def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs(gemv):
         if reserve:
             reserve_split_locks(x.device, capture.capture_stream)
         with capture:
-            held[reserve] = w12_gemm(x, t, escapes=esc, split_k=2, gemv=gemv)
+            held[reserve] = w12_gemm(x, t, escapes=esc, **over)
         names = _kernel_names(g.replay)
         assert any(kernel in n for n in names), names
         assert any("_w12_split_sum_kernel" in n for n in names) == (not reserve), names

@@ -28,7 +28,8 @@ for rows in (1, 2, 4, 8):
         c = gemv_config(n, k, m=rows)
         key = (rows, c["block_k"], c["num_warps"], c["split_k"])
         if key not in seen:
-            r = gemv_resources(rows, c["block_n"], c["block_k"], c["num_warps"], c["num_stages"], c["split_k"])
+            r = gemv_resources(rows, c["block_n"], c["block_k"], c["num_warps"], c["num_stages"], c["split_k"],
+                               lines=c["lines"])
             seen[key] = [r.registers, r.spill_bytes]
         out.append([rows, n, k, *seen[key]])
 r = gemv_resources(8, 16, 1024, 4)  # 16 groups of 8 weights a thread at 8 rows

@@ -85,8 +85,8 @@ def test_kernels_compile_with_pdl_for_sm90(name):
         assert ops.index("griddepcontrol.launch_dependents") > wait, ops
 
 
-@pytest.mark.parametrize("m,over", [(1, dict(gemv=True)), (3, dict(gemv=True, split_k=2, block_k=64)),
-                                    (1, dict(gemv=True, split_k=3, block_k=128)),
+@pytest.mark.parametrize("m,over", [(1, dict(gemv=True, lines=False)), (3, dict(gemv=True, split_k=2, block_k=64)),
+                                    (1, dict(gemv=True, lines=False, split_k=3, block_k=128)),
                                     (5, dict(gemv=False, block_n=32, block_k=64, split_k=3)),
                                     (17, dict(gemv=False, block_n=16, block_k=64, split_k=2, fused_split=False)),
                                     (40, dict(gemv=False, block_n=16, block_k=128))])

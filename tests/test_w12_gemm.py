@@ -68,6 +68,9 @@ CASES = [
     (100, 90, 100, dict(block_n=64, block_k=64, words=False)),
     (100, 90, 100, dict(block_n=64, block_k=64)),
     (1, 300, 700, dict(gemv=True)),  # the one-row FMA kernel: default blocking, K not a multiple of its step
+    (1, 300, 700, dict(gemv=True, lines=False)),  # one row on the [BLOCK_N, groups] kernel instead of the lines one
+    (1, 300, 700, dict(gemv=True, lines=False, split_k=3, block_k=128)),
+    (1, 520, 1100, dict(gemv=True, block_n=32, block_k=512, split_k=2, num_warps=2)),  # lines: a ragged last step
     (1, 130, 64, dict(gemv=True, block_n=64, block_k=64)),
     (1, 300, 700, dict(gemv=True, split_k=3, block_k=128)),  # split K with a ragged last split
     (1, 200, 1000, dict(gemv=True, split_k=2, block_n=8, block_k=64, asm=False)),  # plain decode on the GPU too
@@ -133,6 +136,7 @@ def test_gemv_pipelined_k_loop_is_bitwise_the_plain_loop(monkeypatch, m, over):
     dtype = torch.bfloat16 if CUDA else torch.float32
     x = torch.randn(m, k, generator=g).to(DEV, dtype)
     bias = torch.randn(n, generator=g).to(DEV, dtype)
+    over = over | {"lines": False}  # the [BLOCK_N, groups] kernel (one row defaults to the line-coalesced one)
     plain = w12_gemm(x, t, bias, escapes=esc, gemv=True, load_stages=1, **over)
     assert torch.equal(w12_gemm(x, t, bias, escapes=esc, gemv=True, load_stages=3, **over), plain)
     monkeypatch.setattr(pdl, "w12_launch_kw", lambda device: {"PDL": False, "PREFETCH": True})

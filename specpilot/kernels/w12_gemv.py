@@ -5,12 +5,19 @@ At one row a projection is a read of its weight: the kernel must decode 12-bit c
 delivers them (~12 weights per clock per SM on an H200). The decode takes three integer instructions a
 weight (inline PTX ``prmt``, ``shr.s32``, ``lop3``; details in :func:`w12_gemv`): the view byte and its
 nibble become a float32 whose exponent is ``112 + offset`` instead of ``B_n + offset``, and each row's sum
-is multiplied once by the exact power of two ``2^(B_n − 112)``. Weights are read as one 64-bit word of
-views and one 32-bit word of nibbles per group of 8 columns; each thread holds 16 groups.
+is multiplied once by the exact power of two ``2^(B_n − 112)``. Weights are read as 64-bit words of views
+and 32-bit words of nibbles, one of each per group of 8 columns.
 
-H200, Qwen3-8B projections at one row (``bench/results/w12_gemv_probe_h200_2026-11-30_session4_run3.json``):
-1.07–1.21x cuBLAS bf16; AR step 1.13x the bf16 step. 2–8 rows (``gemv=True``) are tested in the Triton
-interpreter and not yet timed on a GPU.
+Two kernels. One row runs :func:`_w12_gemv_lines_kernel` (session 12): the step's words as ``[records, rows · 8]``
+tiles, so each warp load covers whole 128-byte lines. 2–8 rows (and one row with ``lines=False``) run
+:func:`_w12_gemv_kernel`: ``[BLOCK_N, groups]`` tiles, 16 groups a thread at one row, x loaded once per group
+and shared by the thread's rows.
+
+H200, ``specpilot bench --suite w12`` (``bench/results/w12_bench_h200_2026-12-01_session12.json``), one row:
+Qwen3-8B qkv / o / gate_up 1.08 / 1.23 / 1.22x cuBLAS bf16, Qwen3-32B gate_up 1.34x; the exact pass of
+Qwen3-8B 1.15x the bf16 pass. A plain streaming read of the same bytes is still 1.4x (qkv) to 1.2x (gate_up)
+faster than these kernels (``bench/read_floor.py``). 2–8 rows are tested in the Triton interpreter and not
+yet timed on a GPU.
 
 Shapes, escapes, bias and the split-K sum follow :mod:`specpilot.kernels.w12_gemm`, whose
 :func:`~specpilot.kernels.w12_gemm.w12_gemm` routes here; the reference is
@@ -45,22 +52,25 @@ GEMV_WARPS_PER_SM = {1: 11, 2: 16, 4: 10, 8: 8}
 def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     """Launch parameters of :func:`w12_gemv` for ``m`` rows from static shapes only.
 
-    One row, from the H200 sweeps: each thread holds 16 groups of 8 weights (fewer: the activation loads
-    and address arithmetic dominate; more: spills) and the grid about 11 warps an SM (fewer cannot keep
-    enough loads in flight on the small projections). 2–8 rows: 8 groups a thread, since ptxas reports that
-    16 groups take 254–255 registers from 2 rows on and spill at 8 rows, and 8 groups 128 / ~175 / ~250
-    registers at 2 / 4 / 8 rows (so at most 16 / 10 / 8 warps an SM). BLOCK_N 16; BLOCK_K the smallest of
-    256 .. 2048 whose grid reaches :data:`GEMV_WARPS_PER_SM` warps an SM, ``num_warps = 16 · BLOCK_K / (256 ·
-    groups)``; if the grid is still short, split K in two or four. At one row BLOCK_K first stops at 512 (2 warps
-    a program), then K is split, then BLOCK_K grows again: more, smaller programs beat fewer wide ones (H200,
-    ``bench/results/w12_gemv_probe_h200_2026-12-01_session11{,_run2}.json``: 8B o 11.25–11.29 µs with 512 / 2
-    warps / split 4 against 11.97–11.98 with 2048 / 8 warps / no split). BLOCK_K grows only to sizes that divide the padded K, and the splits divide it too (the
-    starting 256 itself leaves a ragged last block when the padded K is not a multiple of 256): a ragged block
-    masks every load of the kernel (Qwen3-32B's down projection, K = 25600, ran at 0.46x cuBLAS with BLOCK_K
-    2048 and 1.03x with 1024, ``bench/results/w12_one_row_check_h200_2026-12-01_session8.json``). ``num_stages``
-    3 (the launch option; it pipelines nothing here, see ``load_stages``); split K summed in the kernel
-    (``fused_split``, see :func:`~specpilot.kernels.w12_gemm.default_config`); ``load_stages`` 1 (plain loads;
-    see :func:`w12_gemv`)."""
+    One row (H200, session 12, ``bench/results/w12_launch_sweep_lines_h200_2026-12-01_session12.json``): the
+    line-coalesced kernel (``lines``, :func:`_w12_gemv_lines_kernel`), BLOCK_N 16, BLOCK_K 256, one warp a
+    program, K split in 2, 4, 8 or 16 until the grid holds :data:`GEMV_WARPS_PER_SM` warps an SM (and the splits
+    divide the padded K into whole steps). This rule gives the best of 31 launch shapes on each Qwen3-8B
+    projection: qkv split 4 (14.11 µs vs 14.94 for the previous default in the same run), o split 8 (10.92 vs
+    11.27), gate_up split 1 (40.23 vs 40.74), down split 8 (22.98 vs 23.57).
+
+    2–8 rows (:func:`_w12_gemv_kernel`, ``[BLOCK_N, groups]`` tiles; not yet timed on a GPU): 8 groups of 8 weights
+    a thread, since ptxas reported 254–255 registers with 16 groups from 2 rows on (before session 12's affine row
+    offsets) and 8 groups 128 / ~175 / ~250 registers at 2 / 4 / 8 rows. BLOCK_N 16; BLOCK_K the smallest of 256 ..
+    2048 whose grid reaches :data:`GEMV_WARPS_PER_SM` warps an SM, ``num_warps = 16 · BLOCK_K / (256 · groups)``;
+    if the grid is still short, split K in two or four, then BLOCK_K grows again. BLOCK_K grows only to sizes that
+    divide the padded K, and the splits divide it too (a ragged last block masks every load of the kernel: Qwen3-32B's
+    down projection, K = 25600, ran at 0.46x cuBLAS with BLOCK_K 2048 and 1.03x with 1024,
+    ``bench/results/w12_one_row_check_h200_2026-12-01_session8.json``). ``num_stages`` 3 (the launch option; it
+    pipelines nothing here, see ``load_stages``); split K summed in the kernel (``fused_split``, see
+    :func:`~specpilot.kernels.w12_gemm.default_config`); ``load_stages`` 1 (plain loads; see :func:`w12_gemv`).
+
+    Raises: W12GemmError for ``m`` outside 1..8."""
     rows = 1 << max(0, int(m) - 1).bit_length()
     if rows not in GEMV_WARPS_PER_SM:
         raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {m}")
@@ -69,8 +79,13 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     k_pad = -(-k // RECORD_COLS) * RECORD_COLS
     want = GEMV_WARPS_PER_SM[rows] * num_sms
     programs = -(-n // bn)
-    first_cap = 2 if rows == 1 else 16  # one row: programs of at most 2 warps first, then split K, then wider
-    while bk < 2048 and k_pad % (2 * bk) == 0 and warps(2 * bk) <= first_cap and programs * warps(bk) < want:
+    if rows == 1:  # the line-coalesced kernel: one-warp programs of 256 columns a step, split K to fill the grid
+        split = 1
+        while split < 16 and programs * split < want and k_pad % (2 * split * bk) == 0:
+            split *= 2
+        return dict(block_n=bn, block_k=bk, split_k=split, num_warps=1, num_stages=3, asm=True, fused_split=True,
+                    load_stages=1, lines=True)
+    while bk < 2048 and k_pad % (2 * bk) == 0 and warps(2 * bk) <= 16 and programs * warps(bk) < want:
         bk *= 2
     split = 1
     while split < 4 and programs * split * warps(bk) < want and k_pad % (2 * split * bk) == 0:
@@ -79,7 +94,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
            and programs * split * warps(bk) < want):
         bk *= 2
     return dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps(bk), num_stages=3, asm=True, fused_split=True,
-                load_stages=1)
+                load_stages=1, lines=False)
 
 
 def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict) -> torch.Tensor:
@@ -88,7 +103,8 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     between the decode and the dot). Measured on the H200 at one row only; rows are padded to a power of
     two in registers (``ROWS``) and masked. Called by :func:`~specpilot.kernels.w12_gemm.w12_gemm` (which
     checks shapes, dtypes and devices) with ``escapes`` its :func:`~specpilot.kernels.w12_gemm.escape_table`
-    and ``overrides`` its launch overrides (block_n, block_k, split_k, num_warps, num_stages, asm, fused_split).
+    and ``overrides`` its launch overrides (block_n, block_k, split_k, num_warps, num_stages, asm, fused_split,
+    load_stages, lines).
 
     Decode in three integer instructions a weight. A program reads, per row and group of 8 columns, one
     64-bit word of views and one 32-bit word of nibbles (8 bytes and 4 bytes, contiguous in the record).
@@ -110,6 +126,10 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     bytes a program) while a step is summed. The same operations in the same order, so bitwise the same output.
     (A register double buffer, session 10, was 0.48–1.07x cuBLAS where the plain loop is 1.0–1.16x:
     ``bench/results/w12_gemv_probe_h200_2026-12-01_session11.json``; removed.)
+
+    ``lines`` (override; the one-row default, see :func:`gemv_config`): one row runs
+    :func:`_w12_gemv_lines_kernel`, whose loads cover whole 128-byte lines; another summation order within the same
+    bound, deterministic. Ignored for 2–8 rows, and when PDL is on (``SPECPILOT_PDL=1``: that kernel has no PDL path).
 
     ``asm`` (default on CUDA): the three instructions as inline PTX (``prmt.b32``, ``shr.s32``, ``lop3.b32``);
     otherwise the same bit operations in plain Triton (the interpreter, and a GPU comparison). Split K
@@ -141,29 +161,40 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     lock = split_locks(x.device, triton.cdiv(n, bn)) if split > 1 and cfg["fused_split"] else None
     fused = lock is not None  # None: not asked, no split, or capturing without counters (the two-kernel sum)
     lock = row_ptr if lock is None else lock
-    _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
-        x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
-        m, n, k, k_pad, k_per_split, x.stride(0), BLOCK_N=bn, BLOCK_K=bk, ROWS=rows, SPLIT_K=split, FUSED=fused,
-        EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
-        ASM=bool(cfg["asm"]) and x.is_cuda, LOAD_STAGES=int(cfg["load_stages"]), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **pdl.w12_launch_kw(x.device))
+    common = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FUSED=fused, EVEN=k_per_split * split == k_pad,
+                  X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None, ASM=bool(cfg["asm"]) and x.is_cuda,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    launch_kw = pdl.w12_launch_kw(x.device)
+    if cfg["lines"] and m == 1 and not launch_kw["PDL"]:  # the lines kernel has no PDL path (PDL is off by default)
+        _w12_gemv_lines_kernel[(triton.cdiv(n, bn), split)](
+            x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
+            m, n, k, k_pad, k_per_split, x.stride(0), **common)
+    else:
+        _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
+            x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
+            m, n, k, k_pad, k_per_split, x.stride(0), ROWS=rows, LOAD_STAGES=int(cfg["load_stages"]), **common,
+            **launch_kw)
     return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused)
 
 
 
 
 def gemv_resources(rows: int, block_n: int, block_k: int, num_warps: int, num_stages: int = 3, split_k: int = 1,
-                   load_stages: int = 1):
+                   load_stages: int = 1, lines: bool = False):
     """Registers and spills of the GEMV kernel for ``rows`` (1..8) compiled for sm_90a without a GPU
-    (:func:`specpilot.kernels.resources.kernel_resources`; bf16 activations, inline-PTX decode, even K).
+    (:func:`specpilot.kernels.resources.kernel_resources`; bf16 activations, inline-PTX decode, even K);
+    ``lines`` (one row only): the line-coalesced kernel :func:`_w12_gemv_lines_kernel`.
     Raises: ResourcesUnavailable without Triton's ptxas; W12GemmError for rows outside 1..8."""
     from .resources import kernel_resources
     from .w12_tiles import WORD_KERNEL_SIGNATURE
 
     if not 1 <= rows <= GEMV_MAX_ROWS:
         raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=triton.next_power_of_2(rows), SPLIT_K=split_k, FUSED=False, EVEN=True,
-                  X_EVEN=True, HAS_BIAS=False, ASM=True, LOAD_STAGES=load_stages)
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, FUSED=False, EVEN=True, X_EVEN=True,
+                  HAS_BIAS=False, ASM=True)
+    if lines and rows == 1:
+        return kernel_resources(_w12_gemv_lines_kernel, WORD_KERNEL_SIGNATURE, consts, num_warps, num_stages)
+    consts |= dict(ROWS=triton.next_power_of_2(rows), LOAD_STAGES=load_stages)
     return kernel_resources(_w12_gemv_kernel, WORD_KERNEL_SIGNATURE, consts, num_warps, num_stages)
 
 
@@ -264,5 +295,96 @@ if triton is not None:
                 _finish_splits(Part, Lock + tl.program_id(0), X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, offs_m,
                                offs_n, m_ok, n_ok, dst, ok, SPLIT_K, HAS_BIAS, False)
 
+    @triton.jit
+    def _w12_gemv_lines_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD,
+                               K_PER_SPLIT, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr,
+                               HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+        """One row (``lines``): the grid, split and epilogue of :func:`_w12_gemv_kernel`, with the step's words
+        taken as ``[R, BLOCK_N · 8]`` tiles (R = BLOCK_K / 64 records; column ``j`` = row ``j // 8``, group
+        ``j % 8``). Within a record the views of the tile's rows are one contiguous ``BLOCK_N · 64``-byte run and
+        its nibbles one ``BLOCK_N · 32``-byte run, so a warp's load covers whole 128-byte lines (16-byte vectors
+        of views), where the ``[BLOCK_N, groups]`` tiles of :func:`_w12_gemv_kernel` load 64 / 32 bytes of each
+        line they touch (``bench/w12_access_probe.py``: those loads alone ran 1.3-1.5x slower than a plain read of
+        the same bytes on the H200). x: :func:`_x_groups`. The K sum's order differs from
+        :func:`_w12_gemv_kernel` (each element sums its group's 8 products over the steps; rows are reduced over
+        records and groups at the end): within the same rounding bound, deterministic."""
+        R: tl.constexpr = BLOCK_K // 64
+        J: tl.constexpr = BLOCK_N * 8
+        pid_k = tl.program_id(1)
+        n0 = tl.program_id(0) * BLOCK_N
+        band = (n0 // 128) * (K_PAD // 64) * 12288
+        rr = tl.arange(0, R)
+        jj = tl.arange(0, J)
+        v_off = (band + (n0 % 128) * 64) // 8 + rr[:, None] * 1536 + jj[None, :]  # int64 words
+        q_off = (band + 8192 + (n0 % 128) * 32) // 4 + rr[:, None] * 3072 + jj[None, :]  # int32 words
+        # 8-byte vectors of nibble words, as the views' 16-byte vectors hold 2 words: both tiles get one layout
+        q_off = tl.max_contiguous(tl.multiple_of(q_off, [1, 2]), [1, 2])
+        acc = tl.zeros([R, J], dtype=tl.float32)
+        k0 = pid_k * K_PER_SPLIT
+        k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):
+            kb = k0 + kk
+            if EVEN:
+                vw = tl.load(RecV + (kb // 64) * 1536 + v_off)
+                qw = tl.load(RecQ + (kb // 64) * 3072 + q_off)
+            else:
+                ok = (kb + rr * 64 < k1)[:, None]
+                vw = tl.load(RecV + (kb // 64) * 1536 + v_off, mask=ok, other=0)
+                qw = tl.load(RecQ + (kb // 64) * 3072 + q_off, mask=ok, other=0)
+            w0, w1, w2, w3, w4, w5, w6, w7 = _decode8(vw, qw, ASM)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_groups(X, kb, K, R, BLOCK_N, X_EVEN)
+            acc += w0 * x0
+            acc += w1 * x1
+            acc += w2 * x2
+            acc += w3 * x3
+            acc += w4 * x4
+            acc += w5 * x5
+            acc += w6 * x6
+            acc += w7 * x7
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
+        scale = ((base + 15) << 23).to(tl.float32, bitcast=True)  # 2^(B_n − 112), exact
+        y = (tl.sum(tl.sum(tl.reshape(acc, [R, BLOCK_N, 8]), axis=2), axis=0) * scale)[None, :]  # [1, BN]
+        offs_m = tl.arange(0, 1)
+        m_ok = offs_m < M
+        dst = offs_m[:, None] * N + offs_n[None, :]
+        ok = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K == 1:
+            _store_out(y, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
+                       False)
+        else:
+            tl.store(Part + pid_k * M * N + dst, y, mask=ok)
+            if FUSED:
+                _finish_splits(Part, Lock + tl.program_id(0), X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, offs_m,
+                               offs_n, m_ok, n_ok, dst, ok, SPLIT_K, HAS_BIAS, False)
+
+    @triton.jit
+    def _x_groups(X, kb, K, R: tl.constexpr, BLOCK_N: tl.constexpr, X_EVEN: tl.constexpr):
+        """x of the step's columns as 8 tensors ``[R, BLOCK_N · 8]``: tensor ``i`` holds, at (record r, column j),
+        ``x[kb + 64 r + 8 (j % 8) + i]`` (column i of group j % 8), from one contiguous ``[R, 64]`` load split and
+        broadcast over the tile's rows (so the weights keep their load layout)."""
+        cols = kb + tl.arange(0, R)[:, None] * 64 + tl.arange(0, 64)[None, :]
+        if X_EVEN:
+            xt = tl.load(X + cols).to(tl.float32)
+        else:
+            xt = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+        t = tl.reshape(xt, [R, 8, 2, 2, 2])  # (record, group, i = 4a + 2b + c)
+        c0, c1 = tl.split(t)
+        b00, b01 = tl.split(c0)
+        b10, b11 = tl.split(c1)
+        x0, x4 = tl.split(b00)
+        x2, x6 = tl.split(b01)
+        x1, x5 = tl.split(b10)
+        x3, x7 = tl.split(b11)
+        J: tl.constexpr = BLOCK_N * 8
+        return (_rows(x0, R, BLOCK_N, J), _rows(x1, R, BLOCK_N, J), _rows(x2, R, BLOCK_N, J), _rows(x3, R, BLOCK_N, J),
+                _rows(x4, R, BLOCK_N, J), _rows(x5, R, BLOCK_N, J), _rows(x6, R, BLOCK_N, J), _rows(x7, R, BLOCK_N, J))
+
+    @triton.jit
+    def _rows(xg, R: tl.constexpr, BLOCK_N: tl.constexpr, J: tl.constexpr):
+        """``[R, 8]`` (record, group) -> ``[R, BLOCK_N · 8]``, the same value for every row of a group."""
+        return tl.reshape(tl.broadcast_to(xg[:, None, :], [R, BLOCK_N, 8]), [R, J])
 
 __all__ = ["w12_gemv", "gemv_config", "gemv_resources", "GEMV_MAX_ROWS"]
