@@ -6,7 +6,8 @@
 Bytes are the weights read: 2 a weight for bf16, 1.5 for W12 (12 bits; escapes and record padding ignored,
 < 0.1%). Least squares per row count and kernel; ``needed_fixed_us`` is the fixed cost W12 would need, at its
 fitted bandwidth, to reach 1.25x cuBLAS's measured time on each Qwen3-8B shape (negative or below cuBLAS's own
-fixed cost: out of reach for a kernel launched on its own); ``ratio_at_cublas_fixed_cost`` is the model's W12
+fixed cost: out of reach for a kernel that pays cuBLAS's fixed cost; session 12's ``bench/read_floor.py`` measured a
+plain read's fixed cost at 1.9 µs, well below cuBLAS's 4.4, so that reading of it was too strict); ``ratio_at_cublas_fixed_cost`` is the model's W12
 speedup over cuBLAS (cuBLAS time / W12 time) if W12 had cuBLAS's fixed cost and its own fitted bandwidth. At one
 row the W12 fit blends two kernels (the GEMV on short-K / very wide shapes, the tensor-core kernel elsewhere; see
 ``one_row_gemv``). No GPU needed: it reads measured figures only.
