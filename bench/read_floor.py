@@ -94,7 +94,7 @@ def main(out_path: str) -> dict:
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from timing import time_calls, time_graph  # noqa: E402  (bench/timing.py)
-    from w12_bench import SHAPES, projection_copies  # noqa: E402
+    from w12_bench import projection_copies  # noqa: E402
     from specpilot.kernels.w12_gemm import w12_gemm
     from specpilot.provenance import git_commit, versions
 

@@ -22,12 +22,11 @@ import torch
 import torch.nn.functional as F
 
 import specpilot
-from specpilot.kernels.w12_gemm import escape_table, w12_gemm
+from specpilot.kernels.w12_gemm import w12_gemm
 from specpilot.provenance import git_commit, versions
-from specpilot.w12.format import encode
 
 from timing import time_calls  # noqa: E402  (bench/timing.py)
-from w12_bench import SHAPES, check, codes, copies_of  # noqa: E402
+from w12_bench import check, codes, projection_copies  # noqa: E402
 
 dev = "cuda"
 
@@ -54,15 +53,9 @@ def main(out_path: str, label: str, ar: bool = False) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     res = {"label": label, "specpilot": specpilot.__file__, "device": torch.cuda.get_device_name(0),
            "versions": versions(), "commit": git_commit(), "rows": []}
-    for name in [s for s in SHAPES if s.startswith("qwen3-8b")]:
-        n, k = SHAPES[name]
+    for name, n, k, w, t, esc, ts, ws in projection_copies("qwen3-8b", seed=0):
         g = torch.Generator(device=dev).manual_seed(n + 3 * k)
-        w = (torch.randn(n, k, generator=g, device=dev) * 0.02).to(torch.bfloat16)
-        t = encode(w, device=dev)
-        esc = escape_table(t)
         aw = w.float().abs() + codes(t).abs()
-        ts = copies_of(t, esc)
-        ws = [w] + [w.clone() for _ in range(-(-(512 << 20) // (n * k * 2)) - 1)]
         for m in (1, 8, 16, 32):
             x = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
             row = {"proj": name, "rows": m} | check(w12_gemm(x, t, escapes=esc), x, t, aw)

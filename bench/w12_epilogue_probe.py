@@ -29,7 +29,7 @@ import torch
 
 from specpilot.kernels.w12_gemm import escape_table, w12_gemm
 from specpilot.provenance import git_commit, versions
-from specpilot.w12.format import decode, encode
+from specpilot.w12.format import encode
 
 from timing import time_calls  # noqa: E402  (bench/timing.py)
 from w12_bench import SHAPES, check, codes, copies_of  # noqa: E402

@@ -114,14 +114,16 @@ def escape_check() -> dict:
     return res
 
 
-def projection_copies(prefix: str = "qwen3-8b"):
+def projection_copies(prefix: str = "qwen3-8b", seed: int | None = None):
     """Per projection of :data:`SHAPES` whose name starts with ``prefix``: a random N(0, 0.02) bf16 weight
-    ``w [N, K]``, its W12 encoding ``t`` and escape table ``esc``, and ≥ 512 MiB of copies of each (``ts`` W12
-    ``(t, esc)`` pairs, ``ws`` bf16 weights) for :func:`time_calls`. Yields ``(name, n, k, w, t, esc, ts, ws)``
-    (~1 GiB of device memory each; the caller's names keep one projection alive while the next is built)."""
+    ``w [N, K]`` (drawn from ``seed + N + K`` when ``seed`` is given, so two runs time the same bytes), its W12
+    encoding ``t`` and escape table ``esc``, and ≥ 512 MiB of copies of each (``ts`` W12 ``(t, esc)`` pairs, ``ws``
+    bf16 weights) for :func:`time_calls`. Yields ``(name, n, k, w, t, esc, ts, ws)`` (~1 GiB of device memory
+    each; the caller's names keep one projection alive while the next is built)."""
     for name in [s_ for s_ in SHAPES if s_.startswith(prefix)]:
         n, k = SHAPES[name]
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        g = None if seed is None else torch.Generator(device=dev).manual_seed(seed + n + k)
+        w = (torch.randn(n, k, generator=g, device=dev) * 0.02).to(torch.bfloat16)
         t = encode(w, device=dev)
         esc = escape_table(t)
         ts = copies_of(t, esc)

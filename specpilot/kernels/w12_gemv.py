@@ -284,6 +284,15 @@ if triton is not None:
             y = (tl.sum(acc, axis=1) * scale)[None, :]  # [1, BN]
         else:
             y = tl.sum(acc, axis=2) * scale[None, :]  # [ROWS, BN]
+        _gemv_store(y, X, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, pid_k,
+                    SPLIT_K, FUSED, HAS_BIAS)
+
+    @triton.jit
+    def _gemv_store(y, X, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, pid_k,
+                    SPLIT_K: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """The GEMV kernels' end: ``y [ROWS, BLOCK_N]`` (the scaled K sum of this split) plus escapes and bias to
+        Out, or, with split K, to this split's partial; with ``FUSED`` the tile's last split then sums the partials
+        here (no second kernel, :func:`~specpilot.kernels.w12_gemm._finish_splits`)."""
         dst = offs_m[:, None] * N + offs_n[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K == 1:
@@ -291,7 +300,7 @@ if triton is not None:
                        False)
         else:
             tl.store(Part + pid_k * M * N + dst, y, mask=ok)
-            if FUSED:  # the tile's last split sums the partials here (no second kernel)
+            if FUSED:
                 _finish_splits(Part, Lock + tl.program_id(0), X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, offs_m,
                                offs_n, m_ok, n_ok, dst, ok, SPLIT_K, HAS_BIAS, False)
 
@@ -349,16 +358,8 @@ if triton is not None:
         y = (tl.sum(tl.sum(tl.reshape(acc, [R, BLOCK_N, 8]), axis=2), axis=0) * scale)[None, :]  # [1, BN]
         offs_m = tl.arange(0, 1)
         m_ok = offs_m < M
-        dst = offs_m[:, None] * N + offs_n[None, :]
-        ok = m_ok[:, None] & n_ok[None, :]
-        if SPLIT_K == 1:
-            _store_out(y, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
-                       False)
-        else:
-            tl.store(Part + pid_k * M * N + dst, y, mask=ok)
-            if FUSED:
-                _finish_splits(Part, Lock + tl.program_id(0), X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, offs_m,
-                               offs_n, m_ok, n_ok, dst, ok, SPLIT_K, HAS_BIAS, False)
+        _gemv_store(y, X, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, pid_k,
+                    SPLIT_K, FUSED, HAS_BIAS)
 
     @triton.jit
     def _x_groups(X, kb, K, R: tl.constexpr, BLOCK_N: tl.constexpr, X_EVEN: tl.constexpr):
