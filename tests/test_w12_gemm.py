@@ -274,6 +274,15 @@ def test_bad_input_raises():
         w12_gemm(torch.randn(2, 70, device=DEV), t, torch.randn(41, device=DEV))
     with pytest.raises(W12GemmError):
         w12_gemm_reference(torch.randn(2, 69), _cpu(t))
+    x = torch.randn(1, 70, device=DEV)
+    with pytest.raises(W12GemmError, match="unknown w12_gemm override.*splitk"):
+        w12_gemm(x, t, splitk=3)  # a misspelt knob is refused, not ignored
+    for key in ("block_k", "block_n", "split_k", "num_warps"):
+        with pytest.raises(W12GemmError, match=f"{key} must be a positive integer"):
+            w12_gemm(x, t, **{key: 0})
+    with pytest.raises(W12GemmError, match="W12Tensor"):
+        w12_gemm(x, torch.randn(40, 70, device=DEV))
+    assert w12_gemm(x, t, split_k=2).shape == (1, 40)  # and the call still works after the refusals
 
 
 # -- W12Linear ---------------------------------------------------------------------------------------
@@ -343,3 +352,21 @@ def test_gemm_linear_dispatches_w12_layers():
     w12 = W12Linear.from_linear(lin)
     x = torch.randint(-3, 4, (3, 32)).float()
     assert torch.equal(gemm.linear(x, w12), lin(x)) and torch.equal(gemm.cublas_linear(x, w12), lin(x))
+
+
+@pytest.mark.skipif(CUDA, reason="checks the CPU interpreter")
+def test_interpreter_runs_w12_gemm_outside_the_test_suite():
+    """A user's own process with TRITON_INTERPRET=1 (no test shims loaded): specpilot.kernels patches Triton 3.6's
+    interpreter for numpy >= 2.4 (triton#9171) on import, so the W12 kernels' runtime loops work there too."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom specpilot.kernels.w12_gemm import w12_gemm, w12_gemm_reference\n"
+            "from specpilot.w12.format import encode\ng = torch.Generator().manual_seed(0)\n"
+            "t = encode((torch.randn(130, 300, generator=g) * 0.02).to(torch.bfloat16))\n"
+            "x = torch.randn(1, 300, generator=g)\n"
+            "print((w12_gemm(x, t) - w12_gemm_reference(x, t)).abs().max().item())\n")
+    env = dict(__import__("os").environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-1500:]
+    assert float(proc.stdout.strip().splitlines()[-1]) < 1e-5

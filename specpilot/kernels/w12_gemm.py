@@ -186,7 +186,26 @@ def one_row_gemv(n: int, k: int) -> bool:
     return k <= 4096 or n > 4 * k
 
 
+#: launch overrides :func:`w12_gemm` takes (any other name is refused: a misspelt tuning knob must not pass silently)
+OVERRIDES = frozenset({"block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "w_left", "gemv", "words",
+                       "fused_split", "asm", "load_stages", "lines"})
+
+
+def _check_overrides(overrides: dict) -> None:
+    unknown = sorted(set(overrides) - OVERRIDES)
+    if unknown:
+        raise W12GemmError(f"unknown w12_gemm override(s) {unknown}; known: {sorted(OVERRIDES)}")
+    for key in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "load_stages"):
+        v = overrides.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise W12GemmError(f"w12_gemm override {key} must be a positive integer, got {v!r}")
+
+
 def _check(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None) -> None:
+    if not isinstance(w12, W12Tensor):
+        raise W12GemmError(f"w12_gemm takes a W12Tensor weight (specpilot.w12.format.encode), got {type(w12).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise W12GemmError(f"x must be a torch.Tensor, got {type(x).__name__}")
     n, k = w12.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise W12GemmError(f"want x [M, {k}] for a W12 weight {tuple(w12.shape)}, got {tuple(x.shape)}")
@@ -221,12 +240,14 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
             (:func:`~specpilot.kernels.w12_mma.w12_mma`; on the H200 1.0–1.2x faster than ``words=False``, the
             byte-loading kernel below, at 16–256 rows: ``bench/results/w12_dense_probe_h200_2026-11-30.json``).
     Returns: ``[M, N]`` in x's dtype; within the module docstring's bound of :func:`w12_gemm_reference`.
-    Raises: W12GemmError on bad shapes / dtypes / devices, M outside 1..256 (1..8 with ``gemv=True``);
-        RuntimeError without triton.
+    Raises: W12GemmError on bad shapes / dtypes / devices, M outside 1..256 (1..8 with ``gemv=True``), a weight
+        that is not a W12Tensor, an unknown override name (:data:`OVERRIDES`) or a non-positive block / split /
+        warp / stage count; RuntimeError without triton.
     """
     if triton is None:
         raise RuntimeError("triton is not installed")
     _check(x, w12, bias)
+    _check_overrides(overrides)
     m, k = x.shape
     n = w12.shape[0]
     if not 1 <= m <= MAX_ROWS:
