@@ -38,7 +38,7 @@ if triton is not None:
 
     from .pdl import pdl_signal, pdl_start, pdl_wait
     from .w12_gemm import _finish_splits, _store_out
-    from .w12_tiles import _decode8, _load_groups, _word_offsets
+    from .w12_tiles import _decode8, _load_groups, _tile_words, _word_offsets
 
 GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
 
@@ -322,11 +322,11 @@ if triton is not None:
         J: tl.constexpr = BLOCK_N * 8
         pid_k = tl.program_id(1)
         n0 = tl.program_id(0) * BLOCK_N
-        band = (n0 // 128) * (K_PAD // 64) * 12288
+        v0, q0 = _tile_words(n0, K_PAD)
         rr = tl.arange(0, R)
         jj = tl.arange(0, J)
-        v_off = (band + (n0 % 128) * 64) // 8 + rr[:, None] * 1536 + jj[None, :]  # int64 words
-        q_off = (band + 8192 + (n0 % 128) * 32) // 4 + rr[:, None] * 3072 + jj[None, :]  # int32 words
+        v_off = v0 + rr[:, None] * 1536 + jj[None, :]  # int64 words (1536 a record)
+        q_off = q0 + rr[:, None] * 3072 + jj[None, :]  # int32 words (3072 a record)
         # 8-byte vectors of nibble words, as the views' 16-byte vectors hold 2 words: both tiles get one layout
         q_off = tl.max_contiguous(tl.multiple_of(q_off, [1, 2]), [1, 2])
         acc = tl.zeros([R, J], dtype=tl.float32)

@@ -125,6 +125,14 @@ if triton is not None:
         return tl.reshape(tl.permute(t, (0, 1, 3, 4, 2, 5)), [ROWS, BLOCK_K])
 
     @triton.jit
+    def _tile_words(n0, K_PAD):
+        """Row ``n0``'s first view word (int64 index) and first nibble word (int32 index) in record 0 of its band
+        (128-row bands of ``K_PAD / 64`` records of 12288 bytes: 8192 of views, 64 a row, then 4096 of nibbles, 32 a
+        row). Rows ``n0 + i`` of the same band follow at ``+ 8 i`` words in both."""
+        band = (n0 // 128) * (K_PAD // 64) * 12288
+        return (band + (n0 % 128) * 64) // 8, (band + 8192 + (n0 % 128) * 32) // 4
+
+    @triton.jit
     def _word_offsets(n0, BLOCK_N: tl.constexpr, K_PAD, BLOCK_K: tl.constexpr):
         """Word addresses of rows ``n0 .. n0 + BLOCK_N − 1`` in the records (128-row bands of 64-column records of
         12288 bytes: 8192 bytes of views, then 4096 of nibbles): ``row_v`` / ``row_q`` ``[BLOCK_N]`` the int64 / int32
@@ -135,10 +143,10 @@ if triton is not None:
         first row are scalars and a row's offset is ``scalar + 8 · i``. The compiler then addresses a thread's rows
         from one base register with immediate offsets (per-row 64-bit addresses took 64 registers a thread in the
         one-row GEMV, session 12's offline SASS)."""
-        band = (n0 // 128) * (K_PAD // 64) * 12288
+        v0, q0 = _tile_words(n0, K_PAD)
         rows = tl.arange(0, BLOCK_N)
-        row_v = (band + (n0 % 128) * 64) // 8 + rows * 8
-        row_q = (band + 8192 + (n0 % 128) * 32) // 4 + rows * 8
+        row_v = v0 + rows * 8
+        row_q = q0 + rows * 8
         rg = tl.arange(0, BLOCK_K // 8)
         return row_v, row_q, rg, (rg // 8) * 1536 + rg % 8, (rg // 8) * 3072 + rg % 8
 
