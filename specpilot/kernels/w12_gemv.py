@@ -84,7 +84,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
         while split < 16 and programs * split < want and k_pad % (2 * split * bk) == 0:
             split *= 2
         return dict(block_n=bn, block_k=bk, split_k=split, num_warps=1, num_stages=3, asm=True, fused_split=True,
-                    load_stages=1, lines=True)
+                    load_stages=1, lines=True, double=False)
     while bk < 2048 and k_pad % (2 * bk) == 0 and warps(2 * bk) <= 16 and programs * warps(bk) < want:
         bk *= 2
     split = 1
@@ -94,7 +94,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
            and programs * split * warps(bk) < want):
         bk *= 2
     return dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps(bk), num_stages=3, asm=True, fused_split=True,
-                load_stages=1, lines=False)
+                load_stages=1, lines=False, double=False)
 
 
 def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict) -> torch.Tensor:
@@ -168,7 +168,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     if cfg["lines"] and m == 1 and not launch_kw["PDL"]:  # the lines kernel has no PDL path (PDL is off by default)
         _w12_gemv_lines_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
-            m, n, k, k_pad, k_per_split, x.stride(0), **common)
+            m, n, k, k_pad, k_per_split, x.stride(0), DOUBLE=bool(cfg["double"]), **common)
     else:
         _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
@@ -308,7 +308,7 @@ if triton is not None:
     def _w12_gemv_lines_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD,
                                K_PER_SPLIT, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr,
-                               HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+                               HAS_BIAS: tl.constexpr, ASM: tl.constexpr, DOUBLE: tl.constexpr = False):
         """One row (``lines``): the grid, split and epilogue of :func:`_w12_gemv_kernel`, with the step's words
         taken as ``[R, BLOCK_N · 8]`` tiles (R = BLOCK_K / 64 records; column ``j`` = row ``j // 8``, group
         ``j % 8``). Within a record the views of the tile's rows are one contiguous ``BLOCK_N · 64``-byte run and
@@ -332,25 +332,18 @@ if triton is not None:
         acc = tl.zeros([R, J], dtype=tl.float32)
         k0 = pid_k * K_PER_SPLIT
         k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)
-        for kk in range(0, K_PER_SPLIT, BLOCK_K):
-            kb = k0 + kk
-            if EVEN:
-                vw = tl.load(RecV + (kb // 64) * 1536 + v_off)
-                qw = tl.load(RecQ + (kb // 64) * 3072 + q_off)
-            else:
-                ok = (kb + rr * 64 < k1)[:, None]
-                vw = tl.load(RecV + (kb // 64) * 1536 + v_off, mask=ok, other=0)
-                qw = tl.load(RecQ + (kb // 64) * 3072 + q_off, mask=ok, other=0)
-            w0, w1, w2, w3, w4, w5, w6, w7 = _decode8(vw, qw, ASM)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_groups(X, kb, K, R, BLOCK_N, X_EVEN)
-            acc += w0 * x0
-            acc += w1 * x1
-            acc += w2 * x2
-            acc += w3 * x3
-            acc += w4 * x4
-            acc += w5 * x5
-            acc += w6 * x6
-            acc += w7 * x7
+        if DOUBLE:  # the next step's words and x are loaded before this step is summed
+            vw, qw, xt = _lines_load(X, RecV, RecQ, k0, k1, K, v_off, q_off, rr, True, EVEN, X_EVEN, R)
+            for kk in range(0, K_PER_SPLIT, BLOCK_K):
+                more = kk + BLOCK_K < K_PER_SPLIT  # a scalar predicate: the last step loads nothing
+                vn, qn, xn = _lines_load(X, RecV, RecQ, k0 + kk + BLOCK_K, k1, K, v_off, q_off, rr, more, EVEN,
+                                         X_EVEN, R)
+                acc = _lines_sum(acc, vw, qw, xt, R, BLOCK_N, ASM)
+                vw, qw, xt = vn, qn, xn
+        else:
+            for kk in range(0, K_PER_SPLIT, BLOCK_K):
+                vw, qw, xt = _lines_load(X, RecV, RecQ, k0 + kk, k1, K, v_off, q_off, rr, True, EVEN, X_EVEN, R)
+                acc = _lines_sum(acc, vw, qw, xt, R, BLOCK_N, ASM)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
@@ -362,15 +355,45 @@ if triton is not None:
                     SPLIT_K, FUSED, HAS_BIAS)
 
     @triton.jit
-    def _x_groups(X, kb, K, R: tl.constexpr, BLOCK_N: tl.constexpr, X_EVEN: tl.constexpr):
-        """x of the step's columns as 8 tensors ``[R, BLOCK_N · 8]``: tensor ``i`` holds, at (record r, column j),
-        ``x[kb + 64 r + 8 (j % 8) + i]`` (column i of group j % 8), from one contiguous ``[R, 64]`` load split and
-        broadcast over the tile's rows (so the weights keep their load layout)."""
-        cols = kb + tl.arange(0, R)[:, None] * 64 + tl.arange(0, 64)[None, :]
-        if X_EVEN:
-            xt = tl.load(X + cols).to(tl.float32)
+    def _lines_load(X, RecV, RecQ, kb, k1, K, v_off, q_off, rr, live, EVEN: tl.constexpr, X_EVEN: tl.constexpr,
+                    R: tl.constexpr):
+        """The lines kernel's loads of the step at column ``kb``: view words ``[R, J]`` int64, nibble words ``[R, J]``
+        int32 (records at or past ``k1`` read as 0) and x ``[R, 64]`` float32 (columns at or past K read as 0);
+        nothing is read where the scalar ``live`` is false (the values are then unused)."""
+        cols = kb + rr[:, None] * 64 + tl.arange(0, 64)[None, :]
+        if EVEN:
+            ok = live
         else:
-            xt = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+            ok = (kb + rr * 64 < k1)[:, None] & live
+        vw = tl.load(RecV + (kb // 64) * 1536 + v_off, mask=ok, other=0)
+        qw = tl.load(RecQ + (kb // 64) * 3072 + q_off, mask=ok, other=0)
+        if X_EVEN:
+            xt = tl.load(X + cols, mask=live, other=0.0).to(tl.float32)
+        else:
+            xt = tl.load(X + cols, mask=(cols < K) & live, other=0.0).to(tl.float32)
+        return vw, qw, xt
+
+    @triton.jit
+    def _lines_sum(acc, vw, qw, xt, R: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+        """``acc [R, BLOCK_N · 8] +=`` the step's 8 products a group: the words decoded (:func:`_decode8`) times x
+        (:func:`_x_groups`)."""
+        w0, w1, w2, w3, w4, w5, w6, w7 = _decode8(vw, qw, ASM)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_groups(xt, R, BLOCK_N)
+        acc += w0 * x0
+        acc += w1 * x1
+        acc += w2 * x2
+        acc += w3 * x3
+        acc += w4 * x4
+        acc += w5 * x5
+        acc += w6 * x6
+        acc += w7 * x7
+        return acc
+
+    @triton.jit
+    def _x_groups(xt, R: tl.constexpr, BLOCK_N: tl.constexpr):
+        """x of the step's columns ``xt [R, 64]`` float32 as 8 tensors ``[R, BLOCK_N · 8]``: tensor ``i`` holds, at
+        (record r, column j), ``xt[r, 8 (j % 8) + i]`` (column i of group j % 8), split and broadcast over the tile's
+        rows (so the weights keep their load layout)."""
         t = tl.reshape(xt, [R, 8, 2, 2, 2])  # (record, group, i = 4a + 2b + c)
         c0, c1 = tl.split(t)
         b00, b01 = tl.split(c0)

@@ -1,0 +1,99 @@
+"""Three open W12 questions of issue 5, side by side in one run on the GPU:
+
+    python bench/w12_double_probe.py OUT.json [BUDGET_S]
+
+1. ``double``: the one-row lines GEMV with a register double buffer (the next step's words and x loaded before
+   this step is summed) against the plain lines kernel, over split K, on the Qwen3-8B projections.
+2. One-row routing: the tensor-core kernel (``gemv=False``) against the lines GEMV on every Qwen3-8B and Qwen3-32B
+   projection (``one_row_gemv`` still sends 8B down and 32B qkv / o / down to the tensor cores, from session 8's
+   figures, before the lines kernel existed).
+3. 2, 4 and 8 rows: the FMA GEMV (``gemv=True``, never timed on a GPU before) against the default tensor-core
+   kernel and cuBLAS on the Qwen3-8B projections.
+
+Every output is checked against the reference (rounding bound) before it is timed; timing as in
+``bench/w12_bench.py`` (one CUDA graph, ≥ 512 MiB of weight copies, best of 5 replays), cuBLAS in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from specpilot.kernels.gemm import _num_sms
+from specpilot.kernels.w12_gemm import w12_gemm
+from specpilot.kernels.w12_gemv import gemv_config
+from specpilot.provenance import git_commit, versions
+
+from timing import time_calls  # noqa: E402  (bench/timing.py)
+from w12_bench import bits_equal, check, codes, projection_copies  # noqa: E402
+
+dev = "cuda"
+
+
+def one_row(n: int, k: int, sms: int, prefix: str) -> list[dict]:
+    d = gemv_config(n, k, sms)["split_k"]
+    blocks = k // 256
+    out = [{}, {"gemv": False}, {"gemv": True, "lines": True}]
+    if prefix == "qwen3-8b":
+        out += [{"gemv": True, "lines": True, "double": True, "split_k": s}
+                for s in sorted({max(1, d // 4), max(1, d // 2), d, 2 * d}) if blocks % s == 0]
+    else:
+        out += [{"gemv": True, "lines": True, "double": True}]
+    return out
+
+
+def few_rows(m: int) -> list[dict]:
+    return [{}, {"gemv": True}, {"gemv": True, "split_k": 2}, {"gemv": True, "split_k": 4}, {"gemv": True, "split_k": 8}]
+
+
+def main(out_path: str, budget_s: float) -> dict:
+    t0 = time.time()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sms = _num_sms(0)
+    res = {"device": torch.cuda.get_device_name(0), "versions": versions(), "commit": git_commit(), "sms": sms,
+           "rows": []}
+    for prefix in ("qwen3-8b", "qwen3-32b"):
+        for name, n, k, w, t, esc, ts, ws in projection_copies(prefix, seed=3):
+            g = torch.Generator(device=dev).manual_seed(n + k)
+            aw = w.float().abs() + codes(t).abs()
+            for m in ((1, 2, 4, 8) if prefix == "qwen3-8b" else (1,)):
+                x = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
+                cub = time_calls(lambda a, w_: F.linear(a, w_), ws, x)
+                plain = None
+                for v in (one_row(n, k, sms, prefix) if m == 1 else few_rows(m)):
+                    if time.time() - t0 > budget_s:
+                        res["stopped"] = f"budget {budget_s} s"
+                        break
+                    row = {"proj": name, "n": n, "k": k, "rows": m, "config": v, "cublas_us": cub}
+                    try:
+                        out = w12_gemm(x, t, escapes=esc, **v)
+                        row |= check(out, x, t, aw)
+                        if v.get("double"):  # the same order as the plain lines kernel at this split
+                            ref = w12_gemm(x, t, escapes=esc, gemv=True, lines=True, split_k=v["split_k"])
+                            row["bits_equal_plain"] = bits_equal(out, ref)
+                        if row["within_bound"]:
+                            us = time_calls(lambda a, tw: w12_gemm(a, tw[0], escapes=tw[1], **v), ts, x)
+                            row |= {"us": us, "speedup": cub / us}
+                    except Exception as e:  # a config the compiler refuses: record it, go on
+                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    res["rows"].append(row)
+                    plain = plain or row.get("us")
+                    print(f"{name} m={m} {v}: {row.get('us', float('nan')):.2f} µs vs cublas {cub:.2f} "
+                          f"({row.get('speedup', 0):.3f}x) {row.get('bits_equal_plain', '')} {row.get('error', '')}",
+                          flush=True)
+            del ts, ws
+            torch.cuda.empty_cache()
+    res["elapsed_s"] = time.time() - t0
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: python bench/w12_double_probe.py OUT.json [BUDGET_S]")
+    main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) == 3 else 400.0)
