@@ -40,7 +40,7 @@ exactly where the reference's is and NaN where it is NaN, but may be NaN where t
 infinities of opposite signs). A finite ``y_ref`` that overflows float32 in one order and not the other
 is outside the guarantee, as for any two float32 GEMMs.
 
-One row of a short-K or very wide weight (:func:`one_row_gemv`) goes to
+One row of a short-K, very wide or moderate weight (:func:`one_row_gemv`) goes to
 :func:`specpilot.kernels.w12_gemv.w12_gemv` instead (decode to float32 in three integer instructions a weight,
 FMAs, no tensor cores), as do 2–8 rows with ``gemv=True``.
 
@@ -178,12 +178,14 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
 
 def one_row_gemv(n: int, k: int) -> bool:
     """Whether one activation row of ``[1, k] @ W12[n, k]ᵀ`` goes to the GEMV (FMAs) rather than the tensor-core
-    kernel: for ``k ≤ 4096`` or ``n > 4 k``. Empirical, H200: the GEMV won on Qwen3-8B qkv / o (14.7 / 11.9 µs vs
-    16.0 / 13.0) and Qwen3-32B gate_up (1.31x vs 1.23x cuBLAS), tied on 8B gate_up; the tensor cores won where
-    K is long and N moderate (32B qkv / o / down 1.06 / 1.11 / 1.28x cuBLAS vs the GEMV's 0.96 / 0.84 / 1.03;
-    8B down 25.8 vs 26.6 µs): ``bench/results/w12_mma_sweep_h200_2026-12-01_session8.json``,
-    ``w12_one_row_check_h200_2026-12-01_session8.json``."""
-    return k <= 4096 or n > 4 * k
+    kernel: for ``k ≤ 4096``, ``n > 4 k``, or ``n ≤ 4096`` with ``k ≤ 3 n``. Empirical, H200, both kernels timed
+    side by side in one run (``bench/results/w12_double_probe_h200_2026-12-01_session13.json``, the line-coalesced
+    GEMV): the GEMV wins on Qwen3-8B qkv / o / gate_up (14.29 / 11.01 / 40.76 µs vs 15.08 / 11.90 / 41.18), 8B down
+    (23.24 vs 24.07) and Qwen3-32B gate_up (100.3 vs 109.8); the tensor cores win on 32B qkv / o / down (24.9 /
+    21.5 / 52.4 vs 27.0 / 22.9 / 56.6), where K is long for the tile count. The third clause is fitted to these
+    eight shapes (it takes 8B down and leaves the 32B ones); until session 13 8B down went to the tensor cores
+    (session 8's figures, before the lines kernel)."""
+    return k <= 4096 or n > 4 * k or (n <= 4096 and k <= 3 * n)
 
 
 #: launch overrides :func:`w12_gemm` takes (any other name is refused: a misspelt tuning knob must not pass silently)
