@@ -57,7 +57,11 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     program, K split in 2, 4, 8 or 16 until the grid holds :data:`GEMV_WARPS_PER_SM` warps an SM (and the splits
     divide the padded K into whole steps). This rule gives the best of 31 launch shapes on each Qwen3-8B
     projection: qkv split 4 (14.11 µs vs 14.94 for the previous default in the same run), o split 8 (10.92 vs
-    11.27), gate_up split 1 (40.23 vs 40.74), down split 8 (22.98 vs 23.57).
+    11.27), gate_up split 1 (40.23 vs 40.74), down split 8 (22.98 vs 23.57). Session 13 timed the alternatives
+    side by side against this pick (``bench/results/w12_{stream,double,intra_split,narrow}_probe_h200_2026-12-01_
+    session13.json``): TMA copies into a 2–5-stage shared-memory ring (also persistent), a register double buffer,
+    K split inside a program (2–16 warps), BLOCK_N 4 / 8 and one-warp BLOCK_K 512 / 1024. Only one config beat it on
+    one shape (o, BLOCK_N 8 / BLOCK_K 1024 / 4 warps: 10.87 vs 11.02 µs); the rest were slower on every shape.
 
     2–8 rows (:func:`_w12_gemv_kernel`, ``[BLOCK_N, groups]`` tiles; not yet timed on a GPU): 8 groups of 8 weights
     a thread, since ptxas reported 254–255 registers with 16 groups from 2 rows on (before session 12's affine row
@@ -84,7 +88,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
         while split < 16 and programs * split < want and k_pad % (2 * split * bk) == 0:
             split *= 2
         return dict(block_n=bn, block_k=bk, split_k=split, num_warps=1, num_stages=3, asm=True, fused_split=True,
-                    load_stages=1, lines=True, double=False)
+                    load_stages=1, lines=True)
     while bk < 2048 and k_pad % (2 * bk) == 0 and warps(2 * bk) <= 16 and programs * warps(bk) < want:
         bk *= 2
     split = 1
@@ -94,7 +98,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
            and programs * split * warps(bk) < want):
         bk *= 2
     return dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps(bk), num_stages=3, asm=True, fused_split=True,
-                load_stages=1, lines=False, double=False)
+                load_stages=1, lines=False)
 
 
 def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict) -> torch.Tensor:
@@ -168,7 +172,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     if cfg["lines"] and m == 1 and not launch_kw["PDL"]:  # the lines kernel has no PDL path (PDL is off by default)
         _w12_gemv_lines_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
-            m, n, k, k_pad, k_per_split, x.stride(0), DOUBLE=bool(cfg["double"]), **common)
+            m, n, k, k_pad, k_per_split, x.stride(0), **common)
     else:
         _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
@@ -308,7 +312,7 @@ if triton is not None:
     def _w12_gemv_lines_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD,
                                K_PER_SPLIT, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr,
-                               HAS_BIAS: tl.constexpr, ASM: tl.constexpr, DOUBLE: tl.constexpr = False):
+                               HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
         """One row (``lines``): the grid, split and epilogue of :func:`_w12_gemv_kernel`, with the step's words
         taken as ``[R, BLOCK_N · 8]`` tiles (R = BLOCK_K / 64 records; column ``j`` = row ``j // 8``, group
         ``j % 8``). Within a record the views of the tile's rows are one contiguous ``BLOCK_N · 64``-byte run and
@@ -332,18 +336,9 @@ if triton is not None:
         acc = tl.zeros([R, J], dtype=tl.float32)
         k0 = pid_k * K_PER_SPLIT
         k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)
-        if DOUBLE:  # the next step's words and x are loaded before this step is summed
-            vw, qw, xt = _lines_load(X, RecV, RecQ, k0, k1, K, v_off, q_off, rr, True, EVEN, X_EVEN, R)
-            for kk in range(0, K_PER_SPLIT, BLOCK_K):
-                more = kk + BLOCK_K < K_PER_SPLIT  # a scalar predicate: the last step loads nothing
-                vn, qn, xn = _lines_load(X, RecV, RecQ, k0 + kk + BLOCK_K, k1, K, v_off, q_off, rr, more, EVEN,
-                                         X_EVEN, R)
-                acc = _lines_sum(acc, vw, qw, xt, R, BLOCK_N, ASM)
-                vw, qw, xt = vn, qn, xn
-        else:
-            for kk in range(0, K_PER_SPLIT, BLOCK_K):
-                vw, qw, xt = _lines_load(X, RecV, RecQ, k0 + kk, k1, K, v_off, q_off, rr, True, EVEN, X_EVEN, R)
-                acc = _lines_sum(acc, vw, qw, xt, R, BLOCK_N, ASM)
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):
+            vw, qw, xt = _lines_load(X, RecV, RecQ, k0 + kk, k1, K, v_off, q_off, rr, EVEN, X_EVEN, R)
+            acc = _lines_sum(acc, vw, qw, xt, R, BLOCK_N, ASM)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
@@ -355,22 +350,23 @@ if triton is not None:
                     SPLIT_K, FUSED, HAS_BIAS)
 
     @triton.jit
-    def _lines_load(X, RecV, RecQ, kb, k1, K, v_off, q_off, rr, live, EVEN: tl.constexpr, X_EVEN: tl.constexpr,
+    def _lines_load(X, RecV, RecQ, kb, k1, K, v_off, q_off, rr, EVEN: tl.constexpr, X_EVEN: tl.constexpr,
                     R: tl.constexpr):
         """The lines kernel's loads of the step at column ``kb``: view words ``[R, J]`` int64, nibble words ``[R, J]``
-        int32 (records at or past ``k1`` read as 0) and x ``[R, 64]`` float32 (columns at or past K read as 0);
-        nothing is read where the scalar ``live`` is false (the values are then unused)."""
+        int32 (records at or past ``k1`` read as 0 unless EVEN) and x ``[R, 64]`` float32 (columns at or past K read as
+        0 unless X_EVEN)."""
         cols = kb + rr[:, None] * 64 + tl.arange(0, 64)[None, :]
         if EVEN:
-            ok = live
+            vw = tl.load(RecV + (kb // 64) * 1536 + v_off)
+            qw = tl.load(RecQ + (kb // 64) * 3072 + q_off)
         else:
-            ok = (kb + rr * 64 < k1)[:, None] & live
-        vw = tl.load(RecV + (kb // 64) * 1536 + v_off, mask=ok, other=0)
-        qw = tl.load(RecQ + (kb // 64) * 3072 + q_off, mask=ok, other=0)
+            ok = (kb + rr * 64 < k1)[:, None]
+            vw = tl.load(RecV + (kb // 64) * 1536 + v_off, mask=ok, other=0)
+            qw = tl.load(RecQ + (kb // 64) * 3072 + q_off, mask=ok, other=0)
         if X_EVEN:
-            xt = tl.load(X + cols, mask=live, other=0.0).to(tl.float32)
+            xt = tl.load(X + cols).to(tl.float32)
         else:
-            xt = tl.load(X + cols, mask=(cols < K) & live, other=0.0).to(tl.float32)
+            xt = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
         return vw, qw, xt
 
     @triton.jit
