@@ -15,7 +15,6 @@ timing as in ``bench/w12_bench.py`` (one CUDA graph, ≥ 512 MiB of weight copie
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -26,7 +25,7 @@ from specpilot.provenance import git_commit, versions
 from specpilot.w12.format import encode
 
 from timing import time_calls  # noqa: E402  (bench/timing.py)
-from w12_bench import check, codes, copies_of  # noqa: E402
+from w12_bench import check, codes, copies_of, write_result  # noqa: E402
 
 dev = "cuda"
 
@@ -74,10 +73,7 @@ def main(out_path: str) -> dict:
                 print(f"{name} split {split} escapes {escapes}: " + " ".join(f"{p['us']:.2f}" for p in pts)
                       + f" -> fixed {s['fixed_us']:.2f} + {s['per_step_us']:.2f}/step", flush=True)
                 torch.cuda.empty_cache()
-    res["elapsed_s"] = time.time() - t0
-    with open(out_path, "w") as f:
-        json.dump(res, f, indent=1)
-    return res
+    return write_result(res, t0, out_path)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Every output is checked against the reference (rounding bound) before it is time
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -32,7 +31,7 @@ from specpilot.kernels.w12_gemm import w12_gemm
 from specpilot.provenance import git_commit, versions
 
 from timing import time_calls  # noqa: E402  (bench/timing.py)
-from w12_bench import check, codes, projection_copies  # noqa: E402
+from w12_bench import checked_time, codes, projection_copies, write_result  # noqa: E402
 
 dev = "cuda"
 
@@ -63,24 +62,14 @@ def main(out_path: str, budget_s: float) -> dict:
                         res["stopped"] = f"budget {budget_s} s"
                         break
                     row = {"proj": name, "n": n, "k": k, "rows": m, "config": v, "cublas_us": cub}
-                    try:
-                        out = w12_gemm(x, t, escapes=esc, **v)
-                        row |= check(out, x, t, aw)
-                        if row["within_bound"]:
-                            us = time_calls(lambda a, tw: w12_gemm(a, tw[0], escapes=tw[1], **v), ts, x)
-                            row |= {"us": us, "speedup": cub / us}
-                    except Exception as e:  # a config the compiler refuses: record it, go on
-                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    row |= checked_time(lambda a, t_, e_: w12_gemm(a, t_, escapes=e_, **v), x, t, esc, aw, ts, cub)
                     res["rows"].append(row)
                     print(f"{name} m={m} {v}: {row.get('us', float('nan')):.2f} µs vs cublas {cub:.2f} "
                           f"({row.get('speedup', 0):.3f}x) {row.get('error', '')}",
                           flush=True)
             del ts, ws
             torch.cuda.empty_cache()
-    res["elapsed_s"] = time.time() - t0
-    with open(out_path, "w") as f:
-        json.dump(res, f, indent=1)
-    return res
+    return write_result(res, t0, out_path)
 
 
 if __name__ == "__main__":

@@ -37,14 +37,14 @@ from specpilot.provenance import git_commit, versions
 from specpilot.w12.format import RECORD_COLS, W12Tensor
 
 from timing import time_calls  # noqa: E402  (bench/timing.py)
-from w12_bench import bits_equal, check, codes, projection_copies  # noqa: E402
+from w12_bench import bits_equal, checked_time, codes, projection_copies, write_result  # noqa: E402
 
 if triton is not None:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from specpilot.kernels.w12_gemm import _w12_split_sum_kernel
-    from specpilot.kernels.w12_gemv import _gemv_store, _lines_sum
+    from specpilot.kernels.w12_gemv import _lines_end, _lines_sum
 
 dev = "cuda"
 
@@ -103,20 +103,6 @@ def w12_gemv_stream(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, 
 if triton is not None:
 
     @triton.jit
-    def _stream_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k,
-                    R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, FUSED: tl.constexpr,
-                    HAS_BIAS: tl.constexpr):
-        """A unit's end: the lines kernel's reduction and scaling of ``acc [R, BLOCK_N · 8]``, then the GEMV store."""
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
-        scale = ((base + 15) << 23).to(tl.float32, bitcast=True)  # 2^(B_n − 112), exact
-        y = (tl.sum(tl.sum(tl.reshape(acc, [R, BLOCK_N, 8]), axis=2), axis=0) * scale)[None, :]  # [1, BN]
-        offs_m = tl.arange(0, 1)
-        _gemv_store(y, X, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, offs_m < M,
-                    n_ok, pid_k, SPLIT_K, FUSED, HAS_BIAS)
-
-    @triton.jit
     def _stream_step(acc, DescV, DescQ, X, n0, kb, K, K_PAD, R: tl.constexpr, BLOCK_N: tl.constexpr,
                      X_EVEN: tl.constexpr, ASM: tl.constexpr):
         """One K step of the lines kernel from the descriptors: ``acc [R, BLOCK_N · 8]`` plus the step's products."""
@@ -171,7 +157,7 @@ if triton is not None:
             k0 = pid_k * K_PER_SPLIT
             for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=STAGES):
                 acc = _stream_step(acc, DescV, DescQ, X, n0, k0 + kk, K, K_PAD, R, BLOCK_N, X_EVEN, ASM)
-            _stream_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k, R,
+            _lines_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k, R,
                         BLOCK_N, SPLIT_K, FUSED, HAS_BIAS)
 
 
@@ -207,28 +193,22 @@ def main(out_path: str, budget_s: float) -> dict:
                 res["stopped"] = f"budget {budget_s} s"
                 break
             row = {"proj": name, "n": n, "k": k, "kernel": "stream", "config": v, "cublas_us": cub}
-            try:
-                out = w12_gemv_stream(x, t, None, esc, **v)
+            row |= checked_time(lambda a, t_, e_: w12_gemv_stream(a, t_, None, e_, **v), x, t, esc, aw, ts, cub)
+            if "us" in row:
+                row["vs_default"] = default / row["us"]
                 lines = w12_gemm(x, t, escapes=esc, lines=True, split_k=v["split_k"], block_k=v.get("block_k", 256))
-                row |= check(out, x, t, aw) | {"bits_equal_lines": bits_equal(out, lines)}
-                if row["within_bound"]:
-                    us = time_calls(lambda a, tw: w12_gemv_stream(a, tw[0], None, tw[1], **v), ts, x)
-                    row |= {"us": us, "speedup": cub / us, "vs_default": default / us}
-            except Exception as e:  # a config the compiler or the hardware refuses: record it, go on
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                row["bits_equal_lines"] = bits_equal(w12_gemv_stream(x, t, None, esc, **v), lines)
             res["rows"].append(row)
             print(f"  {v}: {row.get('us', float('nan')):.2f} µs {row.get('speedup', 0):.3f}x "
                   f"bits={row.get('bits_equal_lines')} {row.get('error', '')}", flush=True)
         del ts, ws
         torch.cuda.empty_cache()
-    res["elapsed_s"] = time.time() - t0
     best = {}
     for r in res["rows"]:
         if r["kernel"] == "stream" and "us" in r and r["us"] < best.get(r["proj"], {"us": 1e9})["us"]:
             best[r["proj"]] = r
     res["best"] = {p: {"config": r["config"], "us": r["us"], "speedup": r["speedup"]} for p, r in best.items()}
-    with open(out_path, "w") as f:
-        json.dump(res, f, indent=1)
+    write_result(res, t0, out_path)
     print(json.dumps(res["best"], indent=1))
     return res
 

@@ -16,3 +16,31 @@ def test_w12_suite_refuses_without_cuda(tmp_path):
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         w12.main(str(tmp_path / "w12.json"))
     assert not (tmp_path / "w12.json").exists()
+
+
+def test_checked_time_times_only_what_passes_the_check(tmp_path):
+    """The probes' check-then-time helper: a wrong output is reported and not timed, a refused launch becomes an
+    ``error`` field, and ``write_result`` writes the figures with the elapsed time."""
+    import json
+    import time
+
+    from specpilot.benchsuite import w12
+    from specpilot.w12.format import encode
+
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(16, 64, generator=g) * 0.02).to(torch.bfloat16)
+    t = encode(w)
+    x = torch.randn(1, 64, generator=g)
+    aw = w.float().abs() + w12.codes(t).abs()
+    wrong = w12.checked_time(lambda a, t_, e_: w12.w12_gemm_reference(a, t_) + 1.0, x, t, None, aw, [])
+    assert wrong["within_bound"] is False and "us" not in wrong and "error" not in wrong
+
+    def refuse(a, t_, e_):
+        raise ValueError("no such launch")
+
+    refused = w12.checked_time(refuse, x, t, None, aw, [])
+    assert refused == {"error": "ValueError: no such launch"}
+    res = w12.write_result({"rows": [wrong, refused]}, time.time() - 2.0, str(tmp_path / "r.json"))
+    back = json.loads((tmp_path / "r.json").read_text())
+    assert back["rows"][1]["error"].startswith("ValueError")
+    assert back["elapsed_s"] == res["elapsed_s"] >= 2.0

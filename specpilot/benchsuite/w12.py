@@ -78,6 +78,32 @@ def check(out: torch.Tensor, x: torch.Tensor, t: W12Tensor, absw_plus_absc: torc
             "max_err_over_bound": ratio, "max_abs_err": err.max().item() if err.numel() else 0.0}
 
 
+def checked_time(call, x: torch.Tensor, t: W12Tensor, esc, absw_plus_absc: torch.Tensor, copies: list,
+                 cublas_us: float | None = None) -> dict:
+    """Run ``call(x, t, esc)`` once and :func:`check` it against the reference; if within the bound, time
+    ``call(x, t_i, esc_i)`` over ``copies`` (``(t_i, esc_i)`` pairs, :func:`copies_of`) with :func:`time_calls`.
+    Returns the check's fields plus ``us`` (µs a call) and, given ``cublas_us``, ``speedup``; a launch the compiler
+    or the hardware refuses comes back as ``error`` (the probes record it and go on) instead of raising."""
+    row: dict = {}
+    try:
+        row |= check(call(x, t, esc), x, t, absw_plus_absc)
+        if row["within_bound"]:
+            row["us"] = time_calls(lambda a, tw: call(a, tw[0], tw[1]), copies, x)
+            if cublas_us is not None:
+                row["speedup"] = cublas_us / row["us"]
+    except Exception as e:  # noqa: BLE001 -- a refused config is a result of the sweep, not a crash
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
+def write_result(res: dict, t0: float, out_path: str) -> dict:
+    """Add ``elapsed_s`` (since ``t0``, ``time.time()``) to ``res`` and write it as indented JSON to ``out_path``."""
+    res["elapsed_s"] = time.time() - t0
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
 

@@ -339,6 +339,15 @@ if triton is not None:
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             vw, qw, xt = _lines_load(X, RecV, RecQ, k0 + kk, k1, K, v_off, q_off, rr, EVEN, X_EVEN, R)
             acc = _lines_sum(acc, vw, qw, xt, R, BLOCK_N, ASM)
+        _lines_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k, R, BLOCK_N,
+                   SPLIT_K, FUSED, HAS_BIAS)
+
+    @triton.jit
+    def _lines_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k,
+                   R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, FUSED: tl.constexpr,
+                   HAS_BIAS: tl.constexpr):
+        """The lines kernel's end: ``acc [R, BLOCK_N · 8]`` reduced over records and groups, scaled by each row's
+        ``2^(B_n − 112)``, then :func:`_gemv_store` (escapes, bias, split K) for rows ``n0 .. n0 + BLOCK_N − 1``."""
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
