@@ -13,11 +13,11 @@ tiles, so each warp load covers whole 128-byte lines. 2–8 rows (and one row wi
 :func:`_w12_gemv_kernel`: ``[BLOCK_N, groups]`` tiles, 16 groups a thread at one row, x loaded once per group
 and shared by the thread's rows.
 
-H200, ``specpilot bench --suite w12`` (``bench/results/w12_bench_h200_2026-12-01_session12.json``), one row:
-Qwen3-8B qkv / o / gate_up 1.08 / 1.23 / 1.22x cuBLAS bf16, Qwen3-32B gate_up 1.34x; the exact pass of
-Qwen3-8B 1.15x the bf16 pass. A plain streaming read of the same bytes is still 1.4x (qkv) to 1.2x (gate_up)
-faster than these kernels (``bench/read_floor.py``). 2–8 rows are tested in the Triton interpreter and not
-yet timed on a GPU.
+H200, ``specpilot bench --suite w12`` (``bench/results/w12_bench_h200_2026-12-01_session13.json``), one row:
+Qwen3-8B qkv / o / gate_up / down 1.06 / 1.23 / 1.22 / 1.31x cuBLAS bf16, Qwen3-32B gate_up 1.34x; the exact pass of
+Qwen3-8B 1.14x the bf16 pass. A plain streaming read of the same bytes is still 1.4x (qkv) to 1.2x (gate_up)
+faster than these kernels (``bench/read_floor.py``). 2–8 rows: 0.12–0.61x cuBLAS on the H200
+(``bench/results/w12_double_probe_h200_2026-12-01_session13.json``), so only ``gemv=True`` sends them here.
 
 Shapes, escapes, bias and the split-K sum follow :mod:`specpilot.kernels.w12_gemm`, whose
 :func:`~specpilot.kernels.w12_gemm.w12_gemm` routes here; the reference is
@@ -45,7 +45,7 @@ GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
 
 #: warps an SM the grid should hold, by padded rows: one row from the H200 sweeps
 #: (``bench/results/w12_gemv_probe_h200_2026-11-30_session4*.json``); 2–8 rows: what the registers allow
-#: (``bench/results/ptxas_w12_gemv_2026-11-30.json``), not yet timed.
+#: (``bench/results/ptxas_w12_gemv_2026-11-30.json``), timed in session 13 (0.12–0.61x cuBLAS, left unrouted).
 GEMV_WARPS_PER_SM = {1: 11, 2: 16, 4: 10, 8: 8}
 
 
@@ -63,8 +63,8 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     K split inside a program (2–16 warps), BLOCK_N 4 / 8 and one-warp BLOCK_K 512 / 1024. Only one config beat it on
     one shape (o, BLOCK_N 8 / BLOCK_K 1024 / 4 warps: 10.87 vs 11.02 µs); the rest were slower on every shape.
 
-    2–8 rows (:func:`_w12_gemv_kernel`, ``[BLOCK_N, groups]`` tiles; not yet timed on a GPU): 8 groups of 8 weights
-    a thread, since ptxas reported 254–255 registers with 16 groups from 2 rows on (before session 12's affine row
+    2–8 rows (:func:`_w12_gemv_kernel`, ``[BLOCK_N, groups]`` tiles; 0.12–0.61x cuBLAS on the H200 in session 13,
+    so not a default): 8 groups of 8 weights a thread, since ptxas reported 254–255 registers with 16 groups from 2 rows on (before session 12's affine row
     offsets) and 8 groups 128 / ~175 / ~250 registers at 2 / 4 / 8 rows. BLOCK_N 16; BLOCK_K the smallest of 256 ..
     2048 whose grid reaches :data:`GEMV_WARPS_PER_SM` warps an SM, ``num_warps = 16 · BLOCK_K / (256 · groups)``;
     if the grid is still short, split K in two or four, then BLOCK_K grows again. BLOCK_K grows only to sizes that
