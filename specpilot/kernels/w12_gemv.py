@@ -63,16 +63,17 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     K split inside a program (2–16 warps), BLOCK_N 4 / 8 and one-warp BLOCK_K 512 / 1024. Only one config beat it on
     one shape (o, BLOCK_N 8 / BLOCK_K 1024 / 4 warps: 10.87 vs 11.02 µs); the rest were slower on every shape.
 
-    2–8 rows (:func:`_w12_gemv_kernel`, ``[BLOCK_N, groups]`` tiles; 0.12–0.61x cuBLAS on the H200 in session 13,
-    so not a default): 8 groups of 8 weights a thread, since ptxas reported 254–255 registers with 16 groups from
-    2 rows on (before session 12's affine row offsets) and 8 groups 128 / ~175 / ~250 registers at 2 / 4 / 8 rows.
+    2–8 rows (:func:`_w12_gemv_kernel`, ``[BLOCK_N, groups]`` tiles; 0.12–0.61x cuBLAS on the H200 in session 13, so
+    not a default): 8 groups of 8 weights a thread, since ptxas reported 254–255 registers with 16 groups from 2
+    rows on (before session 12's affine row offsets) and 8 groups 128 / ~175 / ~250 registers at 2 / 4 / 8 rows.
     BLOCK_N 16; BLOCK_K the smallest of 256 .. 2048 whose grid reaches :data:`GEMV_WARPS_PER_SM` warps an SM,
-    ``num_warps = 16 · BLOCK_K / (256 · groups)``; if the grid is still short, split K in two or four, then BLOCK_K grows again. BLOCK_K grows only to sizes that
-    divide the padded K, and the splits divide it too (a ragged last block masks every load of the kernel: Qwen3-32B's
-    down projection, K = 25600, ran at 0.46x cuBLAS with BLOCK_K 2048 and 1.03x with 1024,
-    ``bench/results/w12_one_row_check_h200_2026-12-01_session8.json``). ``num_stages`` 3 (the launch option; it
-    pipelines nothing here, see ``load_stages``); split K summed in the kernel (``fused_split``, see
-    :func:`~specpilot.kernels.w12_gemm.default_config`); ``load_stages`` 1 (plain loads; see :func:`w12_gemv`).
+    ``num_warps = 16 · BLOCK_K / (256 · groups)``; if the grid is still short, split K in two or four, then BLOCK_K
+    grows again. BLOCK_K grows only to sizes that divide the padded K, and the splits divide it too (a ragged last
+    block masks every load of the kernel: Qwen3-32B's down projection, K = 25600, ran at 0.46x cuBLAS with BLOCK_K
+    2048 and 1.03x with 1024, ``bench/results/w12_one_row_check_h200_2026-12-01_session8.json``). ``num_stages`` 3
+    (the launch option; it pipelines nothing here, see ``load_stages``); split K summed in the kernel
+    (``fused_split``, see :func:`~specpilot.kernels.w12_gemm.default_config`); ``load_stages`` 1 (plain loads; see
+    :func:`w12_gemv`).
 
     Raises: W12GemmError for ``m`` outside 1..8."""
     rows = 1 << max(0, int(m) - 1).bit_length()
