@@ -79,4 +79,6 @@ def main(out_path: str) -> dict:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python bench/w12_fixed_cost_probe.py OUT.json")
+    if not torch.cuda.is_available():
+        sys.exit("this probe times CUDA kernels: it needs a CUDA GPU")
     main(sys.argv[1])

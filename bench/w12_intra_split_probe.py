@@ -79,4 +79,6 @@ def main(out_path: str, narrow: bool = False) -> dict:
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3) or sys.argv[2:] not in ([], ["--narrow"]):
         sys.exit("usage: python bench/w12_intra_split_probe.py OUT.json [--narrow]")
+    if not torch.cuda.is_available():
+        sys.exit("this probe times CUDA kernels: it needs a CUDA GPU")
     main(sys.argv[1], narrow=sys.argv[2:] == ["--narrow"])

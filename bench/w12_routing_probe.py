@@ -73,6 +73,8 @@ def main(out_path: str, budget_s: float) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3):
-        sys.exit("usage: python bench/w12_routing_probe.py OUT.json [BUDGET_S]")
+    if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and not sys.argv[2].replace(".", "", 1).isdigit()):
+        sys.exit("usage: python bench/w12_routing_probe.py OUT.json [BUDGET_S]  (BUDGET_S: seconds, a number)")
+    if not torch.cuda.is_available():
+        sys.exit("this probe times CUDA kernels: it needs a CUDA GPU")
     main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) == 3 else 400.0)

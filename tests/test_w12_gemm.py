@@ -282,6 +282,8 @@ def test_bad_input_raises():
             w12_gemm(x, t, **{key: 0})
     with pytest.raises(W12GemmError, match="W12Tensor"):
         w12_gemm(x, torch.randn(40, 70, device=DEV))
+    with pytest.raises(W12GemmError, match="W12Tensor"):
+        w12_gemm_reference(x.cpu(), torch.randn(40, 70))
     assert w12_gemm(x, t, split_k=2).shape == (1, 40)  # and the call still works after the refusals
 
 

@@ -93,8 +93,11 @@ def w12_gemm_reference(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | Non
         w12: the encoded weight ``[N, K]``.
         bias: ``[N]`` or None.
     Returns: ``[M, N]`` in x's dtype.
-    Raises: W12GemmError on a K mismatch; W12FormatError for a malformed ``w12``.
+    Raises: W12GemmError on a weight that is not a W12Tensor or a K mismatch; W12FormatError for a malformed ``w12``.
     """
+    if not isinstance(w12, W12Tensor):
+        raise W12GemmError(f"w12_gemm_reference takes a W12Tensor weight (specpilot.w12.format.encode), "
+                           f"got {type(w12).__name__}")
     if x.shape[-1] != w12.shape[1]:
         raise W12GemmError(f"activations have {x.shape[-1]} features, the W12 weight {w12.shape} wants {w12.shape[1]}")
     return _linear_f32(x, decode(w12, check=False), bias)
