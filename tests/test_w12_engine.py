@@ -25,7 +25,7 @@ from specpilot.engine.deployment import Deployment
 from specpilot.engine.engine import Engine
 from specpilot.errors import CheckpointError
 from specpilot.kernels.w12_gemm import W12Linear
-from specpilot.mechanisms.w12 import is_w12, to_w12
+from specpilot.mechanisms.w12 import is_w12, to_w12, w12_head
 from specpilot.w12.format import W12FormatError
 from specpilot.w12.pack import pack_dir
 from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
@@ -116,7 +116,7 @@ def test_w12_kernel_in_fused_engine_equals_ar(tiny_dirs):
             p.copy_(p.to(torch.bfloat16).float())  # a bf16-valued target (W12 is for bf16 weights)
     w12 = to_w12(target)
     layers = [m for m in w12.modules() if isinstance(m, W12Linear)]
-    assert len(layers) == 8
+    assert len(layers) == 9 and w12_head(w12)  # 2 layers x 4 projections + the untied head
     calls = []
     for m in layers:
         m.use_kernel = True
@@ -130,6 +130,54 @@ def test_w12_kernel_in_fused_engine_equals_ar(tiny_dirs):
         plain = Engine(target, SystemConfig.ar(), None, eos_ids=[]).generate(p, 8).tokens
         assert spec == ar == plain
     assert calls and max(calls) > 1 and 1 in calls
+
+
+def _bf16_valued(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+def test_untied_head_becomes_w12_tied_head_stays(dep, tiny_dirs):
+    plain = _bf16_valued(load_model(tiny_dirs[0], device=DEV))
+    assert plain.lm_head.weight is not plain.model.embed_tokens.weight
+    w = to_w12(plain)
+    assert w12_head(w) and not w12_head(plain) and isinstance(plain.lm_head, torch.nn.Linear)
+    assert torch.equal(w.lm_head.decoded_weight().float(), plain.lm_head.weight)
+    assert w.device == plain.device and w.dtype == plain.dtype
+    kept = to_w12(plain, head=False)
+    assert not w12_head(kept) and kept.lm_head is plain.lm_head and is_w12(kept)
+    ids = torch.tensor(random_prompts(1, 64, length=10, seed=5)[0])
+    logits = []
+    for model in (plain, w, kept):
+        with torch.inference_mode():
+            logits.append(model.logits(model.forward(ids, torch.arange(len(ids)), model.new_cache(32), 0)))
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])  # reference path: bitwise
+    tied = dep.w12_target()  # the bundled target ties its head to the embeddings: left as it is
+    assert not w12_head(tied) and tied.lm_head.weight is dep.target.model.embed_tokens.weight
+
+
+def test_w12_head_with_int8_head_in_a_deployment(tiny_dirs, tmp_path):
+    """An untied target with ``w12`` and ``lm_head_int8`` on: the W12 target carries a W12 head, the INT8
+    system puts the bf16 head back under the certified head; every system gives the AR tokens."""
+    src = tmp_path / "t"
+    shutil.copytree(tiny_dirs[0], src)
+    state = {k: v.to(torch.bfloat16) for k, v in load_file(src / "model.safetensors").items()}
+    save_file(state, src / "model.safetensors")  # a bf16 checkpoint (loaded in float32 below)
+    d = Deployment(src, tiny_dirs[1])
+    assert w12_head(d.w12_target())
+    with pytest.raises(Exception, match="needs the bf16 LM head"):
+        from specpilot.mechanisms.lm_head_int8 import with_int8_head
+        with_int8_head(d.w12_target())
+    for ids in random_prompts(2, 64, length=8, seed=29):
+        ar = d.system(SystemConfig.ar()).generate(ids, 12).tokens
+        for cfg in (SystemConfig.ar(w12=True), SystemConfig.ar(w12=True, lm_head_int8=True),
+                    SystemConfig(drafter="draft_model", tree="best_first", nodes=6, depth=3, top_k=2, w12=True,
+                                 lm_head_int8=True)):
+            eng = d.system(cfg)
+            assert w12_head(eng.target) != cfg.lm_head_int8
+            assert eng.generate(ids, 12).tokens == ar, cfg.label()
 
 
 def test_w12_refuses_non_bf16_target(tiny_dirs):

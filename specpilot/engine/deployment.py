@@ -6,6 +6,7 @@ The pilot builds many systems (stock, candidates, the sealed one) over the same 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -67,7 +68,8 @@ class Deployment:
 
     def w12_target(self):
         """The target with its projections in W12 (§4.1, :func:`specpilot.mechanisms.w12.to_w12`), built on
-        first use; it shares embeddings, norms and LM head with :attr:`target`.
+        first use; it shares embeddings and norms with :attr:`target` (and the LM head when that is tied to the
+        embeddings; an untied head is W12 too).
 
         Raises:
             W12FormatError (a CheckpointError): the target's weights are not bfloat16 values.
@@ -98,7 +100,12 @@ class Deployment:
         if self._int8_head is None:
             self._int8_head = CertifiedInt8Head(self.target.lm_head.weight)
         if id(base) not in self._int8:
-            self._int8[id(base)] = with_int8_head(base, self._int8_head)
+            plain = base
+            if base.lm_head is not self.target.lm_head:  # a W12 head: the INT8 head replaces it (and rescores
+                plain = copy.copy(base)  # from the bf16 weights it was built on), so put those back
+                plain._modules = dict(base._modules)
+                plain.lm_head = self.target.lm_head
+            self._int8[id(base)] = with_int8_head(plain, self._int8_head)
         return self._int8[id(base)]
 
     def block_net(self, path=None):

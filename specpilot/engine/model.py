@@ -405,11 +405,13 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        """The device of the weights (the embeddings': the LM head may be a W12 layer, §4.1)."""
+        return self.model.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The model dtype (the embeddings')."""
+        return self.model.embed_tokens.weight.dtype
 
     def fuse_projections(self) -> "Transformer":
         """Fuse q/k/v and gate/up projections of every layer (fewer, larger GEMMs; issue 4). Returns self."""

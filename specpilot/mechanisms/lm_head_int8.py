@@ -306,15 +306,21 @@ def with_int8_head(model, head: CertifiedInt8Head | None = None):
     speculative == AR token for token, as without the mechanism).
 
     Args:
-        model: a Transformer (plain or W12; the LM head is never W12).
+        model: a Transformer (plain or W12) whose LM head is a plain ``nn.Linear`` (a W12 head, from
+            :func:`~specpilot.mechanisms.w12.to_w12`, must first be swapped back for the bf16 head: the
+            certified head rescores from those exact weights; :meth:`Deployment.int8_target` does that).
         head: a head built on ``model.lm_head.weight`` to share between copies (None: build one, which
             quantizes the head: one pass over V x H weights).
     Returns: the new model object.
     Raises:
-        SpecPilotError: ``head`` was built on another weight, or the weight holds inf / NaN.
+        SpecPilotError: ``head`` was built on another weight, the LM head is not a plain linear layer (a W12
+            head), or the weight holds inf / NaN.
     """
     import copy
 
+    if not hasattr(model.lm_head, "weight"):
+        raise SpecPilotError(f"the certified INT8 head needs the bf16 LM head; this model's head is a "
+                             f"{type(model.lm_head).__name__} (a W12 head: build the INT8 head on the plain target's)")
     if head is None:
         head = CertifiedInt8Head(model.lm_head.weight)
     elif head.weight.data_ptr() != model.lm_head.weight.data_ptr() or head.weight.shape != model.lm_head.weight.shape:
