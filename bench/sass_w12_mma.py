@@ -33,15 +33,18 @@ from specpilot.kernels.resources import ptxas_path
 from specpilot.kernels.w12_tiles import WORD_KERNEL_SIGNATURE
 from specpilot.provenance import git_commit, versions
 
-CONFIGS = [dict(block_m=bm, block_k=bk, num_warps=4, num_stages=4) for bm in (16, 32, 64) for bk in (64, 128)]
+CONFIGS = [dict(block_m=bm, block_k=bk, num_warps=4, num_stages=4, x_gather=g) for g in (False, True) for bm in (16, 32, 64)
+           for bk in (64, 128)]
 
 
-def loop_counts(block_m: int, block_k: int, num_warps: int, num_stages: int, block_n: int = 64) -> dict:
-    """Compile one config (no split, even K, bf16, inline-PTX decode) and count its main loop (module docstring).
+def loop_counts(block_m: int, block_k: int, num_warps: int, num_stages: int, block_n: int = 64,
+                x_gather: bool = True) -> dict:
+    """Compile one config (no split, even K, bf16, inline-PTX decode; ``x_gather``: the activation tile loaded in
+    ``_k_order``, else permuted after the load) and count its main loop (module docstring).
     Raises RuntimeError when ptxas or cuobjdump fail or no loop holds an MMA."""
     kern = w12_mma._w12_mma_kernel
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, FUSED=False, EVEN=True, X_EVEN=True,
-                 HAS_BIAS=False, FP32=False, ASM=True)
+                 HAS_BIAS=False, FP32=False, ASM=True, X_GATHER=x_gather)
     const = {k: v for k, v in const.items() if k in kern.arg_names}  # older kernels (FUSED came later) too
     sig = dict(WORD_KERNEL_SIGNATURE) | {k: "constexpr" for k in const}
     attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in WORD_KERNEL_SIGNATURE if n != "M"}

@@ -80,7 +80,25 @@ CASES = [
     (17, 130, 700, dict(words=True, block_n=64, block_k=128)),  # ragged N and K, a ragged last step
     (40, 128, 256, dict(words=True, block_n=16, block_k=256, split_k=2, block_m=32)),
     (8, 200, 1000, dict(words=True, block_n=64, block_k=128, asm=False)),  # plain decode on the GPU too
+    (17, 130, 700, dict(words=True, block_n=64, block_k=128, x_gather=False)),  # activations permuted after the load
 ]
+
+
+@pytest.mark.parametrize("m,k,over", [(3, 700, dict(block_k=128)), (33, 200, dict(split_k=2, block_k=64)),
+                                      (40, 256, dict(block_n=16, block_k=256, block_m=32))])
+def test_permuted_activation_load_is_bitwise_the_permuted_tile(m, k, over):
+    """``x_gather``: the activation tile loaded with its columns already in ``_k_order`` gives the same operands
+    in the same places as the tile loaded in column order and permuted after (``x_gather=False``), so the
+    outputs are bit for bit equal (ragged K: the masked tail too)."""
+    n = 130
+    g = torch.Generator().manual_seed(m + k)
+    t = encode(planted_weight(n, k, seed=m + 3), device=DEV)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = torch.randn(m, k, generator=g).to(DEV, dtype)
+    a = w12_gemm(x, t, gemv=False, x_gather=True, **over)
+    b = w12_gemm(x, t, gemv=False, x_gather=False, **over)
+    assert torch.equal(a, b)
+    assert_within_rounding(a.cpu(), x.cpu(), _cpu(t), None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -193,7 +193,7 @@ def one_row_gemv(n: int, k: int) -> bool:
 
 #: launch overrides :func:`w12_gemm` takes (any other name is refused: a misspelt tuning knob must not pass silently)
 OVERRIDES = frozenset({"block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "w_left", "gemv", "words",
-                       "fused_split", "asm", "load_stages", "lines"})
+                       "fused_split", "asm", "load_stages", "lines", "x_gather"})
 
 
 def _check_overrides(overrides: dict) -> None:

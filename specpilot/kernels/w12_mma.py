@@ -34,14 +34,19 @@ if triton is not None:
 
     from .pdl import pdl_signal, pdl_start, pdl_wait
     from .w12_gemm import _finish_splits, _store_out
-    from .w12_tiles import _decode_words, _decode_words_bf16, _k_order, _load_groups, _word_offsets
+    from .w12_tiles import _decode_words, _decode_words_bf16, _k_columns, _k_order, _load_groups, _word_offsets
+
+
+#: ``x_gather`` default: load the activation tile with its columns in ``_k_order`` (see ``_mma_step``)
+X_GATHER_DEFAULT = True
 
 
 def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, cfg: dict) -> torch.Tensor:
     """``x [M, K] @ W12ᵀ (+ bias)`` on tensor cores from record words; called by
     :func:`~specpilot.kernels.w12_gemm.w12_gemm` (which checks shapes, dtypes, devices and ``cfg``: its
     :func:`~specpilot.kernels.w12_gemm.default_config` plus overrides) with ``escapes`` its escape table.
-    ``cfg["asm"]`` (default: on CUDA) selects the inline-PTX decode. Returns ``[M, N]`` in x's dtype.
+    ``cfg["asm"]`` (default: on CUDA) selects the inline-PTX decode, ``cfg["x_gather"]`` (default
+    :data:`X_GATHER_DEFAULT`) the permuted activation load. Returns ``[M, N]`` in x's dtype.
     Raises: W12GemmError when BLOCK_K is not a multiple of 64 or BLOCK_N does not divide 128."""
     row_ptr, esc_k, esc_d = escapes
     m, k = x.shape
@@ -61,7 +66,8 @@ def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes,
         k, k_pad, k_per_split, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FUSED=fused,
         EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
         FP32=x.dtype == torch.float32,
-        ASM=bool(cfg.get("asm", True)) and x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        ASM=bool(cfg.get("asm", True)) and x.is_cuda, X_GATHER=bool(cfg.get("x_gather", X_GATHER_DEFAULT)),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl.w12_launch_kw(x.device))
     return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused)
 
@@ -71,10 +77,15 @@ if triton is not None:
 
     @triton.jit
     def _mma_step(acc, X, vw, qw, offs_m, m_ok, kb, stride_xm, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, X_EVEN: tl.constexpr, FP32: tl.constexpr, ASM: tl.constexpr):
+                  BLOCK_K: tl.constexpr, X_EVEN: tl.constexpr, FP32: tl.constexpr, ASM: tl.constexpr,
+                  X_GATHER: tl.constexpr = False):
         """One K step of :func:`_w12_mma_kernel`: load X's tile at column ``kb``, decode the words ``vw`` / ``qw``
-        and add ``W' xᵀ`` of the step to ``acc [BLOCK_N, BLOCK_M]``."""
-        offs_k = kb + tl.arange(0, BLOCK_K)
+        and add ``W' xᵀ`` of the step to ``acc [BLOCK_N, BLOCK_M]``. ``X_GATHER``: load X's columns already in
+        ``_k_order`` (:func:`~specpilot.kernels.w12_tiles._k_columns`) instead of permuting the loaded tile."""
+        if X_GATHER:
+            offs_k = kb + _k_columns(BLOCK_K)
+        else:
+            offs_k = kb + tl.arange(0, BLOCK_K)
         if X_EVEN:
             a = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None], other=0.0)
         else:
@@ -85,7 +96,8 @@ if triton is not None:
         else:
             w = _decode_words(vw, qw, ASM)  # float32 w' (exact in bf16: zero low 16 bits)
         w = _k_order(w, BLOCK_N, BLOCK_K)  # both operands: the same K permutation (see _k_order)
-        a = _k_order(a, BLOCK_M, BLOCK_K)
+        if not X_GATHER:
+            a = _k_order(a, BLOCK_M, BLOCK_K)
         if FP32:
             acc += tl.dot(w, tl.trans(a), input_precision="ieee")
         else:
@@ -96,7 +108,8 @@ if triton is not None:
     def _w12_mma_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD, K_PER_SPLIT,
                         stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        FP32: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                        FP32: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                        X_GATHER: tl.constexpr = False):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: BLOCK_N rows of one record band, one K
         chunk, BLOCK_M activation rows; ``acc [BLOCK_N, BLOCK_M] = W' xᵀ`` in float32 (see :func:`w12_mma`).
         ``RecV`` / ``RecQ``: the records as int64 / int32 words. ``X_EVEN``: every split ends inside K, so the
@@ -116,14 +129,16 @@ if triton is not None:
         if PREFETCH:  # weights need no wait; activations do (K_PER_SPLIT >= BLOCK_K always)
             vw, qw = _load_groups(RecV, RecQ, k0, k1, row_v, row_q, rg, col_v, col_q, EVEN)
             pdl_wait(PDL)
-            acc = _mma_step(acc, X, vw, qw, offs_m, m_ok, k0, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, X_EVEN, FP32, ASM)
+            acc = _mma_step(acc, X, vw, qw, offs_m, m_ok, k0, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, X_EVEN, FP32, ASM,
+                            X_GATHER)
             first = BLOCK_K
         else:
             first = 0
         for kk in range(first, K_PER_SPLIT, BLOCK_K):
             kb = k0 + kk
             vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
-            acc = _mma_step(acc, X, vw, qw, offs_m, m_ok, kb, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, X_EVEN, FP32, ASM)
+            acc = _mma_step(acc, X, vw, qw, offs_m, m_ok, kb, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, X_EVEN, FP32, ASM,
+                            X_GATHER)
         if PREFETCH:
             pdl_signal(PDL)
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)

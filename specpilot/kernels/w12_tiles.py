@@ -125,6 +125,17 @@ if triton is not None:
         return tl.reshape(tl.permute(t, (0, 1, 3, 4, 2, 5)), [ROWS, BLOCK_K])
 
     @triton.jit
+    def _k_columns(BLOCK_K: tl.constexpr):
+        """The columns that :func:`_k_order` puts at positions ``0 .. BLOCK_K − 1`` (int32 ``[BLOCK_K]``): position
+        ``32 g1 + 16 q + 8 r + 2 g0 + e`` holds column ``32 g1 + 8 g0 + 4 q + 2 r + e``. Loading a tile's columns in
+        this order gives ``_k_order(tile)`` straight from memory (pairs of columns stay contiguous: 4-byte pieces
+        of bf16), so the tensor-core kernel's activation tile can go from its ``cp.async`` buffer to ``wgmma``
+        without the register permutation and the shared-memory store that ``_k_order`` costs on a loaded tile."""
+        p = tl.arange(0, BLOCK_K)
+        col = (p // 32) * 32 + ((p // 2) % 4) * 8 + ((p // 16) % 2) * 4 + ((p // 8) % 2) * 2 + p % 2
+        return tl.max_contiguous(tl.multiple_of(col, 2), 2)
+
+    @triton.jit
     def _tile_words(n0, K_PAD):
         """Row ``n0``'s first view word (int64 index) and first nibble word (int32 index) in record 0 of its band
         (128-row bands of ``K_PAD / 64`` records of 12288 bytes: 8192 of views, 64 a row, then 4096 of nibbles, 32 a
