@@ -37,8 +37,11 @@ if triton is not None:
     from .w12_tiles import _decode_words, _decode_words_bf16, _k_columns, _k_order, _load_groups, _word_offsets
 
 
-#: ``x_gather`` default: load the activation tile with its columns in ``_k_order`` (see ``_mma_step``)
-X_GATHER_DEFAULT = True
+#: ``x_gather`` default: load the activation tile with its columns in ``_k_order`` (see ``_mma_step``). Off: on
+#: the H200 the permuted load (4-byte ``cp.async`` pieces, 19 instead of 7 a step) was 0–16% slower than loading in
+#: column order and permuting through shared memory, on every Qwen3-8B projection at 2–128 rows
+#: (``bench/results/w12_xgather_probe_h200_2026-12-02_session14.json``)
+X_GATHER_DEFAULT = False
 
 
 def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, cfg: dict) -> torch.Tensor:
