@@ -44,3 +44,22 @@ def test_checked_time_times_only_what_passes_the_check(tmp_path):
     back = json.loads((tmp_path / "r.json").read_text())
     assert back["rows"][1]["error"].startswith("ValueError")
     assert back["elapsed_s"] == res["elapsed_s"] >= 2.0
+
+
+def test_decode_tokens_per_s_times_the_engine_and_compares_tokens(tiny_dirs):
+    """The suite's decode figure on a tiny bf16-valued model (CPU, eager; the H200 run uses CUDA graphs): one
+    positive tokens/s figure per model, and the W12 copy's tokens equal the plain model's (float32 reference
+    path: bitwise the same logits)."""
+    from specpilot.benchsuite import w12
+    from specpilot.engine.checkpoint import load_model
+    from specpilot.mechanisms.w12 import to_w12, w12_head
+
+    plain = load_model(tiny_dirs[0])
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    packed = to_w12(plain)
+    assert w12_head(packed)
+    out = w12.decode_tokens_per_s({"bf16": plain, "w12": packed}, prompt_len=6, new_tokens=16, rounds=1)
+    assert out["bf16"] > 0 and out["w12"] > 0
+    assert out["tokens_equal_bf16"] == {"bf16": True, "w12": True}
