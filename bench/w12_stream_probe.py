@@ -37,7 +37,7 @@ from specpilot.provenance import git_commit, versions
 from specpilot.w12.format import RECORD_COLS, W12Tensor
 
 from timing import time_calls  # noqa: E402  (bench/timing.py)
-from w12_bench import bits_equal, checked_time, codes, projection_copies, write_result  # noqa: E402
+from w12_bench import bits_equal, budget_cli, checked_time, codes, projection_copies, write_result  # noqa: E402
 
 if triton is not None:
     import triton.language as tl
@@ -214,8 +214,4 @@ def main(out_path: str, budget_s: float) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and not sys.argv[2].replace(".", "", 1).isdigit()):
-        sys.exit("usage: python bench/w12_stream_probe.py OUT.json [BUDGET_S]  (BUDGET_S: seconds, a number)")
-    if not torch.cuda.is_available():
-        sys.exit("this probe times CUDA kernels: it needs a CUDA GPU")
-    main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) == 3 else 400.0)
+    main(*budget_cli(sys.argv, "w12_stream_probe.py", 400.0))

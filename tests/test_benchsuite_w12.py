@@ -63,3 +63,17 @@ def test_decode_tokens_per_s_times_the_engine_and_compares_tokens(tiny_dirs):
     out = w12.decode_tokens_per_s({"bf16": plain, "w12": packed}, prompt_len=6, new_tokens=16, rounds=1)
     assert out["bf16"] > 0 and out["w12"] > 0
     assert out["tokens_equal_bf16"] == {"bf16": True, "w12": True}
+
+
+def test_probe_command_line_refuses_bad_arguments_in_one_line():
+    from specpilot.benchsuite import w12
+
+    for argv in (["p"], ["p", "o.json", "ten"], ["p", "o.json", "1", "2"]):
+        with pytest.raises(SystemExit, match="usage: python bench/x.py OUT.json"):
+            w12.budget_cli(argv, "x.py", 5.0)
+    if torch.cuda.is_available():
+        assert w12.budget_cli(["p", "o.json"], "x.py", 5.0) == ("o.json", 5.0)
+        assert w12.budget_cli(["p", "o.json", "2.5"], "x.py", 5.0) == ("o.json", 2.5)
+    else:
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            w12.budget_cli(["p", "o.json", "2.5"], "x.py", 5.0)

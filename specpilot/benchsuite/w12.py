@@ -111,6 +111,18 @@ def write_result(res: dict, t0: float, out_path: str) -> dict:
     return res
 
 
+def budget_cli(argv: list[str], script: str, default_budget_s: float) -> tuple[str, float]:
+    """The command line of the timing probes in ``bench/``: ``python bench/SCRIPT OUT.json [BUDGET_S]``.
+
+    Returns ``(out_path, budget_s)``. Raises SystemExit with a one-line message (no traceback) on a wrong
+    argument count, a BUDGET_S that is not a number of seconds, or a machine without CUDA."""
+    if len(argv) not in (2, 3) or (len(argv) == 3 and not argv[2].replace(".", "", 1).isdigit()):
+        raise SystemExit(f"usage: python bench/{script} OUT.json [BUDGET_S]  (BUDGET_S: seconds, a number)")
+    if not torch.cuda.is_available():
+        raise SystemExit("this probe times CUDA kernels: it needs a CUDA GPU")
+    return argv[1], float(argv[2]) if len(argv) == 3 else default_budget_s
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
 
