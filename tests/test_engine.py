@@ -256,6 +256,14 @@ def test_bad_prompts_raise_clear_errors_and_engine_stays_usable(tiny_models):
         eng.generate([1] * 60, 10)
     with pytest.raises(PromptError, match="token ids"):
         eng.generate([1, 999], 5)
+    for bad in ([[1, 2], [3]], "hello", torch.ones(2, 3, dtype=torch.long), torch.tensor([1.0, 2.0]), [1, 2.5],
+                [True, 2], 7):
+        with pytest.raises(PromptError, match="prompt"):
+            eng.generate(bad, 5)
+    for bad_n in (2.5, True, "3"):
+        with pytest.raises(PromptError, match="max_new_tokens"):
+            eng.generate([1, 2], bad_n)
+    assert eng.generate(torch.tensor([1, 2, 3]), 3).tokens == eng.generate([1, 2, 3], 3).tokens
     prompt = random_prompts(1, V, seed=5)[0]
     assert eng.generate(prompt, 10).tokens == ar_tokens(target, prompt, 10)
 

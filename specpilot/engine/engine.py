@@ -119,7 +119,21 @@ class Engine:
         return out
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        """Raise :class:`PromptError` for an empty prompt, bad ids, or one that does not fit the context."""
+        """Raise :class:`PromptError` for a prompt that is not one sequence of integer ids (a string, a nested
+        list, a 2-D or float tensor), an empty prompt, bad ids, a ``max_new_tokens`` that is not a positive
+        integer, or a request that does not fit the context."""
+        import numbers
+
+        if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__"):
+            raise PromptError(f"the prompt must be a list of token ids (ints), got {type(prompt_ids).__name__}")
+        if isinstance(prompt_ids, torch.Tensor) and (prompt_ids.dim() != 1 or prompt_ids.is_floating_point()):
+            raise PromptError(f"a prompt tensor must be 1-D integer ids, got {prompt_ids.dim()}-D {prompt_ids.dtype}")
+        if not isinstance(prompt_ids, torch.Tensor) and not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt_ids):
+            raise PromptError("the prompt must be one list of token ids (ints); generate() takes one request "
+                              "(loop over prompts for several)")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise PromptError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if len(prompt_ids) == 0:
             raise PromptError("the prompt is empty")
         vocab = self.target.args.vocab_size

@@ -36,7 +36,9 @@ def to_w12(model: Transformer, inplace: bool = False, head: bool = True) -> Tran
         model: a :class:`Transformer` (fused or not; its weights must be bfloat16 values).
         inplace: replace the layers in ``model`` itself; otherwise return a new model object that shares
             every other parameter (embeddings, norms, a tied or kept LM head) with ``model``, which stays
-            unchanged.
+            unchanged. Shared means the same tensors: an in-place change of either model's shared parameters,
+            ``.to(dtype or device)`` included, changes both (move ``model`` before converting it, or convert
+            ``inplace``).
         head: also encode the LM head when it is an ``nn.Linear`` not tied to the embeddings (one more
             W12 weight ``[vocab, hidden]``; :func:`w12_head` says whether it happened).
     Returns: the W12 model (``model`` when ``inplace``).
