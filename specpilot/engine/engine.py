@@ -14,6 +14,7 @@ token. A speculative step:
 
 from __future__ import annotations
 
+import numbers
 import time
 from typing import Callable
 
@@ -122,8 +123,6 @@ class Engine:
         """Raise :class:`PromptError` for a prompt that is not one sequence of integer ids (a string, a nested
         list, a 2-D or float tensor), an empty prompt, bad ids, a ``max_new_tokens`` that is not a positive
         integer, or a request that does not fit the context."""
-        import numbers
-
         if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__"):
             raise PromptError(f"the prompt must be a list of token ids (ints), got {type(prompt_ids).__name__}")
         if isinstance(prompt_ids, torch.Tensor) and (prompt_ids.dim() != 1 or prompt_ids.is_floating_point()):
