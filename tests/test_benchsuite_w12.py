@@ -63,6 +63,7 @@ def test_decode_tokens_per_s_times_the_engine_and_compares_tokens(tiny_dirs):
     out = w12.decode_tokens_per_s({"bf16": plain, "w12": packed}, prompt_len=6, new_tokens=16, rounds=1)
     assert out["bf16"] > 0 and out["w12"] > 0
     assert out["tokens_equal_bf16"] == {"bf16": True, "w12": True}
+    assert out["tokens_sha256"]["bf16"] == out["tokens_sha256"]["w12"] and len(out["tokens_sha256"]["w12"]) == 16
 
 
 def test_probe_command_line_refuses_bad_arguments_in_one_line():

@@ -27,6 +27,7 @@ Writes OUT.json after every section (device, versions, commit, every figure) and
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import time
@@ -255,7 +256,8 @@ def decode_tokens_per_s(models: dict, prompt_len: int = 512, new_tokens: int = 2
             runs[k].append(new_tokens / ((time.perf_counter() - t1) - (t1 - t0)))
     del engines
     return {k: sorted(v)[len(v) // 2] for k, v in runs.items()} | {
-        "tokens_equal_bf16": {k: tokens[k] == tokens[next(iter(models))] for k in models}}
+        "tokens_equal_bf16": {k: tokens[k] == tokens[next(iter(models))] for k in models},
+        "tokens_sha256": {k: hashlib.sha256(str(v).encode()).hexdigest()[:16] for k, v in tokens.items()}}
 
 
 def ar_decode() -> dict:
@@ -263,7 +265,10 @@ def ar_decode() -> dict:
     builds it (projections and the untied LM head in W12), side by side in one process: the exact pass (c(1) and
     33 rows, synchronous, host read included: :func:`measure_verify_ms`) and the engine's pipelined AR decode
     (:func:`decode_tokens_per_s`). ``speedup`` is the mechanism's exact pass (bf16 / w12),
-    ``speedup_projections_only`` the head-less one's, ``decode_speedup`` the mechanism's decode tokens/s."""
+    ``speedup_projections_only`` the head-less one's, ``decode_speedup`` the mechanism's decode tokens/s. Both W12
+    models compute SwiGLU in the down projection's one-row load (``Transformer.fuse_swiglu``,
+    :mod:`specpilot.kernels.w12_swiglu`); ``*_swiglu_unfused`` is the full mechanism with that fusion off (silu_mul
+    launched, then the plain GEMV), side by side."""
     model = random_transformer("qwen3-8b", dev)
     t0 = time.time()
     proj = to_w12(model, head=False)
@@ -272,6 +277,8 @@ def ar_decode() -> dict:
     full = copy.copy(proj)  # the same W12 projections, plus the head in W12 (what to_w12(model) builds)
     full._modules = dict(proj._modules)
     full.lm_head = W12Linear.from_linear(model.lm_head)
+    unfused = copy.copy(full)  # the same layers, silu_mul launched before each down projection
+    unfused.fuse_swiglu = False
     torch.cuda.empty_cache()
     bf16 = measure_verify_ms(model, 512, (1, 33), repeats=20, static=True)
     print("AR bf16 ms", bf16, flush=True)
@@ -279,14 +286,19 @@ def ar_decode() -> dict:
     print("AR w12 (bf16 head) ms", w12p, f"(converted in {conv:.1f} s)", flush=True)
     w12 = measure_verify_ms(full, 512, (1, 33), repeats=20, static=True)
     print("AR w12 (w12 head) ms", w12, flush=True)
-    dec = decode_tokens_per_s({"bf16": model, "w12_bf16_head": proj, "w12": full})
+    w12u = measure_verify_ms(unfused, 512, (1, 33), repeats=20, static=True)
+    print("AR w12 (w12 head, SwiGLU not fused) ms", w12u, flush=True)
+    dec = decode_tokens_per_s({"bf16": model, "w12_bf16_head": proj, "w12": full, "w12_swiglu_unfused": unfused})
     print("AR decode tokens/s", dec, flush=True)
     nbytes = sum(b.numel() * b.element_size() for m in full.modules() if isinstance(m, W12Linear) for b in m.buffers())
     out = {"bf16_ms": bf16, "w12_ms": w12, "w12_bf16_head_ms": w12p, "speedup": {r: bf16[r] / w12[r] for r in bf16},
            "speedup_projections_only": {r: bf16[r] / w12p[r] for r in bf16}, "decode_tokens_per_s": dec,
            "decode_speedup": dec["w12"] / dec["bf16"], "decode_speedup_projections_only": dec["w12_bf16_head"] / dec["bf16"],
+           "w12_swiglu_unfused_ms": w12u, "speedup_swiglu_unfused": {r: bf16[r] / w12u[r] for r in bf16},
+           "decode_speedup_swiglu_unfused": dec["w12_swiglu_unfused"] / dec["bf16"],
+           "swiglu_fused_tokens_equal_unfused": dec["tokens_sha256"]["w12"] == dec["tokens_sha256"]["w12_swiglu_unfused"],
            "convert_s": conv, "w12_bytes": nbytes}
-    del full, proj, model
+    del full, proj, model, unfused
     torch.cuda.empty_cache()
     return out
 

@@ -324,7 +324,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h, prof)
 
 
-    def forward_fused(self, x, delta, cos, sin, cache, layer, start, tree_words, linear):
+    def forward_fused(self, x, delta, cos, sin, cache, layer, start, tree_words, linear, fuse_swiglu=False):
         """Static path with fused kernels (CUDA; the Triton interpreter in tests), issue 4.
 
         The residual add is deferred into the next norm: takes the residual stream ``x [R, hidden]`` and
@@ -332,9 +332,11 @@ class DecoderLayer(nn.Module):
         ``(x, delta)`` with this layer's MLP output pending. ``start`` is the 0-d long prefix length,
         ``tree_words`` the packed ``[R, ceil(R/32)]`` int32 tree mask, ``linear(x, nn.Linear)`` the projection
         (:func:`~specpilot.kernels.gemm.cublas_linear` or :func:`~specpilot.kernels.gemm.linear`). Same math as :meth:`forward` up to
-        rounding (see :mod:`specpilot.kernels.fused`). 8 launches per layer (+1 split-KV combine).
+        rounding (see :mod:`specpilot.kernels.fused`). 8 launches per layer (+1 split-KV combine). ``fuse_swiglu``:
+        where :func:`~specpilot.kernels.w12_swiglu.swiglu_fusable` holds (one row, a W12 down projection), the down
+        projection computes ``silu(gate) · up`` in its load (one launch fewer, the same bits).
         """
-        from ..kernels import fused
+        from ..kernels import fused, w12_swiglu
         from ..kernels.tree_attention import tree_attention
 
         attn, a = self.self_attn, self.self_attn.args
@@ -346,7 +348,10 @@ class DecoderLayer(nn.Module):
         o = tree_attention(q, cache.k[layer], cache.v[layer], start, tree_words, a.head_dim**-0.5)
         o = linear(o.reshape(x.shape[0], a.n_heads * a.head_dim), attn.o_proj)
         h, x = fused.add_rmsnorm(x, o, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return x, linear(fused.silu_mul(linear(h, self.mlp.gate_up_proj)), self.mlp.down_proj)
+        gate_up, down = linear(h, self.mlp.gate_up_proj), self.mlp.down_proj
+        if fuse_swiglu and w12_swiglu.swiglu_fusable(gate_up, down):
+            return x, w12_swiglu.w12_swiglu_down(gate_up, down)
+        return x, linear(fused.silu_mul(gate_up), down)
 
 
 class Backbone(nn.Module):
@@ -389,6 +394,9 @@ class Transformer(nn.Module):
         #: GEMM for 1-64 rows) instead of cuBLAS. Off: on the H200 cuBLAS is as fast or faster for bf16
         #: (``bench/results/kernels_probe_*.json``); the kernel is the base of the W12 GEMM (issue 5).
         self.skinny_gemm = False
+        #: fused path, one row: a W12 down projection computes ``silu(gate) · up`` in its activation load
+        #: (:mod:`specpilot.kernels.w12_swiglu`; the same bits, one launch a layer fewer). False: silu_mul, then down.
+        self.fuse_swiglu = True
         #: the ``lm_head_int8`` mechanism (§4.1): a CertifiedInt8Head that :meth:`greedy` uses (set by
         #: :func:`specpilot.mechanisms.lm_head_int8.with_int8_head`); None = the plain head
         self.int8_head = None
@@ -490,7 +498,7 @@ class Transformer(nn.Module):
         lin = linear if self.skinny_gemm else cublas_linear
         delta = None
         for i, layer in enumerate(self.model.layers):
-            x, delta = layer.forward_fused(x, delta, cos, sin, cache, i, start, words, lin)
+            x, delta = layer.forward_fused(x, delta, cos, sin, cache, i, start, words, lin, self.fuse_swiglu)
             if i in feature_layers:
                 captured[i] = x + delta
         if feature_layers:

@@ -220,6 +220,13 @@ if triton is not None:
         ok = offs < I
         g = tl.load(GU + row * 2 * I + offs, mask=ok, other=0.0)
         u = tl.load(GU + row * 2 * I + I + offs, mask=ok, other=0.0)
+        tl.store(Out + row * I + offs, silu_mul_values(g, u), mask=ok)
+
+    @triton.jit
+    def silu_mul_values(g, u):
+        """``silu(g) * u`` of loaded gate / up values (any shape, one dtype), rounded where HF rounds: silu in
+        float32, cast to the dtype, then the product in the dtype. The one definition :func:`silu_mul` and the W12
+        GEMV's fused SwiGLU load (:mod:`specpilot.kernels.w12_swiglu`) share, so both give the same bits."""
         gf = g.to(tl.float32)
         s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        tl.store(Out + row * I + offs, (s * u).to(g.dtype), mask=ok)
+        return (s * u).to(g.dtype)

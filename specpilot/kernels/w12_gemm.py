@@ -68,6 +68,7 @@ try:
     import triton
     import triton.language as tl
 
+    from .fused import silu_mul_values
     from .pdl import pdl_start
 except ImportError:  # CPU installs without triton: the reference still works
     triton = None
@@ -345,15 +346,17 @@ def _new_locks(key, tiles: int) -> torch.Tensor:
     return buf
 
 
-def _sum_splits(part, x, b, out, escapes, split: int, has_bias: bool, fused: bool = False) -> torch.Tensor:
+def _sum_splits(part, x, b, out, escapes, split: int, has_bias: bool, fused: bool = False,
+                glu: bool = False) -> torch.Tensor:
     """With split K: add the partial sums in split order, then the escapes and the bias, into ``out``
-    (:func:`_w12_split_sum_kernel`; nothing to do when the kernel did it itself, ``fused``); returns ``out``."""
+    (:func:`_w12_split_sum_kernel`; nothing to do when the kernel did it itself, ``fused``); returns ``out``.
+    ``glu``: ``x`` is ``gate_up [M, 2K]`` and the escapes read ``silu(gate) · up`` (:func:`_add_escapes`)."""
     if split > 1 and not fused:
         m, n = out.shape
         row_ptr, esc_k, esc_d = escapes
         _w12_split_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16))](
             part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
-            HAS_BIAS=has_bias, num_warps=4, **pdl.launch_kw(x.device))
+            HAS_BIAS=has_bias, GLU=glu, num_warps=4, **pdl.launch_kw(x.device))
     return out
 
 
@@ -476,9 +479,24 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, TRANS: tl.constexpr):
+    def _x_load(ptr, mask, up_offset, GLU: tl.constexpr):
+        """Activations at ``ptr`` (masked to 0): the values there, or with ``GLU`` ``silu(gate) · up`` of the gate
+        at ``ptr`` and the up value ``up_offset`` elements further (:func:`~specpilot.kernels.fused.silu_mul_values`;
+        silu(0) · 0 = 0 where masked)."""
+        if GLU:
+            xv = silu_mul_values(tl.load(ptr, mask=mask, other=0.0), tl.load(ptr + up_offset, mask=mask, other=0.0))
+        else:
+            xv = tl.load(ptr, mask=mask, other=0.0)
+        return xv
+
+    @triton.jit
+    def _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, TRANS: tl.constexpr,
+                     GLU: tl.constexpr = False):
         """``acc[m, n] += x[m, k_e] * d_e`` over channel n's escapes, in list order; ``acc`` is ``[BN, BM]``
-        when TRANS, else ``[BM, BN]``. The loop runs to the tile's largest escape count."""
+        when TRANS, else ``[BM, BN]``. The loop runs to the tile's largest escape count. ``GLU``: X is a
+        contiguous ``gate_up [M, 2K]`` (``stride_xm`` = 2K) and ``x[m, k] = silu(gate[m, k]) · up[m, k]``
+        (:func:`~specpilot.kernels.fused.silu_mul_values`, the bits :func:`~specpilot.kernels.fused.silu_mul`
+        stores)."""
         lo = tl.load(RowPtr + offs_n, mask=n_ok, other=0)
         cnt = tl.load(RowPtr + offs_n + 1, mask=n_ok, other=0) - lo
         for j in range(0, tl.max(cnt, axis=0)):
@@ -486,12 +504,12 @@ if triton is not None:
             k = tl.load(EscK + lo + j, mask=has, other=0)
             d = tl.load(EscD + lo + j, mask=has, other=0.0)
             if TRANS:
-                xv = tl.load(X + offs_m[None, :] * stride_xm + k[:, None], mask=has[:, None] & m_ok[None, :],
-                             other=0.0)
+                xv = _x_load(X + offs_m[None, :] * stride_xm + k[:, None], has[:, None] & m_ok[None, :],
+                             stride_xm // 2, GLU)
                 acc += xv.to(tl.float32) * d[:, None]
             else:
-                xv = tl.load(X + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & has[None, :],
-                             other=0.0)
+                xv = _x_load(X + offs_m[:, None] * stride_xm + k[None, :], m_ok[:, None] & has[None, :],
+                             stride_xm // 2, GLU)
                 acc += xv.to(tl.float32) * d[None, :]
         return acc
 
@@ -560,10 +578,11 @@ if triton is not None:
 
     @triton.jit
     def _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok,
-                   HAS_BIAS: tl.constexpr, TRANS: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, TRANS: tl.constexpr, GLU: tl.constexpr = False):
         """The shared epilogue of the W12 kernels: ``acc`` (the K sum, float32, ``[BN, BM]`` when TRANS else
-        ``[BM, BN]``) plus the escapes in list order, then the bias, stored to ``Out + dst`` in Out's dtype."""
-        acc = _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, TRANS)
+        ``[BM, BN]``) plus the escapes in list order (``GLU``: see :func:`_add_escapes`), then the bias, stored to
+        ``Out + dst`` in Out's dtype."""
+        acc = _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, TRANS, GLU)
         if HAS_BIAS:
             bias = tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             if TRANS:
@@ -574,7 +593,7 @@ if triton is not None:
 
     @triton.jit
     def _finish_splits(Part, Lock, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, dst,
-                       ok, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, TRANS: tl.constexpr):
+                       ok, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, TRANS: tl.constexpr, GLU: tl.constexpr = False):
         """In-kernel split-K sum (``fused_split``), after this program stored its partial tile at ``Part + pid_k M N
         + dst``: a barrier, then one ``acq_rel`` atomic increment of the tile's counter ``Lock``; the program that
         sees ``SPLIT_K − 1`` (the last split of the tile to finish) adds the partials in split order (reading past
@@ -588,14 +607,15 @@ if triton is not None:
             for s in tl.static_range(1, SPLIT_K):
                 acc += tl.load(Part + s * M * N + dst, mask=ok, other=0.0, cache_modifier=".cg")
             _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
-                       TRANS)
+                       TRANS, GLU)
             tl.atomic_xchg(Lock, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _w12_split_sum_kernel(Part, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, SPLIT_K: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              PDL: tl.constexpr = False):
-        """``Out = Σ_s Part[s]`` in split order, then the escapes in list order, then the bias."""
+                              PDL: tl.constexpr = False, GLU: tl.constexpr = False):
+        """``Out = Σ_s Part[s]`` in split order, then the escapes in list order (``GLU``: see :func:`_add_escapes`),
+        then the bias."""
         pdl_start(PDL)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -606,7 +626,8 @@ if triton is not None:
         acc = tl.load(Part + dst, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLIT_K):  # unrolled: the partials' loads issue together, summed in split order
             acc += tl.load(Part + s * M * N + dst, mask=ok, other=0.0)
-        _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS, False)
+        _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS, False,
+                   GLU)
 
 
 __all__ = ["w12_gemm", "w12_gemm_reference", "W12Linear", "W12GemmError", "default_config", "escape_table", "one_row_gemv",

@@ -36,8 +36,9 @@ from .w12_gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 if triton is not None:
     import triton.language as tl
 
+    from .fused import silu_mul_values
     from .pdl import pdl_signal, pdl_start, pdl_wait
-    from .w12_gemm import _finish_splits, _store_out
+    from .w12_gemm import _finish_splits, _store_out, _x_load
     from .w12_tiles import _decode8, _load_groups, _tile_words, _word_offsets
 
 GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
@@ -102,7 +103,8 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
                 load_stages=1, lines=False)
 
 
-def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict) -> torch.Tensor:
+def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict,
+             glu: bool = False) -> torch.Tensor:
     """A few activation rows: ``x [M, K] @ W12ᵀ (+ bias)``, 1 ≤ M ≤ :data:`GEMV_MAX_ROWS`, with the weights
     decoded to float32 in registers once and summed with M FMAs each (no tensor cores, so no layout change
     between the decode and the dot). Measured on the H200 at one row only; rows are padded to a power of
@@ -145,8 +147,12 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     fixed order and the same bits either way. The GEMV's fused default has no A/B timing of its own yet (the
     session 9 sweep forced the tensor-core kernel).
 
+    ``glu`` (:func:`~specpilot.kernels.w12_swiglu.w12_swiglu_down`, which checks the call): ``x`` is one contiguous
+    row of ``gate_up [1, 2K]`` and the kernel multiplies ``silu(gate) · up`` instead of x, in the lines kernel only.
+
     Returns: ``[M, N]`` in x's dtype, within the rounding bound of :mod:`specpilot.kernels.w12_gemm` (plus
-    the subnormal caveat above). Raises: W12GemmError on bad launch overrides or M outside 1..8."""
+    the subnormal caveat above). Raises: W12GemmError on bad launch overrides, M outside 1..8, or ``glu`` where
+    the lines kernel would not run."""
     row_ptr, esc_k, esc_d = escapes
     n, k = w12.shape
     m = x.shape[0]
@@ -170,18 +176,19 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
                   X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None, ASM=bool(cfg["asm"]) and x.is_cuda,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     launch_kw = pdl.w12_launch_kw(x.device)
-    if cfg["lines"] and m == 1 and not launch_kw["PDL"]:  # the lines kernel has no PDL path (PDL is off by default)
+    lines = bool(cfg["lines"]) and m == 1 and not launch_kw["PDL"]  # the lines kernel has no PDL path (off by default)
+    if glu and not lines:
+        raise W12GemmError("the fused SwiGLU load runs in the one-row lines kernel only (lines on, PDL off)")
+    if lines:
         _w12_gemv_lines_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
-            m, n, k, k_pad, k_per_split, x.stride(0), **common)
+            m, n, k, k_pad, k_per_split, x.stride(0), GLU=glu, **common)
     else:
         _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
             m, n, k, k_pad, k_per_split, x.stride(0), ROWS=rows, LOAD_STAGES=int(cfg["load_stages"]), **common,
             **launch_kw)
-    return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused)
-
-
+    return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused, glu)
 
 
 def gemv_resources(rows: int, block_n: int, block_k: int, num_warps: int, num_stages: int = 3, split_k: int = 1,
@@ -294,26 +301,27 @@ if triton is not None:
 
     @triton.jit
     def _gemv_store(y, X, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, pid_k,
-                    SPLIT_K: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    SPLIT_K: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr = False):
         """The GEMV kernels' end: ``y [ROWS, BLOCK_N]`` (the scaled K sum of this split) plus escapes and bias to
         Out, or, with split K, to this split's partial; with ``FUSED`` the tile's last split then sums the partials
-        here (no second kernel, :func:`~specpilot.kernels.w12_gemm._finish_splits`)."""
+        here (no second kernel, :func:`~specpilot.kernels.w12_gemm._finish_splits`). ``GLU``: X is ``gate_up``
+        (:func:`~specpilot.kernels.w12_gemm._add_escapes`)."""
         dst = offs_m[:, None] * N + offs_n[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K == 1:
             _store_out(y, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
-                       False)
+                       False, GLU)
         else:
             tl.store(Part + pid_k * M * N + dst, y, mask=ok)
             if FUSED:
                 _finish_splits(Part, Lock + tl.program_id(0), X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, offs_m,
-                               offs_n, m_ok, n_ok, dst, ok, SPLIT_K, HAS_BIAS, False)
+                               offs_n, m_ok, n_ok, dst, ok, SPLIT_K, HAS_BIAS, False, GLU)
 
     @triton.jit
     def _w12_gemv_lines_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD,
                                K_PER_SPLIT, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr,
-                               HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+                               HAS_BIAS: tl.constexpr, ASM: tl.constexpr, GLU: tl.constexpr = False):
         """One row (``lines``): the grid, split and epilogue of :func:`_w12_gemv_kernel`, with the step's words
         taken as ``[R, BLOCK_N · 8]`` tiles (R = BLOCK_K / 64 records; column ``j`` = row ``j // 8``, group
         ``j % 8``). Within a record the views of the tile's rows are one contiguous ``BLOCK_N · 64``-byte run and
@@ -322,7 +330,9 @@ if triton is not None:
         line they touch (``bench/w12_access_probe.py``: those loads alone ran 1.3-1.5x slower than a plain read of
         the same bytes on the H200). x: :func:`_x_groups`. The K sum's order differs from
         :func:`_w12_gemv_kernel` (each element sums its group's 8 products over the steps; rows are reduced over
-        records and groups at the end): within the same rounding bound, deterministic."""
+        records and groups at the end): within the same rounding bound, deterministic. ``GLU``
+        (:mod:`specpilot.kernels.w12_swiglu`): X is the one row of ``gate_up [1, 2K]`` and the kernel multiplies
+        ``silu(gate) · up`` (computed as :func:`~specpilot.kernels.fused.silu_mul` computes it: the same bits)."""
         R: tl.constexpr = BLOCK_K // 64
         J: tl.constexpr = BLOCK_N * 8
         pid_k = tl.program_id(1)
@@ -338,15 +348,15 @@ if triton is not None:
         k0 = pid_k * K_PER_SPLIT
         k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
-            vw, qw, xt = _lines_load(X, RecV, RecQ, k0 + kk, k1, K, v_off, q_off, rr, EVEN, X_EVEN, R)
+            vw, qw, xt = _lines_load(X, RecV, RecQ, k0 + kk, k1, K, v_off, q_off, rr, EVEN, X_EVEN, R, GLU)
             acc = _lines_sum(acc, vw, qw, xt, R, BLOCK_N, ASM)
         _lines_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k, R, BLOCK_N,
-                   SPLIT_K, FUSED, HAS_BIAS)
+                   SPLIT_K, FUSED, HAS_BIAS, GLU)
 
     @triton.jit
     def _lines_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k,
                    R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, FUSED: tl.constexpr,
-                   HAS_BIAS: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
         """The lines kernel's end: ``acc [R, BLOCK_N · 8]`` reduced over records and groups, scaled by each row's
         ``2^(B_n − 112)``, then :func:`_gemv_store` (escapes, bias, split K) for rows ``n0 .. n0 + BLOCK_N − 1``."""
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -357,14 +367,14 @@ if triton is not None:
         offs_m = tl.arange(0, 1)
         m_ok = offs_m < M
         _gemv_store(y, X, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, pid_k,
-                    SPLIT_K, FUSED, HAS_BIAS)
+                    SPLIT_K, FUSED, HAS_BIAS, GLU)
 
     @triton.jit
     def _lines_load(X, RecV, RecQ, kb, k1, K, v_off, q_off, rr, EVEN: tl.constexpr, X_EVEN: tl.constexpr,
-                    R: tl.constexpr):
+                    R: tl.constexpr, GLU: tl.constexpr):
         """The lines kernel's loads of the step at column ``kb``: view words ``[R, J]`` int64, nibble words ``[R, J]``
         int32 (records at or past ``k1`` read as 0 unless EVEN) and x ``[R, 64]`` float32 (columns at or past K read as
-        0 unless X_EVEN)."""
+        0 unless X_EVEN; with ``GLU`` ``silu(gate) · up``, the up values K elements after the gate)."""
         cols = kb + rr[:, None] * 64 + tl.arange(0, 64)[None, :]
         if EVEN:
             vw = tl.load(RecV + (kb // 64) * 1536 + v_off)
@@ -373,7 +383,11 @@ if triton is not None:
             ok = (kb + rr * 64 < k1)[:, None]
             vw = tl.load(RecV + (kb // 64) * 1536 + v_off, mask=ok, other=0)
             qw = tl.load(RecQ + (kb // 64) * 3072 + q_off, mask=ok, other=0)
-        if X_EVEN:
+        if GLU and X_EVEN:
+            xt = silu_mul_values(tl.load(X + cols), tl.load(X + K + cols)).to(tl.float32)
+        elif GLU:
+            xt = _x_load(X + cols, cols < K, K, GLU).to(tl.float32)
+        elif X_EVEN:
             xt = tl.load(X + cols).to(tl.float32)
         else:
             xt = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
