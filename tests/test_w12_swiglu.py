@@ -102,8 +102,8 @@ def test_fusable_only_for_one_contiguous_row_of_a_w12_layer():
 def test_a_fused_model_pass_equals_the_unfused_one(tiny_dirs, monkeypatch):
     """The tiny target in W12 on the fused static path (the Triton interpreter on the CPU): one row with
     ``fuse_w12`` on (o projections with the add + norm, down projections with SwiGLU, the add and the next norm
-    in every layer, the last one the final norm) and off give the same hidden states within rounding (the fused
-    norm sums its squares in another order); three rows never take the fused paths."""
+    in every layer, the last one the final norm) and off give identical hidden states (the interpreter's sums are
+    numpy's either way); three rows never take the fused paths."""
     import specpilot.kernels.w12_addnorm as mod
     from specpilot.engine.checkpoint import load_model
     from specpilot.mechanisms.w12 import to_w12
@@ -134,8 +134,8 @@ def test_a_fused_model_pass_equals_the_unfused_one(tiny_dirs, monkeypatch):
             pos = torch.arange(4, 4 + rows, device=DEV)
             mask = torch.ones(rows, rows, dtype=torch.bool, device=DEV).tril()
             outs[on] = w(tokens, pos, cache, torch.tensor(4, device=DEV), mask)
-        tol = 2e-2 if CUDA else 1e-5
-        assert torch.allclose(outs[True].float(), outs[False].float(), rtol=tol, atol=tol)
-        if rows == 3:  # no fused path: the very same kernels
+        if CUDA:
+            assert torch.allclose(outs[True].float(), outs[False].float(), rtol=2e-2, atol=2e-2)
+        else:
             assert torch.equal(outs[True], outs[False])
     assert calls == [(1, False), (1, True)] * w.args.num_layers  # o then down, every layer; three rows never

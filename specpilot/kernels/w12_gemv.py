@@ -36,13 +36,12 @@ from .w12_gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 if triton is not None:
     import triton.language as tl
 
-    from .fused import silu_mul_values
+    from .fused import add_rmsnorm_row, silu_mul_values
     from .pdl import pdl_signal, pdl_start, pdl_wait
     from .w12_gemm import _finish_splits, _store_out, _x_load
     from .w12_tiles import _decode8, _load_groups, _tile_words, _word_offsets
 
 GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
-NORM_CHUNK = 256  # columns a step of the fused norm tail (8 a thread in the one-warp lines kernel)
 
 
 #: warps an SM the grid should hold, by padded rows: one row from the H200 sweeps
@@ -184,7 +183,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
         res, weight, eps = norm
         normed, new_x = torch.empty_like(res), torch.empty_like(res)
         norm_kw = dict(Res=res, NormW=weight, Normed=normed, NewX=new_x, eps=float(eps), NORM=True,
-                       NORM_BLOCK=NORM_CHUNK)
+                       NORM_BLOCK=triton.next_power_of_2(n))
     lock = row_ptr if lock is None else lock
     common = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FUSED=fused, EVEN=k_per_split * split == k_pad,
                   X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None, ASM=bool(cfg["asm"]) and x.is_cuda,
@@ -361,7 +360,7 @@ if triton is not None:
         (:mod:`specpilot.kernels.w12_swiglu`): X is the one row of ``gate_up [1, 2K]`` and the kernel multiplies
         ``silu(gate) · up`` (computed as :func:`~specpilot.kernels.fused.silu_mul` computes it: the same bits).
         ``NORM`` (:mod:`specpilot.kernels.w12_addnorm`): when every tile is stored, the last program to store one
-        runs :func:`_norm_tail` on ``Res + Out`` (``NewX``, ``Normed``; counter at
+        runs :func:`~specpilot.kernels.fused.add_rmsnorm_row` on ``Res + Out`` (``NewX``, ``Normed``; counter at
         ``Lock + cdiv(N, BLOCK_N)``), so no separate norm kernel follows."""
         R: tl.constexpr = BLOCK_K // 64
         J: tl.constexpr = BLOCK_N * 8
@@ -408,31 +407,12 @@ if triton is not None:
     def _norm_tail(Out, Counter, Res, NormW, Normed, NewX, N, eps, TILES, NORM_BLOCK: tl.constexpr):
         """After a program stored its tile of the one output row: count it (``acq_rel``, after a barrier so every
         thread's stores are released); the program that counts the last of ``TILES`` tiles sees all of Out and
-        writes ``NewX = Res + Out`` (rounded to the dtype) and ``Normed = NormW · (x · rstd)`` (the normalised
-        value rounded first), as :func:`~specpilot.kernels.fused.add_rmsnorm_row` does but in ``NORM_BLOCK``-wide
-        chunks (two passes; Out read from L2), so the kernel keeps its registers (a whole 4096-wide row held at once
-        took the lines kernel from 128 to 249 registers a thread and was slower than the separate kernel); the
-        squares are summed chunk by chunk. Then resets the counter."""
+        writes ``NewX = Res + Out`` and ``Normed`` (:func:`~specpilot.kernels.fused.add_rmsnorm_row`, Out read from
+        L2), then resets the counter."""
         tl.debug_barrier()
         seen = tl.atomic_add(Counter, 1, sem="acq_rel", scope="gpu")
         if seen == TILES - 1:
-            sq = tl.zeros([NORM_BLOCK], dtype=tl.float32)
-            for c in range(0, N, NORM_BLOCK):
-                offs = c + tl.arange(0, NORM_BLOCK)
-                ok = offs < N
-                x = tl.load(Res + offs, mask=ok, other=0.0) + tl.load(Out + offs, mask=ok, other=0.0,
-                                                                      cache_modifier=".cg")
-                tl.store(NewX + offs, x, mask=ok)
-                xf = x.to(tl.float32)
-                sq += xf * xf
-            rstd = 1.0 / tl.sqrt(tl.sum(sq, 0) / N + eps)
-            for c in range(0, N, NORM_BLOCK):
-                offs = c + tl.arange(0, NORM_BLOCK)
-                ok = offs < N
-                x = tl.load(NewX + offs, mask=ok, other=0.0)  # this thread's own stores
-                y = (x.to(tl.float32) * rstd).to(NewX.dtype.element_ty)
-                w = tl.load(NormW + offs, mask=ok, other=0.0)
-                tl.store(Normed + offs, (w * y).to(NewX.dtype.element_ty), mask=ok)
+            add_rmsnorm_row(Res, Out, NormW, Normed, NewX, N, eps, True, NORM_BLOCK, True)
             tl.atomic_xchg(Counter, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
