@@ -266,10 +266,9 @@ def ar_decode() -> dict:
     33 rows, synchronous, host read included: :func:`measure_verify_ms`) and the engine's pipelined AR decode
     (:func:`decode_tokens_per_s`). ``speedup`` is the mechanism's exact pass (bf16 / w12),
     ``speedup_projections_only`` the head-less one's, ``decode_speedup`` the mechanism's decode tokens/s. Both W12
-    models run the one-row fusions (``Transformer.fuse_w12``: SwiGLU in the down projection's load,
-    :mod:`specpilot.kernels.w12_swiglu`; the residual add + RMSNorm in the o / down projections' last program,
-    :mod:`specpilot.kernels.w12_addnorm`); ``*_unfused`` is the full mechanism with them off (silu_mul and
-    add_rmsnorm launched separately, as the bf16 model runs them), side by side."""
+    models compute SwiGLU in the down projection's one-row load (``Transformer.fuse_swiglu``,
+    :mod:`specpilot.kernels.w12_swiglu`); ``*_swiglu_unfused`` is the full mechanism with that fusion off (silu_mul
+    launched, then the plain GEMV), side by side."""
     model = random_transformer("qwen3-8b", dev)
     t0 = time.time()
     proj = to_w12(model, head=False)
@@ -278,8 +277,8 @@ def ar_decode() -> dict:
     full = copy.copy(proj)  # the same W12 projections, plus the head in W12 (what to_w12(model) builds)
     full._modules = dict(proj._modules)
     full.lm_head = W12Linear.from_linear(model.lm_head)
-    unfused = copy.copy(full)  # the same layers, with silu_mul and add_rmsnorm launched as separate kernels
-    unfused.fuse_w12 = False
+    unfused = copy.copy(full)  # the same layers, silu_mul launched before each down projection
+    unfused.fuse_swiglu = False
     torch.cuda.empty_cache()
     bf16 = measure_verify_ms(model, 512, (1, 33), repeats=20, static=True)
     print("AR bf16 ms", bf16, flush=True)
@@ -288,16 +287,16 @@ def ar_decode() -> dict:
     w12 = measure_verify_ms(full, 512, (1, 33), repeats=20, static=True)
     print("AR w12 (w12 head) ms", w12, flush=True)
     w12u = measure_verify_ms(unfused, 512, (1, 33), repeats=20, static=True)
-    print("AR w12 (w12 head, fusions off) ms", w12u, flush=True)
-    dec = decode_tokens_per_s({"bf16": model, "w12_bf16_head": proj, "w12": full, "w12_unfused": unfused})
+    print("AR w12 (w12 head, SwiGLU not fused) ms", w12u, flush=True)
+    dec = decode_tokens_per_s({"bf16": model, "w12_bf16_head": proj, "w12": full, "w12_swiglu_unfused": unfused})
     print("AR decode tokens/s", dec, flush=True)
     nbytes = sum(b.numel() * b.element_size() for m in full.modules() if isinstance(m, W12Linear) for b in m.buffers())
     out = {"bf16_ms": bf16, "w12_ms": w12, "w12_bf16_head_ms": w12p, "speedup": {r: bf16[r] / w12[r] for r in bf16},
            "speedup_projections_only": {r: bf16[r] / w12p[r] for r in bf16}, "decode_tokens_per_s": dec,
            "decode_speedup": dec["w12"] / dec["bf16"], "decode_speedup_projections_only": dec["w12_bf16_head"] / dec["bf16"],
-           "w12_unfused_ms": w12u, "speedup_unfused": {r: bf16[r] / w12u[r] for r in bf16},
-           "decode_speedup_unfused": dec["w12_unfused"] / dec["bf16"],
-           "fused_tokens_equal_unfused": dec["tokens_sha256"]["w12"] == dec["tokens_sha256"]["w12_unfused"],
+           "w12_swiglu_unfused_ms": w12u, "speedup_swiglu_unfused": {r: bf16[r] / w12u[r] for r in bf16},
+           "decode_speedup_swiglu_unfused": dec["w12_swiglu_unfused"] / dec["bf16"],
+           "swiglu_fused_tokens_equal_unfused": dec["tokens_sha256"]["w12"] == dec["tokens_sha256"]["w12_swiglu_unfused"],
            "convert_s": conv, "w12_bytes": nbytes}
     del full, proj, model, unfused
     torch.cuda.empty_cache()

@@ -324,50 +324,34 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h, prof)
 
 
-    def forward_fused(self, x, delta, cos, sin, cache, layer, start, tree_words, linear, fuse_w12=False, h=None,
-                      next_norm=None):
+    def forward_fused(self, x, delta, cos, sin, cache, layer, start, tree_words, linear, fuse_swiglu=False):
         """Static path with fused kernels (CUDA; the Triton interpreter in tests), issue 4.
 
         The residual add is deferred into the next norm: takes the residual stream ``x [R, hidden]`` and
         the previous layer's pending output ``delta`` (None for the first layer) and returns
-        ``(x, delta, None)`` with this layer's MLP output pending. ``start`` is the 0-d long prefix length,
+        ``(x, delta)`` with this layer's MLP output pending. ``start`` is the 0-d long prefix length,
         ``tree_words`` the packed ``[R, ceil(R/32)]`` int32 tree mask, ``linear(x, nn.Linear)`` the projection
-        (:func:`~specpilot.kernels.gemm.cublas_linear` or :func:`~specpilot.kernels.gemm.linear`). Same math as
-        :meth:`forward` up to rounding (see :mod:`specpilot.kernels.fused`). 8 launches per layer (+1 split-KV
-        combine).
-
-        ``fuse_w12`` (one row, W12 projections; §4.1): the o projection runs the post-attention add + norm in its
-        last program (:mod:`specpilot.kernels.w12_addnorm`), the down projection computes ``silu(gate) · up`` in its
-        load (:mod:`specpilot.kernels.w12_swiglu`) and, given ``next_norm`` (the next layer's input norm, or the
-        final norm), the residual add + that norm too: it then returns ``(x, None, h_next)`` with the residual
-        added and ``h_next`` the next norm's output, which the next call takes as ``h`` (``delta`` None). Up to 3
-        launches a layer fewer.
+        (:func:`~specpilot.kernels.gemm.cublas_linear` or :func:`~specpilot.kernels.gemm.linear`). Same math as :meth:`forward` up to
+        rounding (see :mod:`specpilot.kernels.fused`). 8 launches per layer (+1 split-KV combine). ``fuse_swiglu``:
+        where :func:`~specpilot.kernels.w12_swiglu.swiglu_fusable` holds (one row, a W12 down projection), the down
+        projection computes ``silu(gate) · up`` in its load (one launch fewer, the same bits).
         """
-        from ..kernels import fused, w12_addnorm, w12_swiglu
+        from ..kernels import fused, w12_swiglu
         from ..kernels.tree_attention import tree_attention
 
         attn, a = self.self_attn, self.self_attn.args
-        if h is None:
-            h, x = fused.add_rmsnorm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
+        h, x = fused.add_rmsnorm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
         qkv = linear(h, attn.qkv_proj)
         qn = (attn.q_norm.weight, attn.k_norm.weight) if a.qk_norm else (None, None)
         q = fused.qk_norm_rope_store(qkv, *qn, cos, sin, cache.k[layer], cache.v[layer], start, a.n_heads,
                                      a.n_kv_heads, a.rms_norm_eps)
         o = tree_attention(q, cache.k[layer], cache.v[layer], start, tree_words, a.head_dim**-0.5)
-        o = o.reshape(x.shape[0], a.n_heads * a.head_dim)
-        norm = self.post_attention_layernorm
-        if fuse_w12 and w12_addnorm.addnorm_fusable(o, attn.o_proj, x, norm.weight):
-            h, x = w12_addnorm.w12_add_rmsnorm(o, attn.o_proj, x, norm.weight, norm.eps)
-        else:
-            h, x = fused.add_rmsnorm(x, linear(o, attn.o_proj), norm.weight, norm.eps)
+        o = linear(o.reshape(x.shape[0], a.n_heads * a.head_dim), attn.o_proj)
+        h, x = fused.add_rmsnorm(x, o, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         gate_up, down = linear(h, self.mlp.gate_up_proj), self.mlp.down_proj
-        if (fuse_w12 and next_norm is not None
-                and w12_addnorm.addnorm_fusable(gate_up, down, x, next_norm.weight, glu=True)):
-            h, x = w12_addnorm.w12_add_rmsnorm(gate_up, down, x, next_norm.weight, next_norm.eps, glu=True)
-            return x, None, h
-        if fuse_w12 and w12_swiglu.swiglu_fusable(gate_up, down):
-            return x, w12_swiglu.w12_swiglu_down(gate_up, down), None
-        return x, linear(fused.silu_mul(gate_up), down), None
+        if fuse_swiglu and w12_swiglu.swiglu_fusable(gate_up, down):
+            return x, w12_swiglu.w12_swiglu_down(gate_up, down)
+        return x, linear(fused.silu_mul(gate_up), down)
 
 
 class Backbone(nn.Module):
@@ -410,10 +394,9 @@ class Transformer(nn.Module):
         #: GEMM for 1-64 rows) instead of cuBLAS. Off: on the H200 cuBLAS is as fast or faster for bf16
         #: (``bench/results/kernels_probe_*.json``); the kernel is the base of the W12 GEMM (issue 5).
         self.skinny_gemm = False
-        #: fused path, one row, W12 projections (:meth:`DecoderLayer.forward_fused`): SwiGLU in the down projection's
-        #: load (the same bits) and the residual add + RMSNorm in the o / down projections' last program (within one
-        #: rounding of the separate kernel): up to 3 launches a layer fewer. False: the separate kernels.
-        self.fuse_w12 = True
+        #: fused path, one row: a W12 down projection computes ``silu(gate) · up`` in its activation load
+        #: (:mod:`specpilot.kernels.w12_swiglu`; the same bits, one launch a layer fewer). False: silu_mul, then down.
+        self.fuse_swiglu = True
         #: the ``lm_head_int8`` mechanism (§4.1): a CertifiedInt8Head that :meth:`greedy` uses (set by
         #: :func:`specpilot.mechanisms.lm_head_int8.with_int8_head`); None = the plain head
         self.int8_head = None
@@ -513,16 +496,14 @@ class Transformer(nn.Module):
 
         words = pack_tree_mask(mask)
         lin = linear if self.skinny_gemm else cublas_linear
-        delta = h = None
-        layers = self.model.layers
-        for i, layer in enumerate(layers):
-            nxt = self.model.norm if i + 1 == len(layers) else layers[i + 1].input_layernorm
-            x, delta, h = layer.forward_fused(x, delta, cos, sin, cache, i, start, words, lin, self.fuse_w12, h, nxt)
+        delta = None
+        for i, layer in enumerate(self.model.layers):
+            x, delta = layer.forward_fused(x, delta, cos, sin, cache, i, start, words, lin, self.fuse_swiglu)
             if i in feature_layers:
-                captured[i] = x if delta is None else x + delta
+                captured[i] = x + delta
         if feature_layers:
             features.extend(captured[i] for i in feature_layers)
-        return h if h is not None else fused.add_rmsnorm(x, delta, self.model.norm.weight, self.model.norm.eps)[0]
+        return fused.add_rmsnorm(x, delta, self.model.norm.weight, self.model.norm.eps)[0]
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """Argmax token ids ``[R] long`` of the LM head for ``hidden [R, hidden_size]``, computed on logits in

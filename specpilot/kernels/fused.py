@@ -158,29 +158,17 @@ if triton is not None:
                             PDL: tl.constexpr = False):
         pdl_start(PDL)
         row = tl.program_id(0)
-        add_rmsnorm_row(X + row * D, Delta + row * D, W, Normed + row * D, NewX + row * D, D, eps, HAS_DELTA, BLOCK)
-
-    @triton.jit
-    def add_rmsnorm_row(X, Delta, W, Normed, NewX, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-                        DELTA_CG: tl.constexpr = False):
-        """One row of :func:`add_rmsnorm` (``BLOCK ≥ D``): ``NewX = X + Delta`` rounded to the dtype (HF's bf16 add),
-        ``Normed = W · (x · rstd)`` with the normalised value rounded before the weight multiply. Shared by
-        :func:`_add_rmsnorm_kernel` and the W12 GEMV's fused tail (:mod:`specpilot.kernels.w12_addnorm`, where
-        ``Delta`` was just stored by other programs: ``DELTA_CG`` reads it from L2)."""
         offs = tl.arange(0, BLOCK)
         ok = offs < D
-        x = tl.load(X + offs, mask=ok, other=0.0)
+        x = tl.load(X + row * D + offs, mask=ok, other=0.0)
         if HAS_DELTA:
-            if DELTA_CG:
-                x = x + tl.load(Delta + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            else:
-                x = x + tl.load(Delta + offs, mask=ok, other=0.0)  # rounded to the dtype: HF's bf16 add
-            tl.store(NewX + offs, x, mask=ok)
+            x = x + tl.load(Delta + row * D + offs, mask=ok, other=0.0)  # rounded to the dtype: HF's bf16 add
+            tl.store(NewX + row * D + offs, x, mask=ok)
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
         y = (xf * rstd).to(X.dtype.element_ty)
         w = tl.load(W + offs, mask=ok, other=0.0)
-        tl.store(Normed + offs, (w * y).to(X.dtype.element_ty), mask=ok)
+        tl.store(Normed + row * D + offs, (w * y).to(X.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _rmsnorm_head(x, W, offs, eps, D: tl.constexpr):

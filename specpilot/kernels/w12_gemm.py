@@ -598,20 +598,17 @@ if triton is not None:
         + dst``: a barrier, then one ``acq_rel`` atomic increment of the tile's counter ``Lock``; the program that
         sees ``SPLIT_K − 1`` (the last split of the tile to finish) adds the partials in split order (reading past
         L1), the escapes in list order and the bias, exactly as :func:`_w12_split_sum_kernel` does, stores ``Out``
-        and resets the counter (returns whether this program was that one). The result does not depend on which
-        split finishes last. ``dst`` / ``ok``: the
+        and resets the counter. The result does not depend on which split finishes last. ``dst`` / ``ok``: the
         tile's element offsets in ``[M, N]`` and mask (``[BN, BM]`` when TRANS, else ``[BM, BN]``)."""
         tl.debug_barrier()  # every thread's partial is stored before the release below
         seen = tl.atomic_add(Lock, 1, sem="acq_rel", scope="gpu")
-        done = seen == SPLIT_K - 1
-        if done:
+        if seen == SPLIT_K - 1:
             acc = tl.load(Part + dst, mask=ok, other=0.0, cache_modifier=".cg")
             for s in tl.static_range(1, SPLIT_K):
                 acc += tl.load(Part + s * M * N + dst, mask=ok, other=0.0, cache_modifier=".cg")
             _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
                        TRANS, GLU)
             tl.atomic_xchg(Lock, 0, sem="relaxed", scope="gpu")
-        return done
 
     @triton.jit
     def _w12_split_sum_kernel(Part, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, SPLIT_K: tl.constexpr,

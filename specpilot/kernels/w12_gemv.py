@@ -36,7 +36,7 @@ from .w12_gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 if triton is not None:
     import triton.language as tl
 
-    from .fused import add_rmsnorm_row, silu_mul_values
+    from .fused import silu_mul_values
     from .pdl import pdl_signal, pdl_start, pdl_wait
     from .w12_gemm import _finish_splits, _store_out, _x_load
     from .w12_tiles import _decode8, _load_groups, _tile_words, _word_offsets
@@ -104,7 +104,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
 
 
 def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict,
-             glu: bool = False, norm: tuple | None = None):
+             glu: bool = False) -> torch.Tensor:
     """A few activation rows: ``x [M, K] @ W12ᵀ (+ bias)``, 1 ≤ M ≤ :data:`GEMV_MAX_ROWS`, with the weights
     decoded to float32 in registers once and summed with M FMAs each (no tensor cores, so no layout change
     between the decode and the dot). Measured on the H200 at one row only; rows are padded to a power of
@@ -149,10 +149,6 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
 
     ``glu`` (:func:`~specpilot.kernels.w12_swiglu.w12_swiglu_down`, which checks the call): ``x`` is one contiguous
     row of ``gate_up [1, 2K]`` and the kernel multiplies ``silu(gate) · up`` instead of x, in the lines kernel only.
-    ``norm`` (:func:`~specpilot.kernels.w12_addnorm.w12_add_rmsnorm`, which checks it): ``(residual [1, N], weight
-    [N], eps)``; the call then returns ``(out, normed, new_x)``, :func:`~specpilot.kernels.fused.add_rmsnorm` of
-    ``(residual, out)``, computed by the kernel's last program (lines kernel, fused or no split K), or by
-    ``add_rmsnorm`` after it where the kernel cannot (no counters while capturing, ``fused_split=False``).
 
     Returns: ``[M, N]`` in x's dtype, within the rounding bound of :mod:`specpilot.kernels.w12_gemm` (plus
     the subnormal caveat above). Raises: W12GemmError on bad launch overrides, M outside 1..8, or ``glu`` where
@@ -173,42 +169,26 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     k_pad = rec.shape[1] * RECORD_COLS
     k_per_split = triton.cdiv(triton.cdiv(k_pad, split), bk) * bk
     out, part, b = _outputs(x, n, split, bias)
-    tiles = triton.cdiv(n, bn)
-    lock = split_locks(x.device, tiles + (norm is not None)) if split > 1 and cfg["fused_split"] else None
+    lock = split_locks(x.device, triton.cdiv(n, bn)) if split > 1 and cfg["fused_split"] else None
     fused = lock is not None  # None: not asked, no split, or capturing without counters (the two-kernel sum)
-    if norm is not None and split == 1:
-        lock = split_locks(x.device, tiles + 1)
-    norm_kw = {}
-    if norm is not None and lock is not None:  # the norm in the kernel's last program
-        res, weight, eps = norm
-        normed, new_x = torch.empty_like(res), torch.empty_like(res)
-        norm_kw = dict(Res=res, NormW=weight, Normed=normed, NewX=new_x, eps=float(eps), NORM=True,
-                       NORM_BLOCK=triton.next_power_of_2(n))
     lock = row_ptr if lock is None else lock
     common = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FUSED=fused, EVEN=k_per_split * split == k_pad,
                   X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None, ASM=bool(cfg["asm"]) and x.is_cuda,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     launch_kw = pdl.w12_launch_kw(x.device)
     lines = bool(cfg["lines"]) and m == 1 and not launch_kw["PDL"]  # the lines kernel has no PDL path (off by default)
-    if (glu or norm is not None) and not lines:
-        raise W12GemmError("the fused SwiGLU load and norm run in the one-row lines kernel only (lines on, PDL off)")
+    if glu and not lines:
+        raise W12GemmError("the fused SwiGLU load runs in the one-row lines kernel only (lines on, PDL off)")
     if lines:
         _w12_gemv_lines_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
-            m, n, k, k_pad, k_per_split, x.stride(0), GLU=glu, **common, **norm_kw)
+            m, n, k, k_pad, k_per_split, x.stride(0), GLU=glu, **common)
     else:
         _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
             m, n, k, k_pad, k_per_split, x.stride(0), ROWS=rows, LOAD_STAGES=int(cfg["load_stages"]), **common,
             **launch_kw)
-    out = _sum_splits(part, x, b, out, escapes, split, bias is not None, fused, glu)
-    if norm is None:
-        return out
-    if norm_kw:
-        return out, normed, new_x
-    from .fused import add_rmsnorm
-
-    return (out, *add_rmsnorm(norm[0], out, norm[1], norm[2]))
+    return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused, glu)
 
 
 def gemv_resources(rows: int, block_n: int, block_k: int, num_warps: int, num_stages: int = 3, split_k: int = 1,
@@ -325,29 +305,23 @@ if triton is not None:
         """The GEMV kernels' end: ``y [ROWS, BLOCK_N]`` (the scaled K sum of this split) plus escapes and bias to
         Out, or, with split K, to this split's partial; with ``FUSED`` the tile's last split then sums the partials
         here (no second kernel, :func:`~specpilot.kernels.w12_gemm._finish_splits`). ``GLU``: X is ``gate_up``
-        (:func:`~specpilot.kernels.w12_gemm._add_escapes`). Returns whether this program stored the tile's output
-        (always without split K; the tile's last split with ``FUSED``; never with the two-kernel sum)."""
+        (:func:`~specpilot.kernels.w12_gemm._add_escapes`)."""
         dst = offs_m[:, None] * N + offs_n[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K == 1:
             _store_out(y, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
                        False, GLU)
-            done = True
         else:
             tl.store(Part + pid_k * M * N + dst, y, mask=ok)
             if FUSED:
-                done = _finish_splits(Part, Lock + tl.program_id(0), X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm,
-                                      offs_m, offs_n, m_ok, n_ok, dst, ok, SPLIT_K, HAS_BIAS, False, GLU)
-            else:
-                done = False
-        return done
+                _finish_splits(Part, Lock + tl.program_id(0), X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, offs_m,
+                               offs_n, m_ok, n_ok, dst, ok, SPLIT_K, HAS_BIAS, False, GLU)
 
     @triton.jit
     def _w12_gemv_lines_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD,
                                K_PER_SPLIT, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr,
-                               HAS_BIAS: tl.constexpr, ASM: tl.constexpr, GLU: tl.constexpr = False, Res=None, NormW=None,
-                               Normed=None, NewX=None, eps=0.0, NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1):
+                               HAS_BIAS: tl.constexpr, ASM: tl.constexpr, GLU: tl.constexpr = False):
         """One row (``lines``): the grid, split and epilogue of :func:`_w12_gemv_kernel`, with the step's words
         taken as ``[R, BLOCK_N · 8]`` tiles (R = BLOCK_K / 64 records; column ``j`` = row ``j // 8``, group
         ``j % 8``). Within a record the views of the tile's rows are one contiguous ``BLOCK_N · 64``-byte run and
@@ -358,10 +332,7 @@ if triton is not None:
         :func:`_w12_gemv_kernel` (each element sums its group's 8 products over the steps; rows are reduced over
         records and groups at the end): within the same rounding bound, deterministic. ``GLU``
         (:mod:`specpilot.kernels.w12_swiglu`): X is the one row of ``gate_up [1, 2K]`` and the kernel multiplies
-        ``silu(gate) · up`` (computed as :func:`~specpilot.kernels.fused.silu_mul` computes it: the same bits).
-        ``NORM`` (:mod:`specpilot.kernels.w12_addnorm`): when every tile is stored, the last program to store one
-        runs :func:`~specpilot.kernels.fused.add_rmsnorm_row` on ``Res + Out`` (``NewX``, ``Normed``; counter at
-        ``Lock + cdiv(N, BLOCK_N)``), so no separate norm kernel follows."""
+        ``silu(gate) · up`` (computed as :func:`~specpilot.kernels.fused.silu_mul` computes it: the same bits)."""
         R: tl.constexpr = BLOCK_K // 64
         J: tl.constexpr = BLOCK_N * 8
         pid_k = tl.program_id(1)
@@ -379,20 +350,15 @@ if triton is not None:
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             vw, qw, xt = _lines_load(X, RecV, RecQ, k0 + kk, k1, K, v_off, q_off, rr, EVEN, X_EVEN, R, GLU)
             acc = _lines_sum(acc, vw, qw, xt, R, BLOCK_N, ASM)
-        done = _lines_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k, R,
-                          BLOCK_N, SPLIT_K, FUSED, HAS_BIAS, GLU)
-        if NORM:
-            if done:
-                _norm_tail(Out, Lock + tl.num_programs(0), Res, NormW, Normed, NewX, N, eps, tl.num_programs(0),
-                           NORM_BLOCK)
+        _lines_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k, R, BLOCK_N,
+                   SPLIT_K, FUSED, HAS_BIAS, GLU)
 
     @triton.jit
     def _lines_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k,
                    R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, FUSED: tl.constexpr,
                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
         """The lines kernel's end: ``acc [R, BLOCK_N · 8]`` reduced over records and groups, scaled by each row's
-        ``2^(B_n − 112)``, then :func:`_gemv_store` (escapes, bias, split K) for rows ``n0 .. n0 + BLOCK_N − 1``;
-        returns :func:`_gemv_store`'s flag."""
+        ``2^(B_n − 112)``, then :func:`_gemv_store` (escapes, bias, split K) for rows ``n0 .. n0 + BLOCK_N − 1``."""
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
@@ -400,20 +366,8 @@ if triton is not None:
         y = (tl.sum(tl.sum(tl.reshape(acc, [R, BLOCK_N, 8]), axis=2), axis=0) * scale)[None, :]  # [1, BN]
         offs_m = tl.arange(0, 1)
         m_ok = offs_m < M
-        return _gemv_store(y, X, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok,
-                           pid_k, SPLIT_K, FUSED, HAS_BIAS, GLU)
-
-    @triton.jit
-    def _norm_tail(Out, Counter, Res, NormW, Normed, NewX, N, eps, TILES, NORM_BLOCK: tl.constexpr):
-        """After a program stored its tile of the one output row: count it (``acq_rel``, after a barrier so every
-        thread's stores are released); the program that counts the last of ``TILES`` tiles sees all of Out and
-        writes ``NewX = Res + Out`` and ``Normed`` (:func:`~specpilot.kernels.fused.add_rmsnorm_row`, Out read from
-        L2), then resets the counter."""
-        tl.debug_barrier()
-        seen = tl.atomic_add(Counter, 1, sem="acq_rel", scope="gpu")
-        if seen == TILES - 1:
-            add_rmsnorm_row(Res, Out, NormW, Normed, NewX, N, eps, True, NORM_BLOCK, True)
-            tl.atomic_xchg(Counter, 0, sem="relaxed", scope="gpu")
+        _gemv_store(y, X, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, pid_k,
+                    SPLIT_K, FUSED, HAS_BIAS, GLU)
 
     @triton.jit
     def _lines_load(X, RecV, RecQ, kb, k1, K, v_off, q_off, rr, EVEN: tl.constexpr, X_EVEN: tl.constexpr,

@@ -16,9 +16,8 @@ a column, ~3M in all, against 50M weights decoded).
 - :func:`w12_swiglu_down`: the fused call.
 - :func:`w12_swiglu_down_reference`: ``layer(silu_mul_reference(gate_up))``, the plain PyTorch definition.
 
-The engine takes the fused path where :func:`swiglu_fusable` holds and ``Transformer.fuse_w12`` is on (the
-default; off measures the unfused step side by side), unless the down projection also runs the next norm
-(:mod:`specpilot.kernels.w12_addnorm`, which takes ``glu`` too).
+The engine takes the fused path where :func:`swiglu_fusable` holds and ``Transformer.fuse_swiglu`` is on (the
+default; off measures the unfused step side by side).
 """
 
 from __future__ import annotations
@@ -30,24 +29,19 @@ from .fused import silu_mul_reference
 from .w12_gemm import W12GemmError, W12Linear, _check_overrides, one_row_gemv, triton
 
 
-def one_row_w12(x: torch.Tensor, layer: torch.nn.Module, glu: bool = False) -> bool:
-    """Whether ``layer`` is a :class:`~specpilot.kernels.w12_gemm.W12Linear` ``[N, K]`` whose one-row line-coalesced
-    GEMV runs for ``x``: its kernel runs for this input (CUDA, or ``use_kernel=True``: the Triton interpreter in
-    tests), ``x`` one contiguous bf16 / float32 row ``[1, K]`` (``[1, 2K]``, gate then up, with ``glu``) on the
-    layer's device, one row goes to the GEMV (:func:`~specpilot.kernels.w12_gemm.one_row_gemv`), and PDL is off
-    (the lines kernel has no PDL path). Raises nothing."""
-    if triton is None or not isinstance(layer, W12Linear) or not isinstance(x, torch.Tensor):
+def swiglu_fusable(gate_up: torch.Tensor, layer: torch.nn.Module) -> bool:
+    """Whether :func:`w12_swiglu_down` can run ``layer(silu(gate) · up)`` for ``gate_up``: ``layer`` is a
+    :class:`~specpilot.kernels.w12_gemm.W12Linear` whose kernel runs for this input (CUDA, or ``use_kernel=True``:
+    the Triton interpreter in tests), ``gate_up`` one contiguous bf16 / float32 row ``[1, 2K]`` for the layer's K,
+    one row of that shape goes to the GEMV (:func:`~specpilot.kernels.w12_gemm.one_row_gemv`), and PDL is off (the
+    lines kernel has no PDL path). Raises nothing."""
+    if triton is None or not isinstance(layer, W12Linear) or not isinstance(gate_up, torch.Tensor):
         return False
     k = layer.in_features
-    return (x.dim() == 2 and tuple(x.shape) == (1, 2 * k if glu else k) and x.is_contiguous()
-            and x.dtype in (torch.bfloat16, torch.float32) and x.device == layer.records.device
-            and layer._kernel_ok(x) and one_row_gemv(layer.out_features, k) and not pdl.launch_kw(x.device)["PDL"])
-
-
-def swiglu_fusable(gate_up: torch.Tensor, layer: torch.nn.Module) -> bool:
-    """Whether :func:`w12_swiglu_down` can run ``layer(silu(gate) · up)`` for ``gate_up [1, 2K]``:
-    :func:`one_row_w12` with ``glu``. Raises nothing."""
-    return one_row_w12(gate_up, layer, glu=True)
+    return (gate_up.dim() == 2 and tuple(gate_up.shape) == (1, 2 * k) and gate_up.is_contiguous()
+            and gate_up.dtype in (torch.bfloat16, torch.float32) and gate_up.device == layer.records.device
+            and layer._kernel_ok(gate_up) and one_row_gemv(layer.out_features, k)
+            and not pdl.launch_kw(gate_up.device)["PDL"])
 
 
 def w12_swiglu_down(gate_up: torch.Tensor, layer: W12Linear, **overrides) -> torch.Tensor:
@@ -76,4 +70,4 @@ def w12_swiglu_down_reference(gate_up: torch.Tensor, layer: torch.nn.Module) -> 
     return layer(silu_mul_reference(gate_up))
 
 
-__all__ = ["one_row_w12", "swiglu_fusable", "w12_swiglu_down", "w12_swiglu_down_reference"]
+__all__ = ["swiglu_fusable", "w12_swiglu_down", "w12_swiglu_down_reference"]
