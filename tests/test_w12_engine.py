@@ -148,11 +148,14 @@ def test_untied_head_becomes_w12_tied_head_stays(dep, tiny_dirs):
     assert w.device == plain.device and w.dtype == plain.dtype
     kept = to_w12(plain, head=False)
     assert not w12_head(kept) and kept.lm_head is plain.lm_head and is_w12(kept)
-    ids = torch.tensor(random_prompts(1, 64, length=10, seed=5)[0])
+    ids = torch.tensor(random_prompts(1, 64, length=10, seed=5)[0], device=DEV)
+    for m in (*w.modules(), *kept.modules()):
+        if isinstance(m, W12Linear):
+            m.use_kernel = False  # the reference path on a GPU too (the kernel sums in another order)
     logits = []
     for model in (plain, w, kept):
         with torch.inference_mode():
-            logits.append(model.logits(model.forward(ids, torch.arange(len(ids)), model.new_cache(32), 0)))
+            logits.append(model.logits(model.forward(ids, torch.arange(len(ids), device=DEV), model.new_cache(32), 0)))
     assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])  # reference path: bitwise
     tied = dep.w12_target()  # the bundled target ties its head to the embeddings: left as it is
     assert not w12_head(tied) and tied.lm_head.weight is dep.target.model.embed_tokens.weight
