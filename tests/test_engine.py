@@ -424,3 +424,25 @@ def test_prefill_in_bucket_chunks_equals_one_causal_pass(tiny_models, monkeypatc
     n = len(prompt)
     torch.testing.assert_close(chunked.cache.k[:, :n], eager.cache.k[:, :n], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(chunked.cache.v[:, :n], eager.cache.v[:, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_malformed_config_json_gives_a_checkpoint_error(tiny_dirs, tmp_path):
+    """A config.json that is a JSON list, or whose shape fields are not positive integers, is refused with a
+    CheckpointError naming the file or field (fresh-user run 26 saw AttributeError / TypeError tracebacks)."""
+    import json
+    import shutil
+
+    from specpilot.engine.checkpoint import load_model, read_args
+    from specpilot.errors import CheckpointError
+
+    src = tmp_path / "t"
+    shutil.copytree(tiny_dirs[0], src)
+    good = json.loads((src / "config.json").read_text())
+    for cfg, match in (([1, 2], "holds a JSON list"), ({**good, "hidden_size": "big"}, "hidden_size must be"),
+                       ({**good, "num_hidden_layers": -1}, "num_hidden_layers must be"),
+                       ({**good, "vocab_size": True}, "vocab_size must be")):
+        (src / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(CheckpointError, match=match):
+            load_model(src)
+    (src / "config.json").write_text(json.dumps(good))
+    assert read_args(src).hidden_size == good["hidden_size"]

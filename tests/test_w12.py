@@ -305,6 +305,26 @@ def test_corrupted_escape_index_not_bit_exact(tmp_path, packed_target):
     assert [r["name"] for r in bad] == [key] and "escape" in bad[0]["error"]
 
 
+@pytest.mark.parametrize("entry", [None, {"shape": "abc"}, {"encoding": "zzz"}, {"sha256": 5}, {"shape": [4, True]}])
+def test_malformed_manifest_entry_one_line_error(monkeypatch, capsys, tmp_path, packed_target, entry):
+    """A tensor entry of w12.json that is null or has a field of the wrong type or value: one clear error from
+    verify and from the loader (fresh-user run 26 saw AttributeError / TypeError tracebacks)."""
+    import json
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(packed_target, d)
+    m = json.loads((d / "w12.json").read_text())
+    key = "model.layers.0.mlp.down_proj.weight"
+    m["tensors"][key] = None if entry is None else {**m["tensors"][key], **entry}
+    (d / "w12.json").write_text(json.dumps(m))
+    code, so, err = run_cli(monkeypatch, capsys, "w12", "verify", str(d))
+    assert code == 2 and so == "" and err.count("\n") == 1
+    assert err.startswith("error: ") and f"bad entry for {key!r}" in err
+    with pytest.raises(W12FormatError, match="bad entry"):
+        load_w12_state_dict(d)
+
+
 @pytest.mark.parametrize("cut", ["data", "header"])
 def test_truncated_file_one_line_error(monkeypatch, capsys, tmp_path, packed_target, cut):
     import shutil

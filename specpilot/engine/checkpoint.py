@@ -22,7 +22,7 @@ def read_config(path: str | Path) -> dict:
     """Parsed ``config.json`` of checkpoint directory ``path``.
 
     Raises:
-        CheckpointError: if the directory or its config.json is missing or not valid JSON.
+        CheckpointError: if the directory or its config.json is missing, not valid JSON or not a JSON object.
     """
     p = Path(path)
     if p.exists() and not p.is_dir():
@@ -33,19 +33,32 @@ def read_config(path: str | Path) -> dict:
     if not cfg.is_file():
         raise CheckpointError(f"no config.json in {p}: not a Hugging Face checkpoint directory")
     try:
-        return json.loads(cfg.read_text())
+        out = json.loads(cfg.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(out, dict):
+        raise CheckpointError(f"{cfg} holds a JSON {type(out).__name__}, not an object of config fields")
+    return out
+
+
+#: config.json fields that must be positive integers when present (the model's shapes)
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim")
 
 
 def read_args(path: str | Path) -> ModelArgs:
-    """:class:`ModelArgs` of a checkpoint. Raises CheckpointError for unsupported or incomplete configs."""
+    """:class:`ModelArgs` of a checkpoint. Raises CheckpointError for unsupported or incomplete configs, and for
+    shape fields (:data:`_SHAPE_FIELDS`) that are not positive integers."""
     cfg = read_config(path)
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
             f"unsupported model_type {mt!r} in {path} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    for key in _SHAPE_FIELDS:
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise CheckpointError(f"config.json in {path}: {key} must be a positive integer, got {v!r}")
     try:
         return ModelArgs.from_hf(cfg)
     except KeyError as e:

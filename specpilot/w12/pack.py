@@ -216,8 +216,24 @@ def read_manifest(d: str | Path) -> dict:
     if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("tensors"), dict):
         raise W12FormatError(f"{p} is not a {FORMAT} manifest")
     if m.get("version") not in (1, VERSION):
-        raise W12FormatError(f"{p} has format version {m.get('version')}, this SpecPilot reads versions 1 and {VERSION}")
+        raise W12FormatError(f"{p} has format version {m.get('version')!r}, this SpecPilot reads versions 1 and "
+                             f"{VERSION} (integers)")
+    for name, e in m["tensors"].items():
+        if not _entry_ok(e):
+            raise W12FormatError(f"{p}: bad entry for {name!r} (want an object with encoding 'raw' or 'w12', a file, "
+                                 f"a sha256 and, for 'w12', a 2-D integer shape)")
     return m
+
+
+def _entry_ok(e) -> bool:
+    """Whether a manifest tensor entry has the fields restoring it reads, of the right types."""
+    if not isinstance(e, dict) or e.get("encoding") not in ("raw", "w12") or not isinstance(e.get("sha256"), str):
+        return False
+    if not isinstance(e.get("file"), str):
+        return False
+    shape = e.get("shape")
+    return e["encoding"] == "raw" or (isinstance(shape, list) and len(shape) == 2
+                                      and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape))
 
 
 def parts_of(manifest: dict) -> tuple[str, ...]:
