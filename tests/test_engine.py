@@ -257,9 +257,13 @@ def test_bad_prompts_raise_clear_errors_and_engine_stays_usable(tiny_models):
     with pytest.raises(PromptError, match="token ids"):
         eng.generate([1, 999], 5)
     for bad in ([[1, 2], [3]], "hello", torch.ones(2, 3, dtype=torch.long), torch.tensor([1.0, 2.0]), [1, 2.5],
-                [True, 2], 7):
+                [True, 2], 7, {3, 1, 2}, {1: 0, 2: 0}):
         with pytest.raises(PromptError, match="prompt"):
             eng.generate(bad, 5)
+    for bad_stop in (5, "ab", [None], [1.5], [True]):
+        with pytest.raises(PromptError, match="stop_ids"):
+            eng.generate([1, 2], 3, stop_ids=bad_stop)
+    assert eng.generate([1, 2], 3, stop_ids=torch.tensor([7])).tokens == eng.generate([1, 2], 3, stop_ids=[7]).tokens
     for bad_n in (2.5, True, "3"):
         with pytest.raises(PromptError, match="max_new_tokens"):
             eng.generate([1, 2], bad_n)

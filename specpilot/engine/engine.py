@@ -14,6 +14,7 @@ token. A speculative step:
 
 from __future__ import annotations
 
+import collections.abc
 import numbers
 import time
 from typing import Callable
@@ -123,7 +124,8 @@ class Engine:
         """Raise :class:`PromptError` for a prompt that is not one sequence of integer ids (a string, a nested
         list, a 2-D or float tensor), an empty prompt, bad ids, a ``max_new_tokens`` that is not a positive
         integer, or a request that does not fit the context."""
-        if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__"):
+        if (isinstance(prompt_ids, (str, bytes, collections.abc.Set, collections.abc.Mapping))
+                or not hasattr(prompt_ids, "__len__")):
             raise PromptError(f"the prompt must be a list of token ids (ints), got {type(prompt_ids).__name__}")
         if isinstance(prompt_ids, torch.Tensor) and (prompt_ids.dim() != 1 or prompt_ids.is_floating_point()):
             raise PromptError(f"a prompt tensor must be 1-D integer ids, got {prompt_ids.dim()}-D {prompt_ids.dtype}")
@@ -165,10 +167,16 @@ class Engine:
         Returns:
             :class:`Generation` with tokens, steps, per-step accepted counts, stop reason, wall times (s).
         Raises:
-            PromptError: empty prompt, ids out of range, or prompt + max_new_tokens beyond the context.
+            PromptError: a malformed or empty prompt (see :meth:`check_prompt`), ids out of range, prompt +
+                max_new_tokens beyond the context, or ``stop_ids`` that are not integer ids.
         """
         self.check_prompt(prompt_ids, max_new_tokens)
-        stops = self.eos_ids | set(stop_ids or ())
+        if isinstance(stop_ids, torch.Tensor) and not stop_ids.is_floating_point():
+            stop_ids = stop_ids.reshape(-1).tolist()
+        if stop_ids is not None and (isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__") or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in stop_ids)):
+            raise PromptError(f"stop_ids must be a list of token ids (ints), got {stop_ids!r}")
+        stops = self.eos_ids | {int(t) for t in (stop_ids or ())}
         dev = self.target.device
         t0 = time.perf_counter()
         self.cache.length = 0
@@ -179,7 +187,7 @@ class Engine:
             first = self.runner.prefill(list(prompt_ids))
         else:
             first = self._argmax(  # the prefill is not part of a decode step's profile
-                torch.tensor(prompt_ids, device=dev), torch.arange(p, device=dev), 0, None, None
+                torch.as_tensor(prompt_ids, device=dev), torch.arange(p, device=dev), 0, None, None
             )[-1].item()
         self.cache.length = p
         self._observe(None, 0)
