@@ -450,3 +450,16 @@ def test_malformed_config_json_gives_a_checkpoint_error(tiny_dirs, tmp_path):
             load_model(src)
     (src / "config.json").write_text(json.dumps(good))
     assert read_args(src).hidden_size == good["hidden_size"]
+
+
+def test_deployment_refuses_what_is_not_a_path_or_a_config(tiny_dirs):
+    from specpilot.engine.deployment import Deployment
+    from specpilot.errors import CheckpointError, SpecPilotError
+
+    with pytest.raises(CheckpointError, match="checkpoint directory path"):
+        Deployment(None)
+    dep = Deployment(tiny_dirs[0])
+    for bad in (None, {"drafter": "ngram"}):
+        with pytest.raises(SpecPilotError, match="takes a SystemConfig"):
+            dep.system(bad)
+    assert dep.system(SystemConfig.ar()).generate([1, 2, 3], 2).tokens

@@ -16,7 +16,7 @@ from ..drafters.block import TOP_K as BLOCK_TOP_K
 from ..drafters.block import BlockDrafter, is_block_dir, load_block
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NgramDrafter
-from ..errors import DrafterError
+from ..errors import CheckpointError, DrafterError, SpecPilotError
 from .checkpoint import load_model, load_tokenizer, read_args
 from .engine import Engine
 
@@ -39,6 +39,8 @@ class Deployment:
     """
 
     def __init__(self, target_dir, drafter_dir=None, dtype: str = "float32", device: str = "cpu", block_dirs=()):
+        if not isinstance(target_dir, (str, Path)):
+            raise CheckpointError(f"the target must be a checkpoint directory path, got {type(target_dir).__name__}")
         self.target_dir = Path(target_dir)
         self.drafter_dir = Path(drafter_dir) if drafter_dir else None
         self.dtype, self.device = dtype, check_device(device)
@@ -131,7 +133,11 @@ class Deployment:
             DrafterError: ``draft_model`` requested but the deployment has no draft model; a block drafter
                 asked for more positions than its block size or more than 16 candidates a position.
             W12FormatError: ``config.w12`` with a target whose weights are not bfloat16 values.
+            SpecPilotError: ``config`` is not a SystemConfig (a dict: ``SystemConfig(**d)``).
         """
+        if not isinstance(config, SystemConfig):
+            raise SpecPilotError(f"system() takes a SystemConfig, got {type(config).__name__}"
+                                 + (" (build one with SystemConfig(**d))" if isinstance(config, dict) else ""))
         target = self.w12_target() if config.w12 else self.target
         if config.lm_head_int8:
             target = self.int8_target(target)
