@@ -273,3 +273,25 @@ def test_pilot_will_not_overwrite_a_users_files(monkeypatch, capsys, tmp_path):
     with pytest.raises(SpecPilotError, match="no earlier pilot report"):
         check_report_dir(proj)
     check_report_dir(tmp_path / "new")  # new or free of the pilot's names: fine
+
+
+def test_train_drafter_refuses_bad_numbers_and_token_files(monkeypatch, capsys, tmp_path):
+    """Fresh-user run 26: zero / negative counts and learning rate, a non-.npy, 2-D or out-of-vocabulary token
+    file gave raw tracebacks (or, --steps -1, an untrained drafter). Now refused before any work, no --out left."""
+    import numpy as np
+
+    for opt, v in (("--steps", "-1"), ("--n-seqs", "0"), ("--batch-size", "0"), ("--anchors", "0"), ("--lr", "-1"),
+                   ("--markov-rank", "0"), ("--block", "0"), ("--gen-len", "0")):
+        code, out, err = run_cli(monkeypatch, capsys, "train-drafter", "--out", str(tmp_path / "o"), opt, v)
+        assert code == 2 and f"Invalid value for '{opt}'" in out + err, (opt, out + err)
+    garbage = tmp_path / "g.txt"
+    garbage.write_text("garbage")
+    flat = tmp_path / "flat.npy"
+    np.save(flat, np.zeros((4, 4), dtype=np.int64))
+    big = tmp_path / "big.npy"
+    np.save(big, np.full(5000, 10**6, dtype=np.int64))
+    for path, needle in ((garbage, "not a .npy array"), (flat, "1-D integer array"), (big, "outside the target")):
+        code, out, err = run_cli(monkeypatch, capsys, "train-drafter", "--out", str(tmp_path / "o"), "--tokens",
+                                 str(path), "--steps", "1", "--n-seqs", "2")
+        _one_line_error(code, err, needle)
+    assert not (tmp_path / "o").exists()

@@ -29,15 +29,30 @@ def make_sequences(target_dir, tokens_path, n_seqs: int, prompt_len: int, gen_le
     """``[n_seqs, prompt_len + gen_len] long``: training-text snippets + the target's greedy continuation.
 
     Snippets start at random offsets of the first ``1 - val_fraction`` of ``tokens_path`` (the zoo's
-    held-out tail is never used). Raises SpecPilotError when the token file is missing.
+    held-out tail is never used). Raises SpecPilotError when the token file is missing, not a 1-D integer .npy
+    array, too short, or holds ids outside the target's vocabulary.
     """
     from transformers import AutoModelForCausalLM
 
     p = Path(tokens_path)
     if not p.is_file():
         raise SpecPilotError(f"token file not found: {p} (run `specpilot zoo corpus` / `zoo tokenize` first)")
-    arr = np.load(p)
+    try:
+        arr = np.load(p, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise SpecPilotError(f"cannot read token file {p}: not a .npy array of token ids (make one with `specpilot zoo "
+                             f"tokenize`; numpy: {str(e).splitlines()[0][:60]})") from None
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise SpecPilotError(f"token file {p} must hold a 1-D integer array of token ids, got "
+                             f"{getattr(arr, 'ndim', '?')}-D {getattr(arr, 'dtype', type(arr).__name__)}")
+    from ..engine.checkpoint import read_args
+
+    vocab = read_args(target_dir).vocab_size
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab):
+        raise SpecPilotError(f"token file {p} holds ids outside the target's vocabulary [0, {vocab})")
     usable = int(len(arr) * (1 - val_fraction)) - prompt_len - 1
+    if usable < 1:
+        raise SpecPilotError(f"token file {p} holds {len(arr)} tokens: too few for {prompt_len}-token snippets")
     g = np.random.default_rng(seed)
     starts = g.integers(0, usable, n_seqs)
     prompts = torch.from_numpy(np.stack([arr[s : s + prompt_len] for s in starts]).astype(np.int64))
