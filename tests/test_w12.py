@@ -564,3 +564,23 @@ def test_format_1_directories_still_load_and_verify(packed_target, tmp_path):
     src = load_file(str(bundled_target_dir() / "model.safetensors"))
     got = load_w12_state_dict(old)
     assert all(torch.equal(bits(got[k]), bits(src[k])) for k in src)
+
+
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_failed_pack_leaves_nothing_so_the_retry_runs(monkeypatch, capsys, tmp_path, out_exists):
+    """Fresh-user run 26: a source with a garbage safetensors file failed cleanly but left the good files in
+    the output directory, so the retry was refused as "not empty". Now the output is as it was before."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(bundled_target_dir(), src)
+    (src / "z.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
+    out = tmp_path / "out"
+    if out_exists:
+        out.mkdir()
+    code, _, err = run_cli(monkeypatch, capsys, "w12", "pack", str(src), str(out))
+    assert code == 2 and err.startswith("error: cannot read z.safetensors") and err.count("\n") == 1
+    assert (out.is_dir() and not any(out.iterdir())) if out_exists else not out.exists()
+    (src / "z.safetensors").unlink()
+    code, _, err = run_cli(monkeypatch, capsys, "w12", "pack", str(src), str(out))
+    assert code == 0, err

@@ -96,7 +96,7 @@ def pack_dir(src: str | Path, out: str | Path) -> dict:
         The manifest (also written to ``out/w12.json``).
     Raises:
         W12FormatError: ``src`` missing, without safetensors files, already W12, unreadable, or ``out`` not
-            empty / the same as ``src``.
+            empty / the same as ``src``. On any error ``out`` is left as it was (removed when this call made it).
     """
     src, out = Path(src), Path(out)
     if not src.is_dir():
@@ -115,7 +115,21 @@ def pack_dir(src: str | Path, out: str | Path) -> dict:
             tied = bool(json.loads((src / "config.json").read_text()).get("tie_word_embeddings", False))
         except (json.JSONDecodeError, AttributeError):
             raise W12FormatError(f"{src / 'config.json'} is not a valid JSON object") from None
+    existed = out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _pack_into(src, out, files, tied)
+    except BaseException:  # a failed pack leaves nothing behind, so the same command can be run again
+        if existed:
+            for p in out.iterdir():
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _pack_into(src: Path, out: Path, files: list[Path], tied: bool) -> dict:
+    """:func:`pack_dir`'s writing part: ``out`` exists and is empty. Raises W12FormatError."""
     entries, renames, copied = {}, {}, {}
     for f in files:
         tensors, meta = _read_file(f)
