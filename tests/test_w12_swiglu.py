@@ -85,15 +85,25 @@ def test_fusable_only_for_one_contiguous_row_of_a_w12_layer():
     two = torch.cat([gu, gu])
     wide = torch.cat([gu, gu], dim=1)[:, : 2 * 128 + 2]
     strided = torch.cat([gu, gu]).t().contiguous().t()[:1]
-    for bad_x, bad_layer in ((two, layer), (gu, lin), (wide, layer), (gu[:, :128], layer), (gu.half(), layer),
-                             ("gate_up", layer)):
+    for bad_x, bad_layer, why in ((two, layer, r"row gate_up \[1, 256\], got torch.strided \[2, 256\]"),
+                                  (gu, lin, "Linear, not a W12Linear"), (wide, layer, r"\[1, 256\], got .*\[1, 258\]"),
+                                  (gu[:, :128], layer, "got"), (gu.half(), layer, "float16 gate_up"),
+                                  ("gate_up", layer, "str, not a tensor"), (gu.to_sparse_csr(), layer, "sparse_csr"),
+                                  (gu.tolist(), layer, "list, not a tensor")):
         assert not swiglu_fusable(bad_x, bad_layer)
-        with pytest.raises(W12GemmError, match="no fused SwiGLU"):
+        with pytest.raises(W12GemmError, match="no fused SwiGLU: .*" + why) as e:
             w12_swiglu_down(bad_x, bad_layer)
+        assert len(str(e.value)) < 200
     assert not strided.is_contiguous() and not swiglu_fusable(strided, layer)
     layer.use_kernel = False  # the reference path: nothing to fuse into
     assert not swiglu_fusable(gu, layer)
+    with pytest.raises(W12GemmError, match="use_kernel = True"):
+        w12_swiglu_down(gu, layer)
     layer.use_kernel = True
+    layer.bias = torch.zeros(65, device=DEV)  # a wrong-shape bias is refused, not truncated
+    with pytest.raises(W12GemmError, match=r"bias is \[65\], not \[64\]"):
+        w12_swiglu_down(gu, layer)
+    layer.bias = None
     with pytest.raises(W12GemmError, match="unknown"):
         w12_swiglu_down(gu, layer, block_z=4)
     assert torch.equal(w12_swiglu_down(gu, layer), w12_gemm(fused.silu_mul(gu), layer.w12()))  # still usable

@@ -29,19 +29,42 @@ from .fused import silu_mul_reference
 from .w12_gemm import W12GemmError, W12Linear, _check_overrides, one_row_gemv, triton
 
 
+def _why_not(x, layer) -> str | None:
+    """Why :func:`w12_swiglu_down` cannot run for ``x`` and ``layer`` (see :func:`swiglu_fusable`), or None."""
+    if triton is None:
+        return "triton is not installed"
+    if not isinstance(layer, W12Linear):
+        return f"the layer is a {type(layer).__name__}, not a W12Linear"
+    if not isinstance(x, torch.Tensor):
+        return f"gate_up is a {type(x).__name__}, not a tensor"
+    k, n = layer.in_features, layer.out_features
+    want = [1, 2 * k]
+    if x.layout != torch.strided or list(x.shape) != want or not x.is_contiguous():
+        return f"needs one contiguous dense row gate_up {want}, got {x.layout} {list(x.shape)}" + (
+            "" if x.layout != torch.strided or x.is_contiguous() else " (not contiguous)")
+    if x.device != layer.records.device:
+        return f"gate_up is on {x.device}, the layer on {layer.records.device}"
+    if x.dtype not in ((torch.bfloat16, torch.float32) if x.is_cuda else (torch.float32,)):
+        return f"{x.dtype} gate_up: the kernel takes bfloat16 or float32 on CUDA, float32 in the interpreter"
+    if not layer._kernel_ok(x):
+        return "the layer's kernel is off for this input (on the CPU set layer.use_kernel = True: the interpreter)"
+    if layer.bias is not None and tuple(layer.bias.shape) != (n,):
+        return f"the layer's bias is {list(layer.bias.shape)}, not [{n}]"
+    if not one_row_gemv(n, k):
+        return f"one row of a [{n}, {k}] weight goes to the tensor-core kernel, not the GEMV"
+    if pdl.launch_kw(x.device)["PDL"]:
+        return "PDL is on (SPECPILOT_PDL=1): the lines kernel has no PDL path"
+    return None
+
+
 def swiglu_fusable(gate_up: torch.Tensor, layer: torch.nn.Module) -> bool:
     """Whether :func:`w12_swiglu_down` can run ``layer(silu(gate) · up)`` for ``gate_up``: ``layer`` is a
-    :class:`~specpilot.kernels.w12_gemm.W12Linear` whose kernel runs for this input (CUDA, or ``use_kernel=True``:
-    the Triton interpreter in tests), ``gate_up`` one contiguous bf16 / float32 row ``[1, 2K]`` for the layer's K,
-    one row of that shape goes to the GEMV (:func:`~specpilot.kernels.w12_gemm.one_row_gemv`), and PDL is off (the
-    lines kernel has no PDL path). Raises nothing."""
-    if triton is None or not isinstance(layer, W12Linear) or not isinstance(gate_up, torch.Tensor):
-        return False
-    k = layer.in_features
-    return (gate_up.dim() == 2 and tuple(gate_up.shape) == (1, 2 * k) and gate_up.is_contiguous()
-            and gate_up.dtype in (torch.bfloat16, torch.float32) and gate_up.device == layer.records.device
-            and layer._kernel_ok(gate_up) and one_row_gemv(layer.out_features, k)
-            and not pdl.launch_kw(gate_up.device)["PDL"])
+    :class:`~specpilot.kernels.w12_gemm.W12Linear` ``[N, K]`` whose kernel runs for this input (CUDA, or
+    ``use_kernel=True``: the Triton interpreter in tests), ``gate_up`` one contiguous dense row ``[1, 2K]`` on the
+    layer's device (bfloat16 / float32 on CUDA, float32 in the interpreter), the bias (if any) ``[N]``, one row of
+    that weight goes to the GEMV (:func:`~specpilot.kernels.w12_gemm.one_row_gemv`), and PDL is off (the lines
+    kernel has no PDL path). Raises nothing."""
+    return _why_not(gate_up, layer) is None
 
 
 def w12_swiglu_down(gate_up: torch.Tensor, layer: W12Linear, **overrides) -> torch.Tensor:
@@ -51,12 +74,12 @@ def w12_swiglu_down(gate_up: torch.Tensor, layer: W12Linear, **overrides) -> tor
     launch overrides (block_n, block_k, split_k, num_warps, fused_split, asm; :func:`w12_gemm` names).
 
     Returns: ``[1, N]`` in gate_up's dtype, bitwise ``layer(silu_mul(gate_up))`` with the same launch shape.
-    Raises: W12GemmError when :func:`swiglu_fusable` is False, or on an unknown / non-positive override.
+    Raises: W12GemmError when :func:`swiglu_fusable` is False (saying which condition failed), or on an unknown /
+        non-positive override.
     """
-    if not swiglu_fusable(gate_up, layer):
-        raise W12GemmError(f"no fused SwiGLU for gate_up {tuple(gate_up.shape) if torch.is_tensor(gate_up) else gate_up!r}"
-                           f" and {type(layer).__name__}: needs one contiguous row [1, 2K] and a W12 layer routed to "
-                           f"the one-row GEMV (see swiglu_fusable)")
+    why = _why_not(gate_up, layer)
+    if why is not None:
+        raise W12GemmError(f"no fused SwiGLU: {why}")
     _check_overrides(overrides)
     from .w12_gemv import w12_gemv  # here, not at the top, as in w12_gemm
 
