@@ -298,6 +298,9 @@ def test_bad_input_raises():
     for key in ("block_k", "block_n", "split_k", "num_warps"):
         with pytest.raises(W12GemmError, match=f"{key} must be a positive integer"):
             w12_gemm(x, t, **{key: 0})
+    for key, v in (("fused_split", "no"), ("lines", 0), ("asm", 1)):  # "no" used to read as True
+        with pytest.raises(W12GemmError, match=f"{key} must be True or False"):
+            w12_gemm(x, t, **{key: v})
     with pytest.raises(W12GemmError, match="W12Tensor"):
         w12_gemm(x, torch.randn(40, 70, device=DEV))
     with pytest.raises(W12GemmError, match="W12Tensor"):

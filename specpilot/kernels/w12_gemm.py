@@ -205,6 +205,10 @@ def _check_overrides(overrides: dict) -> None:
         v = overrides.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise W12GemmError(f"w12_gemm override {key} must be a positive integer, got {v!r}")
+    for key in ("w_left", "gemv", "words", "fused_split", "asm", "lines", "x_gather"):
+        v = overrides.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise W12GemmError(f"w12_gemm override {key} must be True or False, got {v!r}")
 
 
 def _check(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None) -> None:
