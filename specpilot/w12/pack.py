@@ -120,11 +120,14 @@ def pack_dir(src: str | Path, out: str | Path) -> dict:
     try:
         return _pack_into(src, out, files, tied)
     except BaseException:  # a failed pack leaves nothing behind, so the same command can be run again
-        if existed:
-            for p in out.iterdir():
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        else:
+        if not existed:
             shutil.rmtree(out, ignore_errors=True)
+        else:
+            for p in out.iterdir():
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
         raise
 
 
