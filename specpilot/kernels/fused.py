@@ -165,17 +165,27 @@ if triton is not None:
             x = x + tl.load(Delta + row * D + offs, mask=ok, other=0.0)  # rounded to the dtype: HF's bf16 add
             tl.store(NewX + row * D + offs, x, mask=ok)
         xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
-        y = (xf * rstd).to(X.dtype.element_ty)
-        w = tl.load(W + offs, mask=ok, other=0.0)
-        tl.store(Normed + row * D + offs, (w * y).to(X.dtype.element_ty), mask=ok)
+        rstd = rms_rstd(tl.sum(xf * xf, 0), D, eps)
+        tl.store(Normed + row * D + offs, rmsnorm_values(x, tl.load(W + offs, mask=ok, other=0.0), rstd), mask=ok)
+
+    @triton.jit
+    def rms_rstd(sum_sq, D, eps):
+        """``1 / sqrt(sum_sq / D + eps)`` in float32: RMSNorm's scale from a row's float32 sum of squares. The one
+        definition :func:`add_rmsnorm` and the W12 GEMV's fused norm (:mod:`specpilot.kernels.w12_norm`) share."""
+        return 1.0 / tl.sqrt(sum_sq / D + eps)
+
+    @triton.jit
+    def rmsnorm_values(x, w, rstd):
+        """``w · (x · rstd)`` of loaded values ``x`` (any shape, the activation dtype) and weights ``w`` (same
+        shape, same dtype), rounded where HF rounds: the normalised value in float32 cast to the dtype, then the
+        weight product in the dtype (what :func:`add_rmsnorm` stores; shared with the W12 GEMV's fused norm)."""
+        y = (x.to(tl.float32) * rstd).to(x.dtype)
+        return (w * y).to(x.dtype)
 
     @triton.jit
     def _rmsnorm_head(x, W, offs, eps, D: tl.constexpr):
         xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
-        y = (xf * rstd).to(x.dtype)
-        return (tl.load(W + offs) * y).to(x.dtype)
+        return rmsnorm_values(x, tl.load(W + offs), rms_rstd(tl.sum(xf * xf, 0), D, eps))
 
     @triton.jit
     def _rope(x, xr, cos, sin, offs, D: tl.constexpr):

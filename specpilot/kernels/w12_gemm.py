@@ -68,7 +68,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .fused import silu_mul_values
+    from .fused import rms_rstd, rmsnorm_values, silu_mul_values
     from .pdl import pdl_start
 except ImportError:  # CPU installs without triton: the reference still works
     triton = None
@@ -351,16 +351,26 @@ def _new_locks(key, tiles: int) -> torch.Tensor:
 
 
 def _sum_splits(part, x, b, out, escapes, split: int, has_bias: bool, fused: bool = False,
-                glu: bool = False) -> torch.Tensor:
+                glu: bool = False, norm=None, add=None, block_n: int = 16) -> torch.Tensor:
     """With split K: add the partial sums in split order, then the escapes and the bias, into ``out``
     (:func:`_w12_split_sum_kernel`; nothing to do when the kernel did it itself, ``fused``); returns ``out``.
-    ``glu``: ``x`` is ``gate_up [M, 2K]`` and the escapes read ``silu(gate) · up`` (:func:`_add_escapes`)."""
+    ``glu``: ``x`` is ``gate_up [M, 2K]`` and the escapes read ``silu(gate) · up`` (:func:`_add_escapes`).
+    ``norm`` / ``add``: the one-row GEMV's fused norm ``(weight [K], sq_in [P] float32, eps)`` and residual add
+    ``(residual [1, N], sq_out [cdiv(N, block_n)] float32)`` (:mod:`specpilot.kernels.w12_norm`); with ``add`` the
+    sum runs in the GEMV's tiles (``block_n`` columns, one row, one warp)."""
     if split > 1 and not fused:
         m, n = out.shape
         row_ptr, esc_k, esc_d = escapes
-        _w12_split_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16))](
-            part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=16, BLOCK_N=64,
-            HAS_BIAS=has_bias, GLU=glu, num_warps=4, **pdl.launch_kw(x.device))
+        fuse = {}
+        if norm is not None:
+            fuse |= dict(NORM=True, NormW=norm[0], SqIn=norm[1], n_sq=norm[1].numel(), K=x.shape[1], eps=norm[2],
+                         SQ_BLOCK=triton.next_power_of_2(norm[1].numel()))
+        if add is not None:
+            fuse |= dict(ADD=True, Res=add[0], SqOut=add[1])
+        bm, bn, warps = (1, block_n, 1) if add is not None else (16, 64, 4)
+        _w12_split_sum_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+            part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn,
+            HAS_BIAS=has_bias, GLU=glu, num_warps=warps, **fuse, **pdl.launch_kw(x.device))
     return out
 
 
@@ -483,24 +493,36 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _x_load(ptr, mask, up_offset, GLU: tl.constexpr):
+    def _x_load(ptr, mask, up_offset, GLU: tl.constexpr, NORM: tl.constexpr = False, w_ptr=None, rstd=None):
         """Activations at ``ptr`` (masked to 0): the values there, or with ``GLU`` ``silu(gate) · up`` of the gate
         at ``ptr`` and the up value ``up_offset`` elements further (:func:`~specpilot.kernels.fused.silu_mul_values`;
-        silu(0) · 0 = 0 where masked)."""
+        silu(0) · 0 = 0 where masked), or with ``NORM`` the RMSNorm of the values there: ``w · (x · rstd)`` with the
+        norm weights at ``w_ptr`` (:func:`~specpilot.kernels.fused.rmsnorm_values`, :mod:`~specpilot.kernels.w12_norm`)."""
         if GLU:
             xv = silu_mul_values(tl.load(ptr, mask=mask, other=0.0), tl.load(ptr + up_offset, mask=mask, other=0.0))
+        elif NORM:
+            xv = rmsnorm_values(tl.load(ptr, mask=mask, other=0.0), tl.load(w_ptr, mask=mask, other=0.0), rstd)
         else:
             xv = tl.load(ptr, mask=mask, other=0.0)
         return xv
 
     @triton.jit
+    def _norm_rstd(SqIn, n_sq, K, eps, SQ_BLOCK: tl.constexpr):
+        """The fused norm's scale (:mod:`~specpilot.kernels.w12_norm`): the ``n_sq`` float32 tile sums of squares at
+        ``SqIn`` (``SQ_BLOCK`` ≥ n_sq, a power of two) summed by ``tl.sum`` (a fixed order for a given layout: every
+        program of a launch gets the same bits), then :func:`~specpilot.kernels.fused.rms_rstd` over K columns."""
+        i = tl.arange(0, SQ_BLOCK)
+        return rms_rstd(tl.sum(tl.load(SqIn + i, mask=i < n_sq, other=0.0), axis=0), K, eps)
+
+    @triton.jit
     def _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, TRANS: tl.constexpr,
-                     GLU: tl.constexpr = False):
+                     GLU: tl.constexpr = False, NORM: tl.constexpr = False, NormW=None, rstd=None):
         """``acc[m, n] += x[m, k_e] * d_e`` over channel n's escapes, in list order; ``acc`` is ``[BN, BM]``
         when TRANS, else ``[BM, BN]``. The loop runs to the tile's largest escape count. ``GLU``: X is a
         contiguous ``gate_up [M, 2K]`` (``stride_xm`` = 2K) and ``x[m, k] = silu(gate[m, k]) · up[m, k]``
         (:func:`~specpilot.kernels.fused.silu_mul_values`, the bits :func:`~specpilot.kernels.fused.silu_mul`
-        stores)."""
+        stores). ``NORM``: ``x[m, k]`` is the RMSNorm of X's value with weight ``NormW[k]`` and scale ``rstd``
+        (:func:`_x_load`; the lines GEMV only, untransposed)."""
         lo = tl.load(RowPtr + offs_n, mask=n_ok, other=0)
         cnt = tl.load(RowPtr + offs_n + 1, mask=n_ok, other=0) - lo
         for j in range(0, tl.max(cnt, axis=0)):
@@ -511,6 +533,10 @@ if triton is not None:
                 xv = _x_load(X + offs_m[None, :] * stride_xm + k[:, None], has[:, None] & m_ok[None, :],
                              stride_xm // 2, GLU)
                 acc += xv.to(tl.float32) * d[:, None]
+            elif NORM:
+                xv = _x_load(X + offs_m[:, None] * stride_xm + k[None, :], m_ok[:, None] & has[None, :], 0, False,
+                             True, NormW + k[None, :], rstd)
+                acc += xv.to(tl.float32) * d[None, :]
             else:
                 xv = _x_load(X + offs_m[:, None] * stride_xm + k[None, :], m_ok[:, None] & has[None, :],
                              stride_xm // 2, GLU)
@@ -582,28 +608,41 @@ if triton is not None:
 
     @triton.jit
     def _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok,
-                   HAS_BIAS: tl.constexpr, TRANS: tl.constexpr, GLU: tl.constexpr = False):
+                   HAS_BIAS: tl.constexpr, TRANS: tl.constexpr, GLU: tl.constexpr = False, NORM: tl.constexpr = False,
+                   NormW=None, rstd=None, ADD: tl.constexpr = False, Res=None, SqOut=None):
         """The shared epilogue of the W12 kernels: ``acc`` (the K sum, float32, ``[BN, BM]`` when TRANS else
-        ``[BM, BN]``) plus the escapes in list order (``GLU``: see :func:`_add_escapes`), then the bias, stored to
-        ``Out + dst`` in Out's dtype."""
-        acc = _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, TRANS, GLU)
+        ``[BM, BN]``) plus the escapes in list order (``GLU`` / ``NORM``: see :func:`_add_escapes`), then the bias,
+        stored to ``Out + dst`` in Out's dtype. ``ADD`` (one row, untransposed; :mod:`~specpilot.kernels.w12_norm`):
+        what is stored is ``Res[dst] + y`` (y the output rounded to the dtype, the sum rounded to it too: the bits
+        :func:`~specpilot.kernels.fused.add_rmsnorm` gives the residual stream), and the float32 sum of its squares
+        over the tile goes to ``SqOut[program_id(0)]``."""
+        acc = _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, TRANS, GLU, NORM, NormW,
+                           rstd)
         if HAS_BIAS:
             bias = tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             if TRANS:
                 acc += bias[:, None]
             else:
                 acc += bias[None, :]
-        tl.store(Out + dst, acc.to(Out.dtype.element_ty), mask=ok)
+        y = acc.to(Out.dtype.element_ty)
+        if ADD:
+            y = tl.load(Res + dst, mask=ok, other=0.0) + y  # rounded to the dtype, as add_rmsnorm's residual add
+            yf = tl.where(ok, y.to(tl.float32), 0.0)
+            tl.store(SqOut + tl.program_id(0), tl.sum(tl.sum(yf * yf, axis=1), axis=0))
+        tl.store(Out + dst, y, mask=ok)
 
     @triton.jit
     def _finish_splits(Part, Lock, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, dst,
-                       ok, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, TRANS: tl.constexpr, GLU: tl.constexpr = False):
+                       ok, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, TRANS: tl.constexpr, GLU: tl.constexpr = False,
+                       NORM: tl.constexpr = False, NormW=None, rstd=None, ADD: tl.constexpr = False, Res=None,
+                       SqOut=None):
         """In-kernel split-K sum (``fused_split``), after this program stored its partial tile at ``Part + pid_k M N
         + dst``: a barrier, then one ``acq_rel`` atomic increment of the tile's counter ``Lock``; the program that
         sees ``SPLIT_K − 1`` (the last split of the tile to finish) adds the partials in split order (reading past
         L1), the escapes in list order and the bias, exactly as :func:`_w12_split_sum_kernel` does, stores ``Out``
         and resets the counter. The result does not depend on which split finishes last. ``dst`` / ``ok``: the
-        tile's element offsets in ``[M, N]`` and mask (``[BN, BM]`` when TRANS, else ``[BM, BN]``)."""
+        tile's element offsets in ``[M, N]`` and mask (``[BN, BM]`` when TRANS, else ``[BM, BN]``). ``GLU`` / ``NORM``
+        / ``ADD``: see :func:`_store_out`."""
         tl.debug_barrier()  # every thread's partial is stored before the release below
         seen = tl.atomic_add(Lock, 1, sem="acq_rel", scope="gpu")
         if seen == SPLIT_K - 1:
@@ -611,15 +650,19 @@ if triton is not None:
             for s in tl.static_range(1, SPLIT_K):
                 acc += tl.load(Part + s * M * N + dst, mask=ok, other=0.0, cache_modifier=".cg")
             _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
-                       TRANS, GLU)
+                       TRANS, GLU, NORM, NormW, rstd, ADD, Res, SqOut)
             tl.atomic_xchg(Lock, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _w12_split_sum_kernel(Part, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, SPLIT_K: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              PDL: tl.constexpr = False, GLU: tl.constexpr = False):
-        """``Out = Σ_s Part[s]`` in split order, then the escapes in list order (``GLU``: see :func:`_add_escapes`),
-        then the bias."""
+                              PDL: tl.constexpr = False, GLU: tl.constexpr = False, NORM: tl.constexpr = False,
+                              ADD: tl.constexpr = False, SQ_BLOCK: tl.constexpr = 1, NormW=None, SqIn=None, n_sq=0, K=0,
+                              eps=0.0, Res=None, SqOut=None):
+        """``Out = Σ_s Part[s]`` in split order, then the escapes in list order (``GLU`` / ``NORM``: see
+        :func:`_add_escapes`; ``NORM`` recomputes the scale from ``SqIn``, :func:`_norm_rstd`), then the bias
+        (``ADD``: plus the residual, see :func:`_store_out`; the launch's BLOCK_N is then the GEMV's, so tile
+        ``program_id(0)`` is the GEMV's tile)."""
         pdl_start(PDL)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -630,8 +673,9 @@ if triton is not None:
         acc = tl.load(Part + dst, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLIT_K):  # unrolled: the partials' loads issue together, summed in split order
             acc += tl.load(Part + s * M * N + dst, mask=ok, other=0.0)
+        rstd = _norm_rstd(SqIn, n_sq, K, eps, SQ_BLOCK) if NORM else 1.0
         _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS, False,
-                   GLU)
+                   GLU, NORM, NormW, rstd, ADD, Res, SqOut)
 
 
 __all__ = ["w12_gemm", "w12_gemm_reference", "W12Linear", "W12GemmError", "default_config", "escape_table", "one_row_gemv",

@@ -36,12 +36,13 @@ from .w12_gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 if triton is not None:
     import triton.language as tl
 
-    from .fused import silu_mul_values
+    from .fused import rmsnorm_values, silu_mul_values
     from .pdl import pdl_signal, pdl_start, pdl_wait
-    from .w12_gemm import _finish_splits, _store_out, _x_load
+    from .w12_gemm import _finish_splits, _norm_rstd, _store_out, _x_load
     from .w12_tiles import _decode8, _load_groups, _tile_words, _word_offsets
 
 GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
+
 
 
 #: warps an SM the grid should hold, by padded rows: one row from the H200 sweeps
@@ -104,7 +105,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
 
 
 def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict,
-             glu: bool = False) -> torch.Tensor:
+             glu: bool = False, norm: tuple | None = None, add: tuple | None = None) -> torch.Tensor:
     """A few activation rows: ``x [M, K] @ W12ᵀ (+ bias)``, 1 ≤ M ≤ :data:`GEMV_MAX_ROWS`, with the weights
     decoded to float32 in registers once and summed with M FMAs each (no tensor cores, so no layout change
     between the decode and the dot). Measured on the H200 at one row only; rows are padded to a power of
@@ -149,6 +150,10 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
 
     ``glu`` (:func:`~specpilot.kernels.w12_swiglu.w12_swiglu_down`, which checks the call): ``x`` is one contiguous
     row of ``gate_up [1, 2K]`` and the kernel multiplies ``silu(gate) · up`` instead of x, in the lines kernel only.
+    ``norm = (weight [K], sq_in [P] float32, eps)`` and ``add = (residual [1, N], sq_out [cdiv(N, BLOCK_N)] float32)``
+    (:mod:`specpilot.kernels.w12_norm`, which checks the call; lines kernel only): the kernel multiplies the RMSNorm of
+    x whose scale it forms from the tile sums of squares ``sq_in``, and / or stores ``residual + y`` and the tile
+    sums of squares of that into ``sq_out``.
 
     Returns: ``[M, N]`` in x's dtype, within the rounding bound of :mod:`specpilot.kernels.w12_gemm` (plus
     the subnormal caveat above). Raises: W12GemmError on bad launch overrides, M outside 1..8, or ``glu`` where
@@ -177,18 +182,25 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     launch_kw = pdl.w12_launch_kw(x.device)
     lines = bool(cfg["lines"]) and m == 1 and not launch_kw["PDL"]  # the lines kernel has no PDL path (off by default)
-    if glu and not lines:
-        raise W12GemmError("the fused SwiGLU load runs in the one-row lines kernel only (lines on, PDL off)")
+    if (glu or norm is not None or add is not None) and not lines:
+        raise W12GemmError("the fused SwiGLU / norm / residual add run in the one-row lines kernel only (lines on, "
+                           "PDL off)")
     if lines:
+        fuse = {}
+        if norm is not None:
+            fuse |= dict(NORM=True, NormW=norm[0], SqIn=norm[1], n_sq=norm[1].numel(), eps=norm[2],
+                         SQ_BLOCK=triton.next_power_of_2(norm[1].numel()))
+        if add is not None:
+            fuse |= dict(ADD=True, Res=add[0], SqOut=add[1])
         _w12_gemv_lines_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
-            m, n, k, k_pad, k_per_split, x.stride(0), GLU=glu, **common)
+            m, n, k, k_pad, k_per_split, x.stride(0), GLU=glu, **fuse, **common)
     else:
         _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
             m, n, k, k_pad, k_per_split, x.stride(0), ROWS=rows, LOAD_STAGES=int(cfg["load_stages"]), **common,
             **launch_kw)
-    return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused, glu)
+    return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused, glu, norm, add, bn)
 
 
 def gemv_resources(rows: int, block_n: int, block_k: int, num_warps: int, num_stages: int = 3, split_k: int = 1,
@@ -301,27 +313,32 @@ if triton is not None:
 
     @triton.jit
     def _gemv_store(y, X, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, pid_k,
-                    SPLIT_K: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr = False):
+                    SPLIT_K: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr = False,
+                    NORM: tl.constexpr = False, NormW=None, rstd=None, ADD: tl.constexpr = False, Res=None, SqOut=None):
         """The GEMV kernels' end: ``y [ROWS, BLOCK_N]`` (the scaled K sum of this split) plus escapes and bias to
         Out, or, with split K, to this split's partial; with ``FUSED`` the tile's last split then sums the partials
         here (no second kernel, :func:`~specpilot.kernels.w12_gemm._finish_splits`). ``GLU``: X is ``gate_up``
-        (:func:`~specpilot.kernels.w12_gemm._add_escapes`)."""
+        (:func:`~specpilot.kernels.w12_gemm._add_escapes`). ``NORM`` / ``ADD``: the fused norm's escapes and the
+        residual add (:func:`~specpilot.kernels.w12_gemm._store_out`)."""
         dst = offs_m[:, None] * N + offs_n[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K == 1:
             _store_out(y, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
-                       False, GLU)
+                       False, GLU, NORM, NormW, rstd, ADD, Res, SqOut)
         else:
             tl.store(Part + pid_k * M * N + dst, y, mask=ok)
             if FUSED:
                 _finish_splits(Part, Lock + tl.program_id(0), X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, offs_m,
-                               offs_n, m_ok, n_ok, dst, ok, SPLIT_K, HAS_BIAS, False, GLU)
+                               offs_n, m_ok, n_ok, dst, ok, SPLIT_K, HAS_BIAS, False, GLU, NORM, NormW, rstd, ADD, Res,
+                               SqOut)
 
     @triton.jit
     def _w12_gemv_lines_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD,
                                K_PER_SPLIT, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr,
-                               HAS_BIAS: tl.constexpr, ASM: tl.constexpr, GLU: tl.constexpr = False):
+                               HAS_BIAS: tl.constexpr, ASM: tl.constexpr, GLU: tl.constexpr = False,
+                               NORM: tl.constexpr = False, ADD: tl.constexpr = False, SQ_BLOCK: tl.constexpr = 1,
+                               NormW=None, SqIn=None, n_sq=0, eps=0.0, Res=None, SqOut=None):
         """One row (``lines``): the grid, split and epilogue of :func:`_w12_gemv_kernel`, with the step's words
         taken as ``[R, BLOCK_N · 8]`` tiles (R = BLOCK_K / 64 records; column ``j`` = row ``j // 8``, group
         ``j % 8``). Within a record the views of the tile's rows are one contiguous ``BLOCK_N · 64``-byte run and
@@ -332,7 +349,10 @@ if triton is not None:
         :func:`_w12_gemv_kernel` (each element sums its group's 8 products over the steps; rows are reduced over
         records and groups at the end): within the same rounding bound, deterministic. ``GLU``
         (:mod:`specpilot.kernels.w12_swiglu`): X is the one row of ``gate_up [1, 2K]`` and the kernel multiplies
-        ``silu(gate) · up`` (computed as :func:`~specpilot.kernels.fused.silu_mul` computes it: the same bits)."""
+        ``silu(gate) · up`` (computed as :func:`~specpilot.kernels.fused.silu_mul` computes it: the same bits).
+        ``NORM`` / ``ADD`` (:mod:`specpilot.kernels.w12_norm`): x is RMS-normalised in the load, the scale formed from
+        the ``n_sq`` tile sums of squares at ``SqIn`` (:func:`~specpilot.kernels.w12_gemm._norm_rstd`) and the weights
+        ``NormW``; the stored output is ``Res + y`` with its tile's sum of squares at ``SqOut[program_id(0)]``."""
         R: tl.constexpr = BLOCK_K // 64
         J: tl.constexpr = BLOCK_N * 8
         pid_k = tl.program_id(1)
@@ -347,16 +367,19 @@ if triton is not None:
         acc = tl.zeros([R, J], dtype=tl.float32)
         k0 = pid_k * K_PER_SPLIT
         k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)
+        rstd = _norm_rstd(SqIn, n_sq, K, eps, SQ_BLOCK) if NORM else 1.0
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
-            vw, qw, xt = _lines_load(X, RecV, RecQ, k0 + kk, k1, K, v_off, q_off, rr, EVEN, X_EVEN, R, GLU)
+            vw, qw, xt = _lines_load(X, RecV, RecQ, k0 + kk, k1, K, v_off, q_off, rr, EVEN, X_EVEN, R, GLU, NORM, NormW,
+                                     rstd)
             acc = _lines_sum(acc, vw, qw, xt, R, BLOCK_N, ASM)
         _lines_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k, R, BLOCK_N,
-                   SPLIT_K, FUSED, HAS_BIAS, GLU)
+                   SPLIT_K, FUSED, HAS_BIAS, GLU, NORM, NormW, rstd, ADD, Res, SqOut)
 
     @triton.jit
     def _lines_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k,
                    R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, FUSED: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, GLU: tl.constexpr = False, NORM: tl.constexpr = False, NormW=None,
+                   rstd=None, ADD: tl.constexpr = False, Res=None, SqOut=None):
         """The lines kernel's end: ``acc [R, BLOCK_N · 8]`` reduced over records and groups, scaled by each row's
         ``2^(B_n − 112)``, then :func:`_gemv_store` (escapes, bias, split K) for rows ``n0 .. n0 + BLOCK_N − 1``."""
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -367,14 +390,15 @@ if triton is not None:
         offs_m = tl.arange(0, 1)
         m_ok = offs_m < M
         _gemv_store(y, X, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, pid_k,
-                    SPLIT_K, FUSED, HAS_BIAS, GLU)
+                    SPLIT_K, FUSED, HAS_BIAS, GLU, NORM, NormW, rstd, ADD, Res, SqOut)
 
     @triton.jit
     def _lines_load(X, RecV, RecQ, kb, k1, K, v_off, q_off, rr, EVEN: tl.constexpr, X_EVEN: tl.constexpr,
-                    R: tl.constexpr, GLU: tl.constexpr):
+                    R: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, NormW, rstd):
         """The lines kernel's loads of the step at column ``kb``: view words ``[R, J]`` int64, nibble words ``[R, J]``
         int32 (records at or past ``k1`` read as 0 unless EVEN) and x ``[R, 64]`` float32 (columns at or past K read as
-        0 unless X_EVEN; with ``GLU`` ``silu(gate) · up``, the up values K elements after the gate)."""
+        0 unless X_EVEN; with ``GLU`` ``silu(gate) · up``, the up values K elements after the gate; with ``NORM``
+        ``NormW · (x · rstd)``, :func:`~specpilot.kernels.fused.rmsnorm_values`)."""
         cols = kb + rr[:, None] * 64 + tl.arange(0, 64)[None, :]
         if EVEN:
             vw = tl.load(RecV + (kb // 64) * 1536 + v_off)
@@ -387,6 +411,10 @@ if triton is not None:
             xt = silu_mul_values(tl.load(X + cols), tl.load(X + K + cols)).to(tl.float32)
         elif GLU:
             xt = _x_load(X + cols, cols < K, K, GLU).to(tl.float32)
+        elif NORM and X_EVEN:
+            xt = rmsnorm_values(tl.load(X + cols), tl.load(NormW + cols), rstd).to(tl.float32)
+        elif NORM:
+            xt = _x_load(X + cols, cols < K, 0, False, True, NormW + cols, rstd).to(tl.float32)
         elif X_EVEN:
             xt = tl.load(X + cols).to(tl.float32)
         else:

@@ -29,23 +29,25 @@ from .fused import silu_mul_reference
 from .w12_gemm import W12GemmError, W12Linear, _check_overrides, one_row_gemv, triton
 
 
-def _why_not(x, layer) -> str | None:
-    """Why :func:`w12_swiglu_down` cannot run for ``x`` and ``layer`` (see :func:`swiglu_fusable`), or None."""
+def _why_not(x, layer, glu: bool = True) -> str | None:
+    """Why :func:`w12_swiglu_down` cannot run for ``x`` and ``layer`` (see :func:`swiglu_fusable`), or None.
+    ``glu=False``: the same conditions for a plain row ``x [1, K]`` (the fused norm, :mod:`~specpilot.kernels.w12_norm`)."""
+    name = "gate_up" if glu else "x"
     if triton is None:
         return "triton is not installed"
     if not isinstance(layer, W12Linear):
         return f"the layer is a {type(layer).__name__}, not a W12Linear"
     if not isinstance(x, torch.Tensor):
-        return f"gate_up is a {type(x).__name__}, not a tensor"
+        return f"{name} is a {type(x).__name__}, not a tensor"
     k, n = layer.in_features, layer.out_features
-    want = [1, 2 * k]
+    want = [1, 2 * k if glu else k]
     if x.layout != torch.strided or list(x.shape) != want or not x.is_contiguous():
-        return f"needs one contiguous dense row gate_up {want}, got {x.layout} {list(x.shape)}" + (
+        return f"needs one contiguous dense row {name} {want}, got {x.layout} {list(x.shape)}" + (
             "" if x.layout != torch.strided or x.is_contiguous() else " (not contiguous)")
     if x.device != layer.records.device:
-        return f"gate_up is on {x.device}, the layer on {layer.records.device}"
+        return f"{name} is on {x.device}, the layer on {layer.records.device}"
     if x.dtype not in ((torch.bfloat16, torch.float32) if x.is_cuda else (torch.float32,)):
-        return f"{x.dtype} gate_up: the kernel takes bfloat16 or float32 on CUDA, float32 in the interpreter"
+        return f"{x.dtype} {name}: the kernel takes bfloat16 or float32 on CUDA, float32 in the interpreter"
     if not layer._kernel_ok(x):
         return "the layer's kernel is off for this input (on the CPU set layer.use_kernel = True: the interpreter)"
     if layer.bias is not None and tuple(layer.bias.shape) != (n,):
