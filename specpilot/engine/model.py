@@ -324,34 +324,55 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h, prof)
 
 
-    def forward_fused(self, x, delta, cos, sin, cache, layer, start, tree_words, linear, fuse_swiglu=False):
+    def forward_fused(self, x, delta, cos, sin, cache, layer, start, tree_words, linear, fuse_swiglu=False, sq=None,
+                      fuse_norm=False, next_norm=None):
         """Static path with fused kernels (CUDA; the Triton interpreter in tests), issue 4.
 
         The residual add is deferred into the next norm: takes the residual stream ``x [R, hidden]`` and
         the previous layer's pending output ``delta`` (None for the first layer) and returns
-        ``(x, delta)`` with this layer's MLP output pending. ``start`` is the 0-d long prefix length,
+        ``(x, delta, sq)`` with this layer's MLP output pending. ``start`` is the 0-d long prefix length,
         ``tree_words`` the packed ``[R, ceil(R/32)]`` int32 tree mask, ``linear(x, nn.Linear)`` the projection
         (:func:`~specpilot.kernels.gemm.cublas_linear` or :func:`~specpilot.kernels.gemm.linear`). Same math as :meth:`forward` up to
         rounding (see :mod:`specpilot.kernels.fused`). 8 launches per layer (+1 split-KV combine). ``fuse_swiglu``:
         where :func:`~specpilot.kernels.w12_swiglu.swiglu_fusable` holds (one row, a W12 down projection), the down
         projection computes ``silu(gate) · up`` in its load (one launch fewer, the same bits).
+
+        ``fuse_norm`` (one row, W12 projections routed to the one-row GEMV; :mod:`specpilot.kernels.w12_norm`): the o
+        projection adds the residual and the gate_up projection normalises in its load (no ``add_rmsnorm``); with
+        ``next_norm = (qkv_proj, input_layernorm)`` of the next layer the down projection adds the residual too and
+        returns ``(x, None, sq)``: ``x`` the residual stream with this layer's output added, ``sq`` its float32 tile
+        sums of squares, which the next layer (given ``sq``, ``delta`` None) normalises in its qkv projection's load.
         """
-        from ..kernels import fused, w12_swiglu
+        from ..kernels import fused, w12_norm, w12_swiglu
         from ..kernels.tree_attention import tree_attention
 
         attn, a = self.self_attn, self.self_attn.args
-        h, x = fused.add_rmsnorm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
-        qkv = linear(h, attn.qkv_proj)
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if sq is not None:
+            qkv = w12_norm.w12_norm_in(x, sq, ln1.weight, ln1.eps, attn.qkv_proj)
+        else:
+            h, x = fused.add_rmsnorm(x, delta, ln1.weight, ln1.eps)
+            qkv = linear(h, attn.qkv_proj)
         qn = (attn.q_norm.weight, attn.k_norm.weight) if a.qk_norm else (None, None)
         q = fused.qk_norm_rope_store(qkv, *qn, cos, sin, cache.k[layer], cache.v[layer], start, a.n_heads,
                                      a.n_kv_heads, a.rms_norm_eps)
         o = tree_attention(q, cache.k[layer], cache.v[layer], start, tree_words, a.head_dim**-0.5)
-        o = linear(o.reshape(x.shape[0], a.n_heads * a.head_dim), attn.o_proj)
-        h, x = fused.add_rmsnorm(x, o, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        gate_up, down = linear(h, self.mlp.gate_up_proj), self.mlp.down_proj
-        if fuse_swiglu and w12_swiglu.swiglu_fusable(gate_up, down):
-            return x, w12_swiglu.w12_swiglu_down(gate_up, down)
-        return x, linear(fused.silu_mul(gate_up), down)
+        o = o.reshape(x.shape[0], a.n_heads * a.head_dim)
+        gate_up_proj, down = self.mlp.gate_up_proj, self.mlp.down_proj
+        if (fuse_norm and w12_norm.add_fusable(o, attn.o_proj, x)
+                and w12_norm.norm_fusable(x, gate_up_proj, ln2.weight)):
+            x, sq = w12_norm.w12_add_residual(o, attn.o_proj, x)
+            gate_up = w12_norm.w12_norm_in(x, sq, ln2.weight, ln2.eps, gate_up_proj)
+        else:
+            h, x = fused.add_rmsnorm(x, linear(o, attn.o_proj), ln2.weight, ln2.eps)
+            gate_up = linear(h, gate_up_proj)
+        glu = fuse_swiglu and w12_swiglu.swiglu_fusable(gate_up, down)
+        act = gate_up if glu else fused.silu_mul(gate_up)
+        if (fuse_norm and next_norm is not None and w12_norm.add_fusable(act, down, x, glu)
+                and w12_norm.norm_fusable(x, next_norm[0], next_norm[1].weight)):
+            x, sq = w12_norm.w12_add_residual(act, down, x, glu)
+            return x, None, sq
+        return x, w12_swiglu.w12_swiglu_down(act, down) if glu else linear(act, down), None
 
 
 class Backbone(nn.Module):
@@ -397,6 +418,10 @@ class Transformer(nn.Module):
         #: fused path, one row: a W12 down projection computes ``silu(gate) · up`` in its activation load
         #: (:mod:`specpilot.kernels.w12_swiglu`; the same bits, one launch a layer fewer). False: silu_mul, then down.
         self.fuse_swiglu = True
+        #: fused path, one row, W12 projections on the one-row GEMV: the residual add and RMSNorm split across the
+        #: GEMVs around them (:mod:`specpilot.kernels.w12_norm`; no ``add_rmsnorm`` launches but the first and the
+        #: final norm; the normalised values within float32 reassociation of the norm's scale). False: add_rmsnorm.
+        self.fuse_norm = True
         #: the ``lm_head_int8`` mechanism (§4.1): a CertifiedInt8Head that :meth:`greedy` uses (set by
         #: :func:`specpilot.mechanisms.lm_head_int8.with_int8_head`); None = the plain head
         self.int8_head = None
@@ -496,11 +521,15 @@ class Transformer(nn.Module):
 
         words = pack_tree_mask(mask)
         lin = linear if self.skinny_gemm else cublas_linear
-        delta = None
-        for i, layer in enumerate(self.model.layers):
-            x, delta = layer.forward_fused(x, delta, cos, sin, cache, i, start, words, lin, self.fuse_swiglu)
+        delta = sq = None
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            next_norm = None if nxt is None else (nxt.self_attn.qkv_proj, nxt.input_layernorm)
+            x, delta, sq = layer.forward_fused(x, delta, cos, sin, cache, i, start, words, lin, self.fuse_swiglu, sq,
+                                               self.fuse_norm, next_norm)
             if i in feature_layers:
-                captured[i] = x + delta
+                captured[i] = x if delta is None else x + delta
         if feature_layers:
             features.extend(captured[i] for i in feature_layers)
         return fused.add_rmsnorm(x, delta, self.model.norm.weight, self.model.norm.eps)[0]
