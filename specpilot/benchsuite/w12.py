@@ -267,8 +267,10 @@ def ar_decode() -> dict:
     (:func:`decode_tokens_per_s`). ``speedup`` is the mechanism's exact pass (bf16 / w12),
     ``speedup_projections_only`` the head-less one's, ``decode_speedup`` the mechanism's decode tokens/s. Both W12
     models compute SwiGLU in the down projection's one-row load (``Transformer.fuse_swiglu``,
-    :mod:`specpilot.kernels.w12_swiglu`); ``*_swiglu_unfused`` is the full mechanism with that fusion off (silu_mul
-    launched, then the plain GEMV), side by side."""
+    :mod:`specpilot.kernels.w12_swiglu`) and split the residual add + RMSNorm across the one-row GEMVs
+    (``Transformer.fuse_norm``, :mod:`specpilot.kernels.w12_norm`); ``*_swiglu_unfused`` is the full mechanism with
+    the SwiGLU fusion off (silu_mul launched, then the plain GEMV), ``*_norm_unfused`` with the norm fusion off
+    (``add_rmsnorm`` launched), side by side."""
     model = random_transformer("qwen3-8b", dev)
     t0 = time.time()
     proj = to_w12(model, head=False)
@@ -279,6 +281,8 @@ def ar_decode() -> dict:
     full.lm_head = W12Linear.from_linear(model.lm_head)
     unfused = copy.copy(full)  # the same layers, silu_mul launched before each down projection
     unfused.fuse_swiglu = False
+    norm_unfused = copy.copy(full)  # the same layers, add_rmsnorm launched between the GEMVs
+    norm_unfused.fuse_norm = False
     torch.cuda.empty_cache()
     bf16 = measure_verify_ms(model, 512, (1, 33), repeats=20, static=True)
     print("AR bf16 ms", bf16, flush=True)
@@ -288,7 +292,10 @@ def ar_decode() -> dict:
     print("AR w12 (w12 head) ms", w12, flush=True)
     w12u = measure_verify_ms(unfused, 512, (1, 33), repeats=20, static=True)
     print("AR w12 (w12 head, SwiGLU not fused) ms", w12u, flush=True)
-    dec = decode_tokens_per_s({"bf16": model, "w12_bf16_head": proj, "w12": full, "w12_swiglu_unfused": unfused})
+    w12n = measure_verify_ms(norm_unfused, 512, (1, 33), repeats=20, static=True)
+    print("AR w12 (w12 head, norm not fused) ms", w12n, flush=True)
+    dec = decode_tokens_per_s({"bf16": model, "w12_bf16_head": proj, "w12": full, "w12_swiglu_unfused": unfused,
+                               "w12_norm_unfused": norm_unfused})
     print("AR decode tokens/s", dec, flush=True)
     nbytes = sum(b.numel() * b.element_size() for m in full.modules() if isinstance(m, W12Linear) for b in m.buffers())
     out = {"bf16_ms": bf16, "w12_ms": w12, "w12_bf16_head_ms": w12p, "speedup": {r: bf16[r] / w12[r] for r in bf16},
@@ -297,8 +304,11 @@ def ar_decode() -> dict:
            "w12_swiglu_unfused_ms": w12u, "speedup_swiglu_unfused": {r: bf16[r] / w12u[r] for r in bf16},
            "decode_speedup_swiglu_unfused": dec["w12_swiglu_unfused"] / dec["bf16"],
            "swiglu_fused_tokens_equal_unfused": dec["tokens_sha256"]["w12"] == dec["tokens_sha256"]["w12_swiglu_unfused"],
+           "w12_norm_unfused_ms": w12n, "speedup_norm_unfused": {r: bf16[r] / w12n[r] for r in bf16},
+           "decode_speedup_norm_unfused": dec["w12_norm_unfused"] / dec["bf16"],
+           "norm_fused_tokens_equal_unfused": dec["tokens_sha256"]["w12"] == dec["tokens_sha256"]["w12_norm_unfused"],
            "convert_s": conv, "w12_bytes": nbytes}
-    del full, proj, model, unfused
+    del full, proj, model, unfused, norm_unfused
     torch.cuda.empty_cache()
     return out
 
