@@ -15,7 +15,7 @@ from specpilot.drafters.lattice import PositionalLattice, TrieLattice
 from specpilot.drafters.ngram import NgramDrafter
 from specpilot.engine.checkpoint import load_model
 from specpilot.engine.engine import Engine
-from specpilot.errors import PromptError
+from specpilot.errors import PromptError, SpecPilotError
 
 from .conftest import random_prompts, save_tiny
 
@@ -260,9 +260,11 @@ def test_bad_prompts_raise_clear_errors_and_engine_stays_usable(tiny_models):
                 [True, 2], 7, {3, 1, 2}, {1: 0, 2: 0}):
         with pytest.raises(PromptError, match="prompt"):
             eng.generate(bad, 5)
-    for bad_stop in (5, "ab", [None], [1.5], [True]):
+    for bad_stop in (5, "ab", [None], [1.5], [True], [-1], [7, target.args.vocab_size]):
         with pytest.raises(PromptError, match="stop_ids"):
             eng.generate([1, 2], 3, stop_ids=bad_stop)
+    with pytest.raises(SpecPilotError, match="region"):
+        eng.generate([1, 2], 3, prof="x")
     assert eng.generate([1, 2], 3, stop_ids=torch.tensor([7])).tokens == eng.generate([1, 2], 3, stop_ids=[7]).tokens
     for bad_n in (2.5, True, "3"):
         with pytest.raises(PromptError, match="max_new_tokens"):

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ..config import SystemConfig
-from ..errors import PromptError
+from ..errors import PromptError, SpecPilotError
 from ..mechanisms.trees import Tree, build_tree
 from .model import Transformer, region
 from .types import Generation
@@ -168,7 +168,8 @@ class Engine:
             :class:`Generation` with tokens, steps, per-step accepted counts, stop reason, wall times (s).
         Raises:
             PromptError: a malformed or empty prompt (see :meth:`check_prompt`), ids out of range, prompt +
-                max_new_tokens beyond the context, or ``stop_ids`` that are not integer ids.
+                max_new_tokens beyond the context, or ``stop_ids`` that are not integer ids of the vocabulary.
+            SpecPilotError: ``prof`` without a ``region(name)`` method.
         """
         self.check_prompt(prompt_ids, max_new_tokens)
         if isinstance(stop_ids, torch.Tensor) and not stop_ids.is_floating_point():
@@ -176,6 +177,12 @@ class Engine:
         if stop_ids is not None and (isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__") or not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in stop_ids)):
             raise PromptError(f"stop_ids must be a list of token ids (ints), got {stop_ids!r}")
+        vocab = self.target.args.vocab_size
+        bad = [int(t) for t in (stop_ids or ()) if not 0 <= t < vocab]
+        if bad:
+            raise PromptError(f"stop_ids {bad[:5]} are outside the vocabulary [0, {vocab}): they can never occur")
+        if prof is not None and not callable(getattr(prof, "region", None)):
+            raise SpecPilotError(f"prof must be a step profiler with a region(name) method, got {type(prof).__name__}")
         stops = self.eos_ids | {int(t) for t in (stop_ids or ())}
         dev = self.target.device
         t0 = time.perf_counter()
