@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from .test_w12_gemm import assert_within_rounding
-from .test_w12_swiglu import _cpu, gate_up_row, w12_layer
+from .test_w12_swiglu import _cpu, _cpu_layer, gate_up_row, w12_layer, w12_tiny
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
 from specpilot.kernels import fused
-from specpilot.kernels.w12_gemm import W12GemmError, W12Linear, w12_gemm
+from specpilot.kernels.w12_gemm import W12GemmError, w12_gemm
 from specpilot.kernels.w12_norm import (TILE, add_fusable, norm_fusable, w12_add_residual, w12_add_residual_reference,
                                         w12_norm_in, w12_norm_in_reference)
 
@@ -128,28 +128,6 @@ def test_refusals_name_the_condition_and_leave_it_usable():
     assert torch.equal(new_x, res + w12_gemm(x, t, gemv=True, lines=True, block_n=TILE))
 
 
-def _cpu_layer(layer):
-    c = W12Linear.from_w12(_cpu(layer.w12()), None if layer.bias is None else layer.bias.float().cpu())
-    c.use_kernel = False
-    return c
-
-
-def _w12_tiny(tiny_dirs):
-    from specpilot.engine.checkpoint import load_model
-    from specpilot.mechanisms.w12 import to_w12
-
-    target = load_model(tiny_dirs[0], device=DEV)
-    with torch.no_grad():
-        for p in target.parameters():
-            p.copy_(p.to(torch.bfloat16).float())  # bf16 values (W12 is for bf16 weights)
-    w = to_w12(target)
-    w.use_kernels = True
-    for m in w.modules():
-        if isinstance(m, W12Linear):
-            m.use_kernel = True
-    return w
-
-
 def _spy(monkeypatch, calls):
     import specpilot.kernels.w12_norm as mod
 
@@ -163,7 +141,7 @@ def test_a_model_pass_with_the_fused_norm_matches_add_rmsnorm(tiny_dirs, monkeyp
     """The tiny W12 target on the fused static path: one row with ``fuse_norm`` on runs 2L − 1 fused adds and norms
     (all but the first norm and the final one) and gives the hidden states of ``fuse_norm`` off within float32
     reassociation; three rows never take it."""
-    w = _w12_tiny(tiny_dirs)
+    w = w12_tiny(tiny_dirs)
     calls = []
     _spy(monkeypatch, calls)
     n_layers = w.args.num_layers
@@ -193,7 +171,7 @@ def test_speculative_output_equals_ar_with_the_fused_norm(tiny_dirs, monkeypatch
 
     from .conftest import random_prompts
 
-    w = _w12_tiny(tiny_dirs)
+    w = w12_tiny(tiny_dirs)
     drafter = load_model(tiny_dirs[1], device=DEV)
     calls = []
     _spy(monkeypatch, calls)

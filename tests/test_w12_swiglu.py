@@ -109,11 +109,9 @@ def test_fusable_only_for_one_contiguous_row_of_a_w12_layer():
     assert torch.equal(w12_swiglu_down(gu, layer), w12_gemm(fused.silu_mul(gu), layer.w12()))  # still usable
 
 
-def test_a_fused_model_pass_is_bitwise_the_unfused_one(tiny_dirs, monkeypatch):
-    """The tiny target in W12 on the fused static path (the Triton interpreter on the CPU): one row with
-    ``fuse_swiglu`` on (every layer's down projection fused) and off give identical hidden states; three rows never
-    take the fused path."""
-    import specpilot.kernels.w12_swiglu as mod
+def w12_tiny(tiny_dirs):
+    """The tiny target with bf16-valued weights in W12, on the fused static path with every W12 kernel on (the
+    Triton interpreter on the CPU)."""
     from specpilot.engine.checkpoint import load_model
     from specpilot.mechanisms.w12 import to_w12
 
@@ -123,10 +121,20 @@ def test_a_fused_model_pass_is_bitwise_the_unfused_one(tiny_dirs, monkeypatch):
             p.copy_(p.to(torch.bfloat16).float())  # bf16 values (W12 is for bf16 weights)
     w = to_w12(target)
     w.use_kernels = True
-    w.fuse_norm = False  # otherwise the down projection adds the residual too (tests/test_w12_norm.py)
     for m in w.modules():
         if isinstance(m, W12Linear):
             m.use_kernel = True
+    return w
+
+
+def test_a_fused_model_pass_is_bitwise_the_unfused_one(tiny_dirs, monkeypatch):
+    """The tiny target in W12 on the fused static path (the Triton interpreter on the CPU): one row with
+    ``fuse_swiglu`` on (every layer's down projection fused) and off give identical hidden states; three rows never
+    take the fused path."""
+    import specpilot.kernels.w12_swiglu as mod
+
+    w = w12_tiny(tiny_dirs)
+    w.fuse_norm = False  # otherwise the down projection adds the residual too (tests/test_w12_norm.py)
     calls = []
 
     def spy(gate_up, layer, **kw):
