@@ -305,7 +305,8 @@ def test_corrupted_escape_index_not_bit_exact(tmp_path, packed_target):
     assert [r["name"] for r in bad] == [key] and "escape" in bad[0]["error"]
 
 
-@pytest.mark.parametrize("entry", [None, {"shape": "abc"}, {"encoding": "zzz"}, {"sha256": 5}, {"shape": [4, True]}])
+@pytest.mark.parametrize("entry", [None, {"shape": "abc"}, {"encoding": "zzz"}, {"sha256": 5}, {"shape": [4, True]},
+                                   {"dtype": "junk"}, {"dtype": 3}])
 def test_malformed_manifest_entry_one_line_error(monkeypatch, capsys, tmp_path, packed_target, entry):
     """A tensor entry of w12.json that is null or has a field of the wrong type or value: one clear error from
     verify and from the loader (fresh-user run 26 saw AttributeError / TypeError tracebacks)."""

@@ -238,7 +238,7 @@ def read_manifest(d: str | Path) -> dict:
     for name, e in m["tensors"].items():
         if not _entry_ok(e):
             raise W12FormatError(f"{p}: bad entry for {name!r} (want an object with encoding 'raw' or 'w12', a file, "
-                                 f"a sha256 and, for 'w12', a 2-D integer shape)")
+                                 f"a dtype, a sha256 and, for 'w12', dtype 'bfloat16' and a 2-D integer shape)")
     return m
 
 
@@ -246,7 +246,9 @@ def _entry_ok(e) -> bool:
     """Whether a manifest tensor entry has the fields restoring it reads, of the right types."""
     if not isinstance(e, dict) or e.get("encoding") not in ("raw", "w12") or not isinstance(e.get("sha256"), str):
         return False
-    if not isinstance(e.get("file"), str):
+    if not isinstance(e.get("file"), str) or not isinstance(e.get("dtype"), str):
+        return False
+    if e["encoding"] == "w12" and e["dtype"] != "bfloat16":  # W12 encodes bf16 weights only
         return False
     shape = e.get("shape")
     return e["encoding"] == "raw" or (isinstance(shape, list) and len(shape) == 2
