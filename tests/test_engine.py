@@ -265,6 +265,18 @@ def test_bad_prompts_raise_clear_errors_and_engine_stays_usable(tiny_models):
             eng.generate([1, 2], 3, stop_ids=bad_stop)
     with pytest.raises(SpecPilotError, match="region"):
         eng.generate([1, 2], 3, prof="x")
+    import numpy as np
+
+    for bad_stop in (np.array(7), np.array([[7]])):
+        with pytest.raises(PromptError, match="stop_ids"):
+            eng.generate([1, 2], 3, stop_ids=bad_stop)
+    free = eng.generate([1, 2], 8)
+    stop = free.tokens[3]
+    want = eng.generate([1, 2], 8, stop_ids=[stop]).tokens
+    assert len(want) <= 4 and want[-1] == stop
+    for same in (iter([stop]), (t for t in [stop]), np.array([stop, 5]), (stop,)):  # iterators and arrays stop too
+        assert eng.generate([1, 2], 8, stop_ids=same).tokens == want
+    assert eng.generate([1, 2], 8, stop_ids=np.array([], dtype=np.int64)).tokens == free.tokens
     assert eng.generate([1, 2], 3, stop_ids=torch.tensor([7])).tokens == eng.generate([1, 2], 3, stop_ids=[7]).tokens
     for bad_n in (2.5, True, "3"):
         with pytest.raises(PromptError, match="max_new_tokens"):

@@ -119,10 +119,24 @@ def test_refusals_name_the_condition_and_leave_it_usable():
         (lambda: w12_norm_in(x, sq.reshape(4, 4), w, 1e-6, layer), "1-D float32"),
         (lambda: w12_norm_in(x, torch.ones(0), w, 1e-6, layer), "non-empty"),
         (lambda: w12_norm_in(torch.cat([x, x]), sq, w, 1e-6, layer), "row x \\[1, 256\\]"),
+        (lambda: w12_norm_in(x, torch.ones(257), w, 1e-6, layer), "at most 256"),
+        (lambda: w12_norm_in(x, sq.to_sparse(), w, 1e-6, layer), "1-D float32"),
+        (lambda: w12_norm_in(x, sq, w, None, layer), "eps"),
+        (lambda: w12_norm_in(x, sq, w, "1e-6", layer), "eps"),
+        (lambda: w12_norm_in(x, sq, w, True, layer), "eps"),
+        (lambda: w12_norm_in(x, sq, w, float("inf"), layer), "eps"),
+        (lambda: w12_norm_in(x, sq, w, -1.0, layer), "eps"),
     ]
     for call, msg in cases:
         with pytest.raises(W12GemmError, match=msg):
             call()
+    layer.bias = torch.ones(64, device="meta")
+    with pytest.raises(W12GemmError, match="bias"):
+        w12_add_residual(x, layer, res)
+    layer.bias = torch.ones(64, dtype=torch.int32, device=x.device)
+    with pytest.raises(W12GemmError, match="bias"):
+        w12_norm_in(x, sq, w, 1e-6, layer)
+    layer.bias = None
     assert not add_fusable(x, layer, res[:, :32]) and not norm_fusable(x, layer, w[:128])
     new_x, _ = w12_add_residual(x, layer, res)  # still usable
     assert torch.equal(new_x, res + w12_gemm(x, t, gemv=True, lines=True, block_n=TILE))

@@ -174,6 +174,12 @@ class Engine:
         self.check_prompt(prompt_ids, max_new_tokens)
         if isinstance(stop_ids, torch.Tensor) and not stop_ids.is_floating_point():
             stop_ids = stop_ids.reshape(-1).tolist()
+        elif hasattr(stop_ids, "tolist") and hasattr(stop_ids, "ndim"):  # a numpy array of ids
+            if stop_ids.ndim != 1:
+                raise PromptError(f"stop_ids must be a 1-D list of token ids, got a {stop_ids.ndim}-D array")
+            stop_ids = stop_ids.tolist()
+        if stop_ids is not None and not isinstance(stop_ids, (str, bytes)) and hasattr(stop_ids, "__iter__"):
+            stop_ids = list(stop_ids)  # once: an iterator would be used up by the checks below
         if stop_ids is not None and (isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__") or not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in stop_ids)):
             raise PromptError(f"stop_ids must be a list of token ids (ints), got {stop_ids!r}")

@@ -30,6 +30,8 @@ measures the unfused step side by side).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .fused import rmsnorm_reference, silu_mul_reference
@@ -123,13 +125,18 @@ def w12_norm_in(x: torch.Tensor, sq: torch.Tensor, weight: torch.Tensor, eps: fl
         overrides: the GEMV's launch overrides (:func:`~specpilot.kernels.w12_gemm.w12_gemm` names).
     Returns: ``[1, N]`` in x's dtype: ``layer`` applied to ``weight · (x · rstd)`` rounded as
         :func:`~specpilot.kernels.fused.add_rmsnorm` rounds it, ``rstd = 1 / sqrt(Σ sq / K + eps)``.
-    Raises: W12GemmError when :func:`norm_fusable` is False or ``sq`` is not a 1-D float32 tensor on x's device,
-        or on a bad override.
+    Raises: W12GemmError when :func:`norm_fusable` is False, ``sq`` is not a 1-D float32 tensor of 1..K tile sums on
+        x's device, ``eps`` is not a finite number ≥ 0, or on a bad override.
     """
     why = _why_not(x, layer, False) or _why_not_weight(weight, x)
-    if why is None and (not isinstance(sq, torch.Tensor) or sq.dim() != 1 or sq.dtype != torch.float32
-                        or sq.device != getattr(x, "device", None) or not sq.is_contiguous() or sq.numel() < 1):
-        why = "sq must be a non-empty contiguous 1-D float32 tensor on the activations' device"
+    if why is None and (not isinstance(sq, torch.Tensor) or sq.layout != torch.strided or sq.dim() != 1
+                        or sq.dtype != torch.float32 or sq.device != x.device or not sq.is_contiguous()
+                        or not 1 <= sq.numel() <= x.shape[1]):
+        why = (f"sq must be a non-empty contiguous 1-D float32 tensor on the activations' device, at most {x.shape[1]} "
+               "tile sums (tiles cover the row once)")
+    if why is None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps)
+                        or eps < 0):
+        why = f"eps must be a finite non-negative number, got {eps!r}"
     if why is not None:
         raise W12GemmError(f"no fused norm: {why}")
     _check_overrides(overrides)

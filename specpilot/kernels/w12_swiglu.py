@@ -52,6 +52,8 @@ def _why_not(x, layer, glu: bool = True) -> str | None:
         return "the layer's kernel is off for this input (on the CPU set layer.use_kernel = True: the interpreter)"
     if layer.bias is not None and tuple(layer.bias.shape) != (n,):
         return f"the layer's bias is {list(layer.bias.shape)}, not [{n}]"
+    if layer.bias is not None and (layer.bias.device != x.device or not layer.bias.is_floating_point()):
+        return f"the layer's bias is {layer.bias.dtype} on {layer.bias.device}, not floating point on {x.device}"
     if not one_row_gemv(n, k):
         return f"one row of a [{n}, {k}] weight goes to the tensor-core kernel, not the GEMV"
     if pdl.launch_kw(x.device)["PDL"]:
