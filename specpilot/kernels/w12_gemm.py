@@ -438,6 +438,11 @@ class W12Linear(nn.Module):
         return W12Tensor(self.records, self.base, self.esc_idx, self.esc_val, (self.out_features, self.in_features),
                          self.sha256)
 
+    def escapes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernel's escape table of the held weight: ``(row_ptr int32 [N + 1], k int32 [E], delta float32 [E])``
+        (views of the buffers; :func:`escape_table`'s layout)."""
+        return self.esc_row_ptr, self.esc_k, self.esc_delta_bits.view(torch.float32)
+
     def decoded_weight(self) -> torch.Tensor:
         """The exact bf16 weight ``[N, K]`` (reference decode; checks nothing)."""
         return decode(self.w12(), check=False)
@@ -465,7 +470,7 @@ class W12Linear(nn.Module):
             w = w12_decode_dense(self.w12())
             y = F.linear(x2, w, self.bias) if x2.dtype == torch.bfloat16 else _linear_f32(x2, w, self.bias)
         else:
-            esc = (self.esc_row_ptr, self.esc_k, self.esc_delta_bits.view(torch.float32))
+            esc = self.escapes()
             y = torch.cat([w12_gemm(x2[i:i + MAX_ROWS], self.w12(), self.bias, escapes=esc)
                            for i in range(0, x2.shape[0], MAX_ROWS)]) if x2.shape[0] > MAX_ROWS else \
                 w12_gemm(x2, self.w12(), self.bias, escapes=esc)

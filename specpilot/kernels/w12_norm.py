@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from .fused import rmsnorm_reference, silu_mul_reference
+from .fused import silu_mul_reference
 from .w12_gemm import W12GemmError, _check_overrides
 from .w12_swiglu import _why_not
 
@@ -78,10 +78,6 @@ def _why_not_weight(weight, x) -> str | None:
     return None
 
 
-def _escapes(layer):
-    return layer.esc_row_ptr, layer.esc_k, layer.esc_delta_bits.view(torch.float32)
-
-
 def w12_add_residual(x: torch.Tensor, layer, residual: torch.Tensor, glu: bool = False,
                      **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual + layer(x)`` for one row, with the tile sums of squares the next :func:`w12_norm_in` needs.
@@ -107,7 +103,7 @@ def w12_add_residual(x: torch.Tensor, layer, residual: torch.Tensor, glu: bool =
 
     n = layer.out_features
     sq = torch.empty(-(-n // TILE), dtype=torch.float32, device=x.device)
-    out = w12_gemv(x, layer.w12(), layer.bias, _escapes(layer), overrides | {"lines": True, "block_n": TILE}, glu=glu,
+    out = w12_gemv(x, layer.w12(), layer.bias, layer.escapes(), overrides | {"lines": True, "block_n": TILE}, glu=glu,
                    add=(residual, sq))
     return out, sq
 
@@ -142,7 +138,7 @@ def w12_norm_in(x: torch.Tensor, sq: torch.Tensor, weight: torch.Tensor, eps: fl
     _check_overrides(overrides)
     from .w12_gemv import w12_gemv
 
-    return w12_gemv(x, layer.w12(), layer.bias, _escapes(layer), overrides | {"lines": True},
+    return w12_gemv(x, layer.w12(), layer.bias, layer.escapes(), overrides | {"lines": True},
                     norm=(weight, sq, float(eps)))
 
 

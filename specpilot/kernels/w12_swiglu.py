@@ -87,8 +87,7 @@ def w12_swiglu_down(gate_up: torch.Tensor, layer: W12Linear, **overrides) -> tor
     _check_overrides(overrides)
     from .w12_gemv import w12_gemv  # here, not at the top, as in w12_gemm
 
-    esc = (layer.esc_row_ptr, layer.esc_k, layer.esc_delta_bits.view(torch.float32))
-    return w12_gemv(gate_up, layer.w12(), layer.bias, esc, overrides | {"lines": True}, glu=True)
+    return w12_gemv(gate_up, layer.w12(), layer.bias, layer.escapes(), overrides | {"lines": True}, glu=True)
 
 
 def w12_swiglu_down_reference(gate_up: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
