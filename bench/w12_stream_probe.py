@@ -43,7 +43,7 @@ if triton is not None:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from specpilot.kernels.w12_gemm import _w12_split_sum_kernel
+    from specpilot.kernels.w12_gemm import _add_escapes, _escapes_load, _w12_split_sum_kernel
     from specpilot.kernels.w12_gemv import _lines_end, _lines_sum
 
 dev = "cuda"
@@ -93,11 +93,10 @@ def w12_gemv_stream(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, 
         units, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, FUSED=fused, X_EVEN=k_per_split * split_k == k,
         HAS_BIAS=bias is not None, STAGES=stages, PERSISTENT=bool(persistent), ASM=x.is_cuda, num_warps=num_warps)
     if persistent:
-        _w12_split_sum_kernel[(triton.cdiv(n, 64), 1)](part, x, b, out, row_ptr, esc_k, esc_d, 1, n, x.stride(0),
-                                                       SPLIT_K=split_k, BLOCK_M=16, BLOCK_N=64,
+        _w12_split_sum_kernel[(triton.cdiv(n, 64), 1)](part, b, out, 1, n, SPLIT_K=split_k, BLOCK_M=16, BLOCK_N=64,
                                                        HAS_BIAS=bias is not None, num_warps=4)
         return out
-    return _sum_splits(part, x, b, out, escapes, split_k, bias is not None, fused)
+    return _sum_splits(part, out, b, split_k, bias is not None, fused)
 
 
 if triton is not None:
@@ -144,21 +143,27 @@ if triton is not None:
                     acc = tl.zeros([R, J], dtype=tl.float32)
                 acc = _stream_step(acc, DescV, DescQ, X, n0, pid_k * K_PER_SPLIT + s * BLOCK_K, K, K_PAD, R, BLOCK_N,
                                    X_EVEN, ASM)
-                if s == steps - 1:  # the unit's scaled partial sum; escapes and bias in the sum kernel
+                if s == steps - 1:  # the unit's scaled partial sum (split 0's with the escapes); bias in the sum kernel
                     offs_n = n0 + tl.arange(0, BLOCK_N)
                     n_ok = offs_n < N
                     base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
                     scale = ((base + 15) << 23).to(tl.float32, bitcast=True)
-                    y = tl.sum(tl.sum(tl.reshape(acc, [R, BLOCK_N, 8]), axis=2), axis=0) * scale
-                    tl.store(Part + pid_k * N + offs_n, y, mask=n_ok)
+                    y = (tl.sum(tl.sum(tl.reshape(acc, [R, BLOCK_N, 8]), axis=2), axis=0) * scale)[None, :]
+                    if pid_k == 0:
+                        sk, sd, lo, cnt = _escapes_load(RowPtr, EscK, EscD, offs_n, n_ok)
+                        y = _add_escapes(y, X, stride_xm, EscK, EscD, sk, sd, lo, cnt, tl.arange(0, 1),
+                                         tl.arange(0, 1) < M, False)
+                    tl.store(Part + pid_k * N + offs_n[None, :], y, mask=n_ok[None, :])
         else:
             n0 = tl.program_id(0) * BLOCK_N
             pid_k = tl.program_id(1)
             k0 = pid_k * K_PER_SPLIT
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            esc = _escapes_load(RowPtr, EscK, EscD, offs_n, (offs_n < N) & (pid_k == 0))
             for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=STAGES):
                 acc = _stream_step(acc, DescV, DescQ, X, n0, k0 + kk, K, K_PAD, R, BLOCK_N, X_EVEN, ASM)
-            _lines_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k, R,
-                        BLOCK_N, SPLIT_K, FUSED, HAS_BIAS)
+            _lines_end(acc, X, Base, Bias, Out, Part, Lock, EscK, EscD, esc, M, N, stride_xm, n0, pid_k, R,
+                       BLOCK_N, SPLIT_K, FUSED, HAS_BIAS)
 
 
 def configs(n: int, k: int, sms: int) -> list[dict]:

@@ -14,7 +14,7 @@ import torch
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
 from specpilot.kernels import gemm
-from specpilot.kernels.w12_gemm import (PROGRAMS_PER_SM, W12GemmError, W12Linear, codes_at, default_config, escape_table, one_row_gemv, split_locks, w12_gemm,
+from specpilot.kernels.w12_gemm import (ESC_SLOTS, PROGRAMS_PER_SM, W12GemmError, W12Linear, codes_at, default_config, escape_table, one_row_gemv, split_locks, w12_gemm,
                                         w12_gemm_reference)
 from specpilot.w12.format import W12FormatError, W12Tensor, decode, encode
 
@@ -248,17 +248,28 @@ def test_nonfinite_escapes_propagate_like_the_reference():
 
 def test_escape_table_and_codes():
     w = planted_weight(150, 70, seed=3)
+    w[7, ::3] = 0  # channel 7: 24 escapes, 20 of them past the slots
     t = encode(w)
     row_ptr, ks, delta = escape_table(t)
+    s_ = ESC_SLOTS
     idx = t.esc_idx.long()
-    assert row_ptr.shape == (151,) and int(row_ptr[-1]) == t.num_escapes and ks.shape == (t.num_escapes + 1,)
-    assert torch.equal(ks[:-1].long(), idx % 70) and ks[-1] == 0 and delta[-1] == 0
-    for n in range(150):  # channel n lists exactly its escapes
-        assert torch.equal(idx[row_ptr[n]:row_ptr[n + 1]] // 70, torch.full((int(row_ptr[n + 1] - row_ptr[n]),), n))
+    true_all = t.esc_val.view(torch.bfloat16).float()
+    over = int(row_ptr[-1] - row_ptr[0])
+    assert row_ptr.shape == (151,) and int(row_ptr[0]) == 150 * s_ and ks.shape == delta.shape == (150 * s_ + over,)
+    counts = torch.bincount(idx // 70, minlength=150)
+    assert over == int((counts - s_).clamp_min(0).sum()) and over >= 20
+    for n in range(150):  # channel n's escapes: its slots then its overflow, in column order, and nothing else
+        mine = idx // 70 == n
+        slot_k, slot_d = ks[n * s_:(n + 1) * s_], delta[n * s_:(n + 1) * s_]
+        filled = min(int(counts[n]), s_)
+        assert bool((slot_k[filled:] == -1).all()) and bool((slot_d[filled:] == 0).all())
+        listed = torch.cat((slot_k[:filled], ks[row_ptr[n]:row_ptr[n + 1]])).long()
+        assert torch.equal(listed, idx[mine] % 70)
+        d_true = true_all[mine] - codes_at(t, idx[mine]).float()
+        assert torch.equal(torch.cat((slot_d[:filled], delta[row_ptr[n]:row_ptr[n + 1]])), d_true)
     c = codes_at(t, idx)
     assert torch.equal(c, code_matrix(t).view(-1)[idx].to(torch.bfloat16))
     true = t.esc_val.view(torch.bfloat16).float()
-    assert torch.equal(delta[:-1], true - c.float())
     below = true.abs() < c.float().abs()  # saturated codes are the nearest in-window value of the same sign
     assert bool((torch.signbit(c) == torch.signbit(true)).all()) and bool(below.any()) and bool((~below).any())
 
@@ -393,3 +404,15 @@ def test_interpreter_runs_w12_gemm_outside_the_test_suite():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-1500:]
     assert float(proc.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+def test_escape_table_of_another_layout_is_refused():
+    """A table that is not ``escape_table`` of this weight (an older CSR-only layout, another weight's) is a clear
+    W12GemmError before any launch, not a wrong output."""
+    w = planted_weight(64, 128, seed=5)
+    t = encode(w)
+    row_ptr, ks, delta = escape_table(t)
+    x = torch.randn(1, 128)
+    for bad in ((row_ptr, ks[:10], delta[:10]), (row_ptr[:-1], ks, delta), (row_ptr, ks, delta[:-1])):
+        with pytest.raises(W12GemmError, match="escape_table"):
+            w12_gemm(x, t, escapes=bad)

@@ -104,7 +104,7 @@ def test_refusals_name_the_condition_and_leave_it_usable():
     x = row(256, 1, torch.float32)
     res = row(64, 2, torch.float32)
     w = row(256, 3, torch.float32).reshape(-1)
-    sq = torch.ones(16)
+    sq = torch.ones(16, device=x.device)  # on the GPU too: the eps cases must reach the eps check
     cases = [
         (lambda: w12_add_residual(x, layer, res[:, :32]), "residual row \\[1, 64\\]"),
         (lambda: w12_add_residual(x, layer, res.double()), "float64"),

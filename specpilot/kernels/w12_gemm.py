@@ -15,11 +15,14 @@ of bf16 weights:
   rows (``N`` up to a multiple of 128) are never stored.
 
 Escapes. At an escape position the records hold a *saturated* code ``c`` (the nearest in-window value of
-the right sign), so the main loop computes ``Σ_k x_k c_k``. The escapes of each output channel are kept
-as a CSR list of ``(k_e, d_e)``, ``d_e = fl32(w_e - c_e)`` (``w_e`` the true bf16 weight), and after the
-K sum the kernel adds ``x[m, k_e] * d_e`` for the channel's escapes in list order: in the main kernel's
-epilogue without split-K, in the split-sum kernel otherwise. Everything is in a fixed order and there
-are no atomics, so two runs give bitwise identical outputs.
+the right sign), so the main loop computes ``Σ_k x_k c_k``. Each output channel's escapes are kept as
+``(k_e, d_e)``, ``d_e = fl32(w_e - c_e)`` (``w_e`` the true bf16 weight), in :func:`escape_table`'s layout: the
+channel's first :data:`ESC_SLOTS` in fixed slots (loadable without reading anything first), the rest in a CSR
+overflow list. Split 0 of a tile (the only one without split K) loads its slots before its K loop and, after it,
+adds ``x[m, k_e] * d_e`` to its own K sum one escape at a time in list order (slots, then overflow:
+:func:`_add_escapes`). The split-K sum then adds the partials in split order and the bias.
+Everything is in a fixed order and there are no atomics in the arithmetic, so two runs give bitwise identical
+outputs, and the in-kernel and the two-kernel split-K sums give the same bits.
 
 Rounding guarantee (float32 accumulation, unit ``u = 2^-24``, ``γ_n = n u / (1 - n u)``): for every output
 ``y[m, n]`` with finite activations and weights and no overflow,
@@ -125,23 +128,42 @@ def codes_at(w12: W12Tensor, flat: torch.Tensor) -> torch.Tensor:
     return (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.bfloat16)
 
 
-def escape_table(w12: W12Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The per-channel escape list the kernel adds after the K sum (module docstring).
+#: escapes a channel keeps in fixed slots of :func:`escape_table` (the rest go to its overflow list). Random
+#: N(0, 0.02) weights of the Qwen3-8B shapes have at most 4 escapes in any channel but down's (K = 12288: 11 of
+#: 4096 channels have more), and at most 2–4 in a tile of 64 channels
+ESC_SLOTS = 4
 
-    Returns:
-        ``row_ptr`` int32 ``[N + 1]`` (channel n's escapes are ``[row_ptr[n], row_ptr[n+1])``), ``k`` int32
-        ``[E + 1]`` (input column of each escape, ascending within a channel) and ``delta`` float32 ``[E + 1]``,
-        ``fl32(w_true - w_code)`` (±inf / NaN for non-finite weights), on ``w12``'s device. The last entry of
-        ``k`` and ``delta`` is a sentinel ``(0, 0.0)`` that no channel lists (so neither is ever empty).
+
+def escape_table(w12: W12Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The escape table the kernels read (module docstring): slots, then a CSR overflow list.
+
+    Returns ``(row_ptr, k, delta)`` on ``w12``'s device, ``S = ESC_SLOTS``, ``E`` escapes, ``O`` of them in overflow:
+        ``k`` int32 ``[N·S + O]``, ``delta`` float32 ``[N·S + O]``: entry ``n·S + j`` (``j < S``) is channel n's
+        j-th escape (input column, ascending, and ``fl32(w_true − w_code)``, ±inf / NaN for non-finite weights),
+        or ``(-1, 0.0)`` where the channel has ``j`` escapes or fewer; entries from ``N·S`` on are the overflow
+        (escapes ``S, S+1, …`` of each channel, channel by channel);
+        ``row_ptr`` int32 ``[N + 1]``: channel n's overflow is ``k[row_ptr[n]:row_ptr[n + 1]]`` (``row_ptr[0] = N·S``).
     """
     n, k = w12.shape
     idx = w12.esc_idx.long()
+    order = torch.argsort(idx, stable=True)
+    idx = idx[order]
+    true = w12.esc_val[order].view(torch.bfloat16).float()
+    delta = true - codes_at(w12, idx).float()
     rows = idx // k
     counts = torch.bincount(rows, minlength=n) if idx.numel() else torch.zeros(n, dtype=torch.long, device=idx.device)
-    row_ptr = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
-    true = w12.esc_val.view(torch.bfloat16).float()
-    delta = true - codes_at(w12, idx).float()
-    return row_ptr, torch.cat(((idx % k).to(torch.int32), row_ptr.new_zeros(1))), torch.cat((delta, delta.new_zeros(1)))
+    start = torch.cat((counts.new_zeros(1), counts.cumsum(0)))
+    j = torch.arange(idx.numel(), device=idx.device) - start[rows]  # rank of each escape in its channel
+    slot_k = torch.full((n * ESC_SLOTS,), -1, dtype=torch.int32, device=idx.device)
+    slot_d = torch.zeros(n * ESC_SLOTS, dtype=torch.float32, device=idx.device)
+    in_slot = j < ESC_SLOTS
+    pos = rows[in_slot] * ESC_SLOTS + j[in_slot]
+    slot_k[pos] = (idx[in_slot] % k).to(torch.int32)
+    slot_d[pos] = delta[in_slot]
+    over = (counts - ESC_SLOTS).clamp_min(0)
+    row_ptr = (n * ESC_SLOTS + torch.cat((over.new_zeros(1), over.cumsum(0)))).to(torch.int32)
+    return (row_ptr, torch.cat((slot_k, (idx[~in_slot] % k).to(torch.int32))),
+            torch.cat((slot_d, delta[~in_slot])))
 
 
 #: programs a launch aims for, per SM (SPLIT_K grows until reached): on the H200 the best split in
@@ -166,7 +188,11 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     :data:`PROGRAMS_PER_SM` programs an SM while every split keeps at least 4 K-blocks and the splits divide
     the padded K into whole blocks. Measured on the H200 (``bench/w12_mma_sweep.py``): BLOCK_K 64 and these
     splits beat the previous default (BLOCK_K 128, one program an SM) by 1.1–1.3x at 8–32 rows.
-    ``fused_split`` (the split-K sum inside the kernel) up to :data:`FUSED_SPLIT_MAX_ROWS` rows.
+    ``fused_split`` (the split-K sum inside the kernel) up to :data:`FUSED_SPLIT_MAX_ROWS` rows. ``esc_early`` (split
+    0's escape slots loaded before the K loop rather than after it) with split K: H200, session 17
+    (``bench/results/w12_escape_slots_probe_h200_2026-12-02_session17.json``), at 8 / 16 rows qkv 14.91 / 15.19 µs
+    early vs 15.08 / 15.68 late, o 11.96 / 12.37 vs 12.06 / 12.55, down 24.34 / 25.03 vs 24.59 / 25.53; at 32 rows
+    within 1%. Without split (gate_up) late: 45.73 vs 46.78 µs at 32 rows, within 0.5% at 8 / 16.
     """
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = 64, 64
@@ -177,7 +203,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
            and k_blocks // (2 * split) >= 4):
         split *= 2
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4,
-                w_left=True, words=True, fused_split=m <= FUSED_SPLIT_MAX_ROWS)
+                w_left=True, words=True, fused_split=m <= FUSED_SPLIT_MAX_ROWS, esc_early=split > 1)
 
 
 def one_row_gemv(n: int, k: int) -> bool:
@@ -194,7 +220,7 @@ def one_row_gemv(n: int, k: int) -> bool:
 
 #: launch overrides :func:`w12_gemm` takes (any other name is refused: a misspelt tuning knob must not pass silently)
 OVERRIDES = frozenset({"block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "w_left", "gemv", "words",
-                       "fused_split", "asm", "load_stages", "lines", "x_gather"})
+                       "fused_split", "asm", "load_stages", "lines", "x_gather", "esc_early"})
 
 
 def _check_overrides(overrides: dict) -> None:
@@ -205,7 +231,7 @@ def _check_overrides(overrides: dict) -> None:
         v = overrides.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise W12GemmError(f"w12_gemm override {key} must be a positive integer, got {v!r}")
-    for key in ("w_left", "gemv", "words", "fused_split", "asm", "lines", "x_gather"):
+    for key in ("w_left", "gemv", "words", "fused_split", "asm", "lines", "x_gather", "esc_early"):
         v = overrides.get(key)
         if v is not None and not isinstance(v, bool):
             raise W12GemmError(f"w12_gemm override {key} must be True or False, got {v!r}")
@@ -246,6 +272,8 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
             adds the partials in the kernel (:func:`_finish_splits`, bitwise the same sum) instead of a second
             launch (record-word tensor-core kernel and GEMV; ignored by ``words=False``; see :func:`split_locks`
             for CUDA graphs).
+            ``esc_early``: whether split 0 loads the escape slots before its K loop (:func:`default_config`; the
+            one-row GEMV: :func:`~specpilot.kernels.w12_gemv.gemv_config`).
             ``words`` (default True): the tensor-core kernel that reads record words
             (:func:`~specpilot.kernels.w12_mma.w12_mma`; on the H200 1.0–1.2x faster than ``words=False``, the
             byte-loading kernel below, at 16–256 rows: ``bench/results/w12_dense_probe_h200_2026-11-30.json``).
@@ -264,6 +292,10 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         raise W12GemmError(f"w12_gemm takes 1..{MAX_ROWS} rows, got {m}")
     x = x if x.stride(1) == 1 else x.contiguous()
     row_ptr, esc_k, esc_d = escape_table(w12) if escapes is None else escapes
+    if row_ptr.numel() != n + 1 or esc_k.numel() < n * ESC_SLOTS or esc_d.numel() != esc_k.numel():
+        raise W12GemmError(f"escapes must be escape_table(w12) of this [{n}, {k}] weight: row_ptr [{n + 1}] and "
+                           f"k / delta of at least {n * ESC_SLOTS} entries, got {row_ptr.numel()} / {esc_k.numel()} / "
+                           f"{esc_d.numel()}")
     if overrides.get("gemv", m == 1 and one_row_gemv(n, k)):
         from .w12_gemv import w12_gemv  # here, not at the top: w12_gemv imports this module's kernels
 
@@ -287,7 +319,7 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_PER_SPLIT=k_per_split, SPLIT_K=split, EVEN=even,
         HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32, W_LEFT=bool(cfg["w_left"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return _sum_splits(part, x, b, out, (row_ptr, esc_k, esc_d), split, bias is not None)
+    return _sum_splits(part, out, b, split, bias is not None)
 
 
 def _outputs(x: torch.Tensor, n: int, split: int, bias: torch.Tensor | None):
@@ -350,27 +382,20 @@ def _new_locks(key, tiles: int) -> torch.Tensor:
     return buf
 
 
-def _sum_splits(part, x, b, out, escapes, split: int, has_bias: bool, fused: bool = False,
-                glu: bool = False, norm=None, add=None, block_n: int = 16) -> torch.Tensor:
-    """With split K: add the partial sums in split order, then the escapes and the bias, into ``out``
+def _sum_splits(part, out, b, split: int, has_bias: bool, fused: bool = False, add=None,
+                block_n: int = 16) -> torch.Tensor:
+    """With split K: add the partial sums in split order (split 0's holds the escapes), then the bias, into ``out``
     (:func:`_w12_split_sum_kernel`; nothing to do when the kernel did it itself, ``fused``); returns ``out``.
-    ``glu``: ``x`` is ``gate_up [M, 2K]`` and the escapes read ``silu(gate) · up`` (:func:`_add_escapes`).
-    ``norm`` / ``add``: the one-row GEMV's fused norm ``(weight [K], sq_in [P] float32, eps)`` and residual add
-    ``(residual [1, N], sq_out [cdiv(N, block_n)] float32)`` (:mod:`specpilot.kernels.w12_norm`); with ``add`` the
-    sum runs in the GEMV's tiles (``block_n`` columns, one row, one warp)."""
+    ``add``: the one-row GEMV's fused residual add ``(residual [1, N], sq_out [cdiv(N, block_n)] float32)``
+    (:mod:`specpilot.kernels.w12_norm`); the sum then runs in the GEMV's tiles (``block_n`` columns, one row, one
+    warp)."""
     if split > 1 and not fused:
         m, n = out.shape
-        row_ptr, esc_k, esc_d = escapes
-        fuse = {}
-        if norm is not None:
-            fuse |= dict(NORM=True, NormW=norm[0], SqIn=norm[1], n_sq=norm[1].numel(), K=x.shape[1], eps=norm[2],
-                         SQ_BLOCK=triton.next_power_of_2(norm[1].numel()))
-        if add is not None:
-            fuse |= dict(ADD=True, Res=add[0], SqOut=add[1])
+        fuse = {} if add is None else dict(ADD=True, Res=add[0], SqOut=add[1])
         bm, bn, warps = (1, block_n, 1) if add is not None else (16, 64, 4)
         _w12_split_sum_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-            part, x, b, out, row_ptr, esc_k, esc_d, m, n, x.stride(0), SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn,
-            HAS_BIAS=has_bias, GLU=glu, num_warps=warps, **fuse, **pdl.launch_kw(x.device))
+            part, b, out, m, n, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=has_bias, num_warps=warps, **fuse,
+            **pdl.launch_kw(out.device))
     return out
 
 
@@ -482,6 +507,7 @@ class W12Linear(nn.Module):
 
 
 if triton is not None:
+    _SLOTS = tl.constexpr(ESC_SLOTS)
 
     @triton.jit
     def _decode_tile(v, p, base7, FP32: tl.constexpr):
@@ -520,32 +546,58 @@ if triton is not None:
         return rms_rstd(tl.sum(tl.load(SqIn + i, mask=i < n_sq, other=0.0), axis=0), K, eps)
 
     @triton.jit
-    def _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, TRANS: tl.constexpr,
+    def _escapes_load(RowPtr, EscK, EscD, offs_n, ok):
+        """The escape data a tile's split 0 needs after its K loop, loaded before it (nothing waits on these loads
+        until the epilogue): slot columns ``sk [BN, S]`` int32 (-1: empty), slot deltas ``sd [BN, S]`` float32, and
+        the overflow list's start ``lo [BN]`` and length ``cnt [BN]`` (:func:`escape_table`). ``ok [BN]``: the
+        channels to load (pass ``n_ok & (pid_k == 0)``: other splits load nothing)."""
+        j = tl.arange(0, _SLOTS)
+        at = offs_n[:, None] * _SLOTS + j[None, :]
+        sk = tl.load(EscK + at, mask=ok[:, None], other=-1)
+        sd = tl.load(EscD + at, mask=ok[:, None], other=0.0)
+        lo = tl.load(RowPtr + offs_n, mask=ok, other=0)
+        cnt = tl.load(RowPtr + offs_n + 1, mask=ok, other=0) - lo
+        return sk, sd, lo, cnt
+
+    @triton.jit
+    def _add_escapes(acc, X, stride_xm, EscK, EscD, sk, sd, lo, cnt, offs_m, m_ok, TRANS: tl.constexpr,
                      GLU: tl.constexpr = False, NORM: tl.constexpr = False, NormW=None, rstd=None):
-        """``acc[m, n] += x[m, k_e] * d_e`` over channel n's escapes, in list order; ``acc`` is ``[BN, BM]``
-        when TRANS, else ``[BM, BN]``. The loop runs to the tile's largest escape count. ``GLU``: X is a
-        contiguous ``gate_up [M, 2K]`` (``stride_xm`` = 2K) and ``x[m, k] = silu(gate[m, k]) · up[m, k]``
-        (:func:`~specpilot.kernels.fused.silu_mul_values`, the bits :func:`~specpilot.kernels.fused.silu_mul`
-        stores). ``NORM``: ``x[m, k]`` is the RMSNorm of X's value with weight ``NormW[k]`` and scale ``rstd``
-        (:func:`_x_load`; the lines GEMV only, untransposed)."""
-        lo = tl.load(RowPtr + offs_n, mask=n_ok, other=0)
-        cnt = tl.load(RowPtr + offs_n + 1, mask=n_ok, other=0) - lo
+        """``acc[m, n] += x[m, k_e] d_e`` for channel n's escapes one at a time in list order (:func:`_escapes_load`'s
+        ``sk, sd, lo, cnt``): its slots, then its overflow list (the loop runs to the tile's longest overflow, usually
+        0 times); a channel with fewer escapes is left alone in the other steps.
+        ``acc`` is ``[BN, BM]`` when TRANS, else ``[BM, BN]``. ``GLU``: X is a contiguous ``gate_up [M, 2K]``
+        (``stride_xm`` = 2K) and ``x[m, k] = silu(gate[m, k]) · up[m, k]``
+        (:func:`~specpilot.kernels.fused.silu_mul_values`, the bits :func:`~specpilot.kernels.fused.silu_mul` stores).
+        ``NORM``: ``x[m, k]`` is the RMSNorm of X's value with weight ``NormW[k]`` and scale ``rstd`` (:func:`_x_load`;
+        the lines GEMV only, untransposed)."""
+        col = tl.arange(0, _SLOTS)[None, :]
+        for j in tl.static_range(_SLOTS):  # slot j of every channel: one [BN] column of the [BN, S] loads
+            k = tl.sum(tl.where(col == j, sk, 0), axis=1)
+            d = tl.sum(tl.where(col == j, sd, 0.0), axis=1)  # exact: one value plus zeros
+            acc = _add_escape(acc, X, stride_xm, k, d, k >= 0, offs_m, m_ok, TRANS, GLU, NORM, NormW, rstd)
         for j in range(0, tl.max(cnt, axis=0)):
-            has = j < cnt
-            k = tl.load(EscK + lo + j, mask=has, other=0)
-            d = tl.load(EscD + lo + j, mask=has, other=0.0)
-            if TRANS:
-                xv = _x_load(X + offs_m[None, :] * stride_xm + k[:, None], has[:, None] & m_ok[None, :],
-                             stride_xm // 2, GLU)
-                acc += xv.to(tl.float32) * d[:, None]
-            elif NORM:
-                xv = _x_load(X + offs_m[:, None] * stride_xm + k[None, :], m_ok[:, None] & has[None, :], 0, False,
-                             True, NormW + k[None, :], rstd)
-                acc += xv.to(tl.float32) * d[None, :]
+            more = j < cnt
+            k = tl.load(EscK + lo + j, mask=more, other=0)
+            d = tl.load(EscD + lo + j, mask=more, other=0.0)
+            acc = _add_escape(acc, X, stride_xm, k, d, more, offs_m, m_ok, TRANS, GLU, NORM, NormW, rstd)
+        return acc
+
+    @triton.jit
+    def _add_escape(acc, X, stride_xm, k, d, has, offs_m, m_ok, TRANS: tl.constexpr, GLU: tl.constexpr,
+                    NORM: tl.constexpr, NormW, rstd):
+        """``acc[m, n] += x[m, k_n] · d_n`` where ``has[n]`` (one escape of each channel: ``k, d, has [BN]``), else
+        ``acc`` unchanged; x read as :func:`_add_escapes` says."""
+        if TRANS:
+            ok = has[:, None] & m_ok[None, :]
+            xv = _x_load(X + offs_m[None, :] * stride_xm + k[:, None], ok, stride_xm // 2, GLU)
+            acc = tl.where(ok, acc + xv.to(tl.float32) * d[:, None], acc)
+        else:
+            ok = m_ok[:, None] & has[None, :]
+            if NORM:
+                xv = _x_load(X + offs_m[:, None] * stride_xm + k[None, :], ok, 0, False, True, NormW + k[None, :], rstd)
             else:
-                xv = _x_load(X + offs_m[:, None] * stride_xm + k[None, :], m_ok[:, None] & has[None, :],
-                             stride_xm // 2, GLU)
-                acc += xv.to(tl.float32) * d[None, :]
+                xv = _x_load(X + offs_m[:, None] * stride_xm + k[None, :], ok, stride_xm // 2, GLU)
+            acc = tl.where(ok, acc + xv.to(tl.float32) * d[None, :], acc)
         return acc
 
     @triton.jit
@@ -572,6 +624,7 @@ if triton is not None:
         col_v = (rk // 64) * 12288 + rk % 64
         col_p = (rk2 // 32) * 12288 + rk2 % 32
         k0 = pid_k * K_PER_SPLIT
+        sk, sd, lo, cnt = _escapes_load(RowPtr, EscK, EscD, offs_n, n_ok & (pid_k == 0))
         if W_LEFT:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
@@ -605,24 +658,18 @@ if triton is not None:
         else:
             dst = offs_m[:, None] * N + offs_n[None, :]
             ok = m_ok[:, None] & n_ok[None, :]
-        if SPLIT_K == 1:
-            _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
-                       W_LEFT)
-        else:
-            tl.store(Part + pid_k * M * N + dst, acc, mask=ok)
+        if pid_k == 0:
+            acc = _add_escapes(acc, X, stride_xm, EscK, EscD, sk, sd, lo, cnt, offs_m, m_ok, W_LEFT)
+        _split_end(acc, Part, Part, Bias, Out, M, N, offs_n, n_ok, dst, ok, pid_k, SPLIT_K, False, HAS_BIAS, W_LEFT)
 
     @triton.jit
-    def _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok,
-                   HAS_BIAS: tl.constexpr, TRANS: tl.constexpr, GLU: tl.constexpr = False, NORM: tl.constexpr = False,
-                   NormW=None, rstd=None, ADD: tl.constexpr = False, Res=None, SqOut=None):
-        """The shared epilogue of the W12 kernels: ``acc`` (the K sum, float32, ``[BN, BM]`` when TRANS else
-        ``[BM, BN]``) plus the escapes in list order (``GLU`` / ``NORM``: see :func:`_add_escapes`), then the bias,
-        stored to ``Out + dst`` in Out's dtype. ``ADD`` (one row, untransposed; :mod:`~specpilot.kernels.w12_norm`):
-        what is stored is ``Res[dst] + y`` (y the output rounded to the dtype, the sum rounded to it too: the bits
-        :func:`~specpilot.kernels.fused.add_rmsnorm` gives the residual stream), and the float32 sum of its squares
-        over the tile goes to ``SqOut[program_id(0)]``."""
-        acc = _add_escapes(acc, X, stride_xm, RowPtr, EscK, EscD, offs_m, offs_n, m_ok, n_ok, TRANS, GLU, NORM, NormW,
-                           rstd)
+    def _store_out(acc, Bias, Out, offs_n, n_ok, dst, ok, HAS_BIAS: tl.constexpr, TRANS: tl.constexpr,
+                   ADD: tl.constexpr = False, Res=None, SqOut=None):
+        """The shared end of the W12 kernels: ``acc`` (the K sum with its escapes, float32, ``[BN, BM]`` when TRANS
+        else ``[BM, BN]``) plus the bias, stored to ``Out + dst`` in Out's dtype. ``ADD`` (one row, untransposed;
+        :mod:`~specpilot.kernels.w12_norm`): what is stored is ``Res[dst] + y`` (y the output rounded to the dtype,
+        the sum rounded to it too: the bits :func:`~specpilot.kernels.fused.add_rmsnorm` gives the residual
+        stream), and the float32 sum of its squares over the tile goes to ``SqOut[program_id(0)]``."""
         if HAS_BIAS:
             bias = tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             if TRANS:
@@ -637,37 +684,45 @@ if triton is not None:
         tl.store(Out + dst, y, mask=ok)
 
     @triton.jit
-    def _finish_splits(Part, Lock, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, dst,
-                       ok, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, TRANS: tl.constexpr, GLU: tl.constexpr = False,
-                       NORM: tl.constexpr = False, NormW=None, rstd=None, ADD: tl.constexpr = False, Res=None,
-                       SqOut=None):
+    def _split_end(acc, Part, Lock, Bias, Out, M, N, offs_n, n_ok, dst, ok, pid_k, SPLIT_K: tl.constexpr,
+                   FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, TRANS: tl.constexpr, ADD: tl.constexpr = False,
+                   Res=None, SqOut=None):
+        """Every W12 kernel's end after its K loop and escapes: without split K, :func:`_store_out`; with it, this
+        split's partial to ``Part + pid_k M N + dst`` and, with ``FUSED``, :func:`_finish_splits` (``Lock``: the
+        tile's counter)."""
+        if SPLIT_K == 1:
+            _store_out(acc, Bias, Out, offs_n, n_ok, dst, ok, HAS_BIAS, TRANS, ADD, Res, SqOut)
+        else:
+            tl.store(Part + pid_k * M * N + dst, acc, mask=ok)
+            if FUSED:
+                _finish_splits(Part, Lock, Bias, Out, M, N, offs_n, n_ok, dst, ok, SPLIT_K, HAS_BIAS, TRANS, ADD, Res,
+                               SqOut)
+
+    @triton.jit
+    def _finish_splits(Part, Lock, Bias, Out, M, N, offs_n, n_ok, dst, ok, SPLIT_K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, TRANS: tl.constexpr, ADD: tl.constexpr = False, Res=None, SqOut=None):
         """In-kernel split-K sum (``fused_split``), after this program stored its partial tile at ``Part + pid_k M N
         + dst``: a barrier, then one ``acq_rel`` atomic increment of the tile's counter ``Lock``; the program that
         sees ``SPLIT_K − 1`` (the last split of the tile to finish) adds the partials in split order (reading past
-        L1), the escapes in list order and the bias, exactly as :func:`_w12_split_sum_kernel` does, stores ``Out``
-        and resets the counter. The result does not depend on which split finishes last. ``dst`` / ``ok``: the
-        tile's element offsets in ``[M, N]`` and mask (``[BN, BM]`` when TRANS, else ``[BM, BN]``). ``GLU`` / ``NORM``
-        / ``ADD``: see :func:`_store_out`."""
+        L1) and the bias, exactly as :func:`_w12_split_sum_kernel` does, stores ``Out`` and resets the counter. The
+        result does not depend on which split finishes last. ``dst`` / ``ok``: the tile's element offsets in
+        ``[M, N]`` and mask (``[BN, BM]`` when TRANS, else ``[BM, BN]``). ``ADD``: see :func:`_store_out`."""
         tl.debug_barrier()  # every thread's partial is stored before the release below
         seen = tl.atomic_add(Lock, 1, sem="acq_rel", scope="gpu")
         if seen == SPLIT_K - 1:
             acc = tl.load(Part + dst, mask=ok, other=0.0, cache_modifier=".cg")
             for s in tl.static_range(1, SPLIT_K):
                 acc += tl.load(Part + s * M * N + dst, mask=ok, other=0.0, cache_modifier=".cg")
-            _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
-                       TRANS, GLU, NORM, NormW, rstd, ADD, Res, SqOut)
+            _store_out(acc, Bias, Out, offs_n, n_ok, dst, ok, HAS_BIAS, TRANS, ADD, Res, SqOut)
             tl.atomic_xchg(Lock, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _w12_split_sum_kernel(Part, X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, SPLIT_K: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              PDL: tl.constexpr = False, GLU: tl.constexpr = False, NORM: tl.constexpr = False,
-                              ADD: tl.constexpr = False, SQ_BLOCK: tl.constexpr = 1, NormW=None, SqIn=None, n_sq=0, K=0,
-                              eps=0.0, Res=None, SqOut=None):
-        """``Out = Σ_s Part[s]`` in split order, then the escapes in list order (``GLU`` / ``NORM``: see
-        :func:`_add_escapes`; ``NORM`` recomputes the scale from ``SqIn``, :func:`_norm_rstd`), then the bias
-        (``ADD``: plus the residual, see :func:`_store_out`; the launch's BLOCK_N is then the GEMV's, so tile
-        ``program_id(0)`` is the GEMV's tile)."""
+    def _w12_split_sum_kernel(Part, Bias, Out, M, N, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
+                              ADD: tl.constexpr = False, Res=None, SqOut=None):
+        """``Out = Σ_s Part[s]`` in split order (split 0's partial holds the escapes), then the bias (``ADD``: plus
+        the residual, see :func:`_store_out`; the launch's BLOCK_N is then the GEMV's, so tile ``program_id(0)`` is the
+        GEMV's tile)."""
         pdl_start(PDL)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -678,9 +733,7 @@ if triton is not None:
         acc = tl.load(Part + dst, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLIT_K):  # unrolled: the partials' loads issue together, summed in split order
             acc += tl.load(Part + s * M * N + dst, mask=ok, other=0.0)
-        rstd = _norm_rstd(SqIn, n_sq, K, eps, SQ_BLOCK) if NORM else 1.0
-        _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS, False,
-                   GLU, NORM, NormW, rstd, ADD, Res, SqOut)
+        _store_out(acc, Bias, Out, offs_n, n_ok, dst, ok, HAS_BIAS, False, ADD, Res, SqOut)
 
 
 __all__ = ["w12_gemm", "w12_gemm_reference", "W12Linear", "W12GemmError", "default_config", "escape_table", "one_row_gemv",

@@ -38,7 +38,7 @@ if triton is not None:
 
     from .fused import rmsnorm_values, silu_mul_values
     from .pdl import pdl_signal, pdl_start, pdl_wait
-    from .w12_gemm import _finish_splits, _norm_rstd, _store_out, _x_load
+    from .w12_gemm import _add_escapes, _escapes_load, _norm_rstd, _split_end, _x_load
     from .w12_tiles import _decode8, _load_groups, _tile_words, _word_offsets
 
 GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
@@ -75,7 +75,10 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     2048 and 1.03x with 1024, ``bench/results/w12_one_row_check_h200_2026-12-01_session8.json``). ``num_stages`` 3
     (the launch option; it pipelines nothing here, see ``load_stages``); split K summed in the kernel
     (``fused_split``, see :func:`~specpilot.kernels.w12_gemm.default_config`); ``load_stages`` 1 (plain loads; see
-    :func:`w12_gemv`).
+    :func:`w12_gemv`); ``esc_early`` off: the lines kernel loads its escape slots after the K loop (H200, session 17,
+    ``bench/results/w12_escape_slots_probe_h200_2026-12-02_session17.json``: before the loop, with the registers
+    held through it, o / down ran 13.69 / 29.43 µs, after it 10.21 / 22.13; qkv / gate_up 14.75 / 40.62 vs 13.64 /
+    39.86). The 2–8-row kernel always loads them before its loop.
 
     Raises: W12GemmError for ``m`` outside 1..8."""
     rows = 1 << max(0, int(m) - 1).bit_length()
@@ -91,7 +94,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
         while split < 16 and programs * split < want and k_pad % (2 * split * bk) == 0:
             split *= 2
         return dict(block_n=bn, block_k=bk, split_k=split, num_warps=1, num_stages=3, asm=True, fused_split=True,
-                    load_stages=1, lines=True)
+                    load_stages=1, lines=True, esc_early=False)
     while bk < 2048 and k_pad % (2 * bk) == 0 and warps(2 * bk) <= 16 and programs * warps(bk) < want:
         bk *= 2
     split = 1
@@ -101,7 +104,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
            and programs * split * warps(bk) < want):
         bk *= 2
     return dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps(bk), num_stages=3, asm=True, fused_split=True,
-                load_stages=1, lines=False)
+                load_stages=1, lines=False, esc_early=False)
 
 
 def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict,
@@ -112,7 +115,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     two in registers (``ROWS``) and masked. Called by :func:`~specpilot.kernels.w12_gemm.w12_gemm` (which
     checks shapes, dtypes and devices) with ``escapes`` its :func:`~specpilot.kernels.w12_gemm.escape_table`
     and ``overrides`` its launch overrides (block_n, block_k, split_k, num_warps, num_stages, asm, fused_split,
-    load_stages, lines).
+    load_stages, lines, esc_early).
 
     Decode in three integer instructions a weight. A program reads, per row and group of 8 columns, one
     64-bit word of views and one 32-bit word of nibbles (8 bytes and 4 bytes, contiguous in the record).
@@ -141,8 +144,8 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
 
     ``asm`` (default on CUDA): the three instructions as inline PTX (``prmt.b32``, ``shr.s32``, ``lop3.b32``);
     otherwise the same bit operations in plain Triton (the interpreter, and a GPU comparison). Split K
-    (``split_k`` > 1): partial sums, scaled, in ``[split, 1, N]`` float32, summed in split order, then escapes in
-    list order, then the bias; by default (``fused_split``) the tile's last split does that sum in this kernel
+    (``split_k`` > 1): partial sums, scaled, in ``[split, 1, N]`` float32 (split 0's with the escapes), summed in
+    split order, then the bias; by default (``fused_split``) the tile's last split does that sum in this kernel
     (one atomic counter a tile only decides which program finishes, :func:`~specpilot.kernels.w12_gemm.split_locks`;
     no second launch), with ``fused_split=False`` the second kernel ``_w12_split_sum_kernel`` does: the same
     fixed order and the same bits either way. The GEMV's fused default has no A/B timing of its own yet (the
@@ -194,13 +197,13 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
             fuse |= dict(ADD=True, Res=add[0], SqOut=add[1])
         _w12_gemv_lines_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
-            m, n, k, k_pad, k_per_split, x.stride(0), GLU=glu, **fuse, **common)
+            m, n, k, k_pad, k_per_split, x.stride(0), GLU=glu, ESC_EARLY=bool(cfg["esc_early"]), **fuse, **common)
     else:
         _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
             m, n, k, k_pad, k_per_split, x.stride(0), ROWS=rows, LOAD_STAGES=int(cfg["load_stages"]), **common,
             **launch_kw)
-    return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused, glu, norm, add, bn)
+    return _sum_splits(part, out, b, split, bias is not None, fused, add, bn)
 
 
 def gemv_resources(rows: int, block_n: int, block_k: int, num_warps: int, num_stages: int = 3, split_k: int = 1,
@@ -278,6 +281,7 @@ if triton is not None:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         row_v, row_q, rg, col_v, col_q = _word_offsets(tl.program_id(0) * BLOCK_N, BLOCK_N, K_PAD, BLOCK_K)
+        esc = _escapes_load(RowPtr, EscK, EscD, offs_n, n_ok & (pid_k == 0))
         if ROWS == 1:
             acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
         else:
@@ -308,29 +312,26 @@ if triton is not None:
             y = (tl.sum(acc, axis=1) * scale)[None, :]  # [1, BN]
         else:
             y = tl.sum(acc, axis=2) * scale[None, :]  # [ROWS, BN]
-        _gemv_store(y, X, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, pid_k,
+        _gemv_store(y, X, Bias, Out, Part, Lock, EscK, EscD, esc, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, pid_k,
                     SPLIT_K, FUSED, HAS_BIAS)
 
     @triton.jit
-    def _gemv_store(y, X, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, pid_k,
+    def _gemv_store(y, X, Bias, Out, Part, Lock, EscK, EscD, esc, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, pid_k,
                     SPLIT_K: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr = False,
                     NORM: tl.constexpr = False, NormW=None, rstd=None, ADD: tl.constexpr = False, Res=None, SqOut=None):
-        """The GEMV kernels' end: ``y [ROWS, BLOCK_N]`` (the scaled K sum of this split) plus escapes and bias to
-        Out, or, with split K, to this split's partial; with ``FUSED`` the tile's last split then sums the partials
-        here (no second kernel, :func:`~specpilot.kernels.w12_gemm._finish_splits`). ``GLU``: X is ``gate_up``
-        (:func:`~specpilot.kernels.w12_gemm._add_escapes`). ``NORM`` / ``ADD``: the fused norm's escapes and the
-        residual add (:func:`~specpilot.kernels.w12_gemm._store_out`)."""
+        """The GEMV kernels' end: ``y [ROWS, BLOCK_N]`` (the scaled K sum of this split), plus the escapes in split 0
+        (``esc``: :func:`~specpilot.kernels.w12_gemm._escapes_load`'s tuple), then
+        :func:`~specpilot.kernels.w12_gemm._split_end` (bias and store, or this split's partial and, with ``FUSED``,
+        the tile's last split sums the partials here). ``GLU`` / ``NORM``: how the escapes read x
+        (:func:`~specpilot.kernels.w12_gemm._add_escapes`). ``ADD``: the residual add
+        (:func:`~specpilot.kernels.w12_gemm._store_out`)."""
         dst = offs_m[:, None] * N + offs_n[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
-        if SPLIT_K == 1:
-            _store_out(y, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
-                       False, GLU, NORM, NormW, rstd, ADD, Res, SqOut)
-        else:
-            tl.store(Part + pid_k * M * N + dst, y, mask=ok)
-            if FUSED:
-                _finish_splits(Part, Lock + tl.program_id(0), X, Bias, Out, RowPtr, EscK, EscD, M, N, stride_xm, offs_m,
-                               offs_n, m_ok, n_ok, dst, ok, SPLIT_K, HAS_BIAS, False, GLU, NORM, NormW, rstd, ADD, Res,
-                               SqOut)
+        if pid_k == 0:
+            y = _add_escapes(y, X, stride_xm, EscK, EscD, esc[0], esc[1], esc[2], esc[3], offs_m, m_ok, False, GLU,
+                             NORM, NormW, rstd)
+        _split_end(y, Part, Lock + tl.program_id(0), Bias, Out, M, N, offs_n, n_ok, dst, ok, pid_k, SPLIT_K, FUSED,
+                   HAS_BIAS, False, ADD, Res, SqOut)
 
     @triton.jit
     def _w12_gemv_lines_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD,
@@ -338,7 +339,8 @@ if triton is not None:
                                SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr,
                                HAS_BIAS: tl.constexpr, ASM: tl.constexpr, GLU: tl.constexpr = False,
                                NORM: tl.constexpr = False, ADD: tl.constexpr = False, SQ_BLOCK: tl.constexpr = 1,
-                               NormW=None, SqIn=None, n_sq=0, eps=0.0, Res=None, SqOut=None):
+                               NormW=None, SqIn=None, n_sq=0, eps=0.0, Res=None, SqOut=None,
+                               ESC_EARLY: tl.constexpr = True):
         """One row (``lines``): the grid, split and epilogue of :func:`_w12_gemv_kernel`, with the step's words
         taken as ``[R, BLOCK_N · 8]`` tiles (R = BLOCK_K / 64 records; column ``j`` = row ``j // 8``, group
         ``j % 8``). Within a record the views of the tile's rows are one contiguous ``BLOCK_N · 64``-byte run and
@@ -368,20 +370,25 @@ if triton is not None:
         k0 = pid_k * K_PER_SPLIT
         k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)
         rstd = _norm_rstd(SqIn, n_sq, K, eps, SQ_BLOCK) if NORM else 1.0
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if ESC_EARLY:
+            esc = _escapes_load(RowPtr, EscK, EscD, offs_n, (offs_n < N) & (pid_k == 0))
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             vw, qw, xt = _lines_load(X, RecV, RecQ, k0 + kk, k1, K, v_off, q_off, rr, EVEN, X_EVEN, R, GLU, NORM, NormW,
                                      rstd)
             acc = _lines_sum(acc, vw, qw, xt, R, BLOCK_N, ASM)
-        _lines_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k, R, BLOCK_N,
+        if not ESC_EARLY:
+            esc = _escapes_load(RowPtr, EscK, EscD, offs_n, (offs_n < N) & (pid_k == 0))
+        _lines_end(acc, X, Base, Bias, Out, Part, Lock, EscK, EscD, esc, M, N, stride_xm, n0, pid_k, R, BLOCK_N,
                    SPLIT_K, FUSED, HAS_BIAS, GLU, NORM, NormW, rstd, ADD, Res, SqOut)
 
     @triton.jit
-    def _lines_end(acc, X, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, n0, pid_k,
+    def _lines_end(acc, X, Base, Bias, Out, Part, Lock, EscK, EscD, esc, M, N, stride_xm, n0, pid_k,
                    R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, FUSED: tl.constexpr,
                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr = False, NORM: tl.constexpr = False, NormW=None,
                    rstd=None, ADD: tl.constexpr = False, Res=None, SqOut=None):
         """The lines kernel's end: ``acc [R, BLOCK_N · 8]`` reduced over records and groups, scaled by each row's
-        ``2^(B_n − 112)``, then :func:`_gemv_store` (escapes, bias, split K) for rows ``n0 .. n0 + BLOCK_N − 1``."""
+        ``2^(B_n − 112)``, then :func:`_gemv_store` (escapes ``esc``, bias, split K) for rows ``n0 .. n0 + BLOCK_N − 1``."""
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
@@ -389,7 +396,7 @@ if triton is not None:
         y = (tl.sum(tl.sum(tl.reshape(acc, [R, BLOCK_N, 8]), axis=2), axis=0) * scale)[None, :]  # [1, BN]
         offs_m = tl.arange(0, 1)
         m_ok = offs_m < M
-        _gemv_store(y, X, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, pid_k,
+        _gemv_store(y, X, Bias, Out, Part, Lock, EscK, EscD, esc, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, pid_k,
                     SPLIT_K, FUSED, HAS_BIAS, GLU, NORM, NormW, rstd, ADD, Res, SqOut)
 
     @triton.jit

@@ -10,9 +10,9 @@ e.g. in the interpreter, the float32 decode of ``_decode8``), lays the 8 columns
 and permutes K on both operands (``_k_order``) so that the decoded words of a thread are exactly its
 ``wgmma`` register fragment: the tile feeds ``tl.dot`` as the left operand (``acc [BLOCK_N, BLOCK_M] = W'
 xᵀ``) with no round trip through shared memory. The epilogue multiplies each output row by the exact power of
-two ``2^(B_n − 112)``, then adds the escapes in list order and the bias, as the first kernel does; split K
-sums in fixed order (:func:`~specpilot.kernels.w12_gemm._w12_split_sum_kernel`, or in the kernel with
-``fused_split``).
+two ``2^(B_n − 112)``; split 0 adds the escapes (:func:`~specpilot.kernels.w12_gemm._add_escapes`, their slots
+loaded before the K loop), as the first kernel does; split K sums in fixed order, then the bias
+(:func:`~specpilot.kernels.w12_gemm._w12_split_sum_kernel`, or in the kernel with ``fused_split``).
 
 Rounding: the bound of :mod:`specpilot.kernels.w12_gemm` (a sum over K in another order), plus the GEMV's
 caveat (scaling by a power of two commutes with float32 rounding unless a partial sum or product is
@@ -33,7 +33,7 @@ if triton is not None:
     import triton.language as tl
 
     from .pdl import pdl_signal, pdl_start, pdl_wait
-    from .w12_gemm import _finish_splits, _store_out
+    from .w12_gemm import _add_escapes, _escapes_load, _split_end
     from .w12_tiles import _decode_words, _decode_words_bf16, _k_columns, _k_order, _load_groups, _word_offsets
 
 
@@ -49,7 +49,8 @@ def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes,
     :func:`~specpilot.kernels.w12_gemm.w12_gemm` (which checks shapes, dtypes, devices and ``cfg``: its
     :func:`~specpilot.kernels.w12_gemm.default_config` plus overrides) with ``escapes`` its escape table.
     ``cfg["asm"]`` (default: on CUDA) selects the inline-PTX decode, ``cfg["x_gather"]`` (default
-    :data:`X_GATHER_DEFAULT`) the permuted activation load. Returns ``[M, N]`` in x's dtype.
+    :data:`X_GATHER_DEFAULT`) the permuted activation load, ``cfg["esc_early"]`` whether split 0 loads its escape
+    slots before the K loop. Returns ``[M, N]`` in x's dtype.
     Raises: W12GemmError when BLOCK_K is not a multiple of 64 or BLOCK_N does not divide 128."""
     row_ptr, esc_k, esc_d = escapes
     m, k = x.shape
@@ -70,9 +71,10 @@ def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes,
         EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
         FP32=x.dtype == torch.float32,
         ASM=bool(cfg.get("asm", True)) and x.is_cuda, X_GATHER=bool(cfg.get("x_gather", X_GATHER_DEFAULT)),
+        ESC_EARLY=bool(cfg.get("esc_early", split > 1)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl.w12_launch_kw(x.device))
-    return _sum_splits(part, x, b, out, escapes, split, bias is not None, fused)
+    return _sum_splits(part, out, b, split, bias is not None, fused)
 
 
 
@@ -112,7 +114,7 @@ if triton is not None:
                         stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
                         FP32: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                        X_GATHER: tl.constexpr = False):
+                        X_GATHER: tl.constexpr = False, ESC_EARLY: tl.constexpr = True):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: BLOCK_N rows of one record band, one K
         chunk, BLOCK_M activation rows; ``acc [BLOCK_N, BLOCK_M] = W' xᵀ`` in float32 (see :func:`w12_mma`).
         ``RecV`` / ``RecQ``: the records as int64 / int32 words. ``X_EVEN``: every split ends inside K, so the
@@ -127,6 +129,8 @@ if triton is not None:
         n_ok = offs_n < N
         row_v, row_q, rg, col_v, col_q = _word_offsets(tl.program_id(0) * BLOCK_N, BLOCK_N, K_PAD, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        if ESC_EARLY:  # loaded now, used after the K loop (registers held through it)
+            sk, sd, lo, cnt = _escapes_load(RowPtr, EscK, EscD, offs_n, n_ok & (pid_k == 0))
         k0 = pid_k * K_PER_SPLIT
         k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)
         if PREFETCH:  # weights need no wait; activations do (K_PER_SPLIT >= BLOCK_K always)
@@ -148,15 +152,12 @@ if triton is not None:
         acc = acc * ((base + 15) << 23).to(tl.float32, bitcast=True)[:, None]  # 2^(B_n − 112), exact
         dst = offs_m[None, :] * N + offs_n[:, None]
         ok = n_ok[:, None] & m_ok[None, :]
-        if SPLIT_K == 1:
-            _store_out(acc, X, Bias, Out, RowPtr, EscK, EscD, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, HAS_BIAS,
-                       True)
-        else:
-            tl.store(Part + pid_k * M * N + dst, acc, mask=ok)
-            if FUSED:  # the tile's last split sums the partials here (no second kernel)
-                _finish_splits(Part, Lock + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), X, Bias, Out,
-                               RowPtr, EscK, EscD, M, N, stride_xm, offs_m, offs_n, m_ok, n_ok, dst, ok, SPLIT_K,
-                               HAS_BIAS, True)
+        if not ESC_EARLY:
+            sk, sd, lo, cnt = _escapes_load(RowPtr, EscK, EscD, offs_n, n_ok & (pid_k == 0))
+        if pid_k == 0:
+            acc = _add_escapes(acc, X, stride_xm, EscK, EscD, sk, sd, lo, cnt, offs_m, m_ok, True)
+        _split_end(acc, Part, Lock + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0), Bias, Out, M, N, offs_n,
+                   n_ok, dst, ok, pid_k, SPLIT_K, FUSED, HAS_BIAS, True)
 
 
 __all__ = ["w12_mma"]
