@@ -188,11 +188,12 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     :data:`PROGRAMS_PER_SM` programs an SM while every split keeps at least 4 K-blocks and the splits divide
     the padded K into whole blocks. Measured on the H200 (``bench/w12_mma_sweep.py``): BLOCK_K 64 and these
     splits beat the previous default (BLOCK_K 128, one program an SM) by 1.1–1.3x at 8–32 rows.
-    ``fused_split`` (the split-K sum inside the kernel) up to :data:`FUSED_SPLIT_MAX_ROWS` rows. ``esc_early`` (split
-    0's escape slots loaded before the K loop rather than after it) with split K: H200, session 17
-    (``bench/results/w12_escape_slots_probe_h200_2026-12-02_session17.json``), at 8 / 16 rows qkv 14.91 / 15.19 µs
-    early vs 15.08 / 15.68 late, o 11.96 / 12.37 vs 12.06 / 12.55, down 24.34 / 25.03 vs 24.59 / 25.53; at 32 rows
-    within 1%. Without split (gate_up) late: 45.73 vs 46.78 µs at 32 rows, within 0.5% at 8 / 16.
+    ``fused_split`` (the split-K sum inside the kernel) up to :data:`FUSED_SPLIT_MAX_ROWS` rows. ``esc_early`` off:
+    split 0 loads its escape slots after the K loop. Loading them before it won 1–3% at 8–16 rows on the split-K 8B
+    shapes in session 17 (``bench/results/w12_escape_slots_probe_h200_2026-12-02_session17.json``, with the slot
+    steps unrolled), but holds ~28 more registers through the loop (offline ptxas, 16 rows: 78 → 106; with the
+    unrolled steps the kernel went 80 → 126 and Qwen3-32B's 640-program launches then no longer fit in one wave:
+    32B down at 8 rows 1.39 → 1.07x in ``bench/results/w12_bench_h200_2026-12-02_session17_unrolled.json``).
     """
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = 64, 64
@@ -203,7 +204,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
            and k_blocks // (2 * split) >= 4):
         split *= 2
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4,
-                w_left=True, words=True, fused_split=m <= FUSED_SPLIT_MAX_ROWS, esc_early=split > 1)
+                w_left=True, words=True, fused_split=m <= FUSED_SPLIT_MAX_ROWS, esc_early=False)
 
 
 def one_row_gemv(n: int, k: int) -> bool:
@@ -571,7 +572,10 @@ if triton is not None:
         ``NORM``: ``x[m, k]`` is the RMSNorm of X's value with weight ``NormW[k]`` and scale ``rstd`` (:func:`_x_load`;
         the lines GEMV only, untransposed)."""
         col = tl.arange(0, _SLOTS)[None, :]
-        for j in tl.static_range(_SLOTS):  # slot j of every channel: one [BN] column of the [BN, S] loads
+        filled = tl.max(tl.sum((sk >= 0).to(tl.int32), axis=1), axis=0)  # slots the tile's fullest channel uses
+        # a loop, not unrolled: unrolled, the four steps' gathers were live together (offline ptxas, 16-row
+        # tensor-core tile: 100 registers against 78, and spills at 64 rows)
+        for j in range(0, filled):  # slot j of every channel: one [BN] column of the [BN, S] loads
             k = tl.sum(tl.where(col == j, sk, 0), axis=1)
             d = tl.sum(tl.where(col == j, sd, 0.0), axis=1)  # exact: one value plus zeros
             acc = _add_escape(acc, X, stride_xm, k, d, k >= 0, offs_m, m_ok, TRANS, GLU, NORM, NormW, rstd)

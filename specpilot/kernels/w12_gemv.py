@@ -76,9 +76,9 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     (the launch option; it pipelines nothing here, see ``load_stages``); split K summed in the kernel
     (``fused_split``, see :func:`~specpilot.kernels.w12_gemm.default_config`); ``load_stages`` 1 (plain loads; see
     :func:`w12_gemv`); ``esc_early`` off: the lines kernel loads its escape slots after the K loop (H200, session 17,
-    ``bench/results/w12_escape_slots_probe_h200_2026-12-02_session17.json``: before the loop, with the registers
-    held through it, o / down ran 13.69 / 29.43 µs, after it 10.21 / 22.13; qkv / gate_up 14.75 / 40.62 vs 13.64 /
-    39.86). The 2–8-row kernel always loads them before its loop.
+    ``bench/results/w12_escape_slots_probe_h200_2026-12-02_session17.json``, the slot steps then unrolled: before the
+    loop, with the registers held through it, o / down ran 13.69 / 29.43 µs, after it 10.21 / 22.13; qkv / gate_up
+    14.75 / 40.62 vs 13.64 / 39.86). The 2–8-row kernel always loads them before its loop.
 
     Raises: W12GemmError for ``m`` outside 1..8."""
     rows = 1 << max(0, int(m) - 1).bit_length()
