@@ -407,12 +407,16 @@ def test_interpreter_runs_w12_gemm_outside_the_test_suite():
 
 
 def test_escape_table_of_another_layout_is_refused():
-    """A table that is not ``escape_table`` of this weight (an older CSR-only layout, another weight's) is a clear
-    W12GemmError before any launch, not a wrong output."""
+    """A table of the wrong length, dtype, layout in memory or container is a clear W12GemmError before any launch
+    (a table of another weight of the same shape is not detectable without reading it: not checked)."""
     w = planted_weight(64, 128, seed=5)
     t = encode(w)
     row_ptr, ks, delta = escape_table(t)
     x = torch.randn(1, 128)
-    for bad in ((row_ptr, ks[:10], delta[:10]), (row_ptr[:-1], ks, delta), (row_ptr, ks, delta[:-1])):
+    for bad in ((row_ptr, ks[:10], delta[:10]), (row_ptr[:-1], ks, delta), (row_ptr, ks, delta[:-1]),
+                (row_ptr, ks, delta.view(torch.int32)), (row_ptr, ks.float(), delta), (row_ptr, ks, delta),
+                (row_ptr, ks), "table", (row_ptr, ks.tolist(), delta)):
+        if bad is not None and isinstance(bad, tuple) and len(bad) == 3 and bad[2] is delta and bad[1] is ks:
+            bad = (row_ptr, ks, torch.stack((delta, delta), 1)[:, 0])  # non-contiguous delta
         with pytest.raises(W12GemmError, match="escape_table"):
             w12_gemm(x, t, escapes=bad)

@@ -18,7 +18,7 @@ Escapes. At an escape position the records hold a *saturated* code ``c`` (the ne
 the right sign), so the main loop computes ``Σ_k x_k c_k``. Each output channel's escapes are kept as
 ``(k_e, d_e)``, ``d_e = fl32(w_e - c_e)`` (``w_e`` the true bf16 weight), in :func:`escape_table`'s layout: the
 channel's first :data:`ESC_SLOTS` in fixed slots (loadable without reading anything first), the rest in a CSR
-overflow list. Split 0 of a tile (the only one without split K) loads its slots before its K loop and, after it,
+overflow list. Split 0 of a tile (the only one without split K) loads its slots (after its K loop by default) and
 adds ``x[m, k_e] * d_e`` to its own K sum one escape at a time in list order (slots, then overflow:
 :func:`_add_escapes`). The split-K sum then adds the partials in split order and the bias.
 Everything is in a fixed order and there are no atomics in the arithmetic, so two runs give bitwise identical
@@ -292,7 +292,14 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
     if not 1 <= m <= MAX_ROWS:
         raise W12GemmError(f"w12_gemm takes 1..{MAX_ROWS} rows, got {m}")
     x = x if x.stride(1) == 1 else x.contiguous()
+    if escapes is not None and not (isinstance(escapes, (tuple, list)) and len(escapes) == 3
+                                    and all(isinstance(e, torch.Tensor) for e in escapes)):
+        raise W12GemmError("escapes must be escape_table(w12): a (row_ptr, k, delta) tuple of tensors")
     row_ptr, esc_k, esc_d = escape_table(w12) if escapes is None else escapes
+    if (row_ptr.dtype, esc_k.dtype, esc_d.dtype) != (torch.int32, torch.int32, torch.float32) or not all(
+            e.is_contiguous() and e.device == x.device for e in (row_ptr, esc_k, esc_d)):
+        raise W12GemmError("escapes must be escape_table(w12): contiguous int32 row_ptr, int32 k, float32 delta on "
+                           f"x's device, got {row_ptr.dtype} / {esc_k.dtype} / {esc_d.dtype}")
     if row_ptr.numel() != n + 1 or esc_k.numel() < n * ESC_SLOTS or esc_d.numel() != esc_k.numel():
         raise W12GemmError(f"escapes must be escape_table(w12) of this [{n}, {k}] weight: row_ptr [{n + 1}] and "
                            f"k / delta of at least {n * ESC_SLOTS} entries, got {row_ptr.numel()} / {esc_k.numel()} / "
@@ -406,8 +413,8 @@ class W12Linear(nn.Module):
     Buffers (move with ``.to(device)``; ``.to(dtype)`` casts only the bias): ``records`` uint8
     ``[ceil(N/128), ceil(K/64), 12288]``, ``base`` uint8 ``[N]``, ``esc_idx`` int32/int64 ``[E]``, ``esc_val``
     int16 ``[E]`` (the :class:`~specpilot.w12.format.W12Tensor`), the kernel's escape table ``esc_row_ptr``
-    int32 ``[N + 1]``, ``esc_k`` int32 ``[E]``, ``esc_delta_bits`` int32 ``[E]`` (float32 bits, so a dtype cast
-    leaves them alone), and ``bias`` ``[N]`` or None.
+    int32 ``[N + 1]``, ``esc_k`` int32 ``[4N + O]``, ``esc_delta_bits`` int32 ``[4N + O]`` (float32 bits, so a dtype
+    cast leaves them alone; :func:`escape_table`'s layout), and ``bias`` ``[N]`` or None.
 
     Forward: :func:`w12_gemm` on CUDA for bf16 / float32 activations up to
     :data:`DENSE_ROWS` rows; wider passes (prefill) decode the weight once with
@@ -465,8 +472,8 @@ class W12Linear(nn.Module):
                          self.sha256)
 
     def escapes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The kernel's escape table of the held weight: ``(row_ptr int32 [N + 1], k int32 [E], delta float32 [E])``
-        (views of the buffers; :func:`escape_table`'s layout)."""
+        """The kernel's escape table of the held weight: ``(row_ptr int32 [N + 1], k int32 [4N + O], delta float32
+        [4N + O])`` (views of the buffers; :func:`escape_table`'s layout, O the escapes past a channel's 4 slots)."""
         return self.esc_row_ptr, self.esc_k, self.esc_delta_bits.view(torch.float32)
 
     def decoded_weight(self) -> torch.Tensor:
