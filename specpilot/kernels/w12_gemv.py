@@ -39,7 +39,7 @@ if triton is not None:
     from .fused import rmsnorm_values, silu_mul_values
     from .pdl import pdl_signal, pdl_start, pdl_wait
     from .w12_gemm import _add_escapes, _escapes_load, _norm_rstd, _split_end, _x_load
-    from .w12_tiles import _decode8, _load_groups, _tile_words, _word_offsets
+    from .w12_tiles import _decode8, _load_groups, _prefetch_steps, _tile_words, _word_offsets
 
 GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
 
@@ -49,6 +49,9 @@ GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
 #: (``bench/results/w12_gemv_probe_h200_2026-11-30_session4*.json``); 2–8 rows: what the registers allow
 #: (``bench/results/ptxas_w12_gemv_2026-11-30.json``), timed in session 13 (0.12–0.61x cuBLAS, left unrouted).
 GEMV_WARPS_PER_SM = {1: 11, 2: 16, 4: 10, 8: 8}
+
+#: K steps the one-row lines kernel asks L2 to fetch ahead of its loads (``prefetch``; 0: none): see :func:`w12_gemv`
+GEMV_PREFETCH = 0
 
 
 def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
@@ -94,7 +97,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
         while split < 16 and programs * split < want and k_pad % (2 * split * bk) == 0:
             split *= 2
         return dict(block_n=bn, block_k=bk, split_k=split, num_warps=1, num_stages=3, asm=True, fused_split=True,
-                    load_stages=1, lines=True, esc_early=False)
+                    load_stages=1, lines=True, esc_early=False, prefetch=GEMV_PREFETCH)
     while bk < 2048 and k_pad % (2 * bk) == 0 and warps(2 * bk) <= 16 and programs * warps(bk) < want:
         bk *= 2
     split = 1
@@ -104,7 +107,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
            and programs * split * warps(bk) < want):
         bk *= 2
     return dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps(bk), num_stages=3, asm=True, fused_split=True,
-                load_stages=1, lines=False, esc_early=False)
+                load_stages=1, lines=False, esc_early=False, prefetch=0)
 
 
 def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict,
@@ -197,7 +200,8 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
             fuse |= dict(ADD=True, Res=add[0], SqOut=add[1])
         _w12_gemv_lines_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
-            m, n, k, k_pad, k_per_split, x.stride(0), GLU=glu, ESC_EARLY=bool(cfg["esc_early"]), **fuse, **common)
+            m, n, k, k_pad, k_per_split, x.stride(0), GLU=glu, ESC_EARLY=bool(cfg["esc_early"]),
+            PF=int(cfg["prefetch"]) if common["ASM"] else 0, **fuse, **common)
     else:
         _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
@@ -340,7 +344,7 @@ if triton is not None:
                                HAS_BIAS: tl.constexpr, ASM: tl.constexpr, GLU: tl.constexpr = False,
                                NORM: tl.constexpr = False, ADD: tl.constexpr = False, SQ_BLOCK: tl.constexpr = 1,
                                NormW=None, SqIn=None, n_sq=0, eps=0.0, Res=None, SqOut=None,
-                               ESC_EARLY: tl.constexpr = True):
+                               ESC_EARLY: tl.constexpr = True, PF: tl.constexpr = 0):
         """One row (``lines``): the grid, split and epilogue of :func:`_w12_gemv_kernel`, with the step's words
         taken as ``[R, BLOCK_N · 8]`` tiles (R = BLOCK_K / 64 records; column ``j`` = row ``j // 8``, group
         ``j % 8``). Within a record the views of the tile's rows are one contiguous ``BLOCK_N · 64``-byte run and
@@ -373,7 +377,11 @@ if triton is not None:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if ESC_EARLY:
             esc = _escapes_load(RowPtr, EscK, EscD, offs_n, (offs_n < N) & (pid_k == 0))
+        if PF > 0:  # L2 prefetch of the first PF steps (this program's share of its band's bytes)
+            _prefetch_steps(RecV, n0, K_PAD, k0 // 64, k1 // 64, 0, PF, R, BLOCK_N)
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
+            if PF > 0:  # and of step PF ahead
+                _prefetch_steps(RecV, n0, K_PAD, k0 // 64, k1 // 64, kk // BLOCK_K + PF, 1, R, BLOCK_N)
             vw, qw, xt = _lines_load(X, RecV, RecQ, k0 + kk, k1, K, v_off, q_off, rr, EVEN, X_EVEN, R, GLU, NORM, NormW,
                                      rstd)
             acc = _lines_sum(acc, vw, qw, xt, R, BLOCK_N, ASM)

@@ -34,7 +34,8 @@ if triton is not None:
 
     from .pdl import pdl_signal, pdl_start, pdl_wait
     from .w12_gemm import _add_escapes, _escapes_load, _split_end
-    from .w12_tiles import _decode_words, _decode_words_bf16, _k_columns, _k_order, _load_groups, _word_offsets
+    from .w12_tiles import (_decode_words, _decode_words_bf16, _k_columns, _k_order, _load_groups, _prefetch_steps,
+                            _word_offsets)
 
 
 #: ``x_gather`` default: load the activation tile with its columns in ``_k_order`` (see ``_mma_step``). Off: on
@@ -72,6 +73,7 @@ def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes,
         FP32=x.dtype == torch.float32,
         ASM=bool(cfg.get("asm", True)) and x.is_cuda, X_GATHER=bool(cfg.get("x_gather", X_GATHER_DEFAULT)),
         ESC_EARLY=bool(cfg.get("esc_early", False)),
+        PF=int(cfg.get("prefetch", 0)) if x.is_cuda and bool(cfg.get("asm", True)) else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl.w12_launch_kw(x.device))
     return _sum_splits(part, out, b, split, bias is not None, fused)
@@ -114,7 +116,7 @@ if triton is not None:
                         stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
                         FP32: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                        X_GATHER: tl.constexpr = False, ESC_EARLY: tl.constexpr = True):
+                        X_GATHER: tl.constexpr = False, ESC_EARLY: tl.constexpr = True, PF: tl.constexpr = 0):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: BLOCK_N rows of one record band, one K
         chunk, BLOCK_M activation rows; ``acc [BLOCK_N, BLOCK_M] = W' xᵀ`` in float32 (see :func:`w12_mma`).
         ``RecV`` / ``RecQ``: the records as int64 / int32 words. ``X_EVEN``: every split ends inside K, so the
@@ -141,8 +143,13 @@ if triton is not None:
             first = BLOCK_K
         else:
             first = 0
+        if PF > 0:  # L2 prefetch of the first PF steps (this program's share of its band's bytes)
+            _prefetch_steps(RecV, tl.program_id(0) * BLOCK_N, K_PAD, k0 // 64, k1 // 64, 0, PF, BLOCK_K // 64, BLOCK_N)
         for kk in range(first, K_PER_SPLIT, BLOCK_K):
             kb = k0 + kk
+            if PF > 0:  # and of step PF ahead
+                _prefetch_steps(RecV, tl.program_id(0) * BLOCK_N, K_PAD, k0 // 64, k1 // 64, kk // BLOCK_K + PF, 1,
+                                BLOCK_K // 64, BLOCK_N)
             vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
             acc = _mma_step(acc, X, vw, qw, offs_m, m_ok, kb, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, X_EVEN, FP32, ASM,
                             X_GATHER)
