@@ -22,12 +22,13 @@ def _weight(n: int, k: int, seed: int):
     return t, escape_table(t)
 
 
-@pytest.mark.parametrize("bad", [-1, True, 1.5, "2"])
+@pytest.mark.parametrize("bad", [dict(prefetch=-1), dict(prefetch=True), dict(prefetch=1.5), dict(prefetch="2"),
+                                 dict(prefetch_lines=1)])
 def test_prefetch_override_is_checked(bad):
     t, esc = _weight(128, 128, 0)
     x = torch.randn(1, 128, device=DEV, dtype=torch.float32)
     with pytest.raises(W12GemmError, match="prefetch"):
-        w12_gemm(x, t, escapes=esc, prefetch=bad)
+        w12_gemm(x, t, escapes=esc, **bad)
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter case")
@@ -35,6 +36,7 @@ def test_prefetch_is_ignored_by_the_interpreter():
     t, esc = _weight(256, 320, 1)
     x = torch.randn(3, 320, dtype=torch.float32)
     assert torch.equal(w12_gemm(x, t, escapes=esc, prefetch=4), w12_gemm(x, t, escapes=esc))
+    assert torch.equal(w12_gemm(x, t, escapes=esc, prefetch=1, prefetch_lines=True), w12_gemm(x, t, escapes=esc))
 
 
 @pytest.mark.gpu
@@ -48,10 +50,10 @@ def test_prefetch_changes_no_bit(n, k, m):
     want = w12_gemm(x, t, bias, escapes=esc, prefetch=0)
     ref = w12_gemm_reference(x, t, bias).float()
     assert (want.float() - ref).abs().max() <= 0.02 * ref.abs().max()  # the kernel ran (coarse; the bound is tested elsewhere)
-    for d in (2, 64):
+    for d, lines in ((2, False), (64, False), (1, True), (3, True)):
         for split in (None, 2):
-            assert torch.equal(w12_gemm(x, t, bias, escapes=esc, prefetch=d, split_k=split), w12_gemm(
-                x, t, bias, escapes=esc, prefetch=0, split_k=split)), (d, split)
+            assert torch.equal(w12_gemm(x, t, bias, escapes=esc, prefetch=d, prefetch_lines=lines, split_k=split),
+                               w12_gemm(x, t, bias, escapes=esc, prefetch=0, split_k=split)), (d, lines, split)
 
 
 @pytest.mark.gpu
@@ -69,11 +71,11 @@ def test_prefetch_changes_no_bit_in_the_fused_one_row_paths(split):
     gate_up = torch.randn(1, 2 * k, generator=g).to("cuda", torch.bfloat16)
     res = torch.randn(1, n, generator=g).to("cuda", torch.bfloat16)
     weight = (1 + 0.1 * torch.randn(n, generator=g)).to("cuda", torch.bfloat16)
-    for d in (1, 2, 64):
+    for d, lines in ((1, False), (64, False), (2, True)):
+        pf = dict(prefetch=d, prefetch_lines=lines, split_k=split)
         a0 = w12_add_residual(gate_up, down, res, glu=True, prefetch=0, split_k=split)
-        a1 = w12_add_residual(gate_up, down, res, glu=True, prefetch=d, split_k=split)
+        a1 = w12_add_residual(gate_up, down, res, glu=True, **pf)
         assert torch.equal(a0[0], a1[0]) and torch.equal(a0[1], a1[1])
-        assert torch.equal(w12_swiglu_down(gate_up, down, prefetch=d, split_k=split),
-                           w12_swiglu_down(gate_up, down, prefetch=0, split_k=split))
-        assert torch.equal(w12_norm_in(a0[0], a0[1], weight, 1e-6, up, prefetch=d, split_k=split),
+        assert torch.equal(w12_swiglu_down(gate_up, down, **pf), w12_swiglu_down(gate_up, down, prefetch=0, split_k=split))
+        assert torch.equal(w12_norm_in(a0[0], a0[1], weight, 1e-6, up, **pf),
                            w12_norm_in(a0[0], a0[1], weight, 1e-6, up, prefetch=0, split_k=split))
