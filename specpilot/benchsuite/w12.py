@@ -225,36 +225,27 @@ def shape_table() -> tuple[list[dict], list[dict]]:
     return checks, rows
 
 
-def decode_tokens_per_s(models: dict, prompt_len: int = 512, new_tokens: int = 256, rounds: int = 3,
-                        setup: dict | None = None) -> dict:
+def decode_tokens_per_s(models: dict, prompt_len: int = 512, new_tokens: int = 256, rounds: int = 3) -> dict:
     """AR decoding as the engine runs it (``Engine.generate`` with ``SystemConfig.ar()``, row buckets: CUDA graphs,
     steps queued ahead of the host read) for each of ``models`` (name -> Transformer): tokens/s of the decode
     steps, ``new_tokens / (t(1 + new_tokens) − t(1))`` so the prefill is not counted, median of ``rounds``
     interleaved rounds (every model once a round) on one random ``prompt_len``-token prompt. No EOS: every
-    request runs to its length. ``setup`` (name -> zero-argument callable, optional): run before that model's engine
-    is built (its CUDA graphs are captured then), its warm-up and each of its runs, e.g. to set a kernel default."""
-    setup = setup or {}
-    noop = lambda: None  # noqa: E731
+    request runs to its length."""
     from ..config import SystemConfig
     from ..engine.engine import Engine
 
     first = next(iter(models.values()))
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, min(1000, first.args.vocab_size), (prompt_len,), generator=g).tolist()
-    engines = {}
-    for k, m in models.items():  # the row-bucket graphs are captured here
-        setup.get(k, noop)()
-        engines[k] = Engine(m, SystemConfig.ar(dtype="bfloat16"), None, eos_ids=[], buckets=True,
-                            max_len=prompt_len + new_tokens + 8)
+    engines = {k: Engine(m, SystemConfig.ar(dtype="bfloat16"), None, eos_ids=[], buckets=True,
+                         max_len=prompt_len + new_tokens + 8) for k, m in models.items()}
     runs: dict = {k: [] for k in models}
     tokens: dict = {}
     sync = torch.cuda.synchronize if first.device.type == "cuda" else (lambda: None)
-    for k, e in engines.items():  # warm-up: graphs, the prompt's eager prefill
-        setup.get(k, noop)()
+    for e in engines.values():  # warm-up: graphs, the prompt's eager prefill
         e.generate(prompt, 4)
     for _ in range(rounds):
         for k, e in engines.items():
-            setup.get(k, noop)()
             sync()
             t0 = time.perf_counter()
             e.generate(prompt, 1)

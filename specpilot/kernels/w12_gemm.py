@@ -178,10 +178,6 @@ PROGRAMS_PER_SM = 2.9
 #: ``bench/results/w12_mma_sweep_h200_2026-12-01_session9.json``
 FUSED_SPLIT_MAX_ROWS = 16
 
-#: K steps the tensor-core kernel asks L2 to fetch ahead of its loads (``prefetch``; 0: none): see :func:`w12_gemm`
-MMA_PREFETCH = 0
-MMA_PREFETCH_LINES = False  # with MMA_PREFETCH: per-line prefetch of the program's own rows, not the bulk share
-
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     """Launch parameters for ``[m, k] @ W12[n, k]ᵀ`` from static shapes only (so graphs and eager calls agree).
@@ -208,8 +204,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
            and k_blocks // (2 * split) >= 4):
         split *= 2
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4,
-                w_left=True, words=True, fused_split=m <= FUSED_SPLIT_MAX_ROWS, esc_early=False, prefetch=MMA_PREFETCH,
-                prefetch_lines=MMA_PREFETCH_LINES)
+                w_left=True, words=True, fused_split=m <= FUSED_SPLIT_MAX_ROWS, esc_early=False)
 
 
 def one_row_gemv(n: int, k: int) -> bool:
@@ -226,8 +221,7 @@ def one_row_gemv(n: int, k: int) -> bool:
 
 #: launch overrides :func:`w12_gemm` takes (any other name is refused: a misspelt tuning knob must not pass silently)
 OVERRIDES = frozenset({"block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "w_left", "gemv", "words",
-                       "fused_split", "asm", "load_stages", "lines", "x_gather", "esc_early", "prefetch",
-                       "prefetch_lines"})
+                       "fused_split", "asm", "load_stages", "lines", "x_gather", "esc_early"})
 
 
 def _check_overrides(overrides: dict) -> None:
@@ -238,10 +232,7 @@ def _check_overrides(overrides: dict) -> None:
         v = overrides.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise W12GemmError(f"w12_gemm override {key} must be a positive integer, got {v!r}")
-    v = overrides.get("prefetch")
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-        raise W12GemmError(f"w12_gemm override prefetch must be a non-negative integer (K steps), got {v!r}")
-    for key in ("w_left", "gemv", "words", "fused_split", "asm", "lines", "x_gather", "esc_early", "prefetch_lines"):
+    for key in ("w_left", "gemv", "words", "fused_split", "asm", "lines", "x_gather", "esc_early"):
         v = overrides.get(key)
         if v is not None and not isinstance(v, bool):
             raise W12GemmError(f"w12_gemm override {key} must be True or False, got {v!r}")

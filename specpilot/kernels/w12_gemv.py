@@ -39,7 +39,7 @@ if triton is not None:
     from .fused import rmsnorm_values, silu_mul_values
     from .pdl import pdl_signal, pdl_start, pdl_wait
     from .w12_gemm import _add_escapes, _escapes_load, _norm_rstd, _split_end, _x_load
-    from .w12_tiles import _decode8, _load_groups, _prefetch_steps, _tile_words, _word_offsets
+    from .w12_tiles import _decode8, _load_groups, _tile_words, _word_offsets
 
 GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
 
@@ -49,10 +49,6 @@ GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
 #: (``bench/results/w12_gemv_probe_h200_2026-11-30_session4*.json``); 2–8 rows: what the registers allow
 #: (``bench/results/ptxas_w12_gemv_2026-11-30.json``), timed in session 13 (0.12–0.61x cuBLAS, left unrouted).
 GEMV_WARPS_PER_SM = {1: 11, 2: 16, 4: 10, 8: 8}
-
-#: K steps the one-row lines kernel asks L2 to fetch ahead of its loads (``prefetch``; 0: none): see :func:`w12_gemv`
-GEMV_PREFETCH = 0
-GEMV_PREFETCH_LINES = False  # with GEMV_PREFETCH: per-line prefetch of the program's own rows, not the bulk share
 
 
 def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
@@ -98,8 +94,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
         while split < 16 and programs * split < want and k_pad % (2 * split * bk) == 0:
             split *= 2
         return dict(block_n=bn, block_k=bk, split_k=split, num_warps=1, num_stages=3, asm=True, fused_split=True,
-                    load_stages=1, lines=True, esc_early=False, prefetch=GEMV_PREFETCH,
-                    prefetch_lines=GEMV_PREFETCH_LINES)
+                    load_stages=1, lines=True, esc_early=False)
     while bk < 2048 and k_pad % (2 * bk) == 0 and warps(2 * bk) <= 16 and programs * warps(bk) < want:
         bk *= 2
     split = 1
@@ -109,7 +104,7 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
            and programs * split * warps(bk) < want):
         bk *= 2
     return dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps(bk), num_stages=3, asm=True, fused_split=True,
-                load_stages=1, lines=False, esc_early=False, prefetch=0, prefetch_lines=False)
+                load_stages=1, lines=False, esc_early=False)
 
 
 def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict,
@@ -202,8 +197,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
             fuse |= dict(ADD=True, Res=add[0], SqOut=add[1])
         _w12_gemv_lines_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
-            m, n, k, k_pad, k_per_split, x.stride(0), GLU=glu, ESC_EARLY=bool(cfg["esc_early"]),
-            PF=int(cfg["prefetch"]) if common["ASM"] else 0, PF_LINES=bool(cfg["prefetch_lines"]), **fuse, **common)
+            m, n, k, k_pad, k_per_split, x.stride(0), GLU=glu, ESC_EARLY=bool(cfg["esc_early"]), **fuse, **common)
     else:
         _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
@@ -346,8 +340,7 @@ if triton is not None:
                                HAS_BIAS: tl.constexpr, ASM: tl.constexpr, GLU: tl.constexpr = False,
                                NORM: tl.constexpr = False, ADD: tl.constexpr = False, SQ_BLOCK: tl.constexpr = 1,
                                NormW=None, SqIn=None, n_sq=0, eps=0.0, Res=None, SqOut=None,
-                               ESC_EARLY: tl.constexpr = True, PF: tl.constexpr = 0,
-                               PF_LINES: tl.constexpr = False):
+                               ESC_EARLY: tl.constexpr = True):
         """One row (``lines``): the grid, split and epilogue of :func:`_w12_gemv_kernel`, with the step's words
         taken as ``[R, BLOCK_N · 8]`` tiles (R = BLOCK_K / 64 records; column ``j`` = row ``j // 8``, group
         ``j % 8``). Within a record the views of the tile's rows are one contiguous ``BLOCK_N · 64``-byte run and
@@ -380,17 +373,9 @@ if triton is not None:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if ESC_EARLY:
             esc = _escapes_load(RowPtr, EscK, EscD, offs_n, (offs_n < N) & (pid_k == 0))
-        if PF > 0 and not PF_LINES:  # L2 prefetch of steps 1 .. PF (step 0 is loaded at once)
-            _prefetch_steps(RecV, RecQ, n0, K_PAD, k0 // 64, k1 // 64, 1, PF, R, BLOCK_N, False)
-        if PF > 1 and PF_LINES:
-            for s_ in tl.static_range(1, PF):
-                _prefetch_steps(RecV, RecQ, n0, K_PAD, k0 // 64, k1 // 64, s_, 1, R, BLOCK_N, True)
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             vw, qw, xt = _lines_load(X, RecV, RecQ, k0 + kk, k1, K, v_off, q_off, rr, EVEN, X_EVEN, R, GLU, NORM, NormW,
                                      rstd)
-            if PF > 0:  # then of step PF + 1 ahead (LINES: PF ahead), behind this step's loads
-                _prefetch_steps(RecV, RecQ, n0, K_PAD, k0 // 64, k1 // 64, kk // BLOCK_K + PF + (0 if PF_LINES else 1), 1,
-                                R, BLOCK_N, PF_LINES)
             acc = _lines_sum(acc, vw, qw, xt, R, BLOCK_N, ASM)
         if not ESC_EARLY:
             esc = _escapes_load(RowPtr, EscK, EscD, offs_n, (offs_n < N) & (pid_k == 0))

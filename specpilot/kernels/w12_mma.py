@@ -34,8 +34,7 @@ if triton is not None:
 
     from .pdl import pdl_signal, pdl_start, pdl_wait
     from .w12_gemm import _add_escapes, _escapes_load, _split_end
-    from .w12_tiles import (_decode_words, _decode_words_bf16, _k_columns, _k_order, _load_groups, _prefetch_steps,
-                            _word_offsets)
+    from .w12_tiles import _decode_words, _decode_words_bf16, _k_columns, _k_order, _load_groups, _word_offsets
 
 
 #: ``x_gather`` default: load the activation tile with its columns in ``_k_order`` (see ``_mma_step``). Off: on
@@ -73,8 +72,6 @@ def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes,
         FP32=x.dtype == torch.float32,
         ASM=bool(cfg.get("asm", True)) and x.is_cuda, X_GATHER=bool(cfg.get("x_gather", X_GATHER_DEFAULT)),
         ESC_EARLY=bool(cfg.get("esc_early", False)),
-        PF=int(cfg.get("prefetch", 0)) if x.is_cuda and bool(cfg.get("asm", True)) else 0,
-        PF_LINES=bool(cfg.get("prefetch_lines", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl.w12_launch_kw(x.device))
     return _sum_splits(part, out, b, split, bias is not None, fused)
@@ -117,8 +114,7 @@ if triton is not None:
                         stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
                         FP32: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                        X_GATHER: tl.constexpr = False, ESC_EARLY: tl.constexpr = True, PF: tl.constexpr = 0,
-                        PF_LINES: tl.constexpr = False):
+                        X_GATHER: tl.constexpr = False, ESC_EARLY: tl.constexpr = True):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: BLOCK_N rows of one record band, one K
         chunk, BLOCK_M activation rows; ``acc [BLOCK_N, BLOCK_M] = W' xᵀ`` in float32 (see :func:`w12_mma`).
         ``RecV`` / ``RecQ``: the records as int64 / int32 words. ``X_EVEN``: every split ends inside K, so the
@@ -145,19 +141,9 @@ if triton is not None:
             first = BLOCK_K
         else:
             first = 0
-        if PF > 0 and not PF_LINES:  # L2 prefetch of steps 1 .. PF (step 0 is loaded at once)
-            _prefetch_steps(RecV, RecQ, tl.program_id(0) * BLOCK_N, K_PAD, k0 // 64, k1 // 64, 1, PF, BLOCK_K // 64,
-                            BLOCK_N, False)
-        if PF > 1 and PF_LINES:
-            for s_ in tl.static_range(1, PF):
-                _prefetch_steps(RecV, RecQ, tl.program_id(0) * BLOCK_N, K_PAD, k0 // 64, k1 // 64, s_, 1, BLOCK_K // 64,
-                                BLOCK_N, True)
         for kk in range(first, K_PER_SPLIT, BLOCK_K):
             kb = k0 + kk
             vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
-            if PF > 0:  # then of step PF + 1 ahead (LINES: PF ahead), behind this step's loads
-                _prefetch_steps(RecV, RecQ, tl.program_id(0) * BLOCK_N, K_PAD, k0 // 64, k1 // 64,
-                                kk // BLOCK_K + PF + (0 if PF_LINES else 1), 1, BLOCK_K // 64, BLOCK_N, PF_LINES)
             acc = _mma_step(acc, X, vw, qw, offs_m, m_ok, kb, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, X_EVEN, FP32, ASM,
                             X_GATHER)
         if PREFETCH:

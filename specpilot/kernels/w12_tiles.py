@@ -135,68 +135,6 @@ if triton is not None:
         col = (p // 32) * 32 + ((p // 2) % 4) * 8 + ((p // 16) % 2) * 4 + ((p // 8) % 2) * 2 + p % 2
         return tl.max_contiguous(tl.multiple_of(col, 2), 2)
 
-    #: PTX of :func:`_l2_prefetch`: thread 0 of the program asks the copy engine to bring ``$2`` bytes at ``$1`` into
-    #: L2 (``cp.async.bulk.prefetch.L2``, sm_90; no registers are written, nothing waits on it); 0 bytes: nothing
-    L2_PREFETCH_PTX = tl.constexpr("""{
-                .reg .pred p;
-                .reg .b32 t;
-                mov.u32 t, %tid.x;
-                setp.eq.u32 p, t, 0;
-                setp.ne.and.u32 p, $2, 0, p;
-                @p cp.async.bulk.prefetch.L2.global [$1], $2;
-                mov.u32 $0, 0;
-                }""")
-
-    @triton.jit
-    def _l2_prefetch(addr, nbytes):
-        """Bulk L2 prefetch of ``nbytes`` (int32, a multiple of 16; 0: none) at byte address ``addr`` (int64, 16-byte
-        aligned), issued once a program (thread 0). A hint: the values a kernel computes do not depend on it."""
-        tl.inline_asm_elementwise(asm=L2_PREFETCH_PTX, constraints="=r,l,r", args=[addr, nbytes], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-    #: PTX of :func:`_l2_prefetch_line`: ``prefetch.global.L2`` of the 128-byte line at ``$1`` where ``$2`` is non-zero
-    L2_PREFETCH_LINE_PTX = tl.constexpr("""{
-                .reg .pred p;
-                setp.ne.u32 p, $2, 0;
-                @p prefetch.global.L2 [$1];
-                mov.u32 $0, 0;
-                }""")
-
-    @triton.jit
-    def _prefetch_steps(RecV, RecQ, n0, K_PAD, rec0, rec_end, step, steps, R: tl.constexpr, BLOCK_N: tl.constexpr,
-                        LINES: tl.constexpr):
-        """L2 prefetch of record bytes for K steps ``step .. step + steps − 1`` of a split whose records are ``rec0 ..
-        rec_end − 1`` (``R`` records a step); steps past ``rec_end`` ask for nothing. A hint: no value depends on it.
-
-        ``LINES`` False: one bulk op a program (:func:`_l2_prefetch`) for its share of its band's bytes. A band's
-        records are contiguous (12288 bytes each), so those steps are one run of bytes; the ``128 / BLOCK_N``
-        programs of a band (adjacent program ids, in flight together) each ask for one equal contiguous part of it.
-        ``LINES`` True (``steps`` must be 1): the program's own rows, one ``prefetch.global.L2`` a 128-byte line
-        (``BLOCK_N / 2`` lines of views and ``BLOCK_N / 4`` of nibbles a record, at most 64 lines), spread over the
-        program's threads."""
-        if LINES:
-            LV: tl.constexpr = BLOCK_N // 2
-            LR: tl.constexpr = LV + BLOCK_N // 4
-            E: tl.constexpr = 64
-            tl.static_assert(R * LR <= E)
-            v0, q0 = _tile_words(n0, K_PAD)
-            e = tl.arange(0, E)
-            rec = rec0 + step * R + e // LR
-            c = e % LR
-            av = (RecV + rec * 1536 + v0 + c * 16).to(tl.int64, bitcast=True)  # 16 int64 words a line
-            aq = (RecQ + rec * 3072 + q0 + (c - LV) * 32).to(tl.int64, bitcast=True)  # 32 int32 words a line
-            ok = (e < R * LR) & (rec < rec_end)
-            tl.inline_asm_elementwise(asm=L2_PREFETCH_LINE_PTX, constraints="=r,l,r",
-                                      args=[tl.where(c < LV, av, aq), ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
-                                      pack=1)
-        else:
-            T: tl.constexpr = 128 // BLOCK_N
-            ra = tl.minimum(rec0 + step * R, rec_end)
-            rb = tl.minimum(rec0 + (step + steps) * R, rec_end)
-            words = (rb - ra) * (1536 // T)  # int64 words of this program's part (1536 a record)
-            first = (n0 // 128) * (K_PAD // 64) * 1536 + ra * 1536 + ((n0 % 128) // BLOCK_N) * words
-            _l2_prefetch((RecV + first).to(tl.int64, bitcast=True), (words * 8).to(tl.int32))
-
     @triton.jit
     def _tile_words(n0, K_PAD):
         """Row ``n0``'s first view word (int64 index) and first nibble word (int32 index) in record 0 of its band
