@@ -90,3 +90,34 @@ def test_max_warps_per_sm_from_registers():
     assert KernelResources(168, 0, 0, 4).max_warps_per_sm == 12  # 168 regs: 5376 a warp, 12 warps fit
     assert KernelResources(172, 0, 0, 8).max_warps_per_sm == 8  # 11 warps fit, whole programs of 8: 8
     assert KernelResources(32, 0, 0, 4).max_warps_per_sm == 64  # the SM's warp limit
+
+
+CAP_SCRIPT = r"""
+import json
+from specpilot.kernels import w12_mma
+from specpilot.kernels.resources import kernel_resources
+from specpilot.kernels.w12_gemm import WAVE_MAXNREG
+from specpilot.kernels.w12_tiles import WORD_KERNEL_SIGNATURE
+c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, FUSED=False, EVEN=True, X_EVEN=True, HAS_BIAS=False, FP32=False,
+         ASM=True, PDL=False, PREFETCH=False, X_GATHER=False, ESC_EARLY=False)
+out = {}
+aligned = tuple(n for n in WORD_KERNEL_SIGNATURE if n != "M")  # as a launch of 8 rows specialises them
+for cap in (None, WAVE_MAXNREG):
+    r = kernel_resources(w12_mma._w12_mma_kernel, WORD_KERNEL_SIGNATURE, c, 4, 4, maxnreg=cap, divisible_by_16=aligned)
+    out[str(cap)] = [r.registers, r.spill_bytes, r.max_warps_per_sm]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not ptxas_available(), reason="Triton's bundled ptxas is not installed here")
+def test_wave_register_cap_adds_a_program_an_sm_without_spills():
+    """:data:`~specpilot.kernels.w12_gemm.WAVE_MAXNREG`: the tensor-core kernel at BLOCK_M 16 (the launch
+    ``default_config`` caps) uncapped holds 5 four-warp programs an SM; capped, 6 and no spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", CAP_SCRIPT], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    (regs, spill, warps), (cap_regs, cap_spill, cap_warps) = out["None"], out["80"]
+    assert regs > 80 and warps == 20, out
+    assert cap_regs <= 80 and cap_spill == 0 and cap_warps == 24, out

@@ -14,7 +14,7 @@ import torch
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
 from specpilot.kernels import gemm
-from specpilot.kernels.w12_gemm import (ESC_SLOTS, PROGRAMS_PER_SM, W12GemmError, W12Linear, codes_at, default_config, escape_table, one_row_gemv, split_locks, w12_gemm,
+from specpilot.kernels.w12_gemm import (ESC_SLOTS, PROGRAMS_PER_SM, WAVE_MAXNREG, W12GemmError, W12Linear, codes_at, default_config, escape_table, one_row_gemv, split_locks, w12_gemm,
                                         w12_gemm_reference)
 from specpilot.w12.format import W12FormatError, W12Tensor, decode, encode
 
@@ -287,6 +287,30 @@ def test_default_config_fills_the_device_and_divides_k():
         progs = -(-n // c["block_n"]) * -(-m // c["block_m"])
         could_double = kb % (2 * c["split_k"]) == 0 and kb // (2 * c["split_k"]) >= 4
         assert progs * c["split_k"] >= PROGRAMS_PER_SM * 132 or not could_double
+
+
+def test_default_config_caps_registers_only_where_a_second_wave_shrinks():
+    # bench/results/w12_waves_probe_h200_2026-12-02_session18.json: 32B gate_up (800 programs) at 8 rows 128.9 µs
+    # uncapped, 109.2 capped; launches of at most 5 programs an SM were not helped
+    assert default_config(8, 51200, 5120)["maxnreg"] == WAVE_MAXNREG
+    assert default_config(16, 51200, 5120)["maxnreg"] == WAVE_MAXNREG
+    assert default_config(32, 51200, 5120)["maxnreg"] is None  # BLOCK_M 32 spills at the cap
+    for n, k in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (10240, 5120), (5120, 8192),
+                 (5120, 25600)]:
+        for m in (2, 8, 16, 32, 64):
+            assert default_config(m, n, k)["maxnreg"] is None, (m, n, k)
+    assert default_config(8, 51200, 5120, num_sms=200)["maxnreg"] is None  # 800 programs fit 200 SMs at 5 each
+
+
+def test_maxnreg_override_is_checked_and_changes_no_value():
+    t = encode((torch.randn(130, 200) * 0.02).to(torch.bfloat16), device=DEV)
+    x = torch.randn(9, 200, device=DEV)
+    want = w12_gemm(x, t, gemv=False)
+    for cap in (0, 24, 80, 255):
+        assert torch.equal(w12_gemm(x, t, gemv=False, maxnreg=cap), want)
+    for bad in (-1, 1, 23, 256, True, 80.0, "80"):
+        with pytest.raises(W12GemmError, match="maxnreg"):
+            w12_gemm(x, t, maxnreg=bad)
 
 
 def test_bad_input_raises():

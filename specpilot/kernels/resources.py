@@ -70,13 +70,15 @@ def ptxas_available() -> bool:
 
 
 def kernel_resources(kernel, signature: dict[str, str], constants: dict, num_warps: int, num_stages: int,
-                     arch: int = 90) -> KernelResources:
+                     arch: int = 90, maxnreg: int | None = None, divisible_by_16: tuple = ()) -> KernelResources:
     """Compile ``kernel`` (a ``@triton.jit`` function) for ``sm_{arch}a`` and read ptxas's report.
 
     Args:
         kernel: the jitted function. signature: every runtime argument's Triton type (``"*bf16"``, ``"i32"``).
         constants: every ``tl.constexpr`` argument's value. num_warps / num_stages: launch options.
-        arch: compute capability times ten (90: Hopper).
+        arch: compute capability times ten (90: Hopper). maxnreg: the launch option capping registers a thread.
+        divisible_by_16: runtime arguments to compile as a launch specialises them when their value (an integer, or a
+            pointer's address) is a multiple of 16, as real launches' tensors and shapes usually are.
     Returns: :class:`KernelResources`.
     Raises: ResourcesUnavailable without Triton / ptxas; RuntimeError when ptxas fails or says nothing.
     """
@@ -86,8 +88,10 @@ def kernel_resources(kernel, signature: dict[str, str], constants: dict, num_war
     from triton.compiler import ASTSource
 
     sig = dict(signature) | {name: "constexpr" for name in constants}
-    out = triton.compile(ASTSource(kernel, sig, constants), target=GPUTarget("cuda", arch, 32),
-                         options=dict(num_warps=num_warps, num_stages=num_stages))
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible_by_16}
+    out = triton.compile(ASTSource(kernel, sig, constants, attrs), target=GPUTarget("cuda", arch, 32),
+                         options=dict(num_warps=num_warps, num_stages=num_stages)
+                         | ({"maxnreg": maxnreg} if maxnreg else {}))
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"
         src.write_text(out.asm["ptx"])

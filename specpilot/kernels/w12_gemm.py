@@ -179,6 +179,20 @@ PROGRAMS_PER_SM = 2.9
 FUSED_SPLIT_MAX_ROWS = 16
 
 
+#: registers a thread of the tensor-core kernel at BLOCK_M 16 is capped at when its launch needs more than one wave.
+#: Uncapped it takes 86 (offline ptxas, sm_90a, M not a multiple of 16; fewer when M is), so an SM holds
+#: :data:`WAVE_PROGRAMS` = 5 four-warp programs (registers are allocated per warp in units of 256); at 80 (no spills,
+#: offline) it holds 6. H200 (``bench/w12_waves_probe.py``,
+#: ``bench/results/w12_waves_probe_h200_2026-12-02_session18.json``): Qwen3-32B gate_up launches 800 programs at
+#: 8–32 rows, 660 fit at 5 an SM (792 at 6), and the second wave of 140 ran nearly alone: 8 rows 128.9 µs uncapped, 109.2 at 80
+#: (cuBLAS 129.8); at 16 rows (M a multiple of 16, fewer registers) 106.9 uncapped, 129.4 when allowed 96 (the same
+#: cliff). Launches that fit one wave anyway (every Qwen3-8B projection, 32B qkv / o / down: at most 640 programs)
+#: gained nothing from the cap (8B at 8–16 rows 0–3% slower capped), so they are not capped. Not applied at 32 rows (BLOCK_M
+#: 32: 108 registers uncapped, 80 spills 140 bytes; 32B gate_up 146.7 → 131.3 µs but 32B qkv / o / down 1–5% slower).
+WAVE_MAXNREG = 80
+WAVE_PROGRAMS = 5
+
+
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     """Launch parameters for ``[m, k] @ W12[n, k]ᵀ`` from static shapes only (so graphs and eager calls agree).
 
@@ -194,6 +208,9 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     steps unrolled), but holds ~28 more registers through the loop (offline ptxas, 16 rows: 78 → 106; with the
     unrolled steps the kernel went 80 → 126 and Qwen3-32B's 640-program launches then no longer fit in one wave:
     32B down at 8 rows 1.39 → 1.07x in ``bench/results/w12_bench_h200_2026-12-02_session17_unrolled.json``).
+    ``maxnreg`` (:data:`WAVE_MAXNREG` or None): at BLOCK_M 16, a launch of more programs than the SMs hold at the
+    kernel's own register count (:data:`WAVE_PROGRAMS` an SM) runs with its registers capped, so an SM holds one more
+    and the second wave shrinks or goes (see :data:`WAVE_MAXNREG`).
     """
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = 64, 64
@@ -203,8 +220,10 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     while (programs * split < PROGRAMS_PER_SM * num_sms and k_blocks % (2 * split) == 0
            and k_blocks // (2 * split) >= 4):
         split *= 2
+    waves = programs * split > WAVE_PROGRAMS * num_sms  # uncapped, the launch needs a second wave
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4,
-                w_left=True, words=True, fused_split=m <= FUSED_SPLIT_MAX_ROWS, esc_early=False)
+                w_left=True, words=True, fused_split=m <= FUSED_SPLIT_MAX_ROWS, esc_early=False,
+                maxnreg=WAVE_MAXNREG if block_m == 16 and waves else None)
 
 
 def one_row_gemv(n: int, k: int) -> bool:
@@ -221,7 +240,7 @@ def one_row_gemv(n: int, k: int) -> bool:
 
 #: launch overrides :func:`w12_gemm` takes (any other name is refused: a misspelt tuning knob must not pass silently)
 OVERRIDES = frozenset({"block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "w_left", "gemv", "words",
-                       "fused_split", "asm", "load_stages", "lines", "x_gather", "esc_early"})
+                       "fused_split", "asm", "load_stages", "lines", "x_gather", "esc_early", "maxnreg"})
 
 
 def _check_overrides(overrides: dict) -> None:
@@ -232,6 +251,9 @@ def _check_overrides(overrides: dict) -> None:
         v = overrides.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise W12GemmError(f"w12_gemm override {key} must be a positive integer, got {v!r}")
+    v = overrides.get("maxnreg")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not (v == 0 or 24 <= v <= 255)):
+        raise W12GemmError(f"w12_gemm override maxnreg must be 0 (no cap) or a register count in 24..255, got {v!r}")
     for key in ("w_left", "gemv", "words", "fused_split", "asm", "lines", "x_gather", "esc_early"):
         v = overrides.get(key)
         if v is not None and not isinstance(v, bool):
@@ -275,13 +297,15 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
             for CUDA graphs).
             ``esc_early``: whether split 0 loads the escape slots before its K loop (:func:`default_config`; the
             one-row GEMV: :func:`~specpilot.kernels.w12_gemv.gemv_config`).
+            ``maxnreg``: the tensor-core kernel's register cap (registers a thread, 24..255; 0: none; default:
+            :func:`default_config`'s, see :data:`WAVE_MAXNREG`); changes no value.
             ``words`` (default True): the tensor-core kernel that reads record words
             (:func:`~specpilot.kernels.w12_mma.w12_mma`; on the H200 1.0–1.2x faster than ``words=False``, the
             byte-loading kernel below, at 16–256 rows: ``bench/results/w12_dense_probe_h200_2026-11-30.json``).
     Returns: ``[M, N]`` in x's dtype; within the module docstring's bound of :func:`w12_gemm_reference`.
     Raises: W12GemmError on bad shapes / dtypes / devices, M outside 1..256 (1..8 with ``gemv=True``), a weight
-        that is not a W12Tensor, an unknown override name (:data:`OVERRIDES`) or a non-positive block / split /
-        warp / stage count; RuntimeError without triton.
+        that is not a W12Tensor, an unknown override name (:data:`OVERRIDES`), a non-positive block / split /
+        warp / stage count or a register cap outside 0 / 24..255; RuntimeError without triton.
     """
     if triton is None:
         raise RuntimeError("triton is not installed")

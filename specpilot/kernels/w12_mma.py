@@ -73,7 +73,7 @@ def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes,
         ASM=bool(cfg.get("asm", True)) and x.is_cuda, X_GATHER=bool(cfg.get("x_gather", X_GATHER_DEFAULT)),
         ESC_EARLY=bool(cfg.get("esc_early", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl.w12_launch_kw(x.device))
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}), **pdl.w12_launch_kw(x.device))
     return _sum_splits(part, out, b, split, bias is not None, fused)
 
 
