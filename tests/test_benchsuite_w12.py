@@ -78,3 +78,13 @@ def test_probe_command_line_refuses_bad_arguments_in_one_line():
     else:
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             w12.budget_cli(["p", "o.json", "2.5"], "x.py", 5.0)
+
+
+def test_suite_records_the_launch_each_row_takes():
+    from specpilot.benchsuite.w12 import launch_config
+
+    one = launch_config(1, 51200, 5120)  # a one-row wide weight goes to the GEMV, which takes no register cap
+    assert one["kernel"] == "gemv" and one["lines"] and "maxnreg" not in one
+    eight = launch_config(8, 51200, 5120)
+    assert eight["kernel"] == "tensor_cores" and eight["maxnreg"] == 80
+    assert launch_config(1, 10240, 5120)["kernel"] == "tensor_cores"  # 32B qkv at one row: the tensor cores win

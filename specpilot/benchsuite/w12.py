@@ -35,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..kernels.w12_gemm import W12Linear, default_config, escape_table, w12_gemm, w12_gemm_reference
+from ..kernels.w12_gemm import W12Linear, default_config, escape_table, one_row_gemv, w12_gemm, w12_gemm_reference
 from ..mechanisms.w12 import to_w12
 from ..pilot.setup import measure_verify_ms
 from ..provenance import git_commit, versions
@@ -217,12 +217,25 @@ def shape_table() -> tuple[list[dict], list[dict]]:
             row = {"proj": name, "n": n, "k": k, "rows": m, "cublas_us": cub, "w12_us": ours, "speedup": cub / ours,
                    "cublas_TBps": n * k * 2 / cub / 1e6, "w12_TBps": t.nbytes / ours / 1e6,
                    "w12_bits_per_weight": t.bits_per_weight, "escapes": t.num_escapes, "encode_s": enc_s,
-                   "config": default_config(m, n, k)}
+                   "config": launch_config(m, n, k)}
             rows.append(row)
             print(json.dumps({k_: v for k_, v in row.items() if k_ != "config"}), flush=True)
         del ws, ts, w, t, esc
         torch.cuda.empty_cache()
     return checks, rows
+
+
+def launch_config(m: int, n: int, k: int) -> dict:
+    """The launch :func:`w12_gemm` picks by default for ``m`` rows of a ``[n, k]`` weight, with its ``kernel``: the
+    one-row GEMV's :func:`~specpilot.kernels.w12_gemv.gemv_config` where :func:`one_row_gemv` routes there, else the
+    tensor-core kernel's :func:`default_config` (device: the current CUDA device's SM count, 132 without one)."""
+    from ..kernels.gemm import _num_sms
+    from ..kernels.w12_gemv import gemv_config
+
+    sms = _num_sms(torch.cuda.current_device() if torch.cuda.is_available() else None)
+    if m == 1 and one_row_gemv(n, k):
+        return {"kernel": "gemv"} | gemv_config(n, k, sms, 1)
+    return {"kernel": "tensor_cores"} | default_config(m, n, k, sms)
 
 
 def decode_tokens_per_s(models: dict, prompt_len: int = 512, new_tokens: int = 256, rounds: int = 3) -> dict:
