@@ -35,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..kernels.w12_gemm import W12Linear, default_config, escape_table, one_row_gemv, w12_gemm, w12_gemm_reference
+from ..kernels.w12_gemm import W12Linear, default_config, escape_table, routes_to_gemv, w12_gemm, w12_gemm_reference
 from ..mechanisms.w12 import to_w12
 from ..pilot.setup import measure_verify_ms
 from ..provenance import git_commit, versions
@@ -227,13 +227,13 @@ def shape_table() -> tuple[list[dict], list[dict]]:
 
 def launch_config(m: int, n: int, k: int) -> dict:
     """The launch :func:`w12_gemm` picks by default for ``m`` rows of a ``[n, k]`` weight, with its ``kernel``: the
-    one-row GEMV's :func:`~specpilot.kernels.w12_gemv.gemv_config` where :func:`one_row_gemv` routes there, else the
+    one-row GEMV's :func:`~specpilot.kernels.w12_gemv.gemv_config` where :func:`routes_to_gemv` says so, else the
     tensor-core kernel's :func:`default_config` (device: the current CUDA device's SM count, 132 without one)."""
     from ..kernels.gemm import _num_sms
     from ..kernels.w12_gemv import gemv_config
 
     sms = _num_sms(torch.cuda.current_device() if torch.cuda.is_available() else None)
-    if m == 1 and one_row_gemv(n, k):
+    if routes_to_gemv(m, n, k):
         return {"kernel": "gemv"} | gemv_config(n, k, sms, 1)
     return {"kernel": "tensor_cores"} | default_config(m, n, k, sms)
 

@@ -238,6 +238,12 @@ def one_row_gemv(n: int, k: int) -> bool:
     return k <= 4096 or n > 4 * k or (n <= 4096 and k <= 3 * n)
 
 
+def routes_to_gemv(m: int, n: int, k: int) -> bool:
+    """Whether :func:`w12_gemm` without a ``gemv`` override runs ``m`` rows of a ``[n, k]`` weight on the GEMV
+    (one row and :func:`one_row_gemv`) rather than the tensor-core kernel."""
+    return m == 1 and one_row_gemv(n, k)
+
+
 #: launch overrides :func:`w12_gemm` takes (any other name is refused: a misspelt tuning knob must not pass silently)
 OVERRIDES = frozenset({"block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "w_left", "gemv", "words",
                        "fused_split", "asm", "load_stages", "lines", "x_gather", "esc_early", "maxnreg"})
@@ -328,7 +334,7 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         raise W12GemmError(f"escapes must be escape_table(w12) of this [{n}, {k}] weight: row_ptr [{n + 1}] and "
                            f"k / delta of at least {n * ESC_SLOTS} entries, got {row_ptr.numel()} / {esc_k.numel()} / "
                            f"{esc_d.numel()}")
-    if overrides.get("gemv", m == 1 and one_row_gemv(n, k)):
+    if overrides.get("gemv", routes_to_gemv(m, n, k)):
         from .w12_gemv import w12_gemv  # here, not at the top: w12_gemv imports this module's kernels
 
         return w12_gemv(x, w12, bias, (row_ptr, esc_k, esc_d), overrides)
