@@ -59,6 +59,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import SpecPilotError
 from ..w12.format import (RECORD_BYTES, RECORD_COLS, RECORD_ROWS, VIEW_BYTES, W12FormatError, W12Tensor, decode,
@@ -164,6 +165,159 @@ def escape_table(w12: W12Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     row_ptr = (n * ESC_SLOTS + torch.cat((over.new_zeros(1), over.cumsum(0)))).to(torch.int32)
     return (row_ptr, torch.cat((slot_k, (idx[~in_slot] % k).to(torch.int32))),
             torch.cat((slot_d, delta[~in_slot])))
+
+
+def _escape_layout(w12: W12Tensor, escapes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``escapes`` as ``(row_ptr, k, delta)`` after checking its container, dtypes, layout in memory, device and
+    sizes against ``w12`` (no values read: no device sync). Raises W12GemmError naming ``escape_table``."""
+    if not (isinstance(escapes, (tuple, list)) and len(escapes) == 3 and all(isinstance(e, torch.Tensor)
+                                                                            for e in escapes)):
+        raise W12GemmError("escapes must be escape_table(w12): a (row_ptr, k, delta) tuple of tensors")
+    row_ptr, esc_k, esc_d = escapes
+    n, k = w12.shape
+    if (row_ptr.dtype, esc_k.dtype, esc_d.dtype) != (torch.int32, torch.int32, torch.float32) or not all(
+            e.is_contiguous() and e.device == device for e in (row_ptr, esc_k, esc_d)):
+        raise W12GemmError("escapes must be escape_table(w12): contiguous int32 row_ptr, int32 k, float32 delta on "
+                           f"{device} (the activations' and records' device), got {row_ptr.dtype} / {esc_k.dtype} / "
+                           f"{esc_d.dtype} on {row_ptr.device} / {esc_k.device} / {esc_d.device}")
+    if (row_ptr.dim(), esc_k.dim(), esc_d.dim()) != (1, 1, 1) or row_ptr.numel() != n + 1 or \
+            esc_k.numel() < n * ESC_SLOTS or esc_d.numel() != esc_k.numel():
+        raise W12GemmError(f"escapes must be escape_table(w12) of this [{n}, {k}] weight: 1-D row_ptr [{n + 1}] and "
+                           f"k / delta of at least {n * ESC_SLOTS} entries, got {tuple(row_ptr.shape)} / "
+                           f"{tuple(esc_k.shape)} / {tuple(esc_d.shape)}")
+    return row_ptr, esc_k, esc_d
+
+
+def check_escape_table(w12: W12Tensor, escapes) -> None:
+    """Check that ``escapes`` is :func:`escape_table` of ``w12``, so that the W12 kernels read nothing out of bounds
+    and add the right escapes.
+
+    Args:
+        w12: the weight ``[N, K]`` (a valid :class:`~specpilot.w12.format.W12Tensor`).
+        escapes: ``(row_ptr, k, delta)``: contiguous 1-D int32 ``[N + 1]``, int32 ``[T]``, float32 ``[T]`` with
+            ``T ≥ N·S`` (``S`` = :data:`ESC_SLOTS`), on the records' device.
+    Checks, in this order (the first failure is raised): the container, dtypes, layout, device and sizes; the
+    weight itself (:meth:`~specpilot.w12.format.W12Tensor.validate`, as :func:`escape_table` indexes its records
+    at the escape positions); ``row_ptr[0] = N·S``; ``row_ptr`` non-decreasing; ``row_ptr[N] = T`` (every entry
+    past the slots belongs to one channel's overflow); slot columns ``k[n·S + j]`` in ``[-1, K)`` and a channel's
+    filled slots before its empty ones (``-1``: :func:`escape_table` fills slots ``0, 1, …`` in column order);
+    overflow columns ``k[N·S:]`` in ``[0, K)``; then equality with ``escape_table(w12)`` (``row_ptr`` and ``k``
+    exactly, ``delta`` by value with NaN equal to NaN), which also catches a table of another weight of the same
+    shape. The range checks make any table that passes them safe to read; equality makes the output right.
+    Cost: :func:`escape_table` (a sort of the E escapes) and one device sync; more copies to the host only when a
+    check fails. :func:`w12_gemm` runs it once per table (:func:`_check_escapes_once`).
+    Raises: W12GemmError with a one-line message naming the first bad entry (or the layout problem);
+        W12FormatError for a malformed ``w12``.
+    """
+    if not isinstance(w12, W12Tensor):
+        raise W12GemmError(f"check_escape_table takes a W12Tensor weight, got {type(w12).__name__}")
+    row_ptr, ks, d = _escape_layout(w12, escapes, w12.records.device)
+    w12.validate()
+    n, k = w12.shape
+    s = n * ESC_SLOTS
+    total = ks.numel()
+    slots = ks[:s].view(n, ESC_SLOTS)
+    empty = slots < 0
+    over = ks[s:]
+    flags = [row_ptr[0] == s, (row_ptr[1:] >= row_ptr[:-1]).all(), row_ptr[-1] == total,
+             ((slots >= -1) & (slots < k)).all(), ~(empty[:, :-1] & ~empty[:, 1:]).any(),
+             ((over >= 0) & (over < k)).all()]
+    ref = escape_table(w12)
+    if ref[1].numel() == total:
+        same_d = (d == ref[2]) | (d.isnan() & ref[2].isnan())
+        flags.append((row_ptr == ref[0]).all() & (ks == ref[1]).all() & same_d.all())
+    else:
+        flags.append(torch.zeros((), dtype=torch.bool, device=ks.device))
+    if all(torch.stack([f.reshape(()) for f in flags]).tolist()):  # the one sync
+        return
+    raise W12GemmError(_first_bad_escape(w12, (row_ptr, ks, d), ref))
+
+
+def _first_bad_escape(w12: W12Tensor, escapes, ref) -> str:
+    """:func:`check_escape_table`'s message for a table that failed a value check (on host copies)."""
+    rp, ks, d = (t.cpu() for t in escapes)
+    rp_ref, ks_ref, d_ref = (t.cpu() for t in ref)
+    n, k = w12.shape
+    s, total, S = n * ESC_SLOTS, ks.numel(), ESC_SLOTS
+    at = f"escape table of this [{n}, {k}] weight:"
+    if int(rp[0]) != s:
+        return f"{at} row_ptr[0] is {int(rp[0])}, want N·ESC_SLOTS = {s}"
+    dec = (rp[1:] < rp[:-1]).nonzero()
+    if dec.numel():
+        i = int(dec[0, 0]) + 1
+        return f"{at} row_ptr decreases at entry {i}: row_ptr[{i}] = {int(rp[i])} < row_ptr[{i - 1}] = {int(rp[i - 1])}"
+    if int(rp[-1]) != total:
+        return f"{at} row_ptr[{n}] is {int(rp[-1])}, want the table's length {total} (N·ESC_SLOTS + the overflow)"
+    slots = ks[:s]
+    bad = ((slots < -1) | (slots >= k)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        return f"{at} slot k[{i}] (channel {i // S}, slot {i % S}) is {int(slots[i])}, outside [-1, {k})"
+    empty = slots.view(n, S) < 0
+    bad = (empty[:, :-1] & ~empty[:, 1:]).reshape(-1).nonzero()
+    if bad.numel():
+        c, j = divmod(int(bad[0, 0]), S - 1)
+        i = c * S + j + 1
+        return (f"{at} slot k[{i}] (channel {c}, slot {j + 1}) is {int(slots[i])} after an empty slot {j}: "
+                "a channel's slots fill from slot 0")
+    bad = ((ks[s:] < 0) | (ks[s:] >= k)).nonzero()
+    if bad.numel():
+        i = s + int(bad[0, 0])
+        c = int(torch.searchsorted(rp, torch.tensor(i, dtype=rp.dtype), right=True)) - 1
+        return f"{at} overflow k[{i}] (channel {c}) is {int(ks[i])}, outside [0, {k})"
+    other = "not escape_table(w12) (a table of another weight?)"
+    diff = (rp != rp_ref).nonzero()
+    if diff.numel():
+        i = int(diff[0, 0])
+        return f"{at} {other}: row_ptr[{i}] is {int(rp[i])}, escape_table(w12) has {int(rp_ref[i])}"
+    diff = ((ks != ks_ref) | ~((d == d_ref) | (d.isnan() & d_ref.isnan()))).nonzero()
+    if diff.numel():
+        i = int(diff[0, 0])
+        where = f"channel {i // S}, slot {i % S}" if i < s else \
+            f"channel {int(torch.searchsorted(rp, torch.tensor(i, dtype=rp.dtype), right=True)) - 1}, overflow"
+        return (f"{at} {other}: entry {i} ({where}) is k = {int(ks[i])}, delta = {float(d[i])!r}; escape_table(w12) "
+                f"has k = {int(ks_ref[i])}, delta = {float(d_ref[i])!r}")
+    return f"{at} {other}"
+
+
+#: tables :func:`_check_escapes_once` has checked: key (the weight's shape and, for each of the table's three
+#: tensors and the weight's four, its storage, offset, shape, strides and dtype) -> (weak references to those
+#: storages, their tensors' version counters)
+_CHECKED_TABLES: dict = {}
+_CHECKED_MAX = 256
+
+
+def _version(t: torch.Tensor):
+    """``t._version``; None for an inference-mode tensor (it has no version counter)."""
+    return None if t.is_inference() else t._version
+
+
+def _check_escapes_once(w12: W12Tensor, escapes) -> None:
+    """:func:`check_escape_table` the first time a table is used with a weight, not on later calls while the seven
+    tensors (the table's three, the weight's records / base / esc_idx / esc_val) are views of the same storages
+    (held by weak reference: a freed one's entry is dead, its address never reused while held) at the same
+    offsets, shapes, strides and dtypes, with unchanged version counters (bumped by every in-place write through
+    torch, in any view; :meth:`W12Linear.escapes`' fresh dtype view of its buffer hits too). Not re-checked:
+    writes that bypass the counter (``.data``, DLPack, raw pointers) and in-place writes to inference-mode
+    tensors (no counter). Skipped, and nothing recorded, while the current CUDA stream captures a graph (the check
+    syncs). At most :data:`_CHECKED_MAX` tables are remembered (dead entries dropped first, then the oldest)."""
+    ts = (*escapes, w12.records, w12.base, w12.esc_idx, w12.esc_val)
+    key = (tuple(w12.shape),) + tuple((t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(),
+                                       t.dtype) for t in ts)
+    versions = tuple(_version(t) for t in ts)
+    hit = _CHECKED_TABLES.get(key)
+    if hit is not None and hit[1] == versions and not any(r.expired() for r in hit[0]):
+        return
+    if ts[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    check_escape_table(w12, escapes)
+    if len(_CHECKED_TABLES) >= _CHECKED_MAX:
+        for old in [kk for kk, (refs, _) in _CHECKED_TABLES.items() if any(r.expired() for r in refs)]:
+            del _CHECKED_TABLES[old]
+        while len(_CHECKED_TABLES) >= _CHECKED_MAX:
+            del _CHECKED_TABLES[next(iter(_CHECKED_TABLES))]
+    _CHECKED_TABLES.pop(key, None)
+    _CHECKED_TABLES[key] = (tuple(StorageWeakRef(t.untyped_storage()) for t in ts), versions)
 
 
 #: programs a launch aims for, per SM (SPLIT_K grows until reached): on the H200 the best split in
@@ -292,7 +446,11 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
         x: ``[M, K]``, 1 ≤ M ≤ 256, bfloat16 (GPU) or float32 (decoded weights in float32; the interpreter).
         w12: the weight ``[N, K]`` (records on x's device).
         bias: ``[N]`` (any float dtype) or None.
-        escapes: :func:`escape_table` of ``w12`` (computed when None; :class:`W12Linear` keeps it).
+        escapes: :func:`escape_table` of ``w12`` (computed when None; :class:`W12Linear` keeps it). A given table
+            is checked by :func:`check_escape_table` on its first use with this weight (values, and that it is
+            ``escape_table(w12)``: one device sync), then not again while its tensors and the weight's are the same
+            memory with unchanged version counters (:func:`_check_escapes_once`); not checked while a CUDA graph
+            is being captured (check it before the capture, e.g. with an eager call).
         overrides: block_m / block_n (16–128, dividing 128) / block_k (a multiple of 64) / split_k /
             num_warps / num_stages / w_left, and ``gemv``: True runs
             :func:`~specpilot.kernels.w12_gemv.w12_gemv` (FMAs; 1..8 rows), False the tensor-core kernel;
@@ -311,8 +469,18 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
     Returns: ``[M, N]`` in x's dtype; within the module docstring's bound of :func:`w12_gemm_reference`.
     Raises: W12GemmError on bad shapes / dtypes / devices, M outside 1..256 (1..8 with ``gemv=True``), a weight
         that is not a W12Tensor, an unknown override name (:data:`OVERRIDES`), a non-positive block / split /
-        warp / stage count or a register cap outside 0 / 24..255; RuntimeError without triton.
+        warp / stage count or a register cap outside 0 / 24..255, an escape table that is not this weight's
+        :func:`escape_table` (:func:`check_escape_table`); W12FormatError for a malformed weight given with a
+        table (:meth:`~specpilot.w12.format.W12Tensor.validate`, with the table's check); RuntimeError without
+        triton. Nothing is launched before these checks.
     """
+    return _w12_gemm(x, w12, bias, escapes, overrides, trusted=False)
+
+
+def _w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict,
+              trusted: bool) -> torch.Tensor:
+    """:func:`w12_gemm`; ``trusted``: ``escapes`` is known to be ``escape_table(w12)`` (:class:`W12Linear`'s own
+    table), so its values are not checked (its layout still is: no device sync)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     _check(x, w12, bias)
@@ -322,18 +490,12 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
     if not 1 <= m <= MAX_ROWS:
         raise W12GemmError(f"w12_gemm takes 1..{MAX_ROWS} rows, got {m}")
     x = x if x.stride(1) == 1 else x.contiguous()
-    if escapes is not None and not (isinstance(escapes, (tuple, list)) and len(escapes) == 3
-                                    and all(isinstance(e, torch.Tensor) for e in escapes)):
-        raise W12GemmError("escapes must be escape_table(w12): a (row_ptr, k, delta) tuple of tensors")
-    row_ptr, esc_k, esc_d = escape_table(w12) if escapes is None else escapes
-    if (row_ptr.dtype, esc_k.dtype, esc_d.dtype) != (torch.int32, torch.int32, torch.float32) or not all(
-            e.is_contiguous() and e.device == x.device for e in (row_ptr, esc_k, esc_d)):
-        raise W12GemmError("escapes must be escape_table(w12): contiguous int32 row_ptr, int32 k, float32 delta on "
-                           f"x's device, got {row_ptr.dtype} / {esc_k.dtype} / {esc_d.dtype}")
-    if row_ptr.numel() != n + 1 or esc_k.numel() < n * ESC_SLOTS or esc_d.numel() != esc_k.numel():
-        raise W12GemmError(f"escapes must be escape_table(w12) of this [{n}, {k}] weight: row_ptr [{n + 1}] and "
-                           f"k / delta of at least {n * ESC_SLOTS} entries, got {row_ptr.numel()} / {esc_k.numel()} / "
-                           f"{esc_d.numel()}")
+    if escapes is None:
+        row_ptr, esc_k, esc_d = escape_table(w12)
+    else:
+        row_ptr, esc_k, esc_d = _escape_layout(w12, escapes, x.device)
+        if not trusted:
+            _check_escapes_once(w12, (row_ptr, esc_k, esc_d))
     if overrides.get("gemv", routes_to_gemv(m, n, k)):
         from .w12_gemv import w12_gemv  # here, not at the top: w12_gemv imports this module's kernels
 
@@ -534,9 +696,10 @@ class W12Linear(nn.Module):
             y = F.linear(x2, w, self.bias) if x2.dtype == torch.bfloat16 else _linear_f32(x2, w, self.bias)
         else:
             esc = self.escapes()
-            y = torch.cat([w12_gemm(x2[i:i + MAX_ROWS], self.w12(), self.bias, escapes=esc)
+            w12 = self.w12()  # its own escape_table: trusted, no value check and no sync
+            y = torch.cat([_w12_gemm(x2[i:i + MAX_ROWS], w12, self.bias, esc, {}, trusted=True)
                            for i in range(0, x2.shape[0], MAX_ROWS)]) if x2.shape[0] > MAX_ROWS else \
-                w12_gemm(x2, self.w12(), self.bias, escapes=esc)
+                _w12_gemm(x2, w12, self.bias, esc, {}, trusted=True)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -778,5 +941,6 @@ if triton is not None:
 
 
 __all__ = ["w12_gemm", "w12_gemm_reference", "W12Linear", "W12GemmError", "default_config", "escape_table", "one_row_gemv",
+           "check_escape_table",
            "split_locks",
            "codes_at", "MAX_ROWS", "DENSE_ROWS"]
