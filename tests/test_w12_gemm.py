@@ -432,7 +432,7 @@ def test_interpreter_runs_w12_gemm_outside_the_test_suite():
 
 def test_escape_table_of_another_layout_is_refused():
     """A table of the wrong length, dtype, layout in memory or container is a clear W12GemmError before any launch
-    (a table of another weight of the same shape is not detectable without reading it: not checked)."""
+    (values, and a table of another weight of the same shape: tests/test_w12_escape_check.py)."""
     w = planted_weight(64, 128, seed=5)
     t = encode(w)
     row_ptr, ks, delta = escape_table(t)
