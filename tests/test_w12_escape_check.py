@@ -209,3 +209,20 @@ def test_non_finite_escapes_pass_their_own_check():
     check_escape_table(t, esc)
     x = _x(1, 5)
     assert torch.equal(w12_gemm(x, t, escapes=esc).isnan(), w12_gemm(x, t).isnan())
+
+
+def test_inference_mode_tables_are_checked_once(weight, monkeypatch):
+    """Inference-mode tensors have no version counter: checked on first use, then remembered by their memory."""
+    _, t = weight
+    calls = []
+    real = wg.check_escape_table
+    monkeypatch.setattr(wg, "check_escape_table", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        esc = escape_table(t)
+        bad = (esc[0], esc[1].clone(), esc[2])
+        bad[1][0] = K
+        for _ in range(2):
+            wg._check_escapes_once(t, esc)
+        with pytest.raises(W12GemmError, match=r"slot k\[0\]"):
+            wg._check_escapes_once(t, bad)
+    assert len(calls) == 2

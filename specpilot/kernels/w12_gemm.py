@@ -289,24 +289,24 @@ _CHECKED_MAX = 256
 
 def _version(t: torch.Tensor):
     """``t._version``; None for an inference-mode tensor (it has no version counter)."""
-    return None if t.is_inference() else t._version
+    return None if t.is_inference() else t._version  # (not try / except: raising costs ~10 µs a call)
 
 
 def _check_escapes_once(w12: W12Tensor, escapes) -> None:
     """:func:`check_escape_table` the first time a table is used with a weight, not on later calls while the seven
     tensors (the table's three, the weight's records / base / esc_idx / esc_val) are views of the same storages
-    (held by weak reference: a freed one's entry is dead, its address never reused while held) at the same
+    (held by weak reference: their addresses, in the key, are not reused while held) at the same
     offsets, shapes, strides and dtypes, with unchanged version counters (bumped by every in-place write through
     torch, in any view; :meth:`W12Linear.escapes`' fresh dtype view of its buffer hits too). Not re-checked:
     writes that bypass the counter (``.data``, DLPack, raw pointers) and in-place writes to inference-mode
     tensors (no counter). Skipped, and nothing recorded, while the current CUDA stream captures a graph (the check
     syncs). At most :data:`_CHECKED_MAX` tables are remembered (dead entries dropped first, then the oldest)."""
     ts = (*escapes, w12.records, w12.base, w12.esc_idx, w12.esc_val)
-    key = (tuple(w12.shape),) + tuple((t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(),
-                                       t.dtype) for t in ts)
-    versions = tuple(_version(t) for t in ts)
+    key = (tuple(w12.shape),) + tuple((t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype)
+                                      for t in ts)
     hit = _CHECKED_TABLES.get(key)
-    if hit is not None and hit[1] == versions and not any(r.expired() for r in hit[0]):
+    versions = tuple(_version(t) for t in ts)
+    if hit is not None and hit[1] == versions:  # key equal: the same live storages (a held one's address is not reused)
         return
     if ts[0].is_cuda and torch.cuda.is_current_stream_capturing():
         return
