@@ -37,6 +37,8 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # Qwen3-8B, (N, K)
 CASES = [f"{impl}-{proj}-{rows}" for proj in SHAPES for rows in (1, 8, 16, 32) for impl in ("w12", "cublas")]
 CASES += ["head-int8-1", "head-bf16-1"]
+# the warp-specialised stream-K kernel (specpilot.kernels.w12_ws, Gluon), 8-32 rows: asked for by name (--cases)
+WS_CASES = [f"ws-{proj}-{rows}" for proj in SHAPES for rows in (8, 16, 32)]
 HEAD = (151936, 4096)  # Qwen3-8B LM head (V, K)
 
 
@@ -116,6 +118,14 @@ def run_case(case: str) -> None:
             t = encode(w, device=dev)
             esc = escape_table(t)
             fn = lambda: w12_gemm(x, t, escapes=esc)  # noqa: E731
+        elif impl == "ws":
+            from specpilot.kernels.w12_gemm import escape_table
+            from w12_ws import w12_ws
+            from specpilot.w12.format import encode
+
+            t = encode(w, device=dev)
+            esc = escape_table(t)
+            fn = lambda: w12_ws(x, t, esc)  # noqa: E731
         else:
             fn = lambda: F.linear(x, w)  # noqa: E731
     for _ in range(3):
@@ -130,7 +140,7 @@ def run_case(case: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     ap.add_argument("out", nargs="?")
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES + WS_CASES))
     ap.add_argument("--run-case", help=argparse.SUPPRESS)  # the child process under ncu
     ap.add_argument("--parse", help="parse a saved ncu --csv --page details file and print the JSON")
     a = ap.parse_args()
@@ -144,7 +154,7 @@ def main() -> int:
     if not a.out:
         ap.error("OUT.json is required")
     cases = [c for c in a.cases.split(",") if c]
-    bad = [c for c in cases if c not in CASES]
+    bad = [c for c in cases if c not in CASES + WS_CASES]
     if bad:
         ap.error(f"unknown case(s) {bad}; known: {CASES}")
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
