@@ -37,7 +37,7 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # Qwen3-8B, (N, K)
 CASES = [f"{impl}-{proj}-{rows}" for proj in SHAPES for rows in (1, 8, 16, 32) for impl in ("w12", "cublas")]
 CASES += ["head-int8-1", "head-bf16-1"]
-# the warp-specialised stream-K kernel (specpilot.kernels.w12_ws, Gluon), 8-32 rows: asked for by name (--cases)
+# the warp-specialised stream-K kernel (bench/w12_ws.py, Gluon), 8-32 rows: asked for by name (--cases)
 WS_CASES = [f"ws-{proj}-{rows}" for proj in SHAPES for rows in (8, 16, 32)]
 HEAD = (151936, 4096)  # Qwen3-8B LM head (V, K)
 
@@ -156,14 +156,14 @@ def main() -> int:
     cases = [c for c in a.cases.split(",") if c]
     bad = [c for c in cases if c not in CASES + WS_CASES]
     if bad:
-        ap.error(f"unknown case(s) {bad}; known: {CASES}")
+        ap.error(f"unknown case(s) {bad}; known: {CASES + WS_CASES}")
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     if not Path(ncu).exists():
         print("error: ncu (Nsight Compute) is not installed here; run this on the GPU machine", file=sys.stderr)
         return 2
     from specpilot.provenance import git_commit, versions
 
-    res = {"commit": git_commit(), "versions": versions(), "method": __doc__.strip().splitlines()[0],
+    res = {"commit": git_commit(), "versions": versions(), "method": __doc__.strip().split("\n\n")[0].replace("\n", " "),
            "ncu": subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1:],
            "sections": SECTIONS, "cases": {}}
     for case in cases:

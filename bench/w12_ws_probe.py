@@ -1,5 +1,5 @@
 """``python bench/w12_ws_probe.py OUT.json [PREFIX ...]``: the warp-specialised stream-K W12 GEMM
-(:mod:`specpilot.kernels.w12_ws`, Gluon) against cuBLAS bf16 and the default W12 GEMM, side by side in one run.
+(``bench/w12_ws.py``, Gluon) against cuBLAS bf16 and the default W12 GEMM, side by side in one run.
 
 Per projection (default: the Qwen3-8B ones) and 8 / 16 / 32 rows: cuBLAS, the default ``w12_gemm``, and
 ``w12_ws`` with one or two consumer partitions and several ring depths, each checked against the reference (bound of
