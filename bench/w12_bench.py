@@ -4,7 +4,7 @@ the probes in this directory import its helpers by name (``from w12_bench import
 import sys
 
 from specpilot.benchsuite.w12 import (SHAPES, bits_equal, budget_cli, check, checked_time, codes, copies_of,  # noqa: F401
-                                      main, projection_copies, write_result)
+                                      main, prefix_cli, projection_copies, write_result)
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:

@@ -24,7 +24,7 @@ from specpilot.kernels.w12_gemm import default_config, w12_gemm
 from specpilot.provenance import git_commit, versions
 
 from timing import time_calls  # noqa: E402  (bench/timing.py)
-from w12_bench import bits_equal, check, codes, projection_copies, write_result  # noqa: E402
+from w12_bench import bits_equal, check, codes, prefix_cli, projection_copies, write_result  # noqa: E402
 
 dev = "cuda"
 CAPS = (0, 96, 80, 72)  # 0: no cap (the default caps some launches: default_config's maxnreg)
@@ -66,8 +66,4 @@ def main(out_path: str, prefixes: tuple = ("qwen3-32b", "qwen3-8b")) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python bench/w12_waves_probe.py OUT.json [PREFIX ...]")
-    if not torch.cuda.is_available():
-        sys.exit("this probe times CUDA kernels: it needs a CUDA GPU")
-    main(sys.argv[1], tuple(sys.argv[2:]) or ("qwen3-32b", "qwen3-8b"))
+    main(*prefix_cli(sys.argv, "w12_waves_probe.py", ("qwen3-32b", "qwen3-8b")))

@@ -20,7 +20,7 @@ from w12_ws import w12_ws, ws_prepare
 from specpilot.provenance import git_commit, versions
 
 from timing import time_calls  # noqa: E402  (bench/timing.py)
-from w12_bench import bits_equal, checked_time, codes, projection_copies, write_result  # noqa: E402
+from w12_bench import bits_equal, checked_time, codes, prefix_cli, projection_copies, write_result  # noqa: E402
 
 VARIANTS = {"p132": dict(), "p132_s4": dict(stages=4), "p264_s4": dict(programs=264, stages=4),
             "split_rows_sync": dict(split_rows=True, overlap=False)}
@@ -64,8 +64,4 @@ def main(out_path: str, prefixes: tuple = ("qwen3-8b",)) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python bench/w12_ws_probe.py OUT.json [PREFIX ...]")
-    if not torch.cuda.is_available():
-        sys.exit("this probe times CUDA kernels: it needs a CUDA GPU")
-    main(sys.argv[1], tuple(sys.argv[2:]) or ("qwen3-8b",))
+    main(*prefix_cli(sys.argv, "w12_ws_probe.py", ("qwen3-8b",)))

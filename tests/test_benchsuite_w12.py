@@ -78,6 +78,14 @@ def test_probe_command_line_refuses_bad_arguments_in_one_line():
     else:
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             w12.budget_cli(["p", "o.json", "2.5"], "x.py", 5.0)
+    with pytest.raises(SystemExit, match=r"usage: python bench/y.py OUT.json \[PREFIX"):
+        w12.prefix_cli(["p"], "y.py", ("qwen3-8b",))
+    if torch.cuda.is_available():
+        assert w12.prefix_cli(["p", "o.json"], "y.py", ("qwen3-8b",)) == ("o.json", ("qwen3-8b",))
+        assert w12.prefix_cli(["p", "o.json", "a", "b"], "y.py", ("qwen3-8b",)) == ("o.json", ("a", "b"))
+    else:
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            w12.prefix_cli(["p", "o.json", "qwen3-32b"], "y.py", ("qwen3-8b",))
 
 
 def test_suite_records_the_launch_each_row_takes():

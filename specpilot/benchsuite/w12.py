@@ -124,6 +124,17 @@ def budget_cli(argv: list[str], script: str, default_budget_s: float) -> tuple[s
     return argv[1], float(argv[2]) if len(argv) == 3 else default_budget_s
 
 
+def prefix_cli(argv: list[str], script: str, default_prefixes: tuple) -> tuple[str, tuple]:
+    """The command line of the per-projection probes in ``bench/``: ``python bench/SCRIPT OUT.json [PREFIX ...]``
+    (PREFIX: a start of a :data:`SHAPES` name, e.g. ``qwen3-8b``). Returns ``(out_path, prefixes)``. Raises
+    SystemExit with a one-line message (no traceback) without OUT.json or on a machine without CUDA."""
+    if len(argv) < 2:
+        raise SystemExit(f"usage: python bench/{script} OUT.json [PREFIX ...]")
+    if not torch.cuda.is_available():
+        raise SystemExit("this probe times CUDA kernels: it needs a CUDA GPU")
+    return argv[1], tuple(argv[2:]) or default_prefixes
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
 
