@@ -104,16 +104,17 @@ def ws_records(w12: W12Tensor) -> torch.Tensor:
     return torch.cat((v.reshape(nt, kt, -1), q.reshape(nt, kt, -1)), dim=-1).contiguous()
 
 
-_WS_RECORDS: dict = {}  # (records' data_ptr, shape) -> ws_records (a probe's cache: not freed)
+_WS_RECORDS: dict = {}  # id(records) -> (records, ws_records): a probe's cache, never freed (holds both)
 
 
 def ws_prepare(w12: W12Tensor) -> torch.Tensor:
-    """:func:`ws_records` of ``w12``, made once and kept (call it before capturing a CUDA graph that runs
-    :func:`w12_ws` on this weight: the permutation is a torch op)."""
-    key = (w12.records.data_ptr(), tuple(w12.records.shape))
-    if key not in _WS_RECORDS:
-        _WS_RECORDS[key] = ws_records(w12)
-    return _WS_RECORDS[key]
+    """:func:`ws_records` of ``w12``, made once per records tensor and kept (call it before capturing a CUDA graph
+    that runs :func:`w12_ws` on this weight: the permutation is a torch op). Keyed on the records tensor itself
+    (held by the cache), not its address, so a freed weight's address reused by another never hits."""
+    hit = _WS_RECORDS.get(id(w12.records))
+    if hit is None or hit[0] is not w12.records:
+        hit = _WS_RECORDS[id(w12.records)] = (w12.records, ws_records(w12))
+    return hit[1]
 
 
 def w12_ws(x: torch.Tensor, w12: W12Tensor, escapes, programs: int | None = None, stages: int = 6,
