@@ -1,7 +1,7 @@
 """Measured read floor of one kernel launch (issue 5): how fast can *any* kernel that reads a projection's
 weight bytes once, in one launch inside a CUDA graph of back-to-back launches, finish on this GPU?
 
-    python bench/read_floor.py OUT.json
+    python bench/read_floor.py OUT.json [--rows 1,8,16,32] [--models qwen3-8b,qwen3-32b]
 
 The W12 GEMM's done-when asks for 1.25x cuBLAS at 1 row on every Qwen3-8B projection. A W12 kernel must at
 least read its 12-bit records (0.75 of the bf16 bytes); this script times a plain streaming read of exactly
@@ -12,10 +12,13 @@ away), best over a few launch shapes, beside cuBLAS and the W12 GEMM in the same
 2. Launch floor: µs per call of a kernel that reads nothing (1024 programs of 2 warps), back to back in one graph.
 3. Read floor vs size: µs to read 4 MB .. 256 MB (distinct buffers cycled: ≥ 1 GiB, no L2 reuse), best config
    per size, and the fit ``t = fixed + bytes / bandwidth`` over sizes up to 64 MB.
-4. Per Qwen3-8B / Qwen3-32B projection at 1 row: cuBLAS bf16 and W12 (defaults) µs, the read floor of the W12
-   bytes and of the bf16 bytes (same kernel, same run), and the derived figures: ``w12_of_floor`` = floor /
-   W12 µs (how close the W12 kernel is to a plain read), ``cap_vs_cublas`` = cuBLAS µs / read floor of the W12
-   bytes (the most any single-launch W12 kernel could beat this cuBLAS by), ``needed_us`` = cuBLAS µs / 1.25.
+4. Per Qwen3-8B / Qwen3-32B projection and row count (``--rows``, default 1): cuBLAS bf16 and W12 (defaults)
+   µs, the read floor of the W12 bytes and of the bf16 bytes (same kernel, same run), and the derived figures
+   (:func:`budget`): ``w12_of_floor`` = floor / W12 µs (how close the W12 kernel is to a plain read),
+   ``cap_vs_cublas`` = cuBLAS µs / read floor of the W12 bytes (the most any single-launch W12 kernel could beat
+   this cuBLAS by), ``needed_us`` = cuBLAS µs / 1.25, ``excess_w12_us`` / ``excess_cublas_us`` = each kernel's
+   time above a plain read of its own bytes, ``budget_us`` = the excess a W12 kernel may carry and still be
+   1.25x, ``budget_of_cublas_excess`` = that budget over cuBLAS's own excess.
 
 Writes OUT.json after each section (device, versions, commit, every figure).
 """
@@ -86,8 +89,24 @@ def read_reference(x: torch.Tensor, cfg) -> torch.Tensor:
     return torch.from_numpy(np.bitwise_xor.reduce(words.reshape(-1, chunk), axis=1)).to(x.device)
 
 
-def main(out_path: str) -> dict:
-    """Sections 1-4 (module docstring); writes ``out_path`` after each. Raises RuntimeError without CUDA."""
+def budget(cublas_us: float, w12_us: float, floor_w12_us: float, floor_bf16_us: float, goal: float = 1.25) -> dict:
+    """The derived figures of one (projection, rows) cell, all times in µs (see the module docstring, section 4).
+
+    ``excess_w12_us`` / ``excess_cublas_us``: what each kernel takes above a plain read of its own bytes;
+    ``budget_us``: the excess a W12 kernel may take and still be ``goal`` x cuBLAS (cuBLAS / goal − the W12
+    floor); ``budget_of_cublas_excess``: that budget over cuBLAS's own excess (below 1: the goal asks the W12
+    kernel to carry less overhead above its read than cuBLAS carries above its own)."""
+    xs_b = cublas_us - floor_bf16_us
+    bud = cublas_us / goal - floor_w12_us
+    return {"speedup": cublas_us / w12_us, "w12_of_floor": floor_w12_us / w12_us, "cublas_of_floor": floor_bf16_us / cublas_us,
+            "cap_vs_cublas": cublas_us / floor_w12_us, "needed_us": cublas_us / goal, "floor_ratio": floor_bf16_us / floor_w12_us,
+            "excess_w12_us": w12_us - floor_w12_us, "excess_cublas_us": xs_b, "budget_us": bud,
+            "budget_of_cublas_excess": bud / xs_b if xs_b > 0 else math.inf}
+
+
+def main(out_path: str, rows=(1,), models=("qwen3-8b", "qwen3-32b")) -> dict:
+    """Sections 1-4 (module docstring) for the row counts ``rows`` and the projection-name prefixes ``models``;
+    writes ``out_path`` after each. Raises RuntimeError without CUDA."""
     if not torch.cuda.is_available():
         raise RuntimeError("the read-floor probe needs a CUDA GPU")
     import torch.nn.functional as F
@@ -152,33 +171,51 @@ def main(out_path: str) -> dict:
     print("fit", res["fit_to_64mb"], flush=True)
     save()
 
-    # 4. per projection, 1 row: cuBLAS, W12, and the read floors of both byte counts
+    # 4. per projection and row count: cuBLAS, W12, and the read floors of both byte counts (once a projection:
+    # the weights are the bytes; x and y are < 0.4 MB at 32 rows)
+    res["rows"] = list(rows)
     res["projections"] = []
-    for prefix in ("qwen3-8b", "qwen3-32b"):
+    for prefix in models:
         for name, n_, k, w, t, esc, ts, ws in projection_copies(prefix):
-            xr = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-            cub = time_calls(lambda a, w_: F.linear(a, w_), ws, xr)
-            ours = time_calls(lambda a, te: w12_gemm(a, te[0], escapes=te[1]), ts, xr)
             fw, _ = floor_us(t.nbytes)
             fb, _ = floor_us(n_ * k * 2)
-            row = {"proj": name, "n": n_, "k": k, "w12_bytes": t.nbytes, "bf16_bytes": n_ * k * 2, "cublas_us": cub,
-                   "w12_us": ours, "read_floor_w12_bytes_us": fw, "read_floor_bf16_bytes_us": fb,
-                   "speedup": cub / ours, "w12_of_floor": fw / ours, "cublas_of_floor": fb / cub,
-                   "cap_vs_cublas": cub / fw, "needed_us": cub / 1.25, "floor_ratio": fb / fw}
-            res["projections"].append(row)
-            print(json.dumps({k_: round(v, 3) if isinstance(v, float) else v for k_, v in row.items()}), flush=True)
-            save()
+            for m in rows:
+                xr = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                cub = time_calls(lambda a, w_: F.linear(a, w_), ws, xr)
+                ours = time_calls(lambda a, te: w12_gemm(a, te[0], escapes=te[1]), ts, xr)
+                row = {"proj": name, "rows": m, "n": n_, "k": k, "w12_bytes": t.nbytes, "bf16_bytes": n_ * k * 2,
+                       "cublas_us": cub, "w12_us": ours, "read_floor_w12_bytes_us": fw, "read_floor_bf16_bytes_us": fb,
+                       **budget(cub, ours, fw, fb)}
+                res["projections"].append(row)
+                print(json.dumps({k_: round(v, 3) if isinstance(v, float) else v for k_, v in row.items()}), flush=True)
+                save()
             del w, t, esc, ts, ws
             torch.cuda.empty_cache()
-    print(f"{'proj':18s} {'cuBLAS':>7s} {'W12':>7s} {'floor12':>7s} {'floor16':>7s} {'need':>6s} {'cap':>5s}")
+    print(f"{'proj':18s} {'rows':>4s} {'cuBLAS':>7s} {'W12':>7s} {'floor12':>7s} {'floor16':>7s} {'need':>6s} "
+          f"{'xs12':>5s} {'xsBL':>5s} {'budget':>6s} {'cap':>5s}")
     for r in res["projections"]:
-        print(f"{r['proj']:18s} {r['cublas_us']:7.2f} {r['w12_us']:7.2f} {r['read_floor_w12_bytes_us']:7.2f} "
-              f"{r['read_floor_bf16_bytes_us']:7.2f} {r['needed_us']:6.2f} {r['cap_vs_cublas']:5.2f}")
+        print(f"{r['proj']:18s} {r['rows']:4d} {r['cublas_us']:7.2f} {r['w12_us']:7.2f} "
+              f"{r['read_floor_w12_bytes_us']:7.2f} {r['read_floor_bf16_bytes_us']:7.2f} {r['needed_us']:6.2f} "
+              f"{r['excess_w12_us']:5.2f} {r['excess_cublas_us']:5.2f} {r['budget_us']:6.2f} {r['cap_vs_cublas']:5.2f}")
     save()
     return res
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python bench/read_floor.py OUT.json")
-    main(sys.argv[1])
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Measured read floor of one launch vs cuBLAS and W12 (issue 5).")
+    ap.add_argument("out", help="JSON file to write")
+    ap.add_argument("--rows", default="1", help="comma-separated row counts for section 4 (default 1)")
+    ap.add_argument("--models", default="qwen3-8b,qwen3-32b", help="projection-name prefixes for section 4")
+    a = ap.parse_args()
+    try:
+        rows_ = tuple(int(r) for r in a.rows.split(","))
+        if any(r < 1 or r > 256 for r in rows_):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--rows must be comma-separated integers in 1..256, got {a.rows!r}")
+    try:
+        main(a.out, rows_, tuple(m for m in a.models.split(",") if m))
+    except RuntimeError as e:
+        sys.exit(f"read_floor: {e}")

@@ -35,3 +35,14 @@ def test_probe_refuses_without_cuda(tmp_path):
         pytest.skip("checks the CPU refusal")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         rf.main(str(tmp_path / "o.json"))
+
+
+def test_budget_figures():
+    # cuBLAS 15 µs over a 12 µs read of its bf16 bytes; W12 14 µs over a 9 µs read of its own
+    b = rf.budget(15.0, 14.0, 9.0, 12.0)
+    assert b["needed_us"] == pytest.approx(12.0) and b["budget_us"] == pytest.approx(3.0)
+    assert b["excess_w12_us"] == pytest.approx(5.0) and b["excess_cublas_us"] == pytest.approx(3.0)
+    assert b["budget_of_cublas_excess"] == pytest.approx(1.0) and b["speedup"] == pytest.approx(15 / 14)
+    assert b["cap_vs_cublas"] == pytest.approx(15 / 9)
+    # a W12 kernel at exactly budget + floor is exactly 1.25x
+    assert 15.0 / (9.0 + b["budget_us"]) == pytest.approx(1.25)
