@@ -88,10 +88,15 @@ def summary(kernels: list[dict]) -> dict:
 
 
 def run_case(case: str) -> None:
-    """Set up ``case`` on the GPU, warm it up, then launch it once inside the NVTX range ``measure``."""
+    """Set up ``case`` on the GPU, warm it up, then launch it once inside the NVTX range ``measure``.
+    Raises SystemExit (one line) without CUDA or for an unknown case."""
     import torch
     import torch.nn.functional as F
 
+    if case not in CASES + WS_CASES:
+        raise SystemExit(f"ncu_profile: unknown case {case!r}")
+    if not torch.cuda.is_available():
+        raise SystemExit("ncu_profile: --run-case needs a CUDA GPU")
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     if case.startswith("head-"):

@@ -64,3 +64,16 @@ def test_without_ncu_the_script_says_so(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 2 and "ncu (Nsight Compute) is not installed" in p.stderr
     assert not (tmp_path / "o.json").exists()
+
+
+def test_run_case_refuses_in_one_line():
+    """The internal ``--run-case`` child: an unknown case, or no CUDA, is one line and exit 1, not a traceback."""
+    cmd = [sys.executable, str(ROOT / "bench" / "ncu_profile.py"), "--run-case"]
+    bad = subprocess.run(cmd + ["nope"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and bad.stderr.strip() == "ncu_profile: unknown case 'nope'"
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    p = subprocess.run(cmd + ["w12-qkv-1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.strip() == "ncu_profile: --run-case needs a CUDA GPU"
