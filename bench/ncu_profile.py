@@ -143,7 +143,7 @@ def run_case(case: str) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0].replace("\n", " "))
     ap.add_argument("out", nargs="?")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES + WS_CASES))
     ap.add_argument("--run-case", help=argparse.SUPPRESS)  # the child process under ncu
@@ -153,7 +153,11 @@ def main() -> int:
         run_case(a.run_case)
         return 0
     if a.parse:
-        ks = parse_details(Path(a.parse).read_text())
+        try:
+            ks = parse_details(Path(a.parse).read_text())
+        except (OSError, ValueError) as e:
+            print(f"error: cannot parse {a.parse}: {e}", file=sys.stderr)
+            return 2
         print(json.dumps({"kernels": ks, "summary": summary(ks)}, indent=1))
         return 0
     if not a.out:

@@ -19,6 +19,10 @@ from specpilot.engine.graphs import BucketRunner
 from specpilot.zoo.random_ckpt import random_transformer
 from specpilot.provenance import git_commit, versions
 
+if len(sys.argv) < 2 or sys.argv[1].startswith("-") or any(a != "--w12" for a in sys.argv[2:]):
+    sys.exit("usage: python bench/profile_graph_step.py OUT.json [--w12]")
+if not torch.cuda.is_available():
+    sys.exit("profile_graph_step: needs a CUDA GPU")
 dev = "cuda"
 m = random_transformer("qwen3-8b", dev)
 L = 512

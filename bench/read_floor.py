@@ -215,7 +215,17 @@ if __name__ == "__main__":
             raise ValueError
     except ValueError:
         ap.error(f"--rows must be comma-separated integers in 1..256, got {a.rows!r}")
+    from specpilot.benchsuite.w12 import SHAPES
+
+    models_ = tuple(m for m in a.models.split(",") if m)
+    unknown = [m for m in models_ if not any(s.startswith(m) for s in SHAPES)]
+    if not models_ or unknown:
+        ap.error(f"--models: no projections named {unknown or a.models!r}; known prefixes: qwen3-8b, qwen3-32b")
+    from pathlib import Path
+
+    if not Path(a.out).resolve().parent.is_dir():
+        ap.error(f"the folder of {a.out!r} does not exist")
     try:
-        main(a.out, rows_, tuple(m for m in a.models.split(",") if m))
+        main(a.out, rows_, models_)
     except RuntimeError as e:
         sys.exit(f"read_floor: {e}")

@@ -9,4 +9,7 @@ from specpilot.benchsuite.w12 import (SHAPES, bits_equal, budget_cli, check, che
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python bench/w12_bench.py OUT.json")
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    except RuntimeError as e:  # no CUDA GPU: one line, as `specpilot bench --suite w12` says it
+        sys.exit(f"w12_bench: {e}")

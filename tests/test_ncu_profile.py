@@ -77,3 +77,12 @@ def test_run_case_refuses_in_one_line():
         return
     p = subprocess.run(cmd + ["w12-qkv-1"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and p.stderr.strip() == "ncu_profile: --run-case needs a CUDA GPU"
+
+
+def test_parse_of_a_bad_file_is_one_line(tmp_path):
+    bad = tmp_path / "g.csv"
+    bad.write_text("garbage\n")
+    for path in (bad, tmp_path / "missing.csv"):
+        p = subprocess.run([sys.executable, str(ROOT / "bench" / "ncu_profile.py"), "--parse", str(path)],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and p.stderr.startswith("error: cannot parse") and "Traceback" not in p.stderr

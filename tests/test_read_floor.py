@@ -46,3 +46,20 @@ def test_budget_figures():
     assert b["cap_vs_cublas"] == pytest.approx(15 / 9)
     # a W12 kernel at exactly budget + floor is exactly 1.25x
     assert 15.0 / (9.0 + b["budget_us"]) == pytest.approx(1.25)
+
+
+@pytest.mark.parametrize("args, msg", [(["--rows", "0"], "--rows must be"), (["--models", "bogus"], "--models: no projections"),
+                                       (["--rows", "1,8"], None)])
+def test_cli_refuses_in_one_line(tmp_path, args, msg):
+    import subprocess
+
+    out = tmp_path / "o.json"
+    p = subprocess.run([sys.executable, str(Path(rf.__file__)), str(out), *args], capture_output=True, text=True,
+                       timeout=120)
+    if msg is None:  # good arguments: without CUDA one line and exit 1 (with CUDA the probe would run: not here)
+        if torch.cuda.is_available():
+            pytest.skip("would run the GPU probe")
+        assert p.returncode == 1 and p.stderr.strip() == "read_floor: the read-floor probe needs a CUDA GPU"
+    else:
+        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr
+    assert not out.exists()
