@@ -95,13 +95,14 @@ def budget(cublas_us: float, w12_us: float, floor_w12_us: float, floor_bf16_us: 
     ``excess_w12_us`` / ``excess_cublas_us``: what each kernel takes above a plain read of its own bytes;
     ``budget_us``: the excess a W12 kernel may take and still be ``goal`` x cuBLAS (cuBLAS / goal − the W12
     floor); ``budget_of_cublas_excess``: that budget over cuBLAS's own excess (below 1: the goal asks the W12
-    kernel to carry less overhead above its read than cuBLAS carries above its own)."""
+    kernel to carry less overhead above its read than cuBLAS carries above its own; None where cuBLAS is at or
+    below its floor, so the JSON stays standard)."""
     xs_b = cublas_us - floor_bf16_us
     bud = cublas_us / goal - floor_w12_us
     return {"speedup": cublas_us / w12_us, "w12_of_floor": floor_w12_us / w12_us, "cublas_of_floor": floor_bf16_us / cublas_us,
             "cap_vs_cublas": cublas_us / floor_w12_us, "needed_us": cublas_us / goal, "floor_ratio": floor_bf16_us / floor_w12_us,
             "excess_w12_us": w12_us - floor_w12_us, "excess_cublas_us": xs_b, "budget_us": bud,
-            "budget_of_cublas_excess": bud / xs_b if xs_b > 0 else math.inf}
+            "budget_of_cublas_excess": bud / xs_b if xs_b > 0 else None}
 
 
 def main(out_path: str, rows=(1,), models=("qwen3-8b", "qwen3-32b")) -> dict:
@@ -207,7 +208,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="Measured read floor of one launch vs cuBLAS and W12 (issue 5).")
     ap.add_argument("out", help="JSON file to write")
     ap.add_argument("--rows", default="1", help="comma-separated row counts for section 4 (default 1)")
-    ap.add_argument("--models", default="qwen3-8b,qwen3-32b", help="projection-name prefixes for section 4")
+    ap.add_argument("--models", default="qwen3-8b,qwen3-32b", help="comma-separated models for section 4 (qwen3-8b, qwen3-32b)")
     a = ap.parse_args()
     try:
         rows_ = tuple(int(r) for r in a.rows.split(","))
@@ -215,14 +216,15 @@ if __name__ == "__main__":
             raise ValueError
     except ValueError:
         ap.error(f"--rows must be comma-separated integers in 1..256, got {a.rows!r}")
-    from specpilot.benchsuite.w12 import SHAPES
-
-    models_ = tuple(m for m in a.models.split(",") if m)
-    unknown = [m for m in models_ if not any(s.startswith(m) for s in SHAPES)]
-    if not models_ or unknown:
-        ap.error(f"--models: no projections named {unknown or a.models!r}; known prefixes: qwen3-8b, qwen3-32b")
     from pathlib import Path
 
+    from specpilot.benchsuite.w12 import SHAPES
+
+    known = sorted({s_.split("/")[0] for s_ in SHAPES if "/" in s_ and not s_.startswith("lm_head")})
+    models_ = tuple(m for m in a.models.split(",") if m)
+    unknown = [m for m in models_ if m not in known]
+    if not models_ or unknown:
+        ap.error(f"--models: no projections named {unknown or a.models!r}; known: {', '.join(known)}")
     if not Path(a.out).resolve().parent.is_dir():
         ap.error(f"the folder of {a.out!r} does not exist")
     try:
