@@ -13,14 +13,14 @@ from typing import List, Optional
 
 import typer
 
-from .errors import SpecPilotError
-from .fileio import output_dir
+from specpilot.errors import SpecPilotError
+from specpilot.fileio import output_dir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Lossless speculative decoding, tuned per deployment.")
 
 
 def _zoo_app():
-    from .zoo.cli import app as zoo
+    from specpilot.zoo.cli import app as zoo
 
     return zoo
 
@@ -29,7 +29,7 @@ app.add_typer(_zoo_app(), name="zoo", help="Bundled default models: paths and th
 
 
 def _w12_app():
-    from .w12.cli import app as w12
+    from specpilot.w12.cli import app as w12
 
     return w12
 
@@ -38,7 +38,7 @@ app.add_typer(_w12_app(), name="w12", help="W12 lossless 12-bit weights: pack an
 
 
 def _memory_app():
-    from .pilot.memory_cli import app as memory
+    from specpilot.pilot.memory_cli import app as memory
 
     return memory
 
@@ -55,9 +55,9 @@ def _pydantic_message(e: ValueError) -> str:
 
 
 def _default_dirs(target: Optional[Path], drafter: str, drafter_path: Optional[Path]):
-    from .zoo import bundled_drafter_dir, bundled_target_dir
+    from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
 
-    from .zoo import bundled_block_dir
+    from specpilot.zoo import bundled_block_dir
 
     if target is None:
         target = bundled_target_dir()
@@ -124,10 +124,10 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (one line; with prompt_ids and output_ids, so it is a line `specpilot audit --outputs` reads)."),
 ):
     """Greedy-decode one prompt with a speculative system (output equals AR greedy decoding)."""
-    from .config import SystemConfig
-    from .engine.deployment import Deployment
+    from specpilot.config import SystemConfig
+    from specpilot.engine.deployment import Deployment
 
-    from .mechanisms.trees import BUILDERS
+    from specpilot.spec.trees import BUILDERS
 
     if drafter not in ("none", "ngram", "draft_model", "block"):
         raise SpecPilotError(f"unknown drafter {drafter!r} (choose none, ngram, draft_model or block)")
@@ -234,9 +234,9 @@ def pilot(
     scorer_dtype: Optional[str] = typer.Option(None, help="Token forcing's scorer body dtype: default the deployment's (the paper: stock's target with an FP32 LM head); float32 loads a float32 copy of the target (compares every system to unrounded arithmetic; needs the memory)."),
 ):
     """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
-    from .engine.checkpoint import DTYPES
-    from .engine.deployment import check_device
-    from .pilot.run import PilotOptions, run_pilot
+    from specpilot.model.checkpoint import DTYPES
+    from specpilot.engine.deployment import check_device
+    from specpilot.pilot.run import PilotOptions, run_pilot
 
     if dtype not in DTYPES:
         raise SpecPilotError(f"unknown --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
@@ -247,14 +247,14 @@ def pilot(
     if ddir is not None:  # stock's draft model: a block drafter goes to --block (planner candidates)
         check_drafter_kind("draft_model", ddir)
     if tdir is None:
-        from .zoo import bundled_block_dir, bundled_block_markov_dir, bundled_drafter_dir, bundled_target_dir
+        from specpilot.zoo import bundled_block_dir, bundled_block_markov_dir, bundled_drafter_dir, bundled_target_dir
 
         tdir, ddir = bundled_target_dir(), ddir or bundled_drafter_dir()
         if block is None:
             block = [bundled_block_dir(), bundled_block_markov_dir()]
     if max_new_tokens is not None:  # hopeless before any measurement (the run itself drops single long prompts)
-        from .engine.checkpoint import read_args
-        from .pilot.controller import SALT_TOKENS
+        from specpilot.model.checkpoint import read_args
+        from specpilot.pilot.controller import SALT_TOKENS
 
         context = min(read_args(tdir).max_position_embeddings, 4096)  # the engine's max_len
         if max_new_tokens + SALT_TOKENS + 1 > context:
@@ -295,8 +295,8 @@ def audit(
 
     Exit status 0 when the outputs pass, 1 when they are rejected or hold no token to audit, 2 on bad input.
     """
-    from .engine.deployment import check_device
-    from .pilot.audit import audit_outputs, render
+    from specpilot.engine.deployment import check_device
+    from specpilot.pilot.audit import audit_outputs, render
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise SpecPilotError(f"--dtype: unknown dtype {dtype!r} (choose float32, bfloat16 or float16)")
@@ -333,10 +333,10 @@ def train_drafter_cmd(
     """Train a block drafter (DFlash-style; block_markov: + DSpark Markov head) on the target's greedy outputs."""
     import shlex
 
-    from .drafters.train_block import train_drafter
-    from .zoo import bundled_target_dir
+    from specpilot.spec.train_block import train_drafter
+    from specpilot.zoo import bundled_target_dir
 
-    from .engine.deployment import check_device
+    from specpilot.engine.deployment import check_device
 
     check_device(device)
     output_dir(out, "--out")
@@ -359,8 +359,8 @@ def replay(
     as_json: bool = typer.Option(False, "--json", help="Print the table as a JSON list of rows."),
 ):
     """Exact replay (§2.4, §4.2): τ of chain / best_first / eagle2_topk / sequoia / ddtree_marginal / oracle."""
-    from .pilot.replay_table import replay_table
-    from .zoo import bundled_block_dir, bundled_block_markov_dir, bundled_target_dir
+    from specpilot.pilot.replay_table import replay_table
+    from specpilot.zoo import bundled_block_dir, bundled_block_markov_dir, bundled_target_dir
 
     if per_benchmark < 1:
         raise SpecPilotError(f"--per-benchmark must be at least 1 (prompts per bundled benchmark), got {per_benchmark}")
@@ -383,15 +383,15 @@ def bench(
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16"),
     prefix: int = typer.Option(512, help="Prompt length in tokens."),
     new_tokens: int = typer.Option(128, help="Tokens generated per system."),
-    out: Path = typer.Option(Path("bench/results"), help="Directory for the JSON result and PNG."),
+    out: Path = typer.Option(Path("probes/results"), help="Directory for the JSON result and PNG."),
     transformers_generate: bool = typer.Option(True, "--transformers/--no-transformers", help="Also time transformers' generate."),
 ):
     """Our AR and speculative systems side by side with transformers' generate; c(N) by rows; byte floor. With
     ``--suite w12`` / ``--suite lm-head``: the W12 and certified-INT8-head benchmarks of §4.1 (JSON under --out)."""
-    from .benchmark import run_bench
+    from specpilot.bench.engine import run_bench
 
-    from .engine.checkpoint import DTYPES, read_args
-    from .engine.deployment import check_device
+    from specpilot.model.checkpoint import DTYPES, read_args
+    from specpilot.engine.deployment import check_device
 
     if suite not in ("systems", "w12", "lm-head"):
         raise SpecPilotError(f"--suite: unknown suite {suite!r} (choose systems, w12 or lm-head)")
@@ -424,15 +424,15 @@ def bench(
 
 
 def _bench_suite(suite: str, device: str, out: Path) -> int:
-    """``specpilot bench --suite w12 | lm-head``: run :mod:`specpilot.benchsuite.w12` (CUDA only) or
-    :mod:`specpilot.benchsuite.lm_head` (on the CPU its tiny Triton-interpreter smoke run) into
+    """``specpilot bench --suite w12 | lm-head``: run :mod:`specpilot.bench.w12` (CUDA only) or
+    :mod:`specpilot.bench.lm_head` (on the CPU its tiny Triton-interpreter smoke run) into
     ``out/<suite>_bench_<device type>_<date>.json``. Returns the exit status (lm-head: 1 when a correctness check
     failed). Raises SpecPilotError for w12 off CUDA or a CPU run after Triton was imported without its interpreter."""
     import os
 
     import torch
 
-    from .benchmark import result_stem
+    from specpilot.bench.engine import result_stem
 
     cuda = torch.device(device).type == "cuda"
     if suite == "w12" and not cuda:
@@ -441,7 +441,7 @@ def _bench_suite(suite: str, device: str, out: Path) -> int:
     outp.mkdir(parents=True, exist_ok=True)
     path = outp / (result_stem(outp, "", device, label=suite.replace("-", "_") + "_bench") + ".json")
     if suite == "w12":
-        from .benchsuite.w12 import main as w12_main
+        from specpilot.bench.w12 import main as w12_main
 
         with torch.cuda.device(torch.device(device)):
             w12_main(str(path))
@@ -451,7 +451,7 @@ def _bench_suite(suite: str, device: str, out: Path) -> int:
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             raise SpecPilotError("the CPU run of --suite lm-head needs TRITON_INTERPRET=1 before Triton is imported")
         os.environ["TRITON_INTERPRET"] = "1"
-    from .benchsuite.lm_head import main as lm_main
+    from specpilot.bench.lm_head import main as lm_main
 
     if cuda:
         with torch.cuda.device(torch.device(device)):

@@ -25,17 +25,17 @@ class SystemConfig(BaseModel):
             ``block`` (DFlash-style block drafter; its checkpoint says whether it has a Markov head).
         drafter_path: checkpoint directory of the draft model / block drafter (``None``: the deployment's).
         tree: tree builder over the drafter's lattice: ``chain`` (stock, §1.1), ``best_first`` (§4.2),
-            ``ddtree_marginal``, ``eagle2_topk`` or ``sequoia`` (see :mod:`specpilot.mechanisms.trees`).
+            ``ddtree_marginal``, ``eagle2_topk`` or ``sequoia`` (see :mod:`specpilot.spec.trees`).
         nodes: tree budget N, the number of drafted nodes verified per exact pass (root excluded).
         depth: draft positions per step (the lattice's length); a tree's depth is at most this.
         top_k: candidates per draft position kept in the lattice.
         ngram_max / ngram_min: longest / shortest suffix the n-gram drafter matches.
         dtype: dtype of target and drafter weights and activations.
         w12: the target's projection layers (q/k/v/o, gate/up/down; not the LM head or embeddings) run from
-            W12 lossless 12-bit weights (§4.1, :mod:`specpilot.mechanisms.w12`), in AR and speculative
+            W12 lossless 12-bit weights (§4.1, :mod:`specpilot.w12.convert`), in AR and speculative
             decoding alike. Needs bf16-valued target weights (a bf16 checkpoint, in any ``dtype``).
         lm_head_int8: the target's greedy argmax (AR steps, verify passes) goes through the certified INT8
-            LM head (§4.1, :mod:`specpilot.mechanisms.lm_head_int8`): an INT8 pass discards tokens proven
+            LM head (§4.1, :mod:`specpilot.head.certified`): an INT8 pass discards tokens proven
             unable to be the argmax, survivors are rescored exactly; the argmax never changes.
 
     Raises:

@@ -53,7 +53,7 @@ def output_dir(path: str | Path, flag: str = "output", empty: bool = False, erro
     import os
     import tempfile
 
-    from .errors import SpecPilotError
+    from specpilot.errors import SpecPilotError
 
     err = error or SpecPilotError
     p = Path(path)

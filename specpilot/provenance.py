@@ -38,7 +38,7 @@ def versions() -> dict:
     import torch
     import transformers
 
-    from . import __version__
+    from specpilot import __version__
 
     out = {"python": platform.python_version(), "torch": torch.__version__,
            "transformers": transformers.__version__, "specpilot": __version__}

@@ -7,8 +7,8 @@ import functools
 import torch
 
 from specpilot.config import SystemConfig
-from specpilot.drafters.block import BlockConfig, BlockNet
-from specpilot.drafters.train_block import block_loss, target_features
+from specpilot.spec.block import BlockConfig, BlockNet
+from specpilot.spec.train_block import block_loss, target_features
 from specpilot.engine.engine import Engine
 
 from .conftest import random_prompts

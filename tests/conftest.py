@@ -39,7 +39,7 @@ def tiny_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_models(tiny_dirs):
     """``(target, drafter)`` :class:`Transformer` s in float32."""
-    from specpilot.engine.checkpoint import load_model
+    from specpilot.model.checkpoint import load_model
 
     return load_model(tiny_dirs[0]), load_model(tiny_dirs[1])
 

@@ -170,7 +170,7 @@ def test_bf16_verification_flips_only_near_ties_and_is_caught_by_the_rate_rule(p
     """Verifying with a bf16 copy of this tiny float32 target flips only near-ties (margins < 0.1 nat, no
     events), on ~1% of tokens: only the 0.5 pp mismatch-rate rule catches it, and it needs a few hundred
     tokens to (a measured finding, not a guarantee; the FP8 case above is caught by both rules)."""
-    from specpilot.engine.checkpoint import load_model
+    from specpilot.model.checkpoint import load_model
     from specpilot.engine.engine import Engine
     from specpilot.pilot.forcing import audit, forcing_verdict
 

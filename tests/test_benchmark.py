@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from specpilot.benchmark import run_bench
+from specpilot.bench.engine import run_bench
 from specpilot.zoo.random_ckpt import write_random_checkpoint
 
 from .test_random_ckpt import SMALL
@@ -28,7 +28,7 @@ def test_bench_cpu_small(tmp_path):
 
 
 def test_result_stem_never_overwrites(tmp_path):
-    from specpilot.benchmark import result_stem
+    from specpilot.bench.engine import result_stem
 
     first = result_stem(tmp_path, "/x/qwen3-8b", "cpu")
     assert first.startswith("bench_qwen3-8b_cpu_")
@@ -45,9 +45,9 @@ def test_transformers_reference_runs_through_eos_like_our_engine():
     target emits EOS, so ``ar_equals_transformers`` read false on correct output (fresh-user run 10)."""
     import torch
 
-    from specpilot.benchmark import _hf
+    from specpilot.bench.engine import _hf
     from specpilot.config import SystemConfig
-    from specpilot.engine.checkpoint import load_model
+    from specpilot.model.checkpoint import load_model
     from specpilot.engine.engine import Engine
     from specpilot.zoo import bundled_target_dir
 
@@ -61,7 +61,7 @@ def test_transformers_reference_runs_through_eos_like_our_engine():
 
 def test_bench_console_summary_says_whether_ar_equals_transformers(tmp_path, monkeypatch, capsys):
     """The console summary carries the lossless check, not only the JSON file (fresh-user run 11)."""
-    import specpilot.benchmark as bm
+    import specpilot.bench.engine as bm
 
     from .conftest import run_cli
 

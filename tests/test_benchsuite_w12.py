@@ -1,5 +1,5 @@
-"""``specpilot.benchsuite.w12`` (``specpilot bench --suite w12``): imports cleanly with the package (the helpers the
-``bench/`` probes import by name included) and refuses to run without CUDA. Its measurements need an H200."""
+"""``specpilot.bench.w12`` (``specpilot bench --suite w12``): imports cleanly with the package (the helpers the
+``probes/`` probes import by name included) and refuses to run without CUDA. Its measurements need an H200."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_w12_suite_refuses_without_cuda(tmp_path):
-    from specpilot.benchsuite import w12
+    from specpilot.bench import w12
 
     assert set(w12.SHAPES) >= {"qwen3-8b/qkv", "qwen3-8b/o", "qwen3-8b/gate_up", "qwen3-8b/down"}
     assert all(callable(getattr(w12, f)) for f in ("projection_copies", "copies_of", "check", "codes", "bits_equal"))
@@ -24,7 +24,7 @@ def test_checked_time_times_only_what_passes_the_check(tmp_path):
     import json
     import time
 
-    from specpilot.benchsuite import w12
+    from specpilot.bench import w12
     from specpilot.w12.format import encode
 
     g = torch.Generator().manual_seed(1)
@@ -50,9 +50,9 @@ def test_decode_tokens_per_s_times_the_engine_and_compares_tokens(tiny_dirs):
     """The suite's decode figure on a tiny bf16-valued model (CPU, eager; the H200 run uses CUDA graphs): one
     positive tokens/s figure per model, and the W12 copy's tokens equal the plain model's (float32 reference
     path: bitwise the same logits)."""
-    from specpilot.benchsuite import w12
-    from specpilot.engine.checkpoint import load_model
-    from specpilot.mechanisms.w12 import to_w12, w12_head
+    from specpilot.bench import w12
+    from specpilot.model.checkpoint import load_model
+    from specpilot.w12.convert import to_w12, w12_head
 
     plain = load_model(tiny_dirs[0])
     with torch.no_grad():
@@ -67,10 +67,10 @@ def test_decode_tokens_per_s_times_the_engine_and_compares_tokens(tiny_dirs):
 
 
 def test_probe_command_line_refuses_bad_arguments_in_one_line():
-    from specpilot.benchsuite import w12
+    from specpilot.bench import w12
 
     for argv in (["p"], ["p", "o.json", "ten"], ["p", "o.json", "1", "2"]):
-        with pytest.raises(SystemExit, match="usage: python bench/x.py OUT.json"):
+        with pytest.raises(SystemExit, match="usage: python probes/x.py OUT.json"):
             w12.budget_cli(argv, "x.py", 5.0)
     if torch.cuda.is_available():
         assert w12.budget_cli(["p", "o.json"], "x.py", 5.0) == ("o.json", 5.0)
@@ -78,7 +78,7 @@ def test_probe_command_line_refuses_bad_arguments_in_one_line():
     else:
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             w12.budget_cli(["p", "o.json", "2.5"], "x.py", 5.0)
-    with pytest.raises(SystemExit, match=r"usage: python bench/y.py OUT.json \[PREFIX"):
+    with pytest.raises(SystemExit, match=r"usage: python probes/y.py OUT.json \[PREFIX"):
         w12.prefix_cli(["p"], "y.py", ("qwen3-8b",))
     if torch.cuda.is_available():
         assert w12.prefix_cli(["p", "o.json"], "y.py", ("qwen3-8b",)) == ("o.json", ("qwen3-8b",))
@@ -89,7 +89,7 @@ def test_probe_command_line_refuses_bad_arguments_in_one_line():
 
 
 def test_suite_records_the_launch_each_row_takes():
-    from specpilot.benchsuite.w12 import launch_config
+    from specpilot.bench.w12 import launch_config
 
     one = launch_config(1, 51200, 5120)  # a one-row wide weight goes to the GEMV, which takes no register cap
     assert one["kernel"] == "gemv" and one["lines"] and "maxnreg" not in one

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from specpilot.config import SystemConfig
-from specpilot.drafters.block import BlockDrafter, BlockNet, load_block, save_block
-from specpilot.drafters.lattice import MarkovLattice
+from specpilot.spec.block import BlockDrafter, BlockNet, load_block, save_block
+from specpilot.spec.lattice import MarkovLattice
 from specpilot.engine.deployment import Deployment
 from specpilot.engine.engine import Engine
 from specpilot.errors import DrafterError
-from specpilot.mechanisms.trees import BUILDERS, build_chain
+from specpilot.spec.trees import BUILDERS, build_chain
 
 from .blockutil import tiny_config, trained_pair
 from .conftest import random_prompts, save_tiny
@@ -126,7 +126,7 @@ def test_train_drafter_end_to_end(tmp_path, tiny_dirs):
 
     import numpy as np
 
-    from specpilot.drafters.train_block import train_drafter
+    from specpilot.spec.train_block import train_drafter
 
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 64, 20000).astype(np.uint16))

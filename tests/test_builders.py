@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
-from specpilot.drafters.lattice import MarkovLattice, PositionalLattice, TrieLattice
-from specpilot.mechanisms.trees import BUILDERS, SequoiaBuilder, acceptance_profile, build_best_first, build_tree
+from specpilot.spec.lattice import MarkovLattice, PositionalLattice, TrieLattice
+from specpilot.spec.trees import BUILDERS, SequoiaBuilder, acceptance_profile, build_best_first, build_tree
 
 
 def positional(depth=5, k=4, seed=0):

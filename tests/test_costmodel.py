@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from specpilot.engine.model import ModelArgs, Transformer
+from specpilot.model.transformer import ModelArgs, Transformer
 from specpilot.pilot import profiler as prof_mod
 from specpilot.pilot.costmodel import (
     Ceiling,

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from specpilot.config import SystemConfig
-from specpilot.drafters.draft_model import DraftModelDrafter
-from specpilot.drafters.lattice import PositionalLattice, TrieLattice
-from specpilot.drafters.ngram import NgramDrafter
-from specpilot.engine.checkpoint import load_model
+from specpilot.spec.draft_model import DraftModelDrafter
+from specpilot.spec.lattice import PositionalLattice, TrieLattice
+from specpilot.spec.ngram import NgramDrafter
+from specpilot.model.checkpoint import load_model
 from specpilot.engine.engine import Engine
 from specpilot.errors import PromptError, SpecPilotError
 
@@ -287,7 +287,7 @@ def test_bad_prompts_raise_clear_errors_and_engine_stays_usable(tiny_models):
 
 
 def test_lattice_and_tree_invariants():
-    from specpilot.mechanisms.trees import build_best_first, build_chain
+    from specpilot.spec.trees import build_best_first, build_chain
 
     g = torch.Generator().manual_seed(0)
     for trial in range(20):
@@ -329,7 +329,7 @@ def test_capture_at_build_takes_the_buckets_a_verify_can_use(tiny_models, monkey
     """``capture_all`` (run when an engine is built on CUDA) captures the buckets up to ``nodes + 1`` rows, each
     on padding-row inputs: prefix 0, positions 0..B-1, a diagonal mask (no row sees nothing, so no NaN reaches
     the cache). The capture itself is replaced here (CPU); the GPU test is tests/test_graphs_gpu.py."""
-    from specpilot.engine.graphs import BucketRunner
+    from specpilot.engine.runner import BucketRunner
 
     target, _ = tiny_models
     seen = {}
@@ -357,7 +357,7 @@ def test_capture_at_build_takes_the_buckets_a_verify_can_use(tiny_models, monkey
 
 
 def test_r13_rows_outside_buckets_fall_back(tiny_models, monkeypatch):
-    from specpilot.engine import graphs
+    from specpilot.engine import runner as graphs
 
     target, drafter_model = tiny_models
     cfg = SystemConfig(drafter="draft_model", tree="best_first", nodes=12, depth=6, top_k=4)
@@ -403,7 +403,7 @@ def test_pipelined_ar_through_buckets_equals_ar(tiny_models, monkeypatch):
     """AR through the row-bucket runner with the next step queued before the host read (the GPU path's
     pipelined AR) gives AR's tokens, keeps the cache equal to a fresh prefill after every step, honours
     stops and max_new_tokens, and really runs the pipelined generator."""
-    from specpilot.engine.graphs import BucketRunner
+    from specpilot.engine.runner import BucketRunner
 
     target, _ = tiny_models
     calls = []
@@ -424,7 +424,7 @@ def test_pipelined_ar_through_buckets_equals_ar(tiny_models, monkeypatch):
 def test_prefill_in_bucket_chunks_equals_one_causal_pass(tiny_models, monkeypatch):
     """With row buckets the prompt is prefilled in chunks of the largest bucket through the static path (CUDA
     graphs on a GPU): chunk i at prefix i·B, causal inside. Its K/V and the tokens equal one eager pass."""
-    from specpilot.engine.graphs import BucketRunner
+    from specpilot.engine.runner import BucketRunner
 
     target, _ = tiny_models
     g = torch.Generator().manual_seed(11)
@@ -450,7 +450,7 @@ def test_malformed_config_json_gives_a_checkpoint_error(tiny_dirs, tmp_path):
     import json
     import shutil
 
-    from specpilot.engine.checkpoint import load_model, read_args
+    from specpilot.model.checkpoint import load_model, read_args
     from specpilot.errors import CheckpointError
 
     src = tmp_path / "t"

@@ -14,7 +14,7 @@ V = 96
 def model(tmp_path_factory):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from specpilot.engine.checkpoint import load_model
+    from specpilot.model.checkpoint import load_model
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

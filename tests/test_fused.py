@@ -81,7 +81,7 @@ def test_bad_shapes_raise():
 def test_fused_static_pass_matches_plain(tiny_dirs):
     """One tree pass through the fused layer path (8 launches per layer) equals the op-by-op static path:
     hidden states, and the K/V it writes into the cache."""
-    from specpilot.engine.checkpoint import load_model
+    from specpilot.model.checkpoint import load_model
 
     from .test_tree_attention import tree_mask_from_parents
 
@@ -107,18 +107,18 @@ def test_fused_static_pass_matches_plain(tiny_dirs):
 def test_engine_with_fused_kernels_equals_ar(tiny_dirs, monkeypatch):
     """Speculative decoding through padded buckets with the fused kernels gives AR's tokens (float32)."""
     from specpilot.config import SystemConfig
-    from specpilot.drafters.draft_model import DraftModelDrafter
+    from specpilot.spec.draft_model import DraftModelDrafter
     from specpilot.engine.engine import Engine
 
     from .conftest import random_prompts
     from .test_engine import ar_tokens
 
-    from specpilot.engine.model import DecoderLayer
+    from specpilot.model.transformer import DecoderLayer
 
     calls = []
     real = DecoderLayer.forward_fused
     monkeypatch.setattr(DecoderLayer, "forward_fused", lambda self, *a: calls.append(1) or real(self, *a))
-    from specpilot.engine.checkpoint import load_model
+    from specpilot.model.checkpoint import load_model
 
     target, drafter = load_model(tiny_dirs[0], device=DEV), load_model(tiny_dirs[1], device=DEV)
     cfg = SystemConfig(drafter="draft_model", tree="best_first", nodes=6, depth=3, top_k=2)

@@ -10,7 +10,7 @@ import torch
 
 from specpilot.config import SystemConfig
 from specpilot.engine.deployment import Deployment
-from specpilot.engine.graphs import BUCKETS
+from specpilot.engine.runner import BUCKETS
 from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -52,8 +52,8 @@ def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs(gemv, lines):
     capture on a stream without counters falls back to the two-kernel sum (same bits). The engine's bucket
     graphs reserve them: the bundled target's down projection (K 768) runs split K 2 at 8 rows. Replayed twice: the
     counters reset themselves (one row of Qwen3-8B qkv / o runs the GEMV with split K by default)."""
-    from specpilot.kernels import w12_gemm as wg
-    from specpilot.kernels.w12_gemm import escape_table, reserve_split_locks, w12_gemm
+    from specpilot.w12 import gemm as wg
+    from specpilot.w12.gemm import escape_table, reserve_split_locks, w12_gemm
     from specpilot.w12.format import encode
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """Every module of the package imports on its own, first, in a fresh interpreter (a circular import shows
-only when the cycle is entered from the 'wrong' side: ``import specpilot.kernels.w12_gemv`` failed while
+only when the cycle is entered from the 'wrong' side: ``import specpilot.w12.gemv`` failed while
 every test imported ``w12_gemm`` first)."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ sys.exit(1 if failed else 0)
 def test_every_module_imports_first():
     names = sorted("specpilot." + ".".join(p.relative_to(PKG).with_suffix("").parts)
                    for p in PKG.rglob("*.py") if p.name != "__init__.py" and p.name != "__main__.py")
-    assert "specpilot.kernels.w12_gemv" in names and len(names) > 40
+    assert "specpilot.w12.gemv" in names and len(names) > 40
     proc = subprocess.run([sys.executable, "-c", SCRIPT, *names], capture_output=True, text=True, timeout=600,
                           cwd=PKG.parent)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]

@@ -10,12 +10,12 @@ import torch
 from .tritonutil import DEV
 
 from specpilot.config import SystemConfig
-from specpilot.drafters.draft_model import DraftModelDrafter
-from specpilot.engine.checkpoint import load_model
+from specpilot.spec.draft_model import DraftModelDrafter
+from specpilot.model.checkpoint import load_model
 from specpilot.engine.deployment import Deployment
 from specpilot.engine.engine import Engine
 from specpilot.errors import SpecPilotError
-from specpilot.mechanisms.lm_head_int8 import CertifiedInt8Head, with_int8_head
+from specpilot.head.certified import CertifiedInt8Head, with_int8_head
 from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
 
 from .conftest import random_prompts
@@ -31,7 +31,7 @@ def test_config_field_label_seal():
            "ngram_max": 4, "ngram_min": 1, "dtype": "float32"}
     cfg = SystemConfig(**old)
     assert cfg.lm_head_int8 is False
-    # the seal recorded in bench/results/pilot_cpu_bundled_2026-11-30/system.json (old seals unchanged)
+    # the seal recorded in results/pilot_cpu_bundled_2026-11-30/system.json (old seals unchanged)
     assert cfg.seal() == "4ce261a774d2041300beb3f5ce0164826f7bb232bb0fd98056778e8ad51f3820"
     on = cfg.apply({"lm_head_int8": True})
     assert on.seal() != cfg.seal() and on.delta(cfg) == {"lm_head_int8": True}

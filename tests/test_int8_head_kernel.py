@@ -1,4 +1,4 @@
-"""Triton certified INT8 LM head (specpilot.kernels.int8_head, §4.1) against float64 and the engine's exact head.
+"""Triton certified INT8 LM head (specpilot.head.kernel, §4.1) against float64 and the engine's exact head.
 
 CPU: the Triton interpreter (small shapes: V ~1000-3000, K 64-256); CUDA: compiled.
 """
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from .tritonutil import DEV, triton  # noqa: F401
 
-from specpilot.kernels.int8_head import Int8HeadKernel
-from specpilot.mechanisms.lm_head_int8 import CertifiedInt8Head, _eps
+from specpilot.head.kernel import Int8HeadKernel
+from specpilot.head.certified import CertifiedInt8Head, _eps
 
 from .test_lm_head_int8 import real_tie_weights
 

@@ -1,7 +1,7 @@
 """Registers and spills from an offline compile for sm_90a (no GPU; Triton's bundled ptxas): the W12 GEMV's
 default launch for 1, 2, 4 and 8 rows spills nothing on the Qwen3-8B projections, while 16 groups a thread
 at 8 rows does; the tensor-core kernel over record words does not load weights byte by byte (issue 5;
-``bench/ptxas_probe.py`` records the whole grid). Compiled in a subprocess
+``probes/ptxas_probe.py`` records the whole grid). Compiled in a subprocess
 because the test session runs Triton in interpreter mode."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
 import json
-from specpilot.kernels.w12_gemv import gemv_config, gemv_resources
+from specpilot.w12.gemv import gemv_config, gemv_resources
 shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
 out, seen = [], {}
 for rows in (1, 2, 4, 8):
@@ -66,7 +66,7 @@ def test_gemv_default_configs_do_not_spill():
 
 STAGES_SCRIPT = r"""
 import json
-from specpilot.kernels.w12_gemv import gemv_resources
+from specpilot.w12.gemv import gemv_resources
 print(json.dumps({s: gemv_resources(1, 16, 512, 4, 3, 1, load_stages=s).ptx for s in (1, 3)}))
 """
 
@@ -94,10 +94,10 @@ def test_max_warps_per_sm_from_registers():
 
 CAP_SCRIPT = r"""
 import json
-from specpilot.kernels import w12_mma
+from specpilot.w12 import mma as w12_mma
 from specpilot.kernels.resources import kernel_resources
-from specpilot.kernels.w12_gemm import WAVE_MAXNREG
-from specpilot.kernels.w12_tiles import WORD_KERNEL_SIGNATURE
+from specpilot.w12.gemm import WAVE_MAXNREG
+from specpilot.w12.tiles import WORD_KERNEL_SIGNATURE
 c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, FUSED=False, EVEN=True, X_EVEN=True, HAS_BIAS=False, FP32=False,
          ASM=True, PDL=False, PREFETCH=False, X_GATHER=False, ESC_EARLY=False)
 out = {}
@@ -111,7 +111,7 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(not ptxas_available(), reason="Triton's bundled ptxas is not installed here")
 def test_wave_register_cap_adds_a_program_an_sm_without_spills():
-    """:data:`~specpilot.kernels.w12_gemm.WAVE_MAXNREG`: the tensor-core kernel at BLOCK_M 16 (the launch
+    """:data:`~specpilot.w12.gemm.WAVE_MAXNREG`: the tensor-core kernel at BLOCK_M 16 (the launch
     ``default_config`` caps) uncapped holds 5 four-warp programs an SM; capped, 6 and no spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", CAP_SCRIPT], capture_output=True, text=True, timeout=600, env=env,

@@ -1,4 +1,4 @@
-"""``specpilot bench --suite lm-head --device cpu`` (= ``bench/lm_head_bench.py --quick --no-sweep``): the CPU smoke
+"""``specpilot bench --suite lm-head --device cpu`` (= ``probes/lm_head_bench.py --quick --no-sweep``): the CPU smoke
 mode of the certified INT8 head benchmark (§4.1) runs end to end in the Triton interpreter and writes a complete
 JSON with a passing correctness section; the suite's bad inputs are refused with a message."""
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from specpilot.errors import SpecPilotError
-from specpilot.mechanisms.lm_head_int8 import CertifiedInt8Head
+from specpilot.head.certified import CertifiedInt8Head
 
 
 def reference(h, w):
@@ -162,7 +162,7 @@ def test_int8_copy():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bundled_target_real_hidden_states(dtype):
-    from specpilot.engine.checkpoint import load_model, load_tokenizer
+    from specpilot.model.checkpoint import load_model, load_tokenizer
     from specpilot.zoo import bundled_target_dir
 
     model = load_model(bundled_target_dir(), dtype=dtype)

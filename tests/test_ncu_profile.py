@@ -1,4 +1,4 @@
-"""``bench/ncu_profile.py``: its ncu CSV parser and per-case summary (the GPU part runs on the H200 only), and
+"""``probes/ncu_profile.py``: its ncu CSV parser and per-case summary (the GPU part runs on the H200 only), and
 the clear refusal where ncu is not installed."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from specpilot.drafters.ngram import NgramDrafter, ngram_continuations_reference
+from specpilot.spec.ngram import NgramDrafter, ngram_continuations_reference
 
 
 @pytest.mark.parametrize("seed", range(6))

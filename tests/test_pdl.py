@@ -26,9 +26,10 @@ def test_off_on_the_cpu_and_by_default(monkeypatch):
 
 COMPILE = r"""
 import importlib, json, sys
-from specpilot.kernels import fused, w12_gemm, w12_gemv, w12_mma
+from specpilot.kernels import fused
+from specpilot.w12 import gemm as w12_gemm, gemv as w12_gemv, mma as w12_mma
 from specpilot.kernels.resources import kernel_resources
-from specpilot.kernels.w12_tiles import WORD_KERNEL_SIGNATURE
+from specpilot.w12.tiles import WORD_KERNEL_SIGNATURE
 tree_attention = importlib.import_module("specpilot.kernels.tree_attention")  # the package exports a function too
 bf, i32 = "*bf16", "i32"
 KERNELS = {
@@ -94,7 +95,7 @@ def test_w12_prefetch_path_is_bitwise_the_plain_path(monkeypatch, m, over):
     performs the same operations in the same order as the plain loop: bitwise equal outputs, with split K (ragged
     last split included) and several row counts. Run with PDL itself off (the interpreter has no griddepcontrol);
     the GPU test below runs it with PDL on."""
-    from specpilot.kernels.w12_gemm import w12_gemm, w12_gemm_reference
+    from specpilot.w12.gemm import w12_gemm, w12_gemm_reference
     from specpilot.w12.format import encode
 
     from .tritonutil import DEV
@@ -126,7 +127,7 @@ def test_w12_style_is_checked(monkeypatch):
 def test_pdl_launches_give_the_same_outputs_and_tokens(monkeypatch):
     from specpilot.config import SystemConfig
     from specpilot.engine.deployment import Deployment
-    from specpilot.kernels.w12_gemm import w12_gemm
+    from specpilot.w12.gemm import w12_gemm
     from specpilot.w12.format import encode
     from specpilot.zoo import bundled_target_dir
 

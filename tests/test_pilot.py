@@ -114,7 +114,7 @@ def test_pilot_end_to_end_tiny_plan(tmp_path):
 
 
 def test_scorer_dtype_float32_loads_an_unrounded_copy(tmp_path):
-    from specpilot.engine.checkpoint import load_model
+    from specpilot.model.checkpoint import load_model
     from specpilot.pilot.run import Pilot, PilotOptions
 
     kw = dict(target=bundled_target_dir(), drafter=None, out=tmp_path / "r", dtype="bfloat16")

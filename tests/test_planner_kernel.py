@@ -4,7 +4,7 @@ CUDA with a bf16 target; elsewhere no candidates and a reason."""
 from __future__ import annotations
 
 from specpilot.config import SystemConfig
-from specpilot.drafters.ngram import NgramDrafter
+from specpilot.spec.ngram import NgramDrafter
 from specpilot.pilot.planner import Planner
 from specpilot.pilot.replay import record
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpilot.engine.checkpoint import load_model
+from specpilot.model.checkpoint import load_model
 from specpilot.errors import SpecPilotError
 from specpilot.zoo.random_ckpt import ARCHS, tensor_shapes, write_random_checkpoint
 

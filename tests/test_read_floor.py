@@ -1,4 +1,4 @@
-"""``bench/read_floor.py``: the streaming-read kernel whose time is the measured read floor reads every word
+"""``probes/read_floor.py``: the streaming-read kernel whose time is the measured read floor reads every word
 once (its per-program XORs equal numpy's), in every launch shape the probe times; a ragged tail is masked."""
 
 from __future__ import annotations

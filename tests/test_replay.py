@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from specpilot.config import SystemConfig
-from specpilot.drafters.block import BlockDrafter
+from specpilot.spec.block import BlockDrafter
 from specpilot.engine.engine import Engine
-from specpilot.mechanisms.trees import BUILDERS, acceptance_profile, set_sequoia_profile
+from specpilot.spec.trees import BUILDERS, acceptance_profile, set_sequoia_profile
 from specpilot.pilot.replay import profile_steps, record, replay
 
 from .blockutil import trained_pair
@@ -109,6 +109,6 @@ def test_planner_proposes_block_drafters(tiny_models):
 
 
 def _ngram():
-    from specpilot.drafters.ngram import NgramDrafter
+    from specpilot.spec.ngram import NgramDrafter
 
     return NgramDrafter(4, 1, max_matches=1)

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from specpilot.config import SystemConfig
-from specpilot.drafters.ngram import NgramDrafter
+from specpilot.spec.ngram import NgramDrafter
 from specpilot.engine.types import Generation
 from specpilot.pilot import controller as ctl
 from specpilot.pilot.memory import Entry, Evidence

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .tritonutil import CUDA, DEV, triton  # noqa: F401  (sets up the interpreter on the CPU)
 
-from specpilot.mechanisms.trees import ancestor_mask_of  # noqa: E402
+from specpilot.spec.trees import ancestor_mask_of  # noqa: E402
 
 ta = importlib.import_module("specpilot.kernels.tree_attention")
 

@@ -430,7 +430,7 @@ def test_flipped_copied_tensor_is_caught_and_named(monkeypatch, capsys, tmp_path
     """Fresh-user finding: a flipped byte in a tensor copied unchanged (the embedding) passed as bit-exact."""
     import shutil
 
-    from specpilot.engine.checkpoint import load_model
+    from specpilot.model.checkpoint import load_model
 
     d = tmp_path / "bad"
     shutil.copytree(packed_target, d)
@@ -454,7 +454,7 @@ def test_flipped_copied_tensor_is_caught_and_named(monkeypatch, capsys, tmp_path
 def test_flipped_copied_file_is_caught_and_named(monkeypatch, capsys, tmp_path, packed_target, name):
     import shutil
 
-    from specpilot.engine.checkpoint import load_model
+    from specpilot.model.checkpoint import load_model
 
     d = tmp_path / "bad"
     shutil.copytree(packed_target, d)

@@ -1,4 +1,4 @@
-"""The dense W12 decode for wide passes (specpilot.kernels.w12_dense, §4.1): bit for bit the reference decode,
+"""The dense W12 decode for wide passes (specpilot.w12.dense, §4.1): bit for bit the reference decode,
 and a wide W12Linear pass is the bf16 layer's own F.linear (Triton interpreter on the CPU, compiled on CUDA)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 
 from .tritonutil import DEV, triton  # noqa: F401
 
-import specpilot.kernels.w12_dense as wd
-import specpilot.kernels.w12_gemm as wg
-from specpilot.kernels.w12_gemm import W12GemmError, W12Linear
+import specpilot.w12.dense as wd
+import specpilot.w12.gemm as wg
+from specpilot.w12.gemm import W12GemmError, W12Linear
 from specpilot.w12.format import decode, encode
 
 from .test_w12_gemm import planted_weight

@@ -19,13 +19,13 @@ from safetensors.torch import load_file, save_file
 from .tritonutil import DEV
 
 from specpilot.config import SystemConfig
-from specpilot.drafters.draft_model import DraftModelDrafter
-from specpilot.engine.checkpoint import load_model
+from specpilot.spec.draft_model import DraftModelDrafter
+from specpilot.model.checkpoint import load_model
 from specpilot.engine.deployment import Deployment
 from specpilot.engine.engine import Engine
 from specpilot.errors import CheckpointError
-from specpilot.kernels.w12_gemm import W12Linear
-from specpilot.mechanisms.w12 import is_w12, to_w12, w12_head
+from specpilot.w12.gemm import W12Linear
+from specpilot.w12.convert import is_w12, to_w12, w12_head
 from specpilot.w12.format import W12FormatError
 from specpilot.w12.pack import pack_dir
 from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
@@ -57,7 +57,7 @@ def test_config_field_label_seal_and_old_configs():
            "ngram_max": 4, "ngram_min": 1, "dtype": "float32"}
     cfg = SystemConfig(**old)  # a config stored before the field existed
     assert cfg.w12 is False
-    # its seal as recorded in bench/results/pilot_cpu_bundled_2026-11-30/system.json
+    # its seal as recorded in results/pilot_cpu_bundled_2026-11-30/system.json
     assert cfg.seal() == "4ce261a774d2041300beb3f5ce0164826f7bb232bb0fd98056778e8ad51f3820"
     on = cfg.apply({"w12": True})
     assert on.seal() != cfg.seal() and on.delta(cfg) == {"w12": True}
@@ -171,7 +171,7 @@ def test_w12_head_with_int8_head_in_a_deployment(tiny_dirs, tmp_path):
     d = Deployment(src, tiny_dirs[1])
     assert w12_head(d.w12_target())
     with pytest.raises(Exception, match="needs the bf16 LM head"):
-        from specpilot.mechanisms.lm_head_int8 import with_int8_head
+        from specpilot.head.certified import with_int8_head
         with_int8_head(d.w12_target())
     for ids in random_prompts(2, 64, length=8, seed=29):
         ar = d.system(SystemConfig.ar()).generate(ids, 12).tokens

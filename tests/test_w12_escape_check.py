@@ -1,4 +1,4 @@
-"""Value checks of a caller's W12 escape table (specpilot.kernels.w12_gemm.check_escape_table), run by w12_gemm once per
+"""Value checks of a caller's W12 escape table (specpilot.w12.gemm.check_escape_table), run by w12_gemm once per
 table: an out-of-range row_ptr or column would read out of bounds on the GPU, a table of another weight of the same
 shape would give wrong sums. Small shapes: the CPU runs the kernels in Triton's interpreter."""
 
@@ -9,8 +9,8 @@ import torch
 
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
-from specpilot.kernels import w12_gemm as wg
-from specpilot.kernels.w12_gemm import ESC_SLOTS, W12GemmError, W12Linear, check_escape_table, escape_table, w12_gemm
+from specpilot.w12 import gemm as wg
+from specpilot.w12.gemm import ESC_SLOTS, W12GemmError, W12Linear, check_escape_table, escape_table, w12_gemm
 from specpilot.w12.format import encode
 
 from .test_w12_gemm import planted_weight

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpilot.kernels.w12_gemm import default_config, escape_table, split_locks, w12_gemm
+from specpilot.w12.gemm import default_config, escape_table, split_locks, w12_gemm
 from specpilot.w12.format import encode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -1,4 +1,4 @@
-"""W12 GEMM (specpilot.kernels.w12_gemm, §4.1) against the reference decode + float32 matmul, and W12Linear.
+"""W12 GEMM (specpilot.w12.gemm, §4.1) against the reference decode + float32 matmul, and W12Linear.
 
 CPU: Triton interpreter with float32 activations (the decoded bf16 weights are exact in float32). CUDA:
 compiled, float32 and bf16. The kernel must stay within the accumulation-rounding bound of the module
@@ -14,7 +14,7 @@ import torch
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
 from specpilot.kernels import gemm
-from specpilot.kernels.w12_gemm import (ESC_SLOTS, PROGRAMS_PER_SM, WAVE_MAXNREG, W12GemmError, W12Linear, codes_at, default_config, escape_table, one_row_gemv, split_locks, w12_gemm,
+from specpilot.w12.gemm import (ESC_SLOTS, PROGRAMS_PER_SM, WAVE_MAXNREG, W12GemmError, W12Linear, codes_at, default_config, escape_table, one_row_gemv, split_locks, w12_gemm,
                                         w12_gemm_reference)
 from specpilot.w12.format import W12FormatError, W12Tensor, decode, encode
 
@@ -275,7 +275,7 @@ def test_escape_table_and_codes():
 
 
 def test_default_config_fills_the_device_and_divides_k():
-    # the splits the H200 sweep found best (bench/results/w12_mma_sweep_h200_2026-12-01_session8.json)
+    # the splits the H200 sweep found best (results/w12_mma_sweep_h200_2026-12-01_session8.json)
     assert [default_config(8, n, k)["split_k"] for n, k in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]] \
         == [4, 8, 1, 8]
     for m, n, k in [(1, 6144, 4096), (1, 4096, 4096), (8, 24576, 4096), (32, 4096, 12288), (256, 10240, 5120),
@@ -290,7 +290,7 @@ def test_default_config_fills_the_device_and_divides_k():
 
 
 def test_default_config_caps_registers_only_where_a_second_wave_shrinks():
-    # bench/results/w12_waves_probe_h200_2026-12-02_session18.json: 32B gate_up (800 programs) at 8 rows 128.9 µs
+    # results/w12_waves_probe_h200_2026-12-02_session18.json: 32B gate_up (800 programs) at 8 rows 128.9 µs
     # uncapped, 109.2 capped; launches of at most 5 programs an SM were not helped
     assert default_config(8, 51200, 5120)["maxnreg"] == WAVE_MAXNREG
     assert default_config(16, 51200, 5120)["maxnreg"] == WAVE_MAXNREG
@@ -419,7 +419,7 @@ def test_interpreter_runs_w12_gemm_outside_the_test_suite():
     import subprocess
     import sys
 
-    code = ("import torch\nfrom specpilot.kernels.w12_gemm import w12_gemm, w12_gemm_reference\n"
+    code = ("import torch\nfrom specpilot.w12.gemm import w12_gemm, w12_gemm_reference\n"
             "from specpilot.w12.format import encode\ng = torch.Generator().manual_seed(0)\n"
             "t = encode((torch.randn(130, 300, generator=g) * 0.02).to(torch.bfloat16))\n"
             "x = torch.randn(1, 300, generator=g)\n"

@@ -1,4 +1,4 @@
-"""The residual add and RMSNorm split across the one-row W12 GEMVs (specpilot.kernels.w12_norm, §4.1, issue 5).
+"""The residual add and RMSNorm split across the one-row W12 GEMVs (specpilot.w12.norm, §4.1, issue 5).
 
 The producer half must store bit for bit ``residual + GEMV`` (the residual add ``add_rmsnorm`` does) and the true
 tile sums of squares; the consumer half must equal the GEMV of the normalised row within rounding (the scale's sum
@@ -17,8 +17,8 @@ from .test_w12_swiglu import _cpu, _cpu_layer, gate_up_row, w12_layer, w12_tiny
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
 from specpilot.kernels import fused
-from specpilot.kernels.w12_gemm import W12GemmError, w12_gemm
-from specpilot.kernels.w12_norm import (TILE, add_fusable, norm_fusable, w12_add_residual, w12_add_residual_reference,
+from specpilot.w12.gemm import W12GemmError, w12_gemm
+from specpilot.w12.norm import (TILE, add_fusable, norm_fusable, w12_add_residual, w12_add_residual_reference,
                                         w12_norm_in, w12_norm_in_reference)
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if CUDA else [])
@@ -143,7 +143,7 @@ def test_refusals_name_the_condition_and_leave_it_usable():
 
 
 def _spy(monkeypatch, calls):
-    import specpilot.kernels.w12_norm as mod
+    import specpilot.w12.norm as mod
 
     for name in ("w12_add_residual", "w12_norm_in"):
         real = getattr(mod, name)
@@ -179,8 +179,8 @@ def test_speculative_output_equals_ar_with_the_fused_norm(tiny_dirs, monkeypatch
     """w12 + the fused static path with padded buckets (float32, interpreter): the AR steps (one row) take the fused
     norm, the tree passes do not, and speculative tokens equal AR's and the plain model's."""
     from specpilot.config import SystemConfig
-    from specpilot.drafters.draft_model import DraftModelDrafter
-    from specpilot.engine.checkpoint import load_model
+    from specpilot.spec.draft_model import DraftModelDrafter
+    from specpilot.model.checkpoint import load_model
     from specpilot.engine.engine import Engine
 
     from .conftest import random_prompts

@@ -16,7 +16,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from specpilot.kernels import w12_tiles  # noqa: E402
+from specpilot.w12 import tiles as w12_tiles  # noqa: E402
 
 M32 = np.uint64(0xFFFFFFFF)
 
@@ -147,14 +147,14 @@ def test_emulator_prmt_and_lop3_follow_the_ptx_manual():
 
 
 def test_pair_decode_ptx_of_the_warp_specialised_kernel_gives_every_code():
-    """``DECODE2_BF16_PTX`` (``bench/w12_ws.py``): two columns' views as one 16-bit word and their
+    """``DECODE2_BF16_PTX`` (``probes/w12_ws.py``): two columns' views as one 16-bit word and their
     nibble byte -> the two bf16 ``w'``; every view pair (65 536) with four nibble bytes each (every byte value
     occurs 1 024 times), and the decoded values themselves."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    w12_ws = pytest.importorskip("w12_ws")  # bench/w12_ws.py (a probe kernel)
+    w12_ws = pytest.importorskip("w12_ws")  # probes/w12_ws.py (a probe kernel)
     if w12_ws.gluon is None:
         pytest.skip("Triton without Gluon")
     pair = np.repeat(np.arange(65536, dtype=np.uint64), 4)

@@ -1,4 +1,4 @@
-"""SwiGLU inside the W12 down projection's load (specpilot.kernels.w12_swiglu, §4.1, issue 5).
+"""SwiGLU inside the W12 down projection's load (specpilot.w12.swiglu, §4.1, issue 5).
 
 The fused GEMV must give bit for bit what ``silu_mul`` followed by the same GEMV gives (escapes, bias, split K
 summed in the kernel or by the second kernel, a ragged last step), stay within rounding of the plain PyTorch
@@ -15,8 +15,8 @@ from .test_w12_gemm import assert_within_rounding, planted_weight
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
 from specpilot.kernels import fused
-from specpilot.kernels.w12_gemm import W12GemmError, W12Linear, w12_gemm
-from specpilot.kernels.w12_swiglu import swiglu_fusable, w12_swiglu_down, w12_swiglu_down_reference
+from specpilot.w12.gemm import W12GemmError, W12Linear, w12_gemm
+from specpilot.w12.swiglu import swiglu_fusable, w12_swiglu_down, w12_swiglu_down_reference
 from specpilot.w12.format import encode
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if CUDA else [])
@@ -112,8 +112,8 @@ def test_fusable_only_for_one_contiguous_row_of_a_w12_layer():
 def w12_tiny(tiny_dirs):
     """The tiny target with bf16-valued weights in W12, on the fused static path with every W12 kernel on (the
     Triton interpreter on the CPU)."""
-    from specpilot.engine.checkpoint import load_model
-    from specpilot.mechanisms.w12 import to_w12
+    from specpilot.model.checkpoint import load_model
+    from specpilot.w12.convert import to_w12
 
     target = load_model(tiny_dirs[0], device=DEV)
     with torch.no_grad():
@@ -131,7 +131,7 @@ def test_a_fused_model_pass_is_bitwise_the_unfused_one(tiny_dirs, monkeypatch):
     """The tiny target in W12 on the fused static path (the Triton interpreter on the CPU): one row with
     ``fuse_swiglu`` on (every layer's down projection fused) and off give identical hidden states; three rows never
     take the fused path."""
-    import specpilot.kernels.w12_swiglu as mod
+    import specpilot.w12.swiglu as mod
 
     w = w12_tiny(tiny_dirs)
     w.fuse_norm = False  # otherwise the down projection adds the residual too (tests/test_w12_norm.py)

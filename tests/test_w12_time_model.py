@@ -1,4 +1,4 @@
-"""``bench/w12_time_model.py`` recovers a known fixed cost and bandwidth from synthetic bench rows."""
+"""``probes/w12_time_model.py`` recovers a known fixed cost and bandwidth from synthetic bench rows."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The warp-specialised stream-K W12 GEMM (``bench/w12_ws.py``, a Gluon probe kernel) on an sm_90 GPU: within the
+"""The warp-specialised stream-K W12 GEMM (``probes/w12_ws.py``, a Gluon probe kernel) on an sm_90 GPU: within the
 rounding bound of the reference decode + float32 matmul on fresh random weights with planted escapes (zeros,
 outliers, inf / NaN) and odd shapes (runs that cross bands, K not a multiple of 64, fewer rows than the tile),
 bitwise equal from call to call. Gluon has no CPU interpreter: skipped without an sm_90 GPU. The CPU tests cover
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpilot.kernels.w12_gemm import W12GemmError, escape_table, w12_gemm_reference
+from specpilot.w12.gemm import W12GemmError, escape_table, w12_gemm_reference
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from w12_ws import WS_COLUMNS, w12_ws, ws_plan, ws_records  # noqa: E402  (bench/w12_ws.py, a probe kernel)
+from w12_ws import WS_COLUMNS, w12_ws, ws_plan, ws_records  # noqa: E402  (probes/w12_ws.py, a probe kernel)
 from specpilot.w12.format import _codes_from_records, encode
 
 sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -22,7 +22,7 @@ sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 def _bound_ok(out, x, t, w):
     """Finite entries within ``2 γ_{K+E+3} Σ|x|(|w|+|c|)`` + one bf16 rounding; same non-finite pattern."""
-    from specpilot.benchsuite.w12 import check, codes
+    from specpilot.bench.w12 import check, codes
     return check(out, x, t, w.float().abs() + codes(t).abs())
 
 

@@ -94,7 +94,7 @@ def test_tokenizer_roundtrip_and_chat(built):
 def test_checkpoint_loads_and_matches_transformers(built):
     from transformers import AutoModelForCausalLM
 
-    from specpilot.engine.checkpoint import load_model, load_tokenizer
+    from specpilot.model.checkpoint import load_model, load_tokenizer
 
     d = built / "target"
     cfg = json.loads((d / "config.json").read_text())

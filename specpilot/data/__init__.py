@@ -3,6 +3,6 @@
 See ``prompts/LICENSES.md`` for sources and licences; evaluation only, never training data.
 """
 
-from .benchmarks import BENCHMARKS, PROMPTS_DIR, Request, load_mix, load_requests
+from specpilot.data.benchmarks import BENCHMARKS, PROMPTS_DIR, Request, load_mix, load_requests
 
 __all__ = ["BENCHMARKS", "PROMPTS_DIR", "Request", "load_mix", "load_requests"]

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SpecPilotError
+from specpilot.errors import SpecPilotError
 
 BENCHMARKS = ("gsm8k", "humaneval", "mbpp", "mt_bench")
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-from ..config import SystemConfig
-from ..drafters.block import TOP_K as BLOCK_TOP_K
-from ..drafters.block import BlockDrafter, is_block_dir, load_block
-from ..drafters.draft_model import DraftModelDrafter
-from ..drafters.ngram import NgramDrafter
-from ..errors import CheckpointError, DrafterError, SpecPilotError
-from .checkpoint import load_model, load_tokenizer, read_args
-from .engine import Engine
+from specpilot.config import SystemConfig
+from specpilot.spec.block import TOP_K as BLOCK_TOP_K
+from specpilot.spec.block import BlockDrafter, is_block_dir, load_block
+from specpilot.spec.draft_model import DraftModelDrafter
+from specpilot.spec.ngram import NgramDrafter
+from specpilot.errors import CheckpointError, DrafterError, SpecPilotError
+from specpilot.model.checkpoint import load_model, load_tokenizer, read_args
+from specpilot.engine.engine import Engine
 
 
 class Deployment:
@@ -69,7 +69,7 @@ class Deployment:
         return ids
 
     def w12_target(self):
-        """The target with its projections in W12 (§4.1, :func:`specpilot.mechanisms.w12.to_w12`), built on
+        """The target with its projections in W12 (§4.1, :func:`specpilot.w12.convert.to_w12`), built on
         first use; it shares embeddings and norms with :attr:`target` (and the LM head when that is tied to the
         embeddings; an untied head is W12 too).
 
@@ -77,24 +77,24 @@ class Deployment:
             W12FormatError (a CheckpointError): the target's weights are not bfloat16 values.
         """
         if self._w12_target is None:
-            from ..mechanisms.w12 import to_w12
+            from specpilot.w12.convert import to_w12
 
             self._w12_target = to_w12(self.target)
         return self._w12_target
 
     def int8_target(self, base):
         """``base`` (:attr:`target` or the W12 target) with the certified INT8 LM head (§4.1,
-        :func:`specpilot.mechanisms.lm_head_int8.with_int8_head`); one INT8 copy of the head serves both.
+        :func:`specpilot.head.certified.with_int8_head`); one INT8 copy of the head serves both.
 
         On CUDA this sets ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` (and the
         fp16 twin) to False for the process: the certified bound needs the exact head to reduce in float32
-        (:class:`~specpilot.mechanisms.lm_head_int8.CertifiedInt8Head` refuses otherwise). Every bf16 GEMM
+        (:class:`~specpilot.head.certified.CertifiedInt8Head` refuses otherwise). Every bf16 GEMM
         of the process runs under this setting from then on, also in systems measured earlier.
 
         Raises:
             SpecPilotError: the LM head weight holds inf / NaN.
         """
-        from ..mechanisms.lm_head_int8 import CertifiedInt8Head, with_int8_head
+        from specpilot.head.certified import CertifiedInt8Head, with_int8_head
 
         if self.target.lm_head.weight.is_cuda:
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -183,7 +183,7 @@ def check_device(device: str) -> str:
     """``device`` if torch can use it here; else :class:`SpecPilotError` (e.g. ``cuda`` without a GPU)."""
     import torch
 
-    from ..errors import SpecPilotError
+    from specpilot.errors import SpecPilotError
 
     try:
         dev = torch.device(device)

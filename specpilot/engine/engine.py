@@ -21,11 +21,11 @@ from typing import Callable
 
 import torch
 
-from ..config import SystemConfig
-from ..errors import PromptError, SpecPilotError
-from ..mechanisms.trees import Tree, build_tree
-from .model import Transformer, region
-from .types import Generation
+from specpilot.config import SystemConfig
+from specpilot.errors import PromptError, SpecPilotError
+from specpilot.spec.trees import Tree, build_tree
+from specpilot.model.transformer import Transformer, region
+from specpilot.engine.types import Generation
 
 
 class Engine:
@@ -41,7 +41,7 @@ class Engine:
             argmax (used to plant defects the controller and token forcing must catch); captured with the
             pass in the row-bucket graphs when those are on.
         buckets: run decode passes padded to row buckets through the static path, replayed as CUDA
-            graphs on CUDA (:mod:`specpilot.engine.graphs`); rows above the largest bucket run eagerly. The
+            graphs on CUDA (:mod:`specpilot.engine.runner`); rows above the largest bucket run eagerly. The
             prefill then runs in chunks of the largest bucket (:meth:`BucketRunner.prefill`).
 
     Attributes:
@@ -62,7 +62,7 @@ class Engine:
         self.target, self.config, self.drafter = target, config, drafter
         self.eos_ids = set(target.args.eos_token_ids if eos_ids is None else eos_ids)
         self.max_len = max_len or min(target.args.max_position_embeddings, 4096)
-        from .graphs import BUCKETS, BucketRunner
+        from specpilot.engine.runner import BUCKETS, BucketRunner
 
         self.cache = target.new_cache(self.max_len + max(config.nodes + 1, BUCKETS[-1]))
         self.runner = None

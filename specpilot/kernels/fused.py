@@ -21,13 +21,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import pdl
+from specpilot.kernels import pdl
 
 try:
     import triton
     import triton.language as tl
 
-    from .pdl import pdl_start
+    from specpilot.kernels.pdl import pdl_start
 except ImportError:  # CPU installs without triton: the references still work
     triton = None
 
@@ -171,7 +171,7 @@ if triton is not None:
     @triton.jit
     def rms_rstd(sum_sq, D, eps):
         """``1 / sqrt(sum_sq / D + eps)`` in float32: RMSNorm's scale from a row's float32 sum of squares. The one
-        definition :func:`add_rmsnorm` and the W12 GEMV's fused norm (:mod:`specpilot.kernels.w12_norm`) share."""
+        definition :func:`add_rmsnorm` and the W12 GEMV's fused norm (:mod:`specpilot.w12.norm`) share."""
         return 1.0 / tl.sqrt(sum_sq / D + eps)
 
     @triton.jit
@@ -236,7 +236,7 @@ if triton is not None:
     def silu_mul_values(g, u):
         """``silu(g) * u`` of loaded gate / up values (any shape, one dtype), rounded where HF rounds: silu in
         float32, cast to the dtype, then the product in the dtype. The one definition :func:`silu_mul` and the W12
-        GEMV's fused SwiGLU load (:mod:`specpilot.kernels.w12_swiglu`) share, so both give the same bits."""
+        GEMV's fused SwiGLU load (:mod:`specpilot.w12.swiglu`) share, so both give the same bits."""
         gf = g.to(tl.float32)
         s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
         return (s * u).to(g.dtype)

@@ -51,7 +51,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
 
     BLOCK_M: the rows rounded up to 16/32/64. BLOCK_N 64, BLOCK_K 128, 5 stages. SPLIT_K: the smallest
     power of two that puts a program on every SM, keeping at least 4 K-blocks per split and dividing K
-    into whole blocks. From the H200 sweep of ``bench/kernels_probe.py --sweep``: deeper pipelines beat
+    into whole blocks. From the H200 sweep of ``probes/kernels_probe.py --sweep``: deeper pipelines beat
     more splits (every split costs a reduction launch).
     """
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -110,7 +110,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def cublas_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     """``layer(x)`` through ``F.linear`` (cuBLAS on CUDA); same signature as :func:`linear`. A layer that is
-    not an ``nn.Linear`` (a :class:`~specpilot.kernels.w12_gemm.W12Linear`, §4.1) runs its own forward."""
+    not an ``nn.Linear`` (a :class:`~specpilot.w12.gemm.W12Linear`, §4.1) runs its own forward."""
     if not isinstance(layer, torch.nn.Linear):
         return layer(x)
     return F.linear(x, layer.weight, layer.bias)

@@ -15,7 +15,7 @@ kernel, so with ``"prefetch"`` a program loads its first K step's weight words *
 activations and every store come after it) and signals ``launch_dependents`` only after its K loop, so the next
 kernel's programs do not take SM slots while this one still streams.
 
-Measured on the H200 (``bench/pdl_check.py``, ``bench/results/pdl_check_h200_2026-12-01_session10_run{1,2}.json``;
+Measured on the H200 (``probes/pdl_check.py``, ``results/pdl_check_h200_2026-12-01_session10_run{1,2}.json``;
 one graph of back-to-back calls) it does not pay: against PDL off the W12 GEMMs were 5–42% slower with ``start``
 and 2–36% slower with ``prefetch`` (1–7% faster in three one-row cases), and the Qwen3-8B exact pass at one row
 moved by −4% / 0% (bf16, two runs) and +1% (W12, prefetch). Hence off by default: ``SPECPILOT_PDL=1`` (or

@@ -24,13 +24,13 @@ import math
 
 import torch
 
-from . import pdl
+from specpilot.kernels import pdl
 
 try:
     import triton
     import triton.language as tl
 
-    from .pdl import pdl_start
+    from specpilot.kernels.pdl import pdl_start
 except ImportError:  # CPU installs without triton: the reference still works
     triton = None
 

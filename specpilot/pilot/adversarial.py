@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from ..config import SystemConfig
-from ..engine.engine import Engine
-from ..engine.types import Generation
+from specpilot.config import SystemConfig
+from specpilot.engine.engine import Engine
+from specpilot.engine.types import Generation
 
 
 class Twice:

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..errors import SpecPilotError
+from specpilot.errors import SpecPilotError
 
 #: directories an agent's patch may change (prefixes of repository paths)
-ALLOWED = ("specpilot/kernels/", "specpilot/mechanisms/", "specpilot/drafters/", "specpilot/engine/")
+ALLOWED = ("specpilot/kernels/", "specpilot/spec/", "specpilot/spec/", "specpilot/engine/")
 FORBIDDEN = ("specpilot/pilot/",)
 
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from ..errors import SpecPilotError
-from .forcing import DELTA_STEP, ForcingStats, Scorer, audit, forcing_verdict
+from specpilot.errors import SpecPilotError
+from specpilot.pilot.forcing import DELTA_STEP, ForcingStats, Scorer, audit, forcing_verdict
 
 DEFAULT_DELTA = DELTA_STEP  # the floor of δ (§3.4)
 
@@ -130,7 +130,7 @@ def audit_outputs(target: str | Path, outputs: str | Path, delta: float | None =
             finite and > 0.
         CheckpointError: the target cannot be loaded.
     """
-    from ..engine.checkpoint import load_model
+    from specpilot.model.checkpoint import load_model
 
     delta = DEFAULT_DELTA if delta is None else float(delta)
     if not (delta > 0 and math.isfinite(delta)):  # inf would switch the event rule off

@@ -84,8 +84,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .bootstrap import gain_and_bound
-from .forcing import ForcingStats, Scorer, audit, delta_from_phase0, forcing_verdict
+from specpilot.pilot.bootstrap import gain_and_bound
+from specpilot.pilot.forcing import ForcingStats, Scorer, audit, delta_from_phase0, forcing_verdict
 
 BASE_BAR = 0.01  # approve iff lower_bound - 1 > 1% + 2 sigma (§3.3)
 CHANGED_OUTPUT_BAR = 0.03  # bar when B's output differs from A's (§3.3)

@@ -9,7 +9,7 @@ the headroom left, as a product of three factors, each attacked in turn by a rou
 - outside = measured step time / profiled time (time no region accounts for).
 
 FLOP and byte counts are analytic, for one target pass of R rows at cache prefix length L of a dense
-llama / qwen decoder (:class:`specpilot.engine.model.ModelArgs`), plus the drafter's passes.
+llama / qwen decoder (:class:`specpilot.model.transformer.ModelArgs`), plus the drafter's passes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from specpilot.engine.model import ModelArgs
+from specpilot.model.transformer import ModelArgs
 from specpilot.pilot.profiler import DevicePeaks
 
 #: Kernel classes of a step, in report order (§3.2; ``recurrent`` stays empty for dense targets).

@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..errors import SpecPilotError
-from . import controller as ctl
-from .agent import ALLOWED, FORBIDDEN, AgentPatch, AgentRejected, prepare_worktree, run_agent, write_brief
-from .memory import Entry, Evidence
-from .patches import head_state
-from .workers import DeploymentSpec, WorkerError, WorkerExecutor, WorkerPool, WorkerSystem
+from specpilot.errors import SpecPilotError
+from specpilot.pilot import controller as ctl
+from specpilot.pilot.agent import ALLOWED, FORBIDDEN, AgentPatch, AgentRejected, prepare_worktree, run_agent, write_brief
+from specpilot.pilot.memory import Entry, Evidence
+from specpilot.pilot.patches import head_state
+from specpilot.pilot.workers import DeploymentSpec, WorkerError, WorkerExecutor, WorkerPool, WorkerSystem
 
 
 @dataclass

@@ -48,7 +48,7 @@ class Scorer:
     """Teacher-forcing scorer: the target's causal pass with its LM head in FP32 (§3.4).
 
     Args:
-        model: a :class:`specpilot.engine.model.Transformer` (any dtype; only the head is upcast) with
+        model: a :class:`specpilot.model.transformer.Transformer` (any dtype; only the head is upcast) with
             ``forward(tokens, positions, cache, start)``, ``new_cache(max_len)`` and ``lm_head``.
     """
 
@@ -224,7 +224,7 @@ def mismatch_allowance(system: ForcingStats, stock: ForcingStats) -> float:
 
     The noise term is ours, not the paper's. A stock that never mismatches (a float32 CPU target) gets the
     bare 0.5 pp rule; a trained target's ~0.7% over 10^4 tokens adds 0.17 pp. On a target with flat logits
-    (random weights: stock at 10.6% over 1152 tokens on the H200, ``bench/results/pilot_h200_qwen3-8b_random_
+    (random weights: stock at 10.6% over 1152 tokens on the H200, ``results/pilot_h200_qwen3-8b_random_
     2026-11-30``) stock's rate has a standard error near 0.9 pp, and the bare rule failed stock against
     itself (A vs A: 11.11% vs 10.59%) and AR. Large mismatches stay judged by the second rule (events), which
     has no allowance.

@@ -132,7 +132,7 @@ def profile_passes(model, rows, prefix_len: int, calls: int = 20) -> dict[int, K
     """Kernel profiles of the bare exact pass (one graph replay + host read, rows padded to the engine's
     bucket) after ``prefix_len`` committed slots, for each row count in ``rows``. Raises RuntimeError
     without CUDA."""
-    from ..engine.graphs import BUCKETS, BucketRunner
+    from specpilot.engine.runner import BUCKETS, BucketRunner
 
     dev = model.device
     cache = model.new_cache(prefix_len + BUCKETS[-1] + 1)

@@ -31,9 +31,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..config import SystemConfig
-from ..errors import SpecPilotError
-from .patches import rebuild_tree
+from specpilot.config import SystemConfig
+from specpilot.errors import SpecPilotError
+from specpilot.pilot.patches import rebuild_tree
 
 DEFAULT_CONTRACT = "output == AR in float32; token forcing passes"
 DELTA_FILES = {"config": "delta.json", "patch": "delta.patch"}

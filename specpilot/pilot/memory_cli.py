@@ -17,8 +17,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import SpecPilotError
-from .memory import Memory, MemoryEntryError
+from specpilot.errors import SpecPilotError
+from specpilot.pilot.memory import Memory, MemoryEntryError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Memory of verified entries (§3.5): list, show, reproduction check.")

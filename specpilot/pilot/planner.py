@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import SystemConfig
-from .replay import Recording, replay
+from specpilot.config import SystemConfig
+from specpilot.pilot.replay import Recording, replay
 
 #: Option grid the planner searches (kept small: every candidate costs a paired run).
 NODES = (2, 4, 6, 8, 12, 16, 24, 32)

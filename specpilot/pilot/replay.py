@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import SystemConfig
-from ..drafters.lattice import Lattice
-from ..mechanisms.trees import build_tree
+from specpilot.config import SystemConfig
+from specpilot.spec.lattice import Lattice
+from specpilot.spec.trees import build_tree
 
 
 class TruncatedLattice(Lattice):
@@ -66,7 +66,7 @@ def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None) ->
         drafter: an object with ``reset()`` / ``propose(committed, depth)`` built with ``top_k`` candidates.
         prompts / ar_outputs: lists of token-id lists.
         depth / top_k: the largest depth and K any replayed policy will use.
-        target: the target :class:`~specpilot.engine.model.Transformer`; required for a drafter with
+        target: the target :class:`~specpilot.model.transformer.Transformer`; required for a drafter with
             ``target_layers`` (block drafters): the target runs once causally over prompt + AR output to
             give every prefix's features (equal, up to float rounding, to those the engine hands it).
     Raises:
@@ -148,7 +148,7 @@ def _accepted(lat: Lattice, target: list[int], config: SystemConfig, policy: str
 
 
 def profile_steps(rec: Recording, depth: int | None = None):
-    """``(lattice, target tokens)`` per recorded position, for :func:`~specpilot.mechanisms.trees.acceptance_profile`."""
+    """``(lattice, target tokens)`` per recorded position, for :func:`~specpilot.spec.trees.acceptance_profile`."""
     for ar, lats in zip(rec.ar, rec.lattices):
         for m, lat in lats.items():
             if lat is not None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..config import SystemConfig
-from ..data.benchmarks import BENCHMARKS, load_requests
-from ..engine.deployment import Deployment
-from ..errors import SpecPilotError
-from ..mechanisms.trees import acceptance_profile, set_sequoia_profile
-from .replay import Recording, profile_steps, record, replay
+from specpilot.config import SystemConfig
+from specpilot.data.benchmarks import BENCHMARKS, load_requests
+from specpilot.engine.deployment import Deployment
+from specpilot.errors import SpecPilotError
+from specpilot.spec.trees import acceptance_profile, set_sequoia_profile
+from specpilot.pilot.replay import Recording, profile_steps, record, replay
 
 #: (policy, nodes) per block size B; ``None`` nodes = B (the chain and the oracle).
 POLICIES = [("chain", None), ("best_first", 8), ("best_first", 16), ("best_first", 32), ("best_first", 63),

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ..config import SystemConfig
-from ..errors import SpecPilotError
-from .memory import Entry, Memory, MemoryEntryError, default_repo
-from .patches import head_state
+from specpilot.config import SystemConfig
+from specpilot.errors import SpecPilotError
+from specpilot.pilot.memory import Entry, Memory, MemoryEntryError, default_repo
+from specpilot.pilot.patches import head_state
 
 #: How many re-tuned variants of an entry are screened live (the entry's own options always included).
 SCREENED = 3

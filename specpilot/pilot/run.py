@@ -28,25 +28,25 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from ..config import SystemConfig
-from ..engine.checkpoint import load_model
-from ..engine.deployment import Deployment
-from ..errors import SpecPilotError
-from . import controller as ctl
-from .audit import write_outputs
-from .bootstrap import gain_and_bound
-from .costmodel import build_ceiling, step_counts
-from .dispatch import AgentContext, agent_round, plan_dispatch, stock_commit
-from .forcing import Scorer, audit, forcing_verdict, mismatch_allowance
-from .memory import Entry, Evidence, Memory
-from .planner import Planner
-from .profiler import StepProfiler, measure_peaks
-from .replay import record, replay
-from .report import write_report
-from .reuse import open_source, reuse_memory
-from .setup import available_cores, build_requests, choose_threads, git_commit, measure_verify_ms, versions
-from .steps import StepRecorder, StepStats, c_of, interleaved_steps
-from .workers import DeploymentSpec
+from specpilot.config import SystemConfig
+from specpilot.model.checkpoint import load_model
+from specpilot.engine.deployment import Deployment
+from specpilot.errors import SpecPilotError
+from specpilot.pilot import controller as ctl
+from specpilot.pilot.audit import write_outputs
+from specpilot.pilot.bootstrap import gain_and_bound
+from specpilot.pilot.costmodel import build_ceiling, step_counts
+from specpilot.pilot.dispatch import AgentContext, agent_round, plan_dispatch, stock_commit
+from specpilot.pilot.forcing import Scorer, audit, forcing_verdict, mismatch_allowance
+from specpilot.pilot.memory import Entry, Evidence, Memory
+from specpilot.pilot.planner import Planner
+from specpilot.pilot.profiler import StepProfiler, measure_peaks
+from specpilot.pilot.replay import record, replay
+from specpilot.pilot.report import write_report
+from specpilot.pilot.reuse import open_source, reuse_memory
+from specpilot.pilot.setup import available_cores, build_requests, choose_threads, git_commit, measure_verify_ms, versions
+from specpilot.pilot.steps import StepRecorder, StepStats, c_of, interleaved_steps
+from specpilot.pilot.workers import DeploymentSpec
 
 
 @dataclass
@@ -116,7 +116,7 @@ class Pilot:
                                       bool(opts.agent), spec, torch.get_num_threads())
         self.code_tree, self.code_entries = None, []  # the incumbent's code: approved agent patches (§3.5)
         if opts.agent:  # fail before Phase 0, not in round 1, when there is no git checkout
-            from .memory import default_repo
+            from specpilot.pilot.memory import default_repo
 
             stock_commit(default_repo())
 
@@ -337,7 +337,7 @@ class Pilot:
         verdict, reason, whether the expected defence is what rejected it (``defence_fired``)."""
         import threading
 
-        from .adversarial import Adversary, adversaries
+        from specpilot.pilot.adversarial import Adversary, adversaries
 
         stop = threading.Event()
         control = Adversary("A vs A", "stock against itself (a control: never approved)", "approval bar",
@@ -380,7 +380,7 @@ class Pilot:
     def agent_round(self, rnd: int, incumbent: SystemConfig, ceil, entries: list, memory, candidates: list) -> None:
         """Call the external agent on the incumbent and judge its patch (:func:`.dispatch.agent_round`);
         approved, it becomes a ``patch`` memory entry and the incumbent's code."""
-        from .memory import default_repo
+        from specpilot.pilot.memory import default_repo
 
         repo = default_repo()
         commit, dirty = stock_commit(repo)
@@ -478,7 +478,7 @@ class Pilot:
         if "exact_pass" in totals:  # one graph replay per step: split by the pass's kernel classes
             exact = totals.pop("exact_pass")
             if self.dep.target.device.type == "cuda":
-                from .kernel_profile import pass_class_fractions
+                from specpilot.pilot.kernel_profile import pass_class_fractions
 
                 rows = min(max(1, round(m["rows"])), 256)
                 fractions = pass_class_fractions(self.dep.target, rows, int(sum(prefix) / len(prefix)))
@@ -534,7 +534,7 @@ class Pilot:
         """The ``specpilot audit`` command line that repeats the seal's audit (same target, scorer dtype and
         device, δ, stock's Phase-0 outputs as the reference); paths as this run was given them. ``dtype``:
         another scorer dtype (``float32``: the same audit against unrounded arithmetic)."""
-        from ..zoo import bundled_target_dir
+        from specpilot.zoo import bundled_target_dir
 
         target = self.dep.target_dir
         tgt = ("$(specpilot zoo path --json | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"target\"])')"

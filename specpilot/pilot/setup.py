@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from ..data.benchmarks import load_mix
-from ..errors import SpecPilotError
-from ..provenance import git_commit, versions  # noqa: F401  (used by the pilot)
-from .controller import Req
+from specpilot.data.benchmarks import load_mix
+from specpilot.errors import SpecPilotError
+from specpilot.provenance import git_commit, versions  # noqa: F401  (used by the pilot)
+from specpilot.pilot.controller import Req
 
 
 BYTE_ID_OFFSET = 256  # byte b of a prompt becomes token id 256 + b when the target has no tokenizer
@@ -85,7 +85,7 @@ def measure_verify_ms(model, prefix_len: int, rows=(1, 2, 4, 8, 16, 32), repeats
     dynamic path the CPU engine uses; ``static=True`` the row-bucket path (CUDA graphs on CUDA), as the
     engine runs with ``buckets=True``.
     """
-    from ..engine.graphs import BUCKETS, BucketRunner
+    from specpilot.engine.runner import BUCKETS, BucketRunner
 
     dev = model.device
     cache = model.new_cache(prefix_len + max(*rows, BUCKETS[-1]) + 1)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..errors import SpecPilotError
+from specpilot.errors import SpecPilotError
 
 #: the stock source tree (the directory holding this ``specpilot`` package) and the stock entry script
 STOCK_TREE = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ def pack(
     out: Path = typer.Argument(..., help="New or empty output directory."),
 ):
     """Convert the linear-layer bf16 weights of SRC to W12 in OUT and copy every other file unchanged."""
-    from .pack import pack_dir
+    from specpilot.w12.pack import pack_dir
 
     t = pack_dir(src, out)["totals"]
     print(f"{out}: {t['tensors_w12']} tensors W12, {t['tensors_raw']} kept raw (not bf16); "
@@ -37,7 +37,7 @@ def verify(
 ):
     """Restore every tensor and compare it bit for bit with its stored sha256 (and --source); check every copied
     tensor and file against its sha256 in w12.json."""
-    from .pack import verify_dir
+    from specpilot.w12.pack import verify_dir
 
     rep = verify_dir(directory, source)
     if as_json:

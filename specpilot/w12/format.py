@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CheckpointError
+from specpilot.errors import CheckpointError
 
 RECORD_ROWS, RECORD_COLS = 128, 64
 VIEW_BYTES, NIBBLE_BYTES = RECORD_ROWS * RECORD_COLS, RECORD_ROWS * RECORD_COLS // 2

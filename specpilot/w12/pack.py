@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from ..fileio import output_dir, save_safetensors
-from .format import (RECORD_BYTES, RECORD_COLS, RECORD_ROWS, W12FormatError, W12Tensor, decode, encode,
+from specpilot.fileio import output_dir, save_safetensors
+from specpilot.w12.format import (RECORD_BYTES, RECORD_COLS, RECORD_ROWS, W12FormatError, W12Tensor, decode, encode,
                      pack_bases, sha256_of, sha256_of_file, unpack_bases)
 
 MANIFEST = "w12.json"

@@ -16,9 +16,9 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from . import bundled_block_dir, bundled_block_markov_dir, bundled_drafter_dir, bundled_target_dir
-from ..fileio import output_dir
-from .corpus import DEFAULT_GSM8K
+from specpilot.zoo import bundled_block_dir, bundled_block_markov_dir, bundled_drafter_dir, bundled_target_dir
+from specpilot.fileio import output_dir
+from specpilot.zoo.corpus import DEFAULT_GSM8K
 
 app = typer.Typer(help="Build the bundled target/drafter pair (corpus, tokenizer, tokens, training).", no_args_is_help=True)
 console = Console()
@@ -50,7 +50,7 @@ def corpus(
     max_chars: Optional[int] = typer.Option(None, help="cap on the corpus length in characters"),
 ):
     """Write the training corpus (stdlib *.py + GSM8K train) and its metadata (Python version, sha256)."""
-    from .corpus import write_corpus
+    from specpilot.zoo.corpus import write_corpus
 
     path, meta = write_corpus(output_dir(out, "--out"), gsm8k=gsm8k, seed=seed, max_chars=max_chars)
     console.print(f"{path}: {meta['chars']:,} chars, {meta['documents']} documents "
@@ -65,8 +65,8 @@ def tokenizer(
     vocab_size: int = typer.Option(4096, help="vocabulary size (incl. 256 bytes + 3 special tokens)"),
 ):
     """Train the byte-level BPE tokenizer and save it as a Hugging Face tokenizer directory."""
-    from .corpus import read_corpus
-    from .tokenizer import train_tokenizer
+    from specpilot.zoo.corpus import read_corpus
+    from specpilot.zoo.tokenizer import train_tokenizer
 
     text, _ = read_corpus(corpus)
     tok = train_tokenizer(text, out, vocab_size=vocab_size)
@@ -80,7 +80,7 @@ def tokenize(
     out: Path = typer.Option(..., help="output tokens.npy (uint16); metadata goes to tokens.json"),
 ):
     """Tokenize the corpus into a flat uint16 array (EOS after each document)."""
-    from .tokenizer import write_tokens
+    from specpilot.zoo.tokenizer import write_tokens
 
     meta = write_tokens(corpus, tokenizer, out)
     console.print(f"{out}: {meta['n_tokens']:,} tokens ({meta['chars_per_token']} chars/token)")
@@ -106,7 +106,7 @@ def train(
     quiet: bool = typer.Option(False, help="no progress bar"),
 ):
     """Train a preset (Qwen3 architecture) and save a bfloat16 HF checkpoint with provenance.json and loss.png."""
-    from .train import train as run_train
+    from specpilot.zoo.train import train as run_train
 
     prov = run_train(tokens, tokenizer, out, preset=preset, steps=steps, batch_size=batch_size, seq_len=seq_len,
                      lr=lr, warmup=warmup, device=device, seed=seed, overrides=_overrides(override),
@@ -146,9 +146,9 @@ def build(
     quiet: bool = typer.Option(False, help="no progress bar"),
 ):
     """Run every step: corpus, tokenizer, tokenize, train target, train drafter (into OUT/target, OUT/drafter)."""
-    from .corpus import write_corpus
-    from .tokenizer import train_tokenizer, write_tokens
-    from .train import train as run_train
+    from specpilot.zoo.corpus import write_corpus
+    from specpilot.zoo.tokenizer import train_tokenizer, write_tokens
+    from specpilot.zoo.train import train as run_train
 
     corpus_txt, _ = write_corpus(out, gsm8k=gsm8k, seed=seed, max_chars=max_chars)
     train_tokenizer(corpus_txt.read_text(encoding="utf-8"), out / "tokenizer", vocab_size=vocab_size)
@@ -168,7 +168,7 @@ def random_cmd(
     seed: int = typer.Option(0, help="RNG seed"),
 ):
     """Write an HF checkpoint directory with random bf16 weights of a real architecture (for timing)."""
-    from .random_ckpt import write_random_checkpoint
+    from specpilot.zoo.random_ckpt import write_random_checkpoint
 
     d = write_random_checkpoint(arch, out, seed=seed)
     console.print(f"{d}: random {arch} weights written")

@@ -15,7 +15,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from ..errors import SpecPilotError
+from specpilot.errors import SpecPilotError
 
 EOS = "<|endoftext|>"
 SKIP_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"})

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import SpecPilotError
+from specpilot.errors import SpecPilotError
 
 #: Public architectures (config.json fields of the released checkpoints).
 ARCHS: dict[str, dict] = {
@@ -80,7 +80,7 @@ def write_random_checkpoint(arch: str, out: str | Path, seed: int = 0, shard_byt
     Raises:
         SpecPilotError: unknown ``arch``; ``out`` a file or a non-empty directory.
     """
-    from ..fileio import output_dir, save_safetensors
+    from specpilot.fileio import output_dir, save_safetensors
 
     if arch not in ARCHS:
         raise SpecPilotError(f"unknown architecture {arch!r} (choose {', '.join(ARCHS)})")
@@ -121,13 +121,13 @@ def write_random_checkpoint(arch: str, out: str | Path, seed: int = 0, shard_byt
 
 def random_transformer(arch: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                        overrides: dict | None = None, fuse: bool = True):
-    """Our :class:`~specpilot.engine.model.Transformer` of ``arch`` with random N(0, 0.02) weights (norms 1),
+    """Our :class:`~specpilot.model.transformer.Transformer` of ``arch`` with random N(0, 0.02) weights (norms 1),
     built directly on ``device`` without writing files (for timing scripts); ``fuse`` as in ``load_model``.
 
     Raises:
         SpecPilotError: unknown ``arch``; ``out`` a file or a non-empty directory.
     """
-    from ..engine.model import ModelArgs, Transformer, rope_inv_freq
+    from specpilot.model.transformer import ModelArgs, Transformer, rope_inv_freq
 
     if arch not in ARCHS:
         raise SpecPilotError(f"unknown architecture {arch!r} (choose {', '.join(ARCHS)})")

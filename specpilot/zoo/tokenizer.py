@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SpecPilotError
-from .corpus import EOS
+from specpilot.errors import SpecPilotError
+from specpilot.zoo.corpus import EOS
 
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -126,8 +126,8 @@ def write_tokens(corpus: str | Path, tokenizer_dir: str | Path, out: str | Path)
     Raises:
         SpecPilotError: missing corpus or tokenizer.
     """
-    from ..engine.checkpoint import load_tokenizer
-    from .corpus import read_corpus
+    from specpilot.model.checkpoint import load_tokenizer
+    from specpilot.zoo.corpus import read_corpus
 
     text, cmeta = read_corpus(corpus)
     tok = load_tokenizer(tokenizer_dir)

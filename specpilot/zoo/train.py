@@ -8,7 +8,7 @@ Hugging Face checkpoint in bfloat16 (config.json, model.safetensors, tokenizer f
 
 from __future__ import annotations
 
-from ..provenance import git_commit  # noqa: F401  (re-exported for the recipe)
+from specpilot.provenance import git_commit  # noqa: F401  (re-exported for the recipe)
 
 import json
 import math
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import SpecPilotError
+from specpilot.errors import SpecPilotError
 
 PRESETS: dict[str, dict] = {
     "target": dict(

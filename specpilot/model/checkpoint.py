@@ -1,0 +1,162 @@
+"""Load a local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files).
+
+Only local directories: nothing is fetched from a hub. Every failure a user can cause (missing directory,
+missing or corrupted files, unsupported model_type) raises :class:`~specpilot.errors.CheckpointError` with
+a one-line message.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specpilot.errors import CheckpointError
+from specpilot.model.transformer import SUPPORTED_MODEL_TYPES, ModelArgs, Transformer, rope_inv_freq
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_config(path: str | Path) -> dict:
+    """Parsed ``config.json`` of checkpoint directory ``path``.
+
+    Raises:
+        CheckpointError: if the directory or its config.json is missing, not valid JSON or not a JSON object.
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise CheckpointError(f"{p} is a file: give the checkpoint's directory (config.json + *.safetensors)")
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {p}")
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        raise CheckpointError(f"no config.json in {p}: not a Hugging Face checkpoint directory")
+    try:
+        out = json.loads(cfg.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(out, dict):
+        raise CheckpointError(f"{cfg} holds a JSON {type(out).__name__}, not an object of config fields")
+    return out
+
+
+#: config.json fields that must be positive integers when present (the model's shapes)
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim")
+
+
+def read_args(path: str | Path) -> ModelArgs:
+    """:class:`ModelArgs` of a checkpoint. Raises CheckpointError for unsupported or incomplete configs, and for
+    shape fields (:data:`_SHAPE_FIELDS`) that are not positive integers."""
+    cfg = read_config(path)
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"unsupported model_type {mt!r} in {path} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    for key in _SHAPE_FIELDS:
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise CheckpointError(f"config.json in {path}: {key} must be a positive integer, got {v!r}")
+    try:
+        return ModelArgs.from_hf(cfg)
+    except KeyError as e:
+        raise CheckpointError(f"config.json in {path} lacks required field {e.args[0]!r}") from None
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the ``*.safetensors`` files in ``path`` (on the CPU, stored dtype). A W12 directory
+    (one with ``w12.json``, written by ``specpilot w12 pack``; §4.1) is decoded, every converted tensor
+    checked bit for bit against the sha256 of its source and every copied tensor and copied file (config,
+    tokenizer, ...) against the sha256 recorded at packing, so it yields the source checkpoint's tensors.
+
+    Raises:
+        CheckpointError: if there is no safetensors file or one is truncated / corrupted (for a W12 directory:
+            a :class:`~specpilot.w12.format.W12FormatError` naming the directory and the bad tensor or file).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from specpilot.w12.format import W12FormatError
+    from specpilot.w12.pack import MANIFEST, load_w12_state_dict
+
+    if (Path(path) / MANIFEST).is_file():
+        try:
+            return load_w12_state_dict(path)
+        except W12FormatError as e:
+            raise W12FormatError(f"W12 checkpoint {path}: {e}") from None
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weight files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {f.name}: corrupted or truncated ({e})") from None
+    return state
+
+
+def load_model(
+    path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu", fuse: bool = True
+) -> Transformer:
+    """Build our :class:`Transformer` from checkpoint directory ``path``.
+
+    Args:
+        path: local checkpoint directory (a W12 directory is decoded and hash-checked, see
+            :func:`read_state_dict`; the model holds plain weights: the ``w12`` mechanism re-encodes them).
+        dtype: ``float32`` | ``bfloat16`` | ``float16`` for weights and activations.
+        device: torch device.
+        fuse: fuse q/k/v and gate/up into one GEMM each (:meth:`Transformer.fuse_projections`).
+    Raises:
+        CheckpointError: missing files, unsupported model_type, missing or mis-shaped tensors.
+    """
+    if dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    args = read_args(path)
+    state = read_state_dict(path)
+    with torch.device("meta"):
+        model = Transformer(args)
+    if args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if args.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise CheckpointError(f"{path}: weights missing from the checkpoint, e.g. {missing[0]!r}")
+    for k, shape in expected.items():
+        if tuple(state[k].shape) != tuple(shape):
+            raise CheckpointError(f"{path}: tensor {k!r} has shape {tuple(state[k].shape)}, config says {tuple(shape)}")
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=False)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(DTYPES[dtype])
+    model.inv_freq = rope_inv_freq(args).to(device)  # built on the meta device above
+    model = model.eval().requires_grad_(False)
+    return model.fuse_projections() if fuse else model
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer through ``transformers.AutoTokenizer`` (local files only), or None when the
+    directory holds no tokenizer file (:data:`TOKENIZER_FILES`), e.g. a ``specpilot zoo random`` checkpoint:
+    transformers 5 would otherwise build an empty tokenizer from config.json alone that maps every text to
+    no ids.
+
+    Raises:
+        CheckpointError: if ``path`` has tokenizer files that do not load.
+    """
+    from transformers import AutoTokenizer
+
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds here; the user needs one line
+        raise CheckpointError(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None

@@ -1,0 +1,137 @@
+"""Draft-model drafter: a smaller causal LM run sequentially (§1.1, EAGLE-style sequential drafting).
+
+Each step feeds the committed tokens the drafter has not seen, then drafts ``depth`` tokens greedily (top-1),
+recording the top-K candidates and log-probs at every position: a :class:`PositionalLattice`. The drafted
+tokens' K/V are dropped afterwards, so the drafter's cache always holds exactly the committed prefix (R11).
+
+Static mode (the default on CUDA, issue 4): the catch-up pass runs through row buckets
+(:class:`~specpilot.engine.runner.BucketRunner`, one CUDA graph per bucket) and the ``depth`` sequential
+one-row passes run as one CUDA graph per depth, the drafted token fed back on the device (top-k,
+log-softmax and the next pass inside the graph): one replay and one host read per draft. On the CPU the
+same static code runs eagerly (tests compare it with the dynamic path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specpilot.model.transformer import Transformer
+from specpilot.spec.lattice import PositionalLattice
+
+
+class DraftModelDrafter:
+    """Sequential draft model.
+
+    Args:
+        model: the draft :class:`Transformer` (same vocabulary as the target).
+        top_k: candidates kept per position.
+        max_len: cache slots (committed prefix + drafted tokens).
+    """
+
+    kind = "draft_model"
+
+    def __init__(self, model: Transformer, top_k: int = 4, max_len: int = 4096, static: bool | None = None):
+        from specpilot.engine.runner import BUCKETS, BucketRunner
+
+        self.model, self.top_k = model, top_k
+        self.static = model.device.type == "cuda" if static is None else static
+        self.cache = model.new_cache(max_len + (BUCKETS[-1] if self.static else 0))
+        self.n_seen = 0  # committed tokens whose K/V are in the cache
+        self.runner = BucketRunner(model, self.cache, BUCKETS, output="logits") if self.static else None
+        if self.runner is not None:
+            self.runner.capture_all()  # every bucket (a request's first catch-up is its prompt), never in a timed request
+        self._loops: dict[int, dict] = {}
+
+    def reset(self) -> None:
+        """Start a new request: forget the previous request's cache."""
+        self.n_seen = 0
+        self.cache.length = 0
+
+    @torch.inference_mode()
+    def propose(self, committed: list[int], depth: int) -> PositionalLattice | None:
+        """Draft ``depth`` positions after ``committed``; returns ``[depth, top_k]`` candidates.
+
+        Raises:
+            ValueError: if the committed prefix does not fit the drafter's cache.
+        """
+        m, dev = self.model, self.model.device
+        n = len(committed)
+        depth = min(depth, self.cache.max_len - n)
+        if depth < 1:
+            return None
+        if self.n_seen > n or self.n_seen == n:  # rewind so that the last committed token is fed again
+            self.n_seen = min(self.n_seen, n - 1)
+        if self.static:
+            logits = self.runner.run(committed[self.n_seen:], list(range(self.n_seen, n)), self.n_seen, None)
+            if logits is not None:  # else: more unseen tokens than the largest bucket, dynamic path below
+                toks, lps = self._draft_static(logits[-1], n, depth)
+                self.n_seen = n
+                self.cache.length = n
+                return PositionalLattice(toks, lps)
+        new = torch.tensor(committed[self.n_seen :], dtype=torch.long, device=dev)
+        pos = torch.arange(self.n_seen, n, device=dev)
+        hidden = m.forward(new, pos, self.cache, self.n_seen)[-1:]
+        toks, lps = [], []
+        for d in range(depth):
+            logp = torch.log_softmax(m.logits(hidden)[0], dim=-1)
+            lp, tk = logp.topk(self.top_k)
+            toks.append(tk)
+            lps.append(lp)
+            if d + 1 < depth:
+                hidden = m.forward(tk[:1], torch.tensor([n + d], device=dev), self.cache, n + d)
+        self.n_seen = n
+        self.cache.length = n
+        return PositionalLattice(torch.stack(toks).cpu(), torch.stack(lps).float().cpu())
+
+    def _loop(self, depth: int) -> dict:
+        """Static buffers of the drafting loop for ``depth`` positions (the graph is captured on first use)."""
+        if depth in self._loops:
+            return self._loops[depth]
+        m, dev = self.model, self.model.device
+        st = {"first": torch.zeros(m.args.vocab_size, dtype=torch.float32, device=dev),
+              "start": torch.zeros((), dtype=torch.long, device=dev),
+              "tok": torch.zeros(1, dtype=torch.long, device=dev),
+              "mask": torch.ones(1, 1, dtype=torch.bool, device=dev),
+              "toks": torch.zeros(depth, self.top_k, dtype=torch.long, device=dev),
+              "lps": torch.zeros(depth, self.top_k, dtype=torch.float32, device=dev), "graph": None}
+        self._loops[depth] = st
+        return st
+
+    def _loop_body(self, st: dict, depth: int) -> None:
+        """``depth`` draft positions from the logits ``st["first"]``; position d's token is fed back on the
+        device to a one-row static pass at slot ``start + d``. Writes ``st["toks"], st["lps"] [depth, K]``."""
+        m = self.model
+        logits = st["first"]
+        for d in range(depth):
+            lp, tk = torch.log_softmax(logits, dim=-1).topk(self.top_k)
+            st["toks"][d].copy_(tk)
+            st["lps"][d].copy_(lp)
+            if d + 1 < depth:
+                st["tok"].copy_(tk[:1])
+                slot = st["start"] + d
+                hidden = m.forward(st["tok"], slot.view(1), self.cache, slot, st["mask"])
+                logits = m.logits(hidden)[0]
+
+    def _draft_static(self, first_logits: torch.Tensor, n: int, depth: int):
+        """Run the drafting loop after the catch-up pass; ``(toks, lps)`` on the host, one read."""
+        st = self._loop(depth)
+        st["first"].copy_(first_logits)
+        st["start"].fill_(n)
+        if self.model.device.type != "cuda":
+            self._loop_body(st, depth)
+        else:
+            if st["graph"] is None:  # capture now that start = n: the warm-up writes only past the prefix
+                from specpilot.w12.gemm import reserve_split_locks
+
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._loop_body(st, depth)
+                torch.cuda.current_stream().wait_stream(side)
+                st["graph"] = torch.cuda.CUDAGraph()
+                capture = torch.cuda.graph(st["graph"])
+                reserve_split_locks(self.model.device, capture.capture_stream)
+                with capture:
+                    self._loop_body(st, depth)
+            st["graph"].replay()
+        return st["toks"].cpu(), st["lps"].float().cpu()

@@ -1,0 +1,231 @@
+"""Training a block drafter (DFlash / DSpark style, §1.1) on the target's own greedy continuations.
+
+Data: random snippets of the training tokens (``tokens.npy`` of the zoo recipe: stdlib source + GSM8K train,
+never evaluation prompts), each continued greedily by the target for ``gen_len`` tokens (batched
+``transformers`` generation, no EOS stop). Target features (outputs of ``target_layers``) come from our own
+:class:`~specpilot.model.transformer.Transformer`, i.e. exactly what the engine hands the drafter. Each example
+picks ``anchors`` random anchor positions inside the continuation; the drafter sees the context before the
+anchor, the anchor token, and predicts the target's next B tokens (cross-entropy per block position, weight
+exp(−i/7) for position i as in DFlash; the Markov drafter adds the loss of the parent-conditioned logits).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specpilot.model.checkpoint import load_model
+from specpilot.errors import SpecPilotError
+from specpilot.spec.block import BlockConfig, BlockNet, save_block
+
+
+def make_sequences(target_dir, tokens_path, n_seqs: int, prompt_len: int, gen_len: int, seed: int,
+                   batch: int = 256, device: str = "cpu", val_fraction: float = 0.01) -> torch.Tensor:
+    """``[n_seqs, prompt_len + gen_len] long``: training-text snippets + the target's greedy continuation.
+
+    Snippets start at random offsets of the first ``1 - val_fraction`` of ``tokens_path`` (the zoo's
+    held-out tail is never used). Raises SpecPilotError when the token file is missing, not a 1-D integer .npy
+    array, too short, or holds ids outside the target's vocabulary.
+    """
+    from transformers import AutoModelForCausalLM
+
+    p = Path(tokens_path)
+    if not p.is_file():
+        raise SpecPilotError(f"token file not found: {p} (run `specpilot zoo corpus` / `zoo tokenize` first)")
+    try:
+        arr = np.load(p, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise SpecPilotError(f"cannot read token file {p}: not a .npy array of token ids (make one with `specpilot zoo "
+                             f"tokenize`; numpy: {str(e).splitlines()[0][:60]})") from None
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise SpecPilotError(f"token file {p} must hold a 1-D integer array of token ids, got "
+                             f"{getattr(arr, 'ndim', '?')}-D {getattr(arr, 'dtype', type(arr).__name__)}")
+    from specpilot.model.checkpoint import read_args
+
+    vocab = read_args(target_dir).vocab_size
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab):
+        raise SpecPilotError(f"token file {p} holds ids outside the target's vocabulary [0, {vocab})")
+    usable = int(len(arr) * (1 - val_fraction)) - prompt_len - 1
+    if usable < 1:
+        raise SpecPilotError(f"token file {p} holds {len(arr)} tokens: too few for {prompt_len}-token snippets")
+    g = np.random.default_rng(seed)
+    starts = g.integers(0, usable, n_seqs)
+    prompts = torch.from_numpy(np.stack([arr[s : s + prompt_len] for s in starts]).astype(np.int64))
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
+    model.generation_config.eos_token_id = None  # continue past EOS: every row gets gen_len greedy tokens
+    out = []
+    with torch.no_grad():
+        for i in range(0, n_seqs, batch):
+            x = prompts[i : i + batch].to(device)
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=gen_len,
+                               min_new_tokens=gen_len, do_sample=False, pad_token_id=0)
+            out.append(y.cpu())
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def target_features(target, seqs: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    """``[N, T, len(layers) * hidden] float16``: outputs of ``layers`` of our target over each sequence."""
+    n, t = seqs.shape
+    cache = target.new_cache(t)
+    out = torch.empty(n, t, len(layers) * target.args.hidden_size, dtype=torch.float16)
+    for i in range(n):
+        feats: list = []
+        target.forward(seqs[i].to(target.device), torch.arange(t, device=target.device), cache, 0,
+                       features=feats, feature_layers=tuple(layers))
+        out[i] = torch.cat(feats, -1).to("cpu", torch.float16)
+    return out
+
+
+def block_loss(net: BlockNet, target, seqs, feats, anchors) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss of a batch and the top-1 accuracy of position 0.
+
+    Args:
+        seqs: ``[Bt, T] long``; feats: ``[Bt, T, F]``; anchors: ``[Bt, M] long`` anchor positions with
+            ``anchor + B < T`` (targets are ``seqs[anchor + 1 … anchor + B]``).
+    Returns:
+        (scalar loss in nats, weighted over block positions; accuracy of the first position in [0, 1]).
+    """
+    b = net.cfg.block_size
+    bt, t = seqs.shape
+    m = anchors.shape[1]
+    dev = seqs.device
+    ctx = net.context_kv(feats.to(torch.float32), torch.arange(t, device=dev).expand(bt, t))
+    x = net.block_input(seqs.gather(1, anchors).reshape(-1), target.model.embed_tokens, b).view(bt, m * b, -1)
+    pos = (anchors[..., None] + torch.arange(b, device=dev)).view(bt, m * b)
+    tgt, prev = seqs.gather(1, pos + 1), seqs.gather(1, pos)
+    ctx_mask = torch.arange(t, device=dev)[None, None, :] < anchors.repeat_interleave(b, 1)[..., None]
+    r = torch.arange(m * b, device=dev)
+    blk = (r[:, None] // b == r[None, :] // b) & (r[None, :] <= r[:, None])
+    mask = torch.cat((ctx_mask, blk.expand(bt, -1, -1)), -1)
+    logits = target.lm_head(net.run(x, pos, ctx, mask)).float()  # [Bt, M*B, V]
+    w = torch.exp(-torch.arange(b, device=dev, dtype=torch.float32) / 7.0).repeat(m)
+    w = w / w.sum()
+
+    def ce(lg):
+        return (F.cross_entropy(lg.transpose(1, 2), tgt, reduction="none").mean(0) * w).sum()
+
+    loss = ce(logits)
+    if net.cfg.markov_rank > 0:
+        cond = logits + net.markov_bias(prev)
+        loss = loss + ce(cond)
+        logits = cond
+    acc = (logits.view(bt, m, b, -1)[:, :, 0].argmax(-1) == tgt.view(bt, m, b)[:, :, 0]).float().mean()
+    return loss, acc
+
+
+def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: int = 600, batch_size: int = 16,
+                  anchors: int = 4, lr: float = 2e-3, n_seqs: int = 1536, prompt_len: int = 32, gen_len: int = 80,
+                  markov_rank: int = 16, layers: int = 2, target_layers=(1, 3, 5), seed: int = 0,
+                  tokens_path="work/zoo/tokens.npy", device: str = "cpu", command: str = "",
+                  quiet: bool = False, data_cache: str | Path | None = None) -> dict:
+    """Train a ``block`` or ``block_markov`` drafter for the target in ``target_dir``; write it to ``out``.
+
+    Writes ``config.json``, ``model.safetensors`` (bf16), ``provenance.json`` and ``loss.png``.
+    ``data_cache`` (a ``.pt`` path) keeps generated sequences + features for a second run (e.g. the other
+    kind). Returns the provenance dict. Raises SpecPilotError on a bad kind / block / missing token file.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from specpilot.provenance import git_commit, versions
+    from specpilot.zoo.train import lr_at, plot_loss
+
+    if kind not in ("block", "block_markov"):
+        raise SpecPilotError(f"unknown drafter kind {kind!r} (choose block or block_markov)")
+    if not 2 <= block <= 32:
+        raise SpecPilotError(f"block size must be in [2, 32], got {block}")
+    torch.manual_seed(seed)
+    t0 = time.time()
+    target = load_model(target_dir, "float32", device).requires_grad_(False)
+    ta = target.args
+    if max(target_layers) >= ta.num_layers:
+        raise SpecPilotError(f"target has {ta.num_layers} layers; cannot read layers {list(target_layers)}")
+    cp = Path(data_cache) if data_cache else None
+    key = dict(n_seqs=n_seqs, prompt_len=prompt_len, gen_len=gen_len, seed=seed, layers=list(target_layers),
+               target=str(Path(target_dir).resolve()))
+    if cp is not None and cp.is_file() and torch.load(cp)["key"] == key:
+        d = torch.load(cp)
+        seqs, feats = d["seqs"], d["feats"]
+    else:
+        seqs = make_sequences(target_dir, tokens_path, n_seqs, prompt_len, gen_len, seed, device=device)
+        feats = target_features(target, seqs, list(target_layers))
+        if cp is not None:
+            cp.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"key": key, "seqs": seqs, "feats": feats}, cp)
+    data_s = time.time() - t0
+    cfg = BlockConfig(block_size=block, markov_rank=markov_rank if kind == "block_markov" else 0, layers=layers,
+                      heads=ta.n_heads, kv_heads=ta.n_kv_heads, head_dim=ta.head_dim,
+                      intermediate_size=2 * ta.hidden_size, target_layers=list(target_layers),
+                      target_hidden=ta.hidden_size, vocab_size=ta.vocab_size, target_num_layers=ta.num_layers,
+                      target_model_type=ta.model_type, rms_norm_eps=ta.rms_norm_eps, rope_theta=ta.rope_theta)
+    net = BlockNet(cfg).to(device).train()
+    n_params = sum(p.numel() for p in net.parameters())
+    n_val = max(1, len(seqs) // 20)
+    tr_s, tr_f, va_s, va_f = seqs[:-n_val], feats[:-n_val], seqs[-n_val:], feats[-n_val:]
+    t_len = seqs.shape[1]
+    if t_len - block - 1 < prompt_len - 1:
+        raise SpecPilotError(f"gen_len {gen_len} too short for block {block}")
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def batch(s, f, n, gen):
+        idx = torch.randint(0, len(s), (n,), generator=gen)
+        a = torch.randint(prompt_len - 1, t_len - block, (n, anchors), generator=gen)
+        return s[idx].to(device), f[idx].to(device), a.to(device)
+
+    @torch.no_grad()
+    def evaluate():
+        net.eval()
+        gv = torch.Generator().manual_seed(seed + 1)
+        vals = [block_loss(net, target, *batch(va_s, va_f, batch_size, gv)) for _ in range(4)]
+        net.train()
+        return float(np.mean([v[0].item() for v in vals])), float(np.mean([v[1].item() for v in vals]))
+
+    losses, val_curve = [], []
+    v0 = evaluate()
+    val_curve.append((0, v0[0]))
+    cols = [TextColumn(f"[bold]{kind} B={block}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    t1 = time.time()
+    with Progress(*cols, disable=quiet) as bar:
+        task = bar.add_task("train", total=steps, loss="-")
+        for step in range(steps):
+            for grp in opt.param_groups:
+                grp["lr"] = lr_at(step, steps, lr, max(1, steps // 20))
+            loss, _ = block_loss(net, target, *batch(tr_s, tr_f, batch_size, g))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+            bar.update(task, completed=step + 1, loss=f"{np.mean(losses[-20:]):.3f}")
+            if (step + 1) % max(1, steps // 5) == 0 or step + 1 == steps:
+                val_curve.append((step + 1, evaluate()[0]))
+    train_s = time.time() - t1
+    vf = evaluate()
+    outp = save_block(net.eval(), out)
+    prov = {
+        "recipe": "specpilot train-drafter", "command": command, "kind": kind, "block_size": block,
+        "seed": seed, "steps": steps,
+        "parameters": n_params, "saved_dtype": "bfloat16",
+        "shared_with_target": "embed_tokens and lm_head are the target's (not stored)",
+        "target": {"dir": str(target_dir), "hidden_size": ta.hidden_size, "vocab_size": ta.vocab_size,
+                   "num_layers": ta.num_layers, "target_layers": list(target_layers)},
+        "data": {"source": str(tokens_path), "sequences": n_seqs, "prompt_len": prompt_len, "gen_len": gen_len,
+                 "continuations": "the target's own greedy continuations (no EOS stop)",
+                 "excluded": "evaluation prompts (GSM8K test, HumanEval, MBPP, MT-Bench) and the tokens' "
+                             "held-out tail are never used", "heldout_sequences": n_val},
+        "training": {"steps": steps, "batch_size": batch_size, "anchors_per_sequence": anchors, "lr": lr,
+                     "seed": seed, "device": device, "data_s": round(data_s, 1), "train_s": round(train_s, 1)},
+        "initial_heldout_loss": v0[0], "final_train_loss": float(np.mean(losses[-20:])),
+        "final_heldout_loss": vf[0], "final_heldout_top1_acc_pos0": vf[1], "heldout_curve": val_curve,
+        "git_commit": git_commit(), "versions": versions(),
+    }
+    (outp / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
+    plot_loss(losses, outp / "loss.png", f"{kind} B={block}: {n_params / 1e6:.2f}M params, {steps} steps", val_curve)
+    return prov

@@ -1,0 +1,78 @@
+"""The ``w12`` engine mechanism (§4.1): the target's projection layers read W12 lossless 12-bit weights.
+
+Every ``nn.Linear`` of every decoder layer's attention (``qkv_proj`` / ``q,k,v_proj``, ``o_proj``) and MLP
+(``gate_up_proj`` / ``gate,up_proj``, ``down_proj``) becomes a :class:`~specpilot.w12.gemm.W12Linear`
+holding the same bf16 weight, encoded losslessly, and so does an untied LM head (``head=True``, the default;
+as ``specpilot w12 pack`` converts it, and as the paper does on the RTX PRO 6000, §4.1: the head is the
+largest single projection, 1.24 GB of bf16 in Qwen3-8B). A head tied to the embeddings stays bf16 (the
+embedding lookup reads that tensor), as do the embeddings and norms. The decoded weights are bit for bit the originals, so the model computes the same function: on the CPU the
+W12 layers run the reference (decode, then the very ``F.linear`` ``nn.Linear`` calls), so in float32 a
+``w12`` model gives the same logits as the original bit for bit; on CUDA the W12 GEMM differs from cuBLAS
+only by float32 accumulation order. AR and speculative decoding both run through the same W12 layers, so
+speculative output equals AR output with ``w12`` on as with it off.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from specpilot.model.transformer import Transformer
+from specpilot.w12.gemm import W12Linear
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with its own child table (parameters, buffers and children are shared)."""
+    c = copy.copy(module)
+    c._modules = dict(module._modules)
+    return c
+
+
+def to_w12(model: Transformer, inplace: bool = False, head: bool = True) -> Transformer:
+    """``model`` with its decoder layers' projections in W12 (module docstring), encoded on their device.
+
+    Args:
+        model: a :class:`Transformer` (fused or not; its weights must be bfloat16 values).
+        inplace: replace the layers in ``model`` itself; otherwise return a new model object that shares
+            every other parameter (embeddings, norms, a tied or kept LM head) with ``model``, which stays
+            unchanged. Shared means the same tensors: an in-place change of either model's shared parameters,
+            ``.to(dtype or device)`` included, changes both (move ``model`` before converting it, or convert
+            ``inplace``).
+        head: also encode the LM head when it is an ``nn.Linear`` not tied to the embeddings (one more
+            W12 weight ``[vocab, hidden]``; :func:`w12_head` says whether it happened).
+    Returns: the W12 model (``model`` when ``inplace``).
+    Raises:
+        W12FormatError: a projection weight is not made of bfloat16 values (W12 is lossless only for bf16;
+            a bf16 checkpoint loaded in float32 qualifies, a float32 checkpoint in general does not).
+    """
+    out = model if inplace else _shallow(model)
+    if not inplace:
+        out.model = _shallow(model.model)
+        out.model.layers = _shallow(model.model.layers)
+    for i, layer in enumerate(model.model.layers):
+        new = layer if inplace else _shallow(layer)
+        for part in ("self_attn", "mlp"):
+            sub = getattr(layer, part) if inplace else _shallow(getattr(layer, part))
+            for name, child in list(sub.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(sub, name, W12Linear.from_linear(child))
+            setattr(new, part, sub)
+        out.model.layers[i] = new
+    lm = model.lm_head
+    if head and isinstance(lm, nn.Linear) and lm.weight is not model.model.embed_tokens.weight:
+        out.lm_head = W12Linear.from_linear(lm)
+    return out
+
+
+def w12_head(model: Transformer) -> bool:
+    """Whether ``model``'s LM head is a W12 layer (:func:`to_w12` with ``head=True`` on an untied head)."""
+    return isinstance(model.lm_head, W12Linear)
+
+
+def is_w12(model: Transformer) -> bool:
+    """Whether ``model``'s decoder projections are W12 layers (those of :func:`to_w12`)."""
+    return any(isinstance(m, W12Linear) for m in model.model.layers.modules())
+
+
+__all__ = ["to_w12", "is_w12", "w12_head"]
