@@ -9,8 +9,8 @@ import torch
 from specpilot.config import SystemConfig
 from specpilot.spec.block import BlockDrafter
 from specpilot.engine.engine import Engine
-from specpilot.spec.trees import BUILDERS, acceptance_profile, set_sequoia_profile
-from specpilot.pilot.replay import profile_steps, record, replay
+from specpilot.spec.trees import BUILDERS, SequoiaBuilder
+from specpilot.pilot.replay import record, replay
 
 from .blockutil import trained_pair
 from .conftest import random_prompts
@@ -33,23 +33,26 @@ def test_replay_equals_live(tiny_models, kind):
     n = 36
     ar = [ar_tokens(target, p, n) for p in prompts]
     rec = record(BlockDrafter(net, target), prompts, ar, net.cfg.block_size, 16, target=target)
-    set_sequoia_profile(acceptance_profile(profile_steps(rec), net.cfg.block_size))
-    try:
-        taus = {}
-        for builder, nodes, depth in POLICIES:
-            cfg = SystemConfig(drafter="block", tree=builder, nodes=nodes, depth=depth, top_k=16)
-            want = live_tau(target, BlockDrafter(net, target), cfg, prompts, n)
-            got = replay(rec, cfg)
-            assert got == want, (builder, nodes, depth, got, want)
-            taus[(builder, nodes, depth)] = got[0]
-        assert taus[("best_first", 8, 6)] > 1.3  # the trained drafter does accept tokens
-        # top-K truncation replays too (the live lattice keeps the first K of the conditioned order)
-        cfg = SystemConfig(drafter="block", tree="best_first", nodes=8, depth=6, top_k=2)
-        assert replay(rec, cfg) == live_tau(target, BlockDrafter(net, target, top_k=2), cfg, prompts, n)
-        oracle = replay(rec, SystemConfig(drafter="block", tree="best_first", nodes=6, depth=6, top_k=16), "oracle")[0]
-        assert oracle >= max(t for (b, nn, d), t in taus.items() if d == 6) - 1e-9
-    finally:
-        set_sequoia_profile(None)
+    # sequoia: the default (geometric) profile both in the engine and in replay
+    taus = {}
+    for builder, nodes, depth in POLICIES:
+        cfg = SystemConfig(drafter="block", tree=builder, nodes=nodes, depth=depth, top_k=16)
+        want = live_tau(target, BlockDrafter(net, target), cfg, prompts, n)
+        got = replay(rec, cfg)
+        assert got == want, (builder, nodes, depth, got, want)
+        taus[(builder, nodes, depth)] = got[0]
+    assert taus[("best_first", 8, 6)] > 1.3  # the trained drafter does accept tokens
+    # top-K truncation replays too (the live lattice keeps the first K of the conditioned order)
+    cfg = SystemConfig(drafter="block", tree="best_first", nodes=8, depth=6, top_k=2)
+    assert replay(rec, cfg) == live_tau(target, BlockDrafter(net, target, top_k=2), cfg, prompts, n)
+    oracle = replay(rec, SystemConfig(drafter="block", tree="best_first", nodes=6, depth=6, top_k=16), "oracle")[0]
+    assert oracle >= max(t for (b, nn, d), t in taus.items() if d == 6) - 1e-9
+    # a measured profile reaches the builder through ``sequoia`` (no registry is changed): a profile that puts all
+    # acceptance on rank 0 gives the chain's shape, so the chain's τ
+    chain_like = SequoiaBuilder([[1.0] + [0.0] * 15] * 16)
+    seq = SystemConfig(drafter="block", tree="sequoia", nodes=6, depth=6, top_k=16)
+    chain = SystemConfig(drafter="block", tree="chain", nodes=6, depth=6, top_k=16)
+    assert replay(rec, seq, sequoia=chain_like) == replay(rec, chain)
 
 
 def test_block_recording_needs_target(tiny_models):

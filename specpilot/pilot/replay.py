@@ -18,7 +18,7 @@ import torch
 
 from specpilot.config import SystemConfig
 from specpilot.spec.lattice import Lattice
-from specpilot.spec.trees import build_tree
+from specpilot.spec.trees import SequoiaBuilder, build_tree
 
 
 class TruncatedLattice(Lattice):
@@ -100,10 +100,12 @@ def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None) ->
     return rec
 
 
-def replay(rec: Recording, config: SystemConfig, policy: str | None = None) -> tuple[float, int]:
+def replay(rec: Recording, config: SystemConfig, policy: str | None = None,
+           sequoia: SequoiaBuilder | None = None) -> tuple[float, int]:
     """τ of ``config`` (tree builder, nodes, depth, top_k) on the recording: ``(tau, steps)``.
 
-    ``policy="oracle"`` replaces the tree with the top-K oracle limited to ``min(nodes, depth)`` positions.
+    ``policy="oracle"`` replaces the tree with the top-K oracle limited to ``min(nodes, depth)`` positions;
+    ``sequoia``: the builder of ``tree="sequoia"`` (a measured profile; None: the default one).
     Mirrors the engine: after the prefill token, each step drafts ``min(depth, remaining − 1)`` positions
     (none when one token remains), accepts the matching path plus the bonus, and cuts at the request's end.
 
@@ -121,7 +123,7 @@ def replay(rec: Recording, config: SystemConfig, policy: str | None = None) -> t
             n_acc = 0
             if lat is not None:
                 lat = TruncatedLattice(lat, min(config.depth, remaining - 1), config.top_k)
-                n_acc = _accepted(lat, ar[m:], config, policy)
+                n_acc = _accepted(lat, ar[m:], config, policy, sequoia)
             kept = min(n_acc + 1, remaining)
             total_tokens += kept
             total_steps += 1
@@ -129,7 +131,8 @@ def replay(rec: Recording, config: SystemConfig, policy: str | None = None) -> t
     return (total_tokens / total_steps if total_steps else 0.0), total_steps
 
 
-def _accepted(lat: Lattice, target: list[int], config: SystemConfig, policy: str | None) -> int:
+def _accepted(lat: Lattice, target: list[int], config: SystemConfig, policy: str | None,
+              sequoia: SequoiaBuilder | None) -> int:
     """Drafted tokens accepted at one step: the longest tree path equal to ``target``'s prefix."""
     if policy == "oracle":
         path: tuple[int, ...] = ()
@@ -139,7 +142,7 @@ def _accepted(lat: Lattice, target: list[int], config: SystemConfig, policy: str
                 break
             path += (target[len(path)],)
         return len(path)
-    tree = build_tree(config.tree, lat, config.nodes)
+    tree = build_tree(config.tree, lat, config.nodes, sequoia)
     kids, row, n = tree.child_maps(), 0, 0
     while n < len(target) and target[n] in kids[row]:
         row = kids[row][target[n]]

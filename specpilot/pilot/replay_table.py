@@ -16,7 +16,7 @@ from specpilot.config import SystemConfig
 from specpilot.data.benchmarks import BENCHMARKS, load_requests
 from specpilot.engine.deployment import Deployment
 from specpilot.errors import SpecPilotError
-from specpilot.spec.trees import acceptance_profile, set_sequoia_profile
+from specpilot.spec.trees import SequoiaBuilder, acceptance_profile
 from specpilot.pilot.replay import Recording, profile_steps, record, replay
 
 #: (policy, nodes) per block size B; ``None`` nodes = B (the chain and the oracle).
@@ -56,18 +56,15 @@ def replay_table(target_dir, drafter_dirs, per_benchmark: int = 4, max_new_token
         rec = record(drafter, prompts, ar, depth, 16, target=dep.target)
         name = d.name if d.name == drafter.cfg.kind else f"{d.name} ({drafter.cfg.kind})"
         for b in BLOCKS:
-            set_sequoia_profile(acceptance_profile(profile_steps(rec, b), b))
-            try:
-                for policy, nodes in POLICIES:
-                    n = b if nodes is None else nodes
-                    tree = "best_first" if policy == "oracle" else policy
-                    cfg = SystemConfig(drafter="block", drafter_path=str(d), tree=tree, nodes=n, depth=b, top_k=16)
-                    for bench, idx in groups.items():
-                        tau, steps = replay(_sub(rec, idx), cfg, "oracle" if policy == "oracle" else None)
-                        rows.append({"drafter": name, "benchmark": bench, "block": b, "policy": policy, "nodes": n,
-                                     "tau": round(tau, 4), "steps": steps})
-            finally:
-                set_sequoia_profile(None)
+            sequoia = SequoiaBuilder(acceptance_profile(profile_steps(rec, b), b))
+            for policy, nodes in POLICIES:
+                n = b if nodes is None else nodes
+                tree = "best_first" if policy == "oracle" else policy
+                cfg = SystemConfig(drafter="block", drafter_path=str(d), tree=tree, nodes=n, depth=b, top_k=16)
+                for bench, idx in groups.items():
+                    tau, steps = replay(_sub(rec, idx), cfg, "oracle" if policy == "oracle" else None, sequoia)
+                    rows.append({"drafter": name, "benchmark": bench, "block": b, "policy": policy, "nodes": n,
+                                 "tau": round(tau, 4), "steps": steps})
     md = _markdown(rows, len(reqs), max_new_tokens)
     if out is not None:
         o = Path(out)

@@ -9,6 +9,7 @@ Every builder returns a prefix-closed tree of at most ``nodes`` nodes and depth 
 from __future__ import annotations
 
 import heapq
+from types import MappingProxyType
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -247,17 +248,16 @@ def acceptance_profile(steps, depth: int, width: int = 16) -> list[list[float]]:
     return prof
 
 
-#: The registry of tree builders. ``sequoia``'s static shape comes from the profile set by
-#: :func:`set_sequoia_profile` (the only mutable entry; the pilot / replay table measure it).
-BUILDERS = {"chain": build_chain, "best_first": build_best_first, "ddtree_marginal": build_ddtree_marginal,
-            "eagle2_topk": build_eagle2_topk, "sequoia": SequoiaBuilder()}
+#: The registry of tree builders (read-only). ``sequoia`` here has the generic geometric profile; a measured
+#: one is passed to :func:`build_tree` as a :class:`SequoiaBuilder` of its own (the replay table does).
+BUILDERS = MappingProxyType({"chain": build_chain, "best_first": build_best_first,
+                             "ddtree_marginal": build_ddtree_marginal, "eagle2_topk": build_eagle2_topk,
+                             "sequoia": SequoiaBuilder()})
 
 
-def set_sequoia_profile(profile: list[list[float]] | None) -> None:
-    """Register a measured positional acceptance profile for the ``sequoia`` builder (None: the default)."""
-    BUILDERS["sequoia"] = SequoiaBuilder(profile)
-
-
-def build_tree(kind: str, lattice: Lattice, nodes: int) -> Tree:
-    """Dispatch to a builder by name (see :data:`BUILDERS`). Raises KeyError for an unknown name."""
+def build_tree(kind: str, lattice: Lattice, nodes: int, sequoia: SequoiaBuilder | None = None) -> Tree:
+    """Dispatch to a builder by name (see :data:`BUILDERS`); ``sequoia`` replaces the default ``sequoia``
+    builder (a measured acceptance profile). Raises KeyError for an unknown name."""
+    if kind == "sequoia" and sequoia is not None:
+        return sequoia(lattice, nodes)
     return BUILDERS[kind](lattice, nodes)
