@@ -13,6 +13,7 @@ from specpilot.engine.deployment import Deployment
 from specpilot.engine.engine import Engine
 from specpilot.errors import DrafterError
 from specpilot.spec.trees import BUILDERS, build_chain
+from specpilot.spec.drafter import propose_one
 
 from .blockutil import tiny_config, trained_pair
 from .conftest import random_prompts, save_tiny
@@ -61,7 +62,7 @@ def _drafter_at(target, net, prompt):
     feats: list = []
     h = target.forward(torch.tensor(prompt), torch.arange(len(prompt)), target.new_cache(len(prompt)), 0,
                        features=feats, feature_layers=d.target_layers)
-    d.observe(torch.cat(feats, -1), 0)
+    d.observe(0, torch.cat(feats, -1), 0)
     return d, prompt + [target.logits(h)[-1].argmax().item()]
 
 
@@ -75,7 +76,7 @@ def test_markov_head_conditions_on_parent(tiny_models, pair):
     differs = 0
     for p in random_prompts(6, length=12, seed=21):
         d, committed = _drafter_at(target, net, p)
-        lat = d.propose(committed, 6)
+        lat = propose_one(d, committed, 6)
         assert isinstance(lat, MarkovLattice) and lat.depth == 6
         t0 = [t for t, _ in lat.marginal(())]
         cands = [t for t, _ in lat.marginal((t0[0],))]

@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from specpilot.model.transformer import ModelArgs, Transformer
+from specpilot.model.args import ModelArgs
+from specpilot.model.transformer import Transformer
 from specpilot.pilot import profiler as prof_mod
 from specpilot.pilot.costmodel import (
     Ceiling,

@@ -16,6 +16,7 @@ from specpilot.spec.ngram import NgramDrafter
 from specpilot.model.checkpoint import load_model
 from specpilot.engine.engine import Engine
 from specpilot.errors import PromptError, SpecPilotError
+from specpilot.spec.drafter import OneSlotDrafter, propose_one
 
 from .conftest import random_prompts, save_tiny
 
@@ -26,17 +27,17 @@ def ar_tokens(target, prompt, n, stops=None):
     return Engine(target, SystemConfig.ar(), None, eos_ids=[]).generate(prompt, n, stop_ids=stops).tokens
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(OneSlotDrafter):
     """Proposes from a known AR continuation: ``right`` (greedy), ``wrong`` (greedy+1), or ``both`` (wrong
     branch first, right second: the accepted path is never the first branch)."""
 
     def __init__(self, prompt_len, ar, mode, every=1):
         self.p, self.ar, self.mode, self.every, self.calls = prompt_len, ar, mode, every, 0
 
-    def reset(self):
+    def clear(self):
         self.calls = 0
 
-    def propose(self, committed, depth):
+    def draft(self, committed, depth):
         self.calls += 1
         if self.calls % self.every:
             return None  # R10: sometimes the drafter proposes nothing
@@ -386,7 +387,7 @@ def test_static_draft_model_matches_dynamic(tiny_models):
     for prompt in random_prompts(2, V, length=9, seed=29):
         committed = list(prompt)
         for step in range(4):
-            a, b = dyn.propose(committed, 4), sta.propose(committed, 4)
+            a, b = propose_one(dyn, committed, 4), propose_one(sta, committed, 4)
             assert [[t for t, _ in row] for row in a._rows] == [[t for t, _ in row] for row in b._rows]
             lp_a = torch.tensor([[p for _, p in row] for row in a._rows])
             lp_b = torch.tensor([[p for _, p in row] for row in b._rows])

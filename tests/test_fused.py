@@ -11,6 +11,7 @@ import torch
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
 from specpilot.kernels import fused
+from specpilot.model.transformer import KernelConfig
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if CUDA else [])
 
@@ -89,14 +90,14 @@ def test_fused_static_pass_matches_plain(tiny_dirs):
     prompt = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(3)).to(DEV)
     outs = []
     for kernels in (False, True):
-        model.use_kernels = kernels
+        model.kernels = KernelConfig(fused=kernels)
         cache = model.new_cache(48)
         model(prompt, torch.arange(9, device=DEV), cache, 0)  # prefill: dynamic path
         parents = [-1, 0, 0, 1, 2, 1]
         mask = tree_mask_from_parents(parents).to(DEV)
         depth = torch.tensor([0, 1, 1, 2, 2, 2], device=DEV)
         toks = torch.tensor([5, 7, 9, 11, 13, 15], device=DEV)
-        h = model(toks, 9 + depth, cache, torch.tensor(9, device=DEV), mask)
+        h = model.forward_static(toks, 9 + depth, cache, torch.tensor(9, device=DEV), mask)
         outs.append((h, cache.k[:, :15].clone(), cache.v[:, :15].clone()))
     (h0, k0, v0), (h1, k1, v1) = outs
     torch.testing.assert_close(h1, h0, atol=1e-4, rtol=1e-4)
@@ -113,21 +114,21 @@ def test_engine_with_fused_kernels_equals_ar(tiny_dirs, monkeypatch):
     from .conftest import random_prompts
     from .test_engine import ar_tokens
 
-    from specpilot.model.transformer import DecoderLayer
+    from specpilot.model import fused as fused_path
 
     calls = []
-    real = DecoderLayer.forward_fused
-    monkeypatch.setattr(DecoderLayer, "forward_fused", lambda self, *a: calls.append(1) or real(self, *a))
+    real = fused_path.fused_layer
+    monkeypatch.setattr(fused_path, "fused_layer", lambda *a: calls.append(1) or real(*a))
     from specpilot.model.checkpoint import load_model
 
     target, drafter = load_model(tiny_dirs[0], device=DEV), load_model(tiny_dirs[1], device=DEV)
     cfg = SystemConfig(drafter="draft_model", tree="best_first", nodes=6, depth=3, top_k=2)
     try:
-        target.use_kernels = True
+        target.kernels = KernelConfig(fused=True)
         eng = Engine(target, cfg, DraftModelDrafter(drafter, 2), eos_ids=[], buckets=True)
         got = [eng.generate(p, 12).tokens for p in random_prompts(2, 64, length=8, seed=23)]
     finally:
-        target.use_kernels = None
+        target.kernels = KernelConfig()
     for p, toks in zip(random_prompts(2, 64, length=8, seed=23), got):
         assert toks == ar_tokens(target, p, 12)
     assert calls, "the fused path never ran"

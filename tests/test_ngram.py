@@ -5,6 +5,7 @@ import random
 import pytest
 
 from specpilot.spec.ngram import NgramDrafter, ngram_continuations_reference
+from specpilot.spec.drafter import propose_one
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -21,7 +22,7 @@ def test_index_equals_reference_as_a_request_grows(seed):
         depth = rng.randint(1, 8)
         want = ngram_continuations_reference(committed, depth, hi, lo, matches)
         assert d.continuations(committed, depth) == want
-        lattice = d.propose(committed, depth)
+        lattice = propose_one(d, committed, depth)
         assert (lattice is None) == (not want)
         found += bool(want)
         committed += [rng.randrange(vocab) for _ in range(rng.randint(1, 7))]  # an accepted path + bonus

@@ -13,6 +13,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
+
+from specpilot.model.transformer import KernelConfig
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -123,7 +125,7 @@ def test_w12_kernel_in_fused_engine_equals_ar(tiny_dirs):
         real = m.forward
         m.forward = lambda x, real=real: calls.append(x.shape[0]) or real(x)
     cfg = SystemConfig(drafter="draft_model", tree="best_first", nodes=6, depth=3, top_k=2, w12=True)
-    w12.use_kernels = True
+    w12.kernels = KernelConfig(fused=True)
     for p in random_prompts(2, 64, length=8, seed=23):
         spec = Engine(w12, cfg, DraftModelDrafter(drafter, 2), eos_ids=[], buckets=True).generate(p, 8).tokens
         ar = Engine(w12, SystemConfig.ar(), None, eos_ids=[]).generate(p, 8).tokens

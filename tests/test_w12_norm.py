@@ -9,6 +9,8 @@ float32; CUDA: compiled, bf16 too.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -162,13 +164,13 @@ def test_a_model_pass_with_the_fused_norm_matches_add_rmsnorm(tiny_dirs, monkeyp
     for rows in (1, 3):
         outs = {}
         for on in (True, False):
-            w.fuse_norm = on
+            w.kernels = dataclasses.replace(w.kernels, fuse_norm=on)
             calls.clear()
             cache = w.new_cache(16)
             tokens = torch.arange(5, 5 + rows, device=DEV)
             pos = torch.arange(4, 4 + rows, device=DEV)
             mask = torch.ones(rows, rows, dtype=torch.bool, device=DEV).tril()
-            outs[on] = w(tokens, pos, cache, torch.tensor(4, device=DEV), mask)
+            outs[on] = w.forward_static(tokens, pos, cache, torch.tensor(4, device=DEV), mask)
             fused_calls = list(calls)
             want = [("w12_add_residual", 1)] * (2 * n_layers - 1) + [("w12_norm_in", 1)] * (2 * n_layers - 1)
             assert sorted(fused_calls) == (sorted(want) if on and rows == 1 else []), (rows, on, fused_calls)
@@ -195,7 +197,7 @@ def test_speculative_output_equals_ar_with_the_fused_norm(tiny_dirs, monkeypatch
         calls.clear()
         ar = Engine(w, SystemConfig.ar(), None, eos_ids=[], buckets=True).generate(p, 8).tokens
         assert calls and {r for _, r in calls} == {1}  # the AR engine's one-row passes took the fused norm
-        w.use_kernels = False
+        w.kernels = dataclasses.replace(w.kernels, fused=False)
         plain = Engine(w, SystemConfig.ar(), None, eos_ids=[]).generate(p, 8).tokens
-        w.use_kernels = True
+        w.kernels = dataclasses.replace(w.kernels, fused=True)
         assert spec == ar == plain

@@ -8,7 +8,11 @@ float32; CUDA: compiled, bf16 too.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+
+from specpilot.model.transformer import KernelConfig
 import torch
 
 from .test_w12_gemm import assert_within_rounding, planted_weight
@@ -120,7 +124,7 @@ def w12_tiny(tiny_dirs):
         for p in target.parameters():
             p.copy_(p.to(torch.bfloat16).float())  # bf16 values (W12 is for bf16 weights)
     w = to_w12(target)
-    w.use_kernels = True
+    w.kernels = KernelConfig(fused=True)
     for m in w.modules():
         if isinstance(m, W12Linear):
             m.use_kernel = True
@@ -134,7 +138,7 @@ def test_a_fused_model_pass_is_bitwise_the_unfused_one(tiny_dirs, monkeypatch):
     import specpilot.w12.swiglu as mod
 
     w = w12_tiny(tiny_dirs)
-    w.fuse_norm = False  # otherwise the down projection adds the residual too (tests/test_w12_norm.py)
+    w.kernels = dataclasses.replace(w.kernels, fuse_norm=False)  # otherwise the down projection adds the residual too (tests/test_w12_norm.py)
     calls = []
 
     def spy(gate_up, layer, **kw):
@@ -146,11 +150,11 @@ def test_a_fused_model_pass_is_bitwise_the_unfused_one(tiny_dirs, monkeypatch):
     for rows in (1, 3):
         outs = {}
         for on in (True, False):
-            w.fuse_swiglu = on
+            w.kernels = dataclasses.replace(w.kernels, fuse_swiglu=on)
             cache = w.new_cache(16)
             tokens = torch.arange(5, 5 + rows, device=DEV)
             pos = torch.arange(4, 4 + rows, device=DEV)
             mask = torch.ones(rows, rows, dtype=torch.bool, device=DEV).tril()
-            outs[on] = w(tokens, pos, cache, torch.tensor(4, device=DEV), mask)
+            outs[on] = w.forward_static(tokens, pos, cache, torch.tensor(4, device=DEV), mask)
         assert torch.equal(outs[True], outs[False])
     assert calls == [1] * w.args.num_layers  # one row fused in every layer; three rows never

@@ -151,7 +151,7 @@ def run_bench(ckpt, device: str = "cuda", dtype: str = "bfloat16", prefix_len: i
         "c": {r: ms / pass_ms[min(pass_ms)] for r, ms in pass_ms.items()},
         "systems": systems,
     }
-    res["kernels"] = {"fused": model.kernels_on(torch.zeros(1, device=device)), "skinny_gemm": model.skinny_gemm,
+    res["kernels"] = {"fused": model.fused_on(torch.zeros(1, device=device)), "skinny_gemm": model.kernels.skinny_gemm,
                       "buckets": list(BUCKETS)}
     if torch.device(device).type == "cuda":
         res["ar_step_profile"] = _ar_step_profile(model, prompt, dtype)

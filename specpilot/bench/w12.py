@@ -27,6 +27,7 @@ Writes OUT.json after every section (device, versions, commit, every figure) and
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -304,9 +305,9 @@ def ar_decode() -> dict:
     full._modules = dict(proj._modules)
     full.lm_head = W12Linear.from_linear(model.lm_head)
     unfused = copy.copy(full)  # the same layers, silu_mul launched before each down projection
-    unfused.fuse_swiglu = False
+    unfused.kernels = dataclasses.replace(full.kernels, fuse_swiglu=False)
     norm_unfused = copy.copy(full)  # the same layers, add_rmsnorm launched between the GEMVs
-    norm_unfused.fuse_norm = False
+    norm_unfused.kernels = dataclasses.replace(full.kernels, fuse_norm=False)
     torch.cuda.empty_cache()
     bf16 = measure_verify_ms(model, 512, (1, 33), repeats=20, static=True)
     print("AR bf16 ms", bf16, flush=True)

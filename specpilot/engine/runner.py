@@ -1,4 +1,4 @@
-"""Row buckets and CUDA graphs for the exact pass (issue 4; gpt-fast / vLLM-style graph replay).
+"""Row buckets and CUDA graphs for the exact pass (gpt-fast / vLLM-style graph replay).
 
 A pass of R rows is padded to the next bucket size B ≥ R and run through the model's static path
 (``start`` a device tensor, an ``[B, B]`` tree mask): shapes depend only on B, so one CUDA graph per bucket
@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specpilot.model.transformer import KVCache, Transformer
+from specpilot.model.cache import KVCache
+from specpilot.model.transformer import Transformer
 
 #: Default row buckets (rows of one exact pass).
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 96, 128, 192, 256)
@@ -89,7 +90,7 @@ class BucketRunner:
 
     def _body(self, s: dict) -> torch.Tensor:
         mask = s["mask01"] != 0
-        hidden = self.model.forward(s["tokens"], s["positions"], self.cache, s["start"], mask)
+        hidden = self.model.forward_static(s["tokens"], s["positions"], self.cache, s["start"], mask)
         if self.logits_hook is not None:  # test-only (adversarial candidates): captured with the pass
             logits = self.logits_hook(self.model.logits(hidden))
             return logits.argmax(dim=-1) if self.output == "argmax" else logits
@@ -234,7 +235,7 @@ class BucketRunner:
         ``token`` is the last committed token and ``start`` its slot (= committed length - 1). Step i+1's
         pass is queued on the device (its input token copied from step i's argmax on the device, position
         and slot advanced on the device) *before* the host reads step i's token, so the GPU never waits
-        for the host between steps (issue 4: no gaps between steps). A queued step past a stop is harmless:
+        for the host between steps (no gaps between steps). A queued step past a stop is harmless:
         it writes K/V only at the slot after the last committed token, which the cache never counts. Each
         yielded token is the argmax of an exact one-row pass over exactly the committed prefix, as in
         :meth:`run`. Closing the generator early is the way to stop. With the certified INT8 head

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from specpilot.errors import CheckpointError
-from specpilot.model.transformer import SUPPORTED_MODEL_TYPES, ModelArgs, Transformer, rope_inv_freq
+from specpilot.model.args import SUPPORTED_MODEL_TYPES, ModelArgs, rope_inv_freq
+from specpilot.model.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

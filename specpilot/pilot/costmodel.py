@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from specpilot.model.transformer import ModelArgs
+from specpilot.model.args import ModelArgs
 from specpilot.pilot.profiler import DevicePeaks
 
 #: Kernel classes of a step, in report order (§3.2; ``recurrent`` stays empty for dense targets).

@@ -18,6 +18,7 @@ import torch
 
 from specpilot.config import SystemConfig
 from specpilot.spec.lattice import Lattice
+from specpilot.spec.drafter import propose_one
 from specpilot.spec.trees import SequoiaBuilder, build_tree
 
 
@@ -63,7 +64,7 @@ def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None) ->
     """Propose a lattice at every committed length of every AR output (one drafter pass per position).
 
     Args:
-        drafter: an object with ``reset()`` / ``propose(committed, depth)`` built with ``top_k`` candidates.
+        drafter: a :class:`~specpilot.spec.drafter.Drafter` built with ``top_k`` candidates (slot 0 is used).
         prompts / ar_outputs: lists of token-id lists.
         depth / top_k: the largest depth and K any replayed policy will use.
         target: the target :class:`~specpilot.model.transformer.Transformer`; required for a drafter with
@@ -73,26 +74,28 @@ def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None) ->
         ValueError: a block drafter without ``target``.
     """
     rec = Recording([list(p) for p in prompts], [list(a) for a in ar_outputs], depth=depth, top_k=top_k)
-    layers = tuple(getattr(drafter, "target_layers", ()) or ())
+    layers = drafter.target_layers
     if layers and target is None:
         raise ValueError("recording a block drafter needs the target (its hidden states are the context)")
     calls, t_total = 0, 0.0
     for prompt, ar in zip(rec.prompts, rec.ar):
-        drafter.reset()
-        if layers:
+        drafter.reset(0)
+        if layers:  # every prefix's features from one causal pass; observed slot by slot as the engine does
             seq = prompt + ar
             feats: list = []
             with torch.inference_mode():
                 target.forward(torch.tensor(seq[:-1], device=target.device),
                                torch.arange(len(seq) - 1, device=target.device), target.new_cache(len(seq)), 0,
                                features=feats, feature_layers=layers)
-            drafter.observe(torch.cat(feats, -1), 0)
+            feats = torch.cat(feats, -1)
+            drafter.observe(0, feats[: len(prompt)], 0)
         lats = {}
         for m in range(1, len(ar)):
-            if layers:
-                drafter.length = len(prompt) + m - 1  # context = committed[:-1], as in the engine
+            n = len(prompt) + m  # committed tokens; the context is committed[:-1]
+            if layers and m > 1:
+                drafter.observe(0, feats[n - 2 : n - 1], n - 2)
             t0 = time.perf_counter()
-            lats[m] = drafter.propose(prompt + ar[:m], depth)
+            lats[m] = propose_one(drafter, prompt + ar[:m], depth)
             t_total += time.perf_counter() - t0
             calls += 1
         rec.lattices.append(lats)

@@ -22,8 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpilot.model.transformer import MLP, ModelArgs, RMSNorm, Transformer
+from specpilot.model.args import ModelArgs
+from specpilot.model.layers import MLP, RMSNorm
+from specpilot.model.transformer import Transformer
 from specpilot.errors import DrafterError
+from specpilot.spec.drafter import OneSlotDrafter
 from specpilot.spec.lattice import MarkovLattice, PositionalLattice
 
 TOP_K = 16  # candidates per position kept in a block drafter's lattice (§1.1)
@@ -171,17 +174,18 @@ class BlockNet(nn.Module):
         return self.markov_v(self.markov_u(prev)).float()
 
 
-class BlockDrafter:
-    """Block drafter bound to a target: keeps the context K/V of committed slots and proposes lattices.
+class BlockDrafter(OneSlotDrafter):
+    """Block drafter bound to a target (:class:`~specpilot.spec.drafter.Drafter`, one request slot): keeps the
+    context K/V of the committed slots and proposes lattices.
 
     Args:
         net: a :class:`BlockNet` (same dtype / device as the target).
         target: the target :class:`Transformer` (its embedding and LM head are shared).
         top_k: candidates per position exposed by the lattice (≤ 16).
-        max_len: context slots.
-    Engine protocol: ``target_layers`` (the engine captures these layers and calls :meth:`observe`),
-    :meth:`reset`, :meth:`propose`. The drafter always runs all B block rows and cuts the lattice to
-    ``depth``, so a lattice's first positions do not depend on the requested depth (exact replay).
+        max_len: context slots allocated up front; the buffers grow (doubling) when a longer context is observed.
+    The engine captures the target's outputs at :attr:`target_layers` and hands them to :meth:`observe`. The
+    drafter always runs all B block rows and cuts the lattice to ``depth``, so a lattice's first positions do not
+    depend on the requested depth (exact replay).
     """
 
     kind = "block"
@@ -190,25 +194,46 @@ class BlockDrafter:
         self.net, self.target, self.top_k = net.eval(), target, min(top_k, TOP_K)
         self.cfg = net.cfg
         self.target_layers = tuple(net.cfg.target_layers)
-        shape = (net.cfg.layers, max_len, net.cfg.kv_heads, net.cfg.head_dim)
+        self.vocab_size = net.cfg.vocab_size
+        shape = (net.cfg.layers, max(max_len, 1), net.cfg.kv_heads, net.cfg.head_dim)
         dt, dev = target.dtype, target.device
         self.ctx_k = torch.zeros(shape, dtype=dt, device=dev)
         self.ctx_v = torch.zeros(shape, dtype=dt, device=dev)
-        self.length = 0
+        self._context = 0  # committed slots whose context K/V are held
 
-    def reset(self) -> None:
+    @property
+    def context_length(self) -> int:
+        """Committed slots whose context K/V are held (written by :meth:`observe`, cleared by :meth:`reset`)."""
+        return self._context
+
+    def clear(self) -> None:
         """Start a new request (forget the context)."""
-        self.length = 0
+        self._context = 0
+
+    def _reserve(self, n: int) -> None:
+        """Context buffers of at least ``n`` slots (doubling; the held slots are kept)."""
+        have = self.ctx_k.shape[1]
+        if n <= have:
+            return
+        size = max(n, 2 * have)
+        for name in ("ctx_k", "ctx_v"):
+            old = getattr(self, name)
+            new = old.new_zeros((old.shape[0], size, *old.shape[2:]))
+            new[:, :have] = old
+            setattr(self, name, new)
 
     @torch.inference_mode()
-    def observe(self, feats: torch.Tensor, start: int) -> None:
-        """Store the context K/V of committed slots ``[start, start + k)`` from ``feats [k, n_layers*hidden]``."""
-        k = feats.shape[0]
-        pos = torch.arange(start, start + k, device=feats.device)
-        for i, (ck, cv) in enumerate(self.net.context_kv(feats.to(self.ctx_k.dtype), pos)):
+    def observe(self, slot: int, features: torch.Tensor, start: int) -> None:
+        """Store the context K/V of committed slots ``[start, start + k)`` from ``features [k, n_layers*hidden]``;
+        the context then ends there (slots past it are forgotten)."""
+        self.check_slot(slot)
+        k = features.shape[0]
+        self._reserve(start + k)
+        pos = torch.arange(start, start + k, device=features.device)
+        for i, (ck, cv) in enumerate(self.net.context_kv(features.to(self.ctx_k.dtype), pos)):
             self.ctx_k[i, start : start + k] = ck
             self.ctx_v[i, start : start + k] = cv
-        self.length = start + k
+        self._context = start + k
 
     @torch.inference_mode()
     def block_logits(self, committed: list[int]) -> torch.Tensor:
@@ -223,22 +248,20 @@ class BlockDrafter:
         return self.target.logits(self.net.run(x, pos, ctx, mask)[0])
 
     @torch.inference_mode()
-    def propose(self, committed: list[int], depth: int):
-        """Draft ``min(depth, B)`` positions after ``committed`` in one pass.
+    def draft(self, committed: list[int], depth: int):
+        """``min(depth, B)`` positions drafted after ``committed`` in one pass: a :class:`PositionalLattice` ``[depth, top_k]`` (no Markov head) or a :class:`MarkovLattice` (top-16
+        base candidates per position, parent-conditioned log-probs renormalized exactly over the full
+        vocabulary), or None when ``depth < 1``. Needs the context of ``committed[:-1]`` (R11).
 
-        Requires the context of ``committed[:-1]`` (``self.length == len(committed) - 1``, as the engine
-        keeps it). Returns a :class:`PositionalLattice` ``[depth, top_k]`` (no Markov head) or a
-        :class:`MarkovLattice` (top-16 base candidates per position, parent-conditioned log-probs
-        renormalized exactly over the full vocabulary), or None when ``depth < 1``.
         Raises:
-            RuntimeError: when the context does not match ``committed``.
+            RuntimeError: when the context held does not end at ``len(committed) - 1``.
         """
         n, b = len(committed), self.cfg.block_size
         depth = min(depth, b)
         if depth < 1:
             return None
-        if self.length != n - 1:
-            raise RuntimeError(f"block drafter context holds {self.length} slots, expected {n - 1}")
+        if self._context != n - 1:
+            raise RuntimeError(f"block drafter context holds {self._context} slots, expected {n - 1}")
         logits = self.block_logits(committed)[:depth]  # [depth, V] float32
         anchor = torch.tensor([committed[-1]], device=logits.device)
         logp = logits.log_softmax(-1)

@@ -4,7 +4,7 @@ Each step feeds the committed tokens the drafter has not seen, then drafts ``dep
 recording the top-K candidates and log-probs at every position: a :class:`PositionalLattice`. The drafted
 tokens' K/V are dropped afterwards, so the drafter's cache always holds exactly the committed prefix (R11).
 
-Static mode (the default on CUDA, issue 4): the catch-up pass runs through row buckets
+Static mode (the default on CUDA): the catch-up pass runs through row buckets
 (:class:`~specpilot.engine.runner.BucketRunner`, one CUDA graph per bucket) and the ``depth`` sequential
 one-row passes run as one CUDA graph per depth, the drafted token fed back on the device (top-k,
 log-softmax and the next pass inside the graph): one replay and one host read per draft. On the CPU the
@@ -16,16 +16,19 @@ from __future__ import annotations
 import torch
 
 from specpilot.model.transformer import Transformer
+from specpilot.spec.drafter import OneSlotDrafter
 from specpilot.spec.lattice import PositionalLattice
 
 
-class DraftModelDrafter:
-    """Sequential draft model.
+class DraftModelDrafter(OneSlotDrafter):
+    """Sequential draft model (:class:`~specpilot.spec.drafter.Drafter`, one request slot).
 
     Args:
-        model: the draft :class:`Transformer` (same vocabulary as the target).
+        model: the draft :class:`Transformer` (same vocabulary as the target: checked when the engine is built).
         top_k: candidates kept per position.
-        max_len: cache slots (committed prefix + drafted tokens).
+        max_len: cache slots wanted (committed prefix + drafted tokens); the drafter never goes past its own
+            ``max_position_embeddings`` (:attr:`max_context`): near it, it drafts fewer positions, then none.
+        static: the bucketed static path (None: on CUDA).
     """
 
     kind = "draft_model"
@@ -34,29 +37,29 @@ class DraftModelDrafter:
         from specpilot.engine.runner import BUCKETS, BucketRunner
 
         self.model, self.top_k = model, top_k
+        self.vocab_size = model.args.vocab_size
+        self.max_context = model.args.max_position_embeddings
+        self.capacity = min(max_len, self.max_context)  # positions this drafter reads or drafts at
         self.static = model.device.type == "cuda" if static is None else static
-        self.cache = model.new_cache(max_len + (BUCKETS[-1] if self.static else 0))
+        self.cache = model.new_cache(self.capacity + (BUCKETS[-1] if self.static else 0))
         self.n_seen = 0  # committed tokens whose K/V are in the cache
         self.runner = BucketRunner(model, self.cache, BUCKETS, output="logits") if self.static else None
         if self.runner is not None:
             self.runner.capture_all()  # every bucket (a request's first catch-up is its prompt), never in a timed request
         self._loops: dict[int, dict] = {}
 
-    def reset(self) -> None:
+    def clear(self) -> None:
         """Start a new request: forget the previous request's cache."""
         self.n_seen = 0
-        self.cache.length = 0
+        self.cache.commit(0)
 
     @torch.inference_mode()
-    def propose(self, committed: list[int], depth: int) -> PositionalLattice | None:
-        """Draft ``depth`` positions after ``committed``; returns ``[depth, top_k]`` candidates.
-
-        Raises:
-            ValueError: if the committed prefix does not fit the drafter's cache.
-        """
+    def draft(self, committed: list[int], depth: int) -> PositionalLattice | None:
+        """``min(depth, capacity − n)`` positions drafted after ``committed`` (n ids): a ``[depth, top_k]`` lattice,
+        or None when no position fits the drafter's context."""
         m, dev = self.model, self.model.device
         n = len(committed)
-        depth = min(depth, self.cache.max_len - n)
+        depth = min(depth, self.capacity - n)  # drafted tokens sit at positions n .. n + depth - 1 < capacity
         if depth < 1:
             return None
         if self.n_seen > n or self.n_seen == n:  # rewind so that the last committed token is fed again
@@ -66,7 +69,7 @@ class DraftModelDrafter:
             if logits is not None:  # else: more unseen tokens than the largest bucket, dynamic path below
                 toks, lps = self._draft_static(logits[-1], n, depth)
                 self.n_seen = n
-                self.cache.length = n
+                self.cache.commit(n)
                 return PositionalLattice(toks, lps)
         new = torch.tensor(committed[self.n_seen :], dtype=torch.long, device=dev)
         pos = torch.arange(self.n_seen, n, device=dev)
@@ -80,7 +83,7 @@ class DraftModelDrafter:
             if d + 1 < depth:
                 hidden = m.forward(tk[:1], torch.tensor([n + d], device=dev), self.cache, n + d)
         self.n_seen = n
-        self.cache.length = n
+        self.cache.commit(n)
         return PositionalLattice(torch.stack(toks).cpu(), torch.stack(lps).float().cpu())
 
     def _loop(self, depth: int) -> dict:
@@ -109,7 +112,7 @@ class DraftModelDrafter:
             if d + 1 < depth:
                 st["tok"].copy_(tk[:1])
                 slot = st["start"] + d
-                hidden = m.forward(st["tok"], slot.view(1), self.cache, slot, st["mask"])
+                hidden = m.forward_static(st["tok"], slot.view(1), self.cache, slot, st["mask"])
                 logits = m.logits(hidden)[0]
 
     def _draft_static(self, first_logits: torch.Tensor, n: int, depth: int):

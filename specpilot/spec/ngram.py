@@ -7,8 +7,11 @@ a trie lattice (branches where the continuations disagree), so a tree builder ca
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
+from specpilot.spec.drafter import DraftRequest, SlotTable
 from specpilot.spec.lattice import TrieLattice
 
 
@@ -38,64 +41,85 @@ def ngram_continuations_reference(committed: list[int], depth: int, ngram_max: i
     return []
 
 
+class _Index:
+    """One request's n-gram index: the tokens indexed so far and n-gram -> start positions."""
+
+    def __init__(self):
+        self.seen: list[int] = []  # the tokens indexed so far (a prefix of every later ``committed``)
+        self.starts: dict[tuple[int, ...], list[int]] = {}
+
+
 class NgramDrafter:
-    """Prompt-lookup drafter with an incremental n-gram index.
+    """Prompt-lookup drafter with an incremental n-gram index per request slot (:class:`~specpilot.spec.drafter.Drafter`).
 
     The index maps every n-gram (``ngram_min <= n <= ngram_max``) of the committed tokens that ends before the
     last token to its start positions, in order; each step indexes only the tokens committed since the last
     one, and a lookup is one dict access per suffix length. Left O(length) per step: one C-speed list
     comparison that checks ``committed`` extends the tokens indexed so far (a few µs at 1,000 tokens).
     :func:`ngram_continuations_reference` is the plain definition it equals (``tests/test_ngram.py``).
-    ``committed`` is a list of ints (another sequence type rebuilds the index every call).
+    ``committed`` is a list of ints (another sequence type rebuilds the index every call). It proposes only ids
+    it saw in the committed tokens, so it fits any target (``vocab_size`` None) and has no context limit.
 
     Args:
         ngram_max: longest suffix tried (tokens).
         ngram_min: shortest suffix tried (tokens), 1 ≤ ngram_min ≤ ngram_max.
         max_matches: most matches kept (most recent first) as the lattice's continuations, ≥ 1.
+        max_slots: requests held at once.
     Raises:
         ValueError: on ``ngram_min < 1``, ``ngram_min > ngram_max`` or ``max_matches < 1``.
     """
 
     kind = "ngram"
+    target_layers: tuple[int, ...] = ()
+    vocab_size = None
+    max_context = None
 
-    def __init__(self, ngram_max: int = 4, ngram_min: int = 1, max_matches: int = 8):
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1, max_matches: int = 8, max_slots: int = 1024):
         if not 1 <= ngram_min <= ngram_max or max_matches < 1:
             raise ValueError(f"n-gram drafter needs 1 <= ngram_min <= ngram_max and max_matches >= 1, got "
                              f"ngram_min {ngram_min}, ngram_max {ngram_max}, max_matches {max_matches}")
         self.ngram_max, self.ngram_min, self.max_matches = ngram_max, ngram_min, max_matches
-        self.reset()
+        self.max_slots = max_slots
+        self._slots = SlotTable(max_slots, _Index)
 
-    def reset(self) -> None:
-        """Start a new request: forget the index."""
-        self._seen: list[int] = []  # the tokens indexed so far (a prefix of every later ``committed``)
-        self._index: dict[tuple[int, ...], list[int]] = {}
+    def reset(self, slot: int = 0) -> None:
+        """Forget the index of ``slot``."""
+        self._slots.drop(slot)
 
-    def _extend(self, committed: list[int]) -> None:
-        """Index the n-grams ``committed[end - n : end]`` with ``len(self._seen) <= end < len(committed)``; rebuild
-        from scratch when ``committed`` does not extend the tokens seen so far (a new request, no reset)."""
-        k = len(self._seen)
-        if k > len(committed) or committed[:k] != self._seen:
-            self.reset()
-            k = 0
-        index, lo, hi = self._index, self.ngram_min, self.ngram_max
+    def observe(self, slot: int, features: torch.Tensor, start: int) -> None:
+        """Reads no target features: nothing to do."""
+
+    def _extend(self, ix: _Index, committed: list[int]) -> _Index:
+        """Index the n-grams ``committed[end - n : end]`` with ``len(ix.seen) <= end < len(committed)``; a fresh
+        index when ``committed`` does not extend the tokens seen so far (a new request without a reset)."""
+        k = len(ix.seen)
+        if k > len(committed) or committed[:k] != ix.seen:
+            ix, k = _Index(), 0
+        index, lo, hi = ix.starts, self.ngram_min, self.ngram_max
         for end in range(max(k, 1), len(committed)):  # n-grams committed[end - n : end], end <= len - 1
             for n in range(lo, min(hi, end) + 1):
                 index.setdefault(tuple(committed[end - n : end]), []).append(end - n)
-        self._seen.extend(committed[k:])
+        ix.seen.extend(committed[k:])
+        return ix
 
-    def continuations(self, committed: list[int], depth: int) -> list[list[int]]:
-        """The continuations :func:`ngram_continuations_reference` returns, from the index."""
+    def continuations(self, committed: list[int], depth: int, slot: int = 0) -> list[list[int]]:
+        """The continuations :func:`ngram_continuations_reference` returns, from ``slot``'s index."""
         n_tok = len(committed)
         if n_tok < 2 or depth < 1:
             return []
-        self._extend(committed)
+        ix = self._extend(self._slots.get(slot), committed)
+        self._slots.put(slot, ix)
         for n in range(min(self.ngram_max, n_tok - 1), self.ngram_min - 1, -1):
-            starts = self._index.get(tuple(committed[n_tok - n :]))
+            starts = ix.starts.get(tuple(committed[n_tok - n :]))
             if starts:
                 return [committed[s + n : s + n + depth] for s in reversed(starts[-self.max_matches :])]
         return []
 
-    def propose(self, committed: list[int], depth: int) -> TrieLattice | None:
-        """Lattice of continuations after ``committed`` (list of ids), ``depth`` positions; None if no match."""
-        conts = self.continuations(committed, depth)
-        return TrieLattice(conts, depth) if conts else None
+    def propose(self, batch: Sequence[DraftRequest]) -> list[TrieLattice | None]:
+        """Per request, the trie lattice of continuations after its committed ids (``depth`` positions); None
+        where nothing matches."""
+        out = []
+        for q in batch:
+            conts = self.continuations(q.committed, q.depth, q.slot)
+            out.append(TrieLattice(conts, q.depth) if conts else None)
+        return out

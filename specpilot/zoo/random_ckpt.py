@@ -127,7 +127,8 @@ def random_transformer(arch: str, device: str = "cuda", dtype: torch.dtype = tor
     Raises:
         SpecPilotError: unknown ``arch``; ``out`` a file or a non-empty directory.
     """
-    from specpilot.model.transformer import ModelArgs, Transformer, rope_inv_freq
+    from specpilot.model.args import ModelArgs, rope_inv_freq
+    from specpilot.model.transformer import Transformer
 
     if arch not in ARCHS:
         raise SpecPilotError(f"unknown architecture {arch!r} (choose {', '.join(ARCHS)})")

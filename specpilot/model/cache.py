@@ -1,0 +1,84 @@
+"""The target state of one request: a static KV cache with its committed length.
+
+The model writes K/V *contents* at the slots of the rows it runs; how many slots hold committed tokens (the
+length) changes only through :meth:`KVCache.commit`, which the request loop calls (the target's cache: only
+:class:`~specpilot.engine.engine.Engine`; a draft model's private cache: only its drafter). Slots at or past
+the length are scratch: a pass writes its rows there, and whatever is not committed is never read as history.
+A hybrid target (Gated DeltaNet layers) will keep its recurrent state and conv window beside these tensors
+under the same contract: changed by exact passes only, made equal to a fresh prefill of the committed tokens
+by :meth:`commit` / :meth:`compact`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from specpilot.model.args import ModelArgs
+
+
+class PassKind(enum.Enum):
+    """What a target pass may write (§1.2, §4.3).
+
+    ``EXACT``: the exact pass, the only one that commits: it writes its rows' K/V at ``[start, start + R)``
+    (scratch slots until the request loop commits an accepted prefix or path of them). ``INSPECT``: reads the
+    committed prefix and writes no state at all (TLV's Q pass inspects a tree this way; its K/V stay in
+    temporaries), so the cache after it is bit for bit the cache before.
+    """
+
+    EXACT = "exact"
+    INSPECT = "inspect"
+
+
+class KVCache:
+    """Static KV cache of one request: ``k, v [num_layers, max_len, n_kv_heads, head_dim]``.
+
+    Slot ``i`` holds the keys/values of the token at position ``i`` of the committed sequence; slots
+    ``[0, length)`` are committed. Rows of a pass are written at ``[start, start + R)``.
+
+    Raises:
+        ValueError: ``max_len < 1``.
+    """
+
+    def __init__(self, args: ModelArgs, max_len: int, dtype: torch.dtype, device: torch.device | str):
+        if max_len < 1:
+            raise ValueError(f"a cache needs at least one slot, got max_len {max_len}")
+        shape = (args.num_layers, max_len, args.n_kv_heads, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        """Committed slots (read-only: see :meth:`commit`)."""
+        return self._length
+
+    def commit(self, n: int) -> None:
+        """Declare slots ``[0, n)`` committed (the K/V of the committed tokens but the last, in the engine's
+        invariant); ``n = 0`` frees the request's slots (R14).
+
+        Raises:
+            ValueError: ``n`` outside ``[0, max_len]``.
+        """
+        if not 0 <= n <= self.max_len:
+            raise ValueError(f"cannot commit {n} slots of a cache of {self.max_len}")
+        self._length = n
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache tensors."""
+        return self.k.numel() * self.k.element_size() * 2
+
+    def compact(self, start: int, rows: torch.Tensor) -> None:
+        """Move an accepted path into place: copy slots ``start + rows[j]`` to ``start + j`` (§1.1, R8).
+
+        Args:
+            start: first slot of the verified rows (the root's slot).
+            rows: ``[k] long``, increasing row indices of the accepted path (root = row 0 first).
+        The length is not changed: the request loop commits what it keeps.
+        """
+        k = rows.numel()
+        src = rows.to(self.k.device) + start
+        self.k[:, start : start + k] = self.k[:, src]
+        self.v[:, start : start + k] = self.v[:, src]

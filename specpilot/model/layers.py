@@ -1,0 +1,238 @@
+"""The decoder's layers in plain PyTorch: RMSNorm, RoPE, grouped-query attention over the static cache, SwiGLU.
+
+Parameter names follow Hugging Face's so a checkpoint's state dict loads as it is. Each layer has two paths:
+
+- ``forward`` (the eager reference): any rows at an int prefix ``start`` with an explicit mask
+  ``[R, start + R]``, masked SDPA over the cache; a pass of kind ``EXACT`` writes its rows' K/V at
+  ``[start, start + R)``, one of kind ``INSPECT`` writes nothing (:class:`~specpilot.model.cache.PassKind`);
+- ``forward_static`` (CUDA graphs): shapes depend on the row count only, ``start`` is a 0-d device tensor and
+  the mask the ``[R, R]`` tree mask among the rows; tree attention reads only the committed slots
+  (:mod:`specpilot.kernels.tree_attention`).
+
+The fused Triton path of a whole layer is in :mod:`specpilot.model.fused`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specpilot.model.args import ModelArgs
+from specpilot.model.cache import KVCache, PassKind
+
+
+def region(prof, name: str):
+    """Profiling region ``name`` of a step (a no-op context when ``prof`` is None; the cost model, §3.2)."""
+    return prof.region(name) if prof is not None else contextlib.nullcontext()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [R, H, D]`` by ``cos, sin [R, D]`` (HF's rotate-half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rot = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def causal_mask(start: int, r: int, device) -> torch.Tensor:
+    """``[r, start + r]`` bool: row i sees slots ``[0, start + i]`` (prefill / chain rows)."""
+    cols = torch.arange(start + r, device=device)
+    rows = torch.arange(r, device=device) + start
+    return cols[None, :] <= rows[:, None]
+
+
+def _sdpa_backends(device: torch.device):
+    """SDPA backends for the eager path (prefill, eager fallback): on CUDA, memory-efficient attention or the
+    math kernel, not cuDNN, which builds a plan per new sequence length (a fresh prompt length would pay it on
+    its first request). A no-op context on the CPU."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32, cast back to the input dtype (HF's LlamaRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., dim]`` -> same shape and dtype."""
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One ``nn.Linear`` whose weight (and bias) are ``parts``' concatenated on the output dim."""
+    p0 = parts[0]
+    fused = nn.Linear(p0.in_features, sum(p.out_features for p in parts), bias=p0.bias is not None)
+    fused = fused.to(device=p0.weight.device, dtype=p0.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused.requires_grad_(False)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE (and Qwen3's per-head q/k RMS norm) over the static cache."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, d = args.hidden_size, args.head_dim
+        b = args.attention_bias
+        self.q_proj = nn.Linear(h, args.n_heads * d, bias=b)
+        self.k_proj = nn.Linear(h, args.n_kv_heads * d, bias=b)
+        self.v_proj = nn.Linear(h, args.n_kv_heads * d, bias=b)
+        self.o_proj = nn.Linear(args.n_heads * d, h, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.args = args
+
+    def fuse(self) -> None:
+        """Replace q/k/v_proj by one ``qkv_proj`` (weights concatenated on the output dim): one GEMM instead
+        of three, same results up to GEMM blocking. Idempotent."""
+        if hasattr(self, "qkv_proj"):
+            return
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        self.qkv_split = [p.out_features for p in parts]
+        self.qkv_proj = _fused_linear(parts)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _qkv(self, x, cos, sin, prof):
+        """Projections, Qwen3's q/k norm and RoPE: ``q [R, H, D]``, ``k, v [R, KVH, D]``."""
+        a, r = self.args, x.shape[0]
+        with region(prof, "projections"):
+            if hasattr(self, "qkv_proj"):
+                q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = q.reshape(r, a.n_heads, a.head_dim)
+            k = k.reshape(r, a.n_kv_heads, a.head_dim)
+            v = v.reshape(r, a.n_kv_heads, a.head_dim)
+        with region(prof, "norms_elementwise"):
+            if a.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask, kind: PassKind, prof=None):
+        """Eager path: ``x [R, hidden]`` at prefix ``start`` (int); ``mask [R, start + R]`` bool (True = may
+        attend) or None for causal rows. ``EXACT`` writes this layer's K/V at slots ``[start, start + R)``;
+        ``INSPECT`` reads the cache prefix and keeps the rows' K/V in a temporary. Returns ``[R, hidden]``."""
+        a, r = self.args, x.shape[0]
+        q, k, v = self._qkv(x, cos, sin, prof)
+        with region(prof, "attention"):
+            if kind is PassKind.EXACT:
+                cache.k[layer, start : start + r] = k
+                cache.v[layer, start : start + r] = v
+                keys, vals = cache.k[layer, : start + r], cache.v[layer, : start + r]
+            else:
+                keys = torch.cat((cache.k[layer, :start], k.to(cache.k.dtype)))
+                vals = torch.cat((cache.v[layer, :start], v.to(cache.v.dtype)))
+            keys, vals = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]  # [1, KVH, S, D]
+            rep = a.n_heads // a.n_kv_heads
+            if rep > 1:
+                keys = keys.repeat_interleave(rep, dim=1)
+                vals = vals.repeat_interleave(rep, dim=1)
+            if mask is None:
+                mask = causal_mask(start, r, x.device)
+            with _sdpa_backends(x.device):
+                o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, attn_mask=mask)
+            o = o[0].transpose(0, 1).reshape(r, a.n_heads * a.head_dim)
+        with region(prof, "projections"):
+            return self.o_proj(o)
+
+    def forward_static(self, x, cos, sin, cache: KVCache, layer: int, start: torch.Tensor, tree_mask, prof=None):
+        """Static path (CUDA graphs): ``start`` a 0-d long device tensor, ``tree_mask [R, R]`` bool among the
+        rows (every row sees the whole prefix). K/V written by ``index_copy_`` at ``start + arange(R)``; no host
+        sync. Returns ``[R, hidden]``."""
+        from specpilot.kernels.tree_attention import attention
+
+        a, r = self.args, x.shape[0]
+        q, k, v = self._qkv(x, cos, sin, prof)
+        with region(prof, "attention"):
+            slots = start + torch.arange(r, device=q.device)
+            cache.k[layer].index_copy_(0, slots, k)
+            cache.v[layer].index_copy_(0, slots, v)
+            o = attention(q, cache.k[layer], cache.v[layer], start, tree_mask, a.head_dim**-0.5)
+            o = o.reshape(r, a.n_heads * a.head_dim)
+        with region(prof, "projections"):
+            return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, i, b = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def fuse(self) -> None:
+        """Replace gate/up_proj by one ``gate_up_proj`` (one GEMM instead of two). Idempotent."""
+        if hasattr(self, "gate_up_proj"):
+            return
+        self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x, prof=None):
+        """``x [R, hidden]`` -> ``[R, hidden]``."""
+        with region(prof, "projections"):
+            if hasattr(self, "gate_up_proj"):
+                g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+            else:
+                g, u = self.gate_proj(x), self.up_proj(x)
+        with region(prof, "norms_elementwise"):
+            y = F.silu(g) * u
+        with region(prof, "projections"):
+            return self.down_proj(y)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: attention and MLP, each with a residual."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, layer, start: int, mask, kind: PassKind, prof=None):
+        """Eager path (see :meth:`Attention.forward`): ``x [R, hidden]`` -> ``[R, hidden]``."""
+        with region(prof, "norms_elementwise"):
+            h = self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin, cache, layer, start, mask, kind, prof)
+        with region(prof, "norms_elementwise"):
+            h = self.post_attention_layernorm(x)
+        return x + self.mlp(h, prof)
+
+    def forward_static(self, x, cos, sin, cache, layer, start: torch.Tensor, tree_mask, prof=None):
+        """Static path (see :meth:`Attention.forward_static`): ``x [R, hidden]`` -> ``[R, hidden]``."""
+        with region(prof, "norms_elementwise"):
+            h = self.input_layernorm(x)
+        x = x + self.self_attn.forward_static(h, cos, sin, cache, layer, start, tree_mask, prof)
+        with region(prof, "norms_elementwise"):
+            h = self.post_attention_layernorm(x)
+        return x + self.mlp(h, prof)
+
+
+class Backbone(nn.Module):
+    """Embedding, decoder layers and final norm (HF's ``model.*``)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
