@@ -1,4 +1,4 @@
-"""Issue 4 probe: the exact pass of the Qwen3-8B architecture (random bf16 weights) replayed as CUDA graphs.
+"""The exact pass of the Qwen3-8B architecture (random bf16 weights) replayed as CUDA graphs.
 
 Times, at a 512-token prefix, one exact pass (forward + LM head + argmax) per row bucket through the
 static path as a CUDA graph, against the eager dynamic path; then AR decoding through the engine with

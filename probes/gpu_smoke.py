@@ -1,4 +1,4 @@
-"""GPU smoke and baseline timing (preliminary to issue 4): the engine on CUDA in bf16.
+"""GPU smoke and baseline timing before the CUDA-graph work: the engine on CUDA in bf16.
 
 1. The bundled pair on CUDA bf16: AR vs speculative tokens (near-ties may flip in bf16) and tokens/s.
 2. Qwen3-8B architecture with random bf16 weights in our eager engine: exact-pass ms by rows at a 512-token

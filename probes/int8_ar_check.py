@@ -1,4 +1,4 @@
-"""Pipelined AR with the certified INT8 head on the GPU (issue 5): same tokens as plain AR, and tokens/s of
+"""Pipelined AR with the certified INT8 head on the GPU: same tokens as plain AR, and tokens/s of
 both, on the bundled target (trained: peaked logits, few flags) and on random Qwen3-8B weights (near-uniform
 logits: most steps flagged, so the redo path runs on nearly every step).
 

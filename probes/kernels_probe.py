@@ -1,4 +1,4 @@
-"""Issue 4 kernels on the GPU: the skinny GEMM vs cuBLAS per Qwen3-8B projection, and the exact pass with
+"""The fused kernels on the GPU: the skinny GEMM vs cuBLAS per Qwen3-8B projection, and the exact pass with
 fused kernels vs op by op (CUDA graphs, 512-token prefix, random bf16 weights), plus a profile of the fused pass.
 
     python probes/kernels_probe.py OUT.json [--sweep]
@@ -24,7 +24,7 @@ from specpilot.pilot.setup import measure_verify_ms
 from specpilot.provenance import git_commit, versions
 from specpilot.zoo.random_ckpt import random_transformer
 
-from timing import time_calls  # noqa: E402  (probes/timing.py)
+from specpilot.bench.timing import time_calls
 
 dev = "cuda"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),

@@ -1,4 +1,4 @@
-"""Nsight Compute profiles of the kernels behind issue 5's misses: W12 vs cuBLAS on the Qwen3-8B projections (qkv, o,
+"""Nsight Compute profiles of the kernels that miss the 1.25x W12 goal: W12 vs cuBLAS on the Qwen3-8B projections (qkv, o,
 gate_up, down) at 1 / 8 / 16 / 32 rows, and the certified INT8 head (bounds, select, rescore, decide) vs the bf16 head
 at 1 row.
 
@@ -14,7 +14,7 @@ metrics: {section: {name: [unit, value]}}}], summary}}``, the summary holding th
 and each kernel's DRAM throughput, issue slots busy, eligible-warp share and achieved occupancy. ncu
 replays every kernel several times and serialises them, so its durations are of an isolated kernel, not of a
 CUDA-graph replay: read the percentages (DRAM throughput of peak, issue slots busy, achieved occupancy, warp
-stall reasons), and take the speed from ``probes/w12_bench.py`` / ``probes/lm_head_bench.py``.
+stall reasons), and take the speed from ``specpilot bench --suite w12`` / ``--suite lm-head``.
 
 Without ``ncu`` (the CPU machines) the script says so and exits 2; ``--parse FILE.csv`` parses a saved ncu
 CSV (tests).
@@ -37,8 +37,6 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # Qwen3-8B, (N, K)
 CASES = [f"{impl}-{proj}-{rows}" for proj in SHAPES for rows in (1, 8, 16, 32) for impl in ("w12", "cublas")]
 CASES += ["head-int8-1", "head-bf16-1"]
-# the warp-specialised stream-K kernel (probes/w12_ws.py, Gluon), 8-32 rows: asked for by name (--cases)
-WS_CASES = [f"ws-{proj}-{rows}" for proj in SHAPES for rows in (8, 16, 32)]
 HEAD = (151936, 4096)  # Qwen3-8B LM head (V, K)
 
 
@@ -93,7 +91,7 @@ def run_case(case: str) -> None:
     import torch
     import torch.nn.functional as F
 
-    if case not in CASES + WS_CASES:
+    if case not in CASES:
         raise SystemExit(f"ncu_profile: unknown case {case!r}")
     if not torch.cuda.is_available():
         raise SystemExit("ncu_profile: --run-case needs a CUDA GPU")
@@ -123,14 +121,6 @@ def run_case(case: str) -> None:
             t = encode(w, device=dev)
             esc = escape_table(t)
             fn = lambda: w12_gemm(x, t, escapes=esc)  # noqa: E731
-        elif impl == "ws":
-            from specpilot.w12.gemm import escape_table
-            from w12_ws import w12_ws
-            from specpilot.w12.format import encode
-
-            t = encode(w, device=dev)
-            esc = escape_table(t)
-            fn = lambda: w12_ws(x, t, esc)  # noqa: E731
         else:
             fn = lambda: F.linear(x, w)  # noqa: E731
     for _ in range(3):
@@ -145,7 +135,7 @@ def run_case(case: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0].replace("\n", " "))
     ap.add_argument("out", nargs="?")
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES + WS_CASES))
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
     ap.add_argument("--run-case", help=argparse.SUPPRESS)  # the child process under ncu
     ap.add_argument("--parse", help="parse a saved ncu --csv --page details file and print the JSON")
     a = ap.parse_args()
@@ -163,9 +153,9 @@ def main() -> int:
     if not a.out:
         ap.error("OUT.json is required")
     cases = [c for c in a.cases.split(",") if c]
-    bad = [c for c in cases if c not in CASES + WS_CASES]
+    bad = [c for c in cases if c not in CASES]
     if bad:
-        ap.error(f"unknown case(s) {bad}; known: {CASES + WS_CASES}")
+        ap.error(f"unknown case(s) {bad}; known: {CASES}")
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     if not Path(ncu).exists():
         print("error: ncu (Nsight Compute) is not installed here; run this on the GPU machine", file=sys.stderr)

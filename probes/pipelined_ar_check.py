@@ -1,4 +1,4 @@
-"""GPU check of pipelined AR (issue 4): the bundled target in bf16 on CUDA, AR through the graph runner with
+"""GPU check of pipelined AR: the bundled target in bf16 on CUDA, AR through the graph runner with
 steps queued ahead vs the plain step loop (forced by passing a profiler): identical tokens, and tokens/s
 of both. JSON to argv[1]."""
 

@@ -1,5 +1,5 @@
 """Two engines of one config, a third between them, and the same engine with ``w12``: prefill and request
-times in a palindrome per prompt (issue 6: the 8B pilot's seal measured AR 0.956x against an identical AR
+times in a palindrome per prompt (the 8B pilot's seal measured AR 0.956x against an identical AR
 system; this checks whether a second engine of one config is slower, and what W12 costs in the prefill).
 
     python probes/prefill_pair_check.py TARGET_DIR OUT.json

@@ -1,7 +1,7 @@
 """Registers and spills of the W12 GEMV (``specpilot/w12/gemv.py``) for 1, 2, 4 and 8 rows and a grid
 of launch configs, and of the two tensor-core W12 kernels (byte loads: ``w12_gemm``; record words:
 ``w12_mma``) at 16 / 32 / 64 rows with their PTX memory-instruction counts, compiled for sm_90a with
-Triton's bundled ptxas: no GPU needed (issue 5).
+Triton's bundled ptxas: no GPU needed.
 
     python probes/ptxas_probe.py OUT.json
 

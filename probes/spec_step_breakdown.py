@@ -1,4 +1,4 @@
-"""Where a speculative step's time goes on a GPU (issue 6): the bundled pair (or ``--target``) in bf16, AR
+"""Where a speculative step's time goes on a GPU: the bundled pair (or ``--target``) in bf16, AR
 (pipelined) against n-gram / draft-model / block-drafter systems, with each step split into drafter, tree,
 exact pass (the tree mask, the host buffer fill, the launch and the wait for the device), cache compaction
 (``keep_path``) and the rest (acceptance, the host read of the argmax, bookkeeping); and the GPU time of one

@@ -1,4 +1,4 @@
-"""Tree attention benchmark (issue 4, item 1): the engine's masked SDPA against the Triton kernel.
+"""Tree attention benchmark: the engine's masked SDPA against the Triton kernel.
 
 Qwen3-8B attention shapes (H=32, KVH=8, D=128), bf16, a static cache of S=4096 slots, prefix L in
 {512, 2048}, rows R in {1, 8, 16, 33, 64, 128, 256}, random ancestor-closed tree masks. Timed by CUDA

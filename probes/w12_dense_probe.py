@@ -1,5 +1,5 @@
 """Wide W12 passes (prefill): decode to bf16 then cuBLAS (:mod:`specpilot.w12.dense`) against the
-tensor-core W12 kernels and cuBLAS bf16, by row count, on the Qwen3-8B projections (issue 5); then the
+tensor-core W12 kernels and cuBLAS bf16, by row count, on the Qwen3-8B projections; then the
 prefill of a random Qwen3-8B.
 
     python probes/w12_dense_probe.py OUT.json
@@ -29,8 +29,8 @@ from specpilot.provenance import git_commit, versions
 from specpilot.w12.format import encode
 from specpilot.zoo.random_ckpt import random_transformer
 
-from timing import time_calls  # noqa: E402  (probes/timing.py)
-from w12_bench import SHAPES, bits_equal, projection_copies  # noqa: E402
+from specpilot.bench.timing import time_calls
+from specpilot.bench.w12 import SHAPES, bits_equal, projection_copies
 
 dev = "cuda"
 T0 = time.time()

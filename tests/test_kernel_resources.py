@@ -1,6 +1,6 @@
 """Registers and spills from an offline compile for sm_90a (no GPU; Triton's bundled ptxas): the W12 GEMV's
 default launch for 1, 2, 4 and 8 rows spills nothing on the Qwen3-8B projections, while 16 groups a thread
-at 8 rows does; the tensor-core kernel over record words does not load weights byte by byte (issue 5;
+at 8 rows does (issue 5;
 ``probes/ptxas_probe.py`` records the whole grid). Compiled in a subprocess
 because the test session runs Triton in interpreter mode."""
 
@@ -34,14 +34,7 @@ for rows in (1, 2, 4, 8):
         out.append([rows, n, k, *seen[key]])
 r = gemv_resources(8, 16, 1024, 4)  # 16 groups of 8 weights a thread at 8 rows
 out.append([8, 0, 0, r.registers, r.spill_bytes])
-import sys
-sys.path.insert(0, "bench")
-from contextlib import redirect_stdout
-from ptxas_probe import tensor_core
-with redirect_stdout(sys.stderr):
-    mma = tensor_core()
 print(json.dumps(out))
-print(json.dumps(mma))
 """
 
 
@@ -51,17 +44,11 @@ def test_gemv_default_configs_do_not_spill():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, env=env,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows, mma = (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:])
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
     defaults, wide = rows[:-1], rows[-1]
     assert len(defaults) == 16
     assert all(spill == 0 and 0 < regs <= 255 for *_, regs, spill in defaults), defaults
     assert wide[4] > 0  # the check can fail: 16 groups a thread at 8 rows spills
-    # the tensor-core kernel over record words: no spills at 16 / 32 rows, and it does not load weights
-    # byte by byte as the first tensor-core kernel does
-    words = {r["block_m"]: r for r in mma if r["kernel"].startswith("words")}
-    byte_loads = {r["block_m"]: r["ptx"].get("ld.global.b8", 0) for r in mma if r["kernel"].startswith("bytes")}
-    assert words[16]["spill_bytes"] == 0 and words[32]["spill_bytes"] == 0
-    assert all(words[bm]["ptx"].get("ld.global.b8", 0) * 16 <= byte_loads[bm] for bm in (16, 32, 64)), (words, byte_loads)
 
 
 STAGES_SCRIPT = r"""

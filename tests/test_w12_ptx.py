@@ -144,23 +144,3 @@ def test_emulator_prmt_and_lop3_follow_the_ptx_manual():
     assert int(d[0]) == 0xF00F
     (d,) = run_ptx("{ lop3.b32 $0, $1, $2, $3, 0x96; }", {"$1": one * 0b1100, "$2": one * 0b1010, "$3": one * 0b0110}, 1)
     assert int(d[0]) == 0b0000
-
-
-def test_pair_decode_ptx_of_the_warp_specialised_kernel_gives_every_code():
-    """``DECODE2_BF16_PTX`` (``probes/w12_ws.py``): two columns' views as one 16-bit word and their
-    nibble byte -> the two bf16 ``w'``; every view pair (65 536) with four nibble bytes each (every byte value
-    occurs 1 024 times), and the decoded values themselves."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    w12_ws = pytest.importorskip("w12_ws")  # probes/w12_ws.py (a probe kernel)
-    if w12_ws.gluon is None:
-        pytest.skip("Triton without Gluon")
-    pair = np.repeat(np.arange(65536, dtype=np.uint64), 4)
-    nb = (pair * np.uint64(7) + np.tile(np.arange(4, dtype=np.uint64) * np.uint64(64), 65536)) % np.uint64(256)
-    lo, hi = run_ptx(w12_ws.DECODE2_BF16_PTX.value, {"$2": pair, "$3": nb}, 2)
-    v0, v1 = pair & np.uint64(0xFF), pair >> np.uint64(8)
-    np.testing.assert_array_equal(lo, _expected_bf16(v0, nb & np.uint64(15)))
-    np.testing.assert_array_equal(hi, _expected_bf16(v1, nb >> np.uint64(4)))
-    assert np.unique(nb).size == 256
