@@ -86,7 +86,7 @@ from specpilot.kernels.resources import kernel_resources
 from specpilot.w12.gemm import WAVE_MAXNREG
 from specpilot.w12.tiles import WORD_KERNEL_SIGNATURE
 c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, FUSED=False, EVEN=True, X_EVEN=True, HAS_BIAS=False, FP32=False,
-         ASM=True, PDL=False, PREFETCH=False, X_GATHER=False, ESC_EARLY=False)
+         ASM=True, X_GATHER=False, ESC_EARLY=False)
 out = {}
 aligned = tuple(n for n in WORD_KERNEL_SIGNATURE if n != "M")  # as a launch of 8 rows specialises them
 for cap in (None, WAVE_MAXNREG):

@@ -232,7 +232,7 @@ for r in (1, 2, 4, 8, 16, 33):  # Qwen3-8B: 32 heads, 8 KV heads, head_dim 128, 
     cfg = ta.default_config(r, 4, 8, 4352, 128)
     c = ta.combine_config(r * 4, cfg["block_m"], 128, cfg["num_splits"], cfg["num_warps"])
     k = kernel_resources(ta._combine, sig, dict(G=4, HEAD_DIM=128, BLOCK_M=c["block_m"], NUM_SPLITS=cfg["num_splits"],
-                                                UNROLL=c["unroll"], PDL=False), c["num_warps"], 1)
+                                                UNROLL=c["unroll"]), c["num_warps"], 1)
     res.append({"rows": r, **c, "registers": k.registers, "spill_bytes": k.spill_bytes})
 print(json.dumps(res))
 """

@@ -21,13 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specpilot.kernels import pdl
-
 try:
     import triton
     import triton.language as tl
-
-    from specpilot.kernels.pdl import pdl_start
 except ImportError:  # CPU installs without triton: the references still work
     triton = None
 
@@ -108,8 +104,7 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     normed = torch.empty_like(x)
     new_x = x if delta is None else torch.empty_like(x)
     _add_rmsnorm_kernel[(r,)](x, x if delta is None else delta, weight, normed, new_x, d, eps,
-                              HAS_DELTA=delta is not None, BLOCK=_row_block(d), num_warps=8 if d >= 4096 else 4,
-                              **pdl.launch_kw(x.device))
+                              HAS_DELTA=delta is not None, BLOCK=_row_block(d), num_warps=8 if d >= 4096 else 4)
     return normed, new_x
 
 
@@ -134,7 +129,7 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, star
     _qk_norm_rope_store_kernel[(r, n_heads + 2 * n_kv_heads)](
         qkv, q_norm_w if norm else qkv, k_norm_w if norm else qkv, cos.contiguous(), sin.contiguous(),
         k_cache, v_cache, start.reshape(()), q, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), eps,
-        H=n_heads, KVH=n_kv_heads, D=d, NORM=norm, num_warps=1 if d <= 64 else 2, **pdl.launch_kw(qkv.device))
+        H=n_heads, KVH=n_kv_heads, D=d, NORM=norm, num_warps=1 if d <= 64 else 2)
     return q
 
 
@@ -146,17 +141,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     i = two_i // 2
     out = torch.empty((r, i), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(r, triton.cdiv(i, block))](gate_up, out, i, BLOCK=block, num_warps=4,
-                                                 **pdl.launch_kw(gate_up.device))
+    _silu_mul_kernel[(r, triton.cdiv(i, block))](gate_up, out, i, BLOCK=block, num_warps=4)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _add_rmsnorm_kernel(X, Delta, W, Normed, NewX, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-                            PDL: tl.constexpr = False):
-        pdl_start(PDL)
+    def _add_rmsnorm_kernel(X, Delta, W, Normed, NewX, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         ok = offs < D
@@ -195,9 +187,7 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_store_kernel(QKV, QW, KW, Cos, Sin, KC, VC, Start, Q, stride_qkv, stride_cs, stride_ch,
-                                   eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr,
-                                   PDL: tl.constexpr = False):
-        pdl_start(PDL)
+                                   eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)  # q heads [0, H), k heads [H, H + KVH), v heads after
         offs = tl.arange(0, D)
@@ -223,8 +213,7 @@ if triton is not None:
             tl.store(VC + slot * stride_cs + (head - H - KVH) * stride_ch + offs, x)
 
     @triton.jit
-    def _silu_mul_kernel(GU, Out, I, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        pdl_start(PDL)
+    def _silu_mul_kernel(GU, Out, I, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < I

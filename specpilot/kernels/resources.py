@@ -28,9 +28,8 @@ class KernelResources:
     """One compiled kernel: ``registers`` per thread, ``spill_bytes`` (spill stores, bytes per thread),
     ``shared_bytes`` (static + Triton's dynamic shared memory, bytes per program), ``num_warps``,
     ``ptx``: static counts of memory and MMA instructions in the PTX (``ld.global.b8``, ``ld.global.v4.b32``,
-    ``st.shared...``, ``wgmma.mma_async``, ``cp.async...``, ``atom...``, ``griddepcontrol.wait``: each distinct
-    opcode with its suffixes; a loop body counts once), ``ptx_order``: the same opcodes in the order they appear in
-    the PTX (e.g. that no store precedes ``griddepcontrol.wait``), and ``max_warps_per_sm``: the register-file limit
+    ``st.shared...``, ``wgmma.mma_async``, ``cp.async...``, ``atom...``: each distinct opcode with its suffixes; a
+    loop body counts once), ``ptx_order``: the same opcodes in the order they appear in the PTX, and ``max_warps_per_sm``: the register-file limit
     (at most 64)."""
 
     registers: int
@@ -103,7 +102,7 @@ def kernel_resources(kernel, signature: dict[str, str], constants: dict, num_war
     if proc.returncode != 0 or regs is None or spill is None:
         raise RuntimeError(f"ptxas failed (exit {proc.returncode}): {report.strip()[-300:]}")
     smem = re.search(r"(\d+) bytes smem", report)
-    order = re.findall(r"^\s*(?:@!?%\w+\s+)?((?:ld|st|cp|atom|red|wgmma|mma|ldmatrix|stmatrix|griddepcontrol)\.[\w.]+)",
+    order = re.findall(r"^\s*(?:@!?%\w+\s+)?((?:ld|st|cp|atom|red|wgmma|mma|ldmatrix|stmatrix)\.[\w.]+)",
                        out.asm["ptx"], re.MULTILINE)
     return KernelResources(int(regs.group(1)), int(spill.group(1)),
                            int(out.metadata.shared) + (int(smem.group(1)) if smem else 0), num_warps,

@@ -24,13 +24,9 @@ import math
 
 import torch
 
-from specpilot.kernels import pdl
-
 try:
     import triton
     import triton.language as tl
-
-    from specpilot.kernels.pdl import pdl_start
 except ImportError:  # CPU installs without triton: the reference still works
     triton = None
 
@@ -217,14 +213,13 @@ def tree_attention(q, k_cache, v_cache, prefix_len, tree_mask, scale, *, block_m
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), tm.stride(0),
         G=g, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_SPLITS=splits, FP32=q.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kw(q.device),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
         c = combine_config(m, bm, d, splits, cfg["num_warps"])
         _combine[(triton.cdiv(m, c["block_m"]), kvh)](
             part_acc, part_ml, out, r, kvh, out.stride(0), out.stride(1),
             G=g, HEAD_DIM=d, BLOCK_M=c["block_m"], NUM_SPLITS=splits, UNROLL=c["unroll"], num_warps=c["num_warps"],
-            **pdl.launch_kw(q.device),
         )
     return out
 
@@ -270,10 +265,9 @@ if triton is not None:
     def _tree_attn_fwd(Q, K, V, PrefixLen, TreeMask, Out, PartAcc, PartML, qk_scale, R, S, KVH,
                        stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_or, stride_oh,
                        stride_tm, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32: tl.constexpr):
         """Grid ``(cdiv(R*G, BLOCK_M), KVH, NUM_SPLITS)``: packed rows ``m = r*G + g`` of one KV head.
         TreeMask: the packed words ``[R, ceil(R/32)]`` int32."""
-        pdl_start(PDL)
         pid_m = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -329,13 +323,12 @@ if triton is not None:
 
     @triton.jit
     def _combine(PartAcc, PartML, Out, R, KVH, stride_or, stride_oh, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr, UNROLL: tl.constexpr):
         """Merge the splits' (acc, m, l) in split order (deterministic): grid ``(cdiv(R*G, BLOCK_M), KVH)``. The
         loop over the splits' maxima is unrolled (``static_range``), and the loop over their partials too when
         ``UNROLL`` (the host's choice: the unrolled partials fit in registers), so their loads issue together: as
         plain loops, 2 x 17 dependent L2 round trips made this kernel 5.5 µs a call at one row on the H200, more
         than the attention; unrolled at every row count it spilled from 2 rows on. Same sum, same order either way."""
-        pdl_start(PDL)
         pid_m = tl.program_id(0)
         kvh = tl.program_id(1)
         M = R * G

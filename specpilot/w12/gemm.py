@@ -66,14 +66,11 @@ from specpilot.w12.format import (RECORD_BYTES, RECORD_COLS, RECORD_ROWS, VIEW_B
                           encode)
 from specpilot.kernels.gemm import _num_sms
 
-from specpilot.kernels import pdl
-
 try:
     import triton
     import triton.language as tl
 
     from specpilot.kernels.fused import rms_rstd, rmsnorm_values, silu_mul_values
-    from specpilot.kernels.pdl import pdl_start
 except ImportError:  # CPU installs without triton: the reference still works
     triton = None
 
@@ -594,8 +591,7 @@ def _sum_splits(part, out, b, split: int, has_bias: bool, fused: bool = False, a
         fuse = {} if add is None else dict(ADD=True, Res=add[0], SqOut=add[1])
         bm, bn, warps = (1, block_n, 1) if add is not None else (16, 64, 4)
         _w12_split_sum_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-            part, b, out, m, n, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=has_bias, num_warps=warps, **fuse,
-            **pdl.launch_kw(out.device))
+            part, b, out, m, n, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=has_bias, num_warps=warps, **fuse)
     return out
 
 
@@ -922,12 +918,11 @@ if triton is not None:
 
     @triton.jit
     def _w12_split_sum_kernel(Part, Bias, Out, M, N, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
-                              ADD: tl.constexpr = False, Res=None, SqOut=None):
+                              BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ADD: tl.constexpr = False,
+                              Res=None, SqOut=None):
         """``Out = Σ_s Part[s]`` in split order (split 0's partial holds the escapes), then the bias (``ADD``: plus
         the residual, see :func:`_store_out`; the launch's BLOCK_N is then the GEMV's, so tile ``program_id(0)`` is the
         GEMV's tile)."""
-        pdl_start(PDL)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < M

@@ -30,14 +30,12 @@ import torch
 
 from specpilot.w12.format import RECORD_COLS, RECORD_ROWS, W12Tensor
 from specpilot.kernels.gemm import _num_sms
-from specpilot.kernels import pdl
 from specpilot.w12.gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 
 if triton is not None:
     import triton.language as tl
 
     from specpilot.kernels.fused import rmsnorm_values, silu_mul_values
-    from specpilot.kernels.pdl import pdl_signal, pdl_start, pdl_wait
     from specpilot.w12.gemm import _add_escapes, _escapes_load, _norm_rstd, _split_end, _x_load
     from specpilot.w12.tiles import _decode8, _load_groups, _tile_words, _word_offsets
 
@@ -140,7 +138,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
 
     ``lines`` (override; the one-row default, see :func:`gemv_config`): one row runs
     :func:`_w12_gemv_lines_kernel`, whose loads cover whole 128-byte lines; another summation order within the same
-    bound, deterministic. Ignored for 2–8 rows, and when PDL is on (``SPECPILOT_PDL=1``: that kernel has no PDL path).
+    bound, deterministic. Ignored for 2–8 rows.
 
     ``asm`` (default on CUDA): the three instructions as inline PTX (``prmt.b32``, ``shr.s32``, ``lop3.b32``);
     otherwise the same bit operations in plain Triton (the interpreter, and a GPU comparison). Split K
@@ -183,11 +181,9 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     common = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FUSED=fused, EVEN=k_per_split * split == k_pad,
                   X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None, ASM=bool(cfg["asm"]) and x.is_cuda,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    launch_kw = pdl.w12_launch_kw(x.device)
-    lines = bool(cfg["lines"]) and m == 1 and not launch_kw["PDL"]  # the lines kernel has no PDL path (off by default)
+    lines = bool(cfg["lines"]) and m == 1
     if (glu or norm is not None or add is not None) and not lines:
-        raise W12GemmError("the fused SwiGLU / norm / residual add run in the one-row lines kernel only (lines on, "
-                           "PDL off)")
+        raise W12GemmError("the fused SwiGLU / norm / residual add run in the one-row lines kernel only (lines on)")
     if lines:
         fuse = {}
         if norm is not None:
@@ -201,8 +197,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     else:
         _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
-            m, n, k, k_pad, k_per_split, x.stride(0), ROWS=rows, LOAD_STAGES=int(cfg["load_stages"]), **common,
-            **launch_kw)
+            m, n, k, k_pad, k_per_split, x.stride(0), ROWS=rows, LOAD_STAGES=int(cfg["load_stages"]), **common)
     return _sum_splits(part, out, b, split, bias is not None, fused, add, bn)
 
 
@@ -265,18 +260,13 @@ if triton is not None:
     def _w12_gemv_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD,
                          K_PER_SPLIT, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                          SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         ASM: tl.constexpr, LOAD_STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = False):
+                         ASM: tl.constexpr, LOAD_STAGES: tl.constexpr = 1):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: ``Out[m, n] = Σ_k x_mk w_nk (+ escapes, bias)`` for the ``M ≤
         ROWS`` rows of ``X``, BLOCK_N rows of one record band and one K chunk (see :func:`w12_gemv`). ``RecV`` /
         ``RecQ``: the records as int64 / int32 words. Float32 accumulators ``[BLOCK_N, BLOCK_K / 8]`` (one
         row) or ``[ROWS, BLOCK_N, BLOCK_K / 8]``, one per group of 8 columns; each weight is decoded once.
-        ``PREFETCH`` (with ``PDL``): the first step's words are loaded before the PDL wait and the next kernel
-        is signalled after the K loop (:mod:`specpilot.kernels.pdl`). ``LOAD_STAGES``: steps whose words are in
-        flight at once (cp.async into shared memory; 1: plain loads). The same operations in the same order in
-        every variant."""
-        if not PREFETCH:
-            pdl_start(PDL)
+        ``LOAD_STAGES``: steps whose words are in flight at once (cp.async into shared memory; 1: plain loads). The
+        same operations in the same order in every variant."""
         pid_k = tl.program_id(1)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -288,22 +278,13 @@ if triton is not None:
             acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
         k0 = pid_k * K_PER_SPLIT
         k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)  # this split's end (a multiple of 64)
-        if PREFETCH:  # weights need no wait; activations do (K_PER_SPLIT >= BLOCK_K always)
-            vw, qw = _load_groups(RecV, RecQ, k0, k1, row_v, row_q, rg, col_v, col_q, EVEN)
-            pdl_wait(PDL)
-            acc = _gemv_step(acc, vw, qw, X, k0, rg, M, stride_xm, K, X_EVEN, ROWS, ASM)
-            first = BLOCK_K
-        else:
-            first = 0
         # LOAD_STAGES > 1: Triton's pipeliner copies the words of the next LOAD_STAGES - 1 steps to shared memory
         # (cp.async) while this step is summed; it does so for loads feeding no tl.dot only in a loop with its
         # own num_stages. 1: plain loads, each step's latency exposed.
-        for kk in tl.range(first, K_PER_SPLIT, BLOCK_K, num_stages=LOAD_STAGES):
+        for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=LOAD_STAGES):
             kb = k0 + kk
             vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
             acc = _gemv_step(acc, vw, qw, X, kb, rg, M, stride_xm, K, X_EVEN, ROWS, ASM)
-        if PREFETCH:
-            pdl_signal(PDL)
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
         scale = ((base + 15) << 23).to(tl.float32, bitcast=True)  # 2^(B_n − 112), exact
         offs_m = tl.arange(0, ROWS)

@@ -26,13 +26,11 @@ from __future__ import annotations
 import torch
 
 from specpilot.w12.format import RECORD_COLS, RECORD_ROWS, W12Tensor
-from specpilot.kernels import pdl
 from specpilot.w12.gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from specpilot.kernels.pdl import pdl_signal, pdl_start, pdl_wait
     from specpilot.w12.gemm import _add_escapes, _escapes_load, _split_end
     from specpilot.w12.tiles import _decode_words, _decode_words_bf16, _k_columns, _k_order, _load_groups, _word_offsets
 
@@ -73,7 +71,7 @@ def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes,
         ASM=bool(cfg.get("asm", True)) and x.is_cuda, X_GATHER=bool(cfg.get("x_gather", X_GATHER_DEFAULT)),
         ESC_EARLY=bool(cfg.get("esc_early", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}), **pdl.w12_launch_kw(x.device))
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     return _sum_splits(part, out, b, split, bias is not None, fused)
 
 
@@ -113,15 +111,12 @@ if triton is not None:
     def _w12_mma_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD, K_PER_SPLIT,
                         stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        FP32: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                        X_GATHER: tl.constexpr = False, ESC_EARLY: tl.constexpr = True):
+                        FP32: tl.constexpr, ASM: tl.constexpr, X_GATHER: tl.constexpr = False,
+                        ESC_EARLY: tl.constexpr = True):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: BLOCK_N rows of one record band, one K
         chunk, BLOCK_M activation rows; ``acc [BLOCK_N, BLOCK_M] = W' xᵀ`` in float32 (see :func:`w12_mma`).
         ``RecV`` / ``RecQ``: the records as int64 / int32 words. ``X_EVEN``: every split ends inside K, so the
-        activation loads need only the row mask (and can be vector loads). ``PREFETCH`` (with ``PDL``): the
-        first step's words are loaded before the PDL wait, the next kernel signalled after the K loop."""
-        if not PREFETCH:
-            pdl_start(PDL)
+        activation loads need only the row mask (and can be vector loads)."""
         pid_k = tl.program_id(1)
         offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,21 +128,11 @@ if triton is not None:
             sk, sd, lo, cnt = _escapes_load(RowPtr, EscK, EscD, offs_n, n_ok & (pid_k == 0))
         k0 = pid_k * K_PER_SPLIT
         k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)
-        if PREFETCH:  # weights need no wait; activations do (K_PER_SPLIT >= BLOCK_K always)
-            vw, qw = _load_groups(RecV, RecQ, k0, k1, row_v, row_q, rg, col_v, col_q, EVEN)
-            pdl_wait(PDL)
-            acc = _mma_step(acc, X, vw, qw, offs_m, m_ok, k0, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, X_EVEN, FP32, ASM,
-                            X_GATHER)
-            first = BLOCK_K
-        else:
-            first = 0
-        for kk in range(first, K_PER_SPLIT, BLOCK_K):
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):
             kb = k0 + kk
             vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
             acc = _mma_step(acc, X, vw, qw, offs_m, m_ok, kb, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, X_EVEN, FP32, ASM,
                             X_GATHER)
-        if PREFETCH:
-            pdl_signal(PDL)
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
         acc = acc * ((base + 15) << 23).to(tl.float32, bitcast=True)[:, None]  # 2^(B_n − 112), exact
         dst = offs_m[None, :] * N + offs_n[:, None]

@@ -20,7 +20,7 @@ i.e. within float32 reassociation of the scale, which can move a normalised bf16
 program of a launch computes the same scale (the same loads, the same code), and two runs give the same bits.
 
 - :func:`add_fusable` / :func:`norm_fusable`: whether a pass can take each half (one row, a W12 layer routed to the
-  one-row GEMV, PDL off); otherwise the caller runs ``add_rmsnorm`` and the layer as before.
+  one-row GEMV); otherwise the caller runs ``add_rmsnorm`` and the layer as before.
 - :func:`w12_add_residual` / :func:`w12_norm_in`: the fused calls.
 - :func:`w12_add_residual_reference` / :func:`w12_norm_in_reference`: the plain PyTorch definitions.
 
@@ -55,8 +55,8 @@ def _why_not_residual(residual, n: int, dtype, device) -> str | None:
 def add_fusable(x: torch.Tensor, layer: torch.nn.Module, residual: torch.Tensor, glu: bool = False) -> bool:
     """Whether :func:`w12_add_residual` can run: ``layer`` a :class:`~specpilot.w12.gemm.W12Linear` ``[N, K]``
     whose kernel runs for this input, ``x`` one contiguous dense row ``[1, K]`` (``glu``: ``gate_up [1, 2K]``) on its
-    device (bfloat16 / float32 on CUDA, float32 in the interpreter), one row of that weight routed to the GEMV, PDL
-    off, and ``residual`` one contiguous row ``[1, N]`` of x's dtype and device. Raises nothing."""
+    device (bfloat16 / float32 on CUDA, float32 in the interpreter), one row of that weight routed to the GEMV,
+    and ``residual`` one contiguous row ``[1, N]`` of x's dtype and device. Raises nothing."""
     why = _why_not(x, layer, glu)
     if why is None:
         why = _why_not_residual(residual, layer.out_features, x.dtype, x.device)

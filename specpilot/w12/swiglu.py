@@ -12,7 +12,7 @@ the GEMV recomputes silu for its K chunk (``N / 16`` programs a column; for Qwen
 a column, ~3M in all, against 50M weights decoded).
 
 - :func:`swiglu_fusable`: whether a pass takes the fused path (one row, a W12 down projection routed to the
-  one-row GEMV, PDL off); otherwise the caller runs ``silu_mul`` and the layer as before.
+  one-row GEMV); otherwise the caller runs ``silu_mul`` and the layer as before.
 - :func:`w12_swiglu_down`: the fused call.
 - :func:`w12_swiglu_down_reference`: ``layer(silu_mul_reference(gate_up))``, the plain PyTorch definition.
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from specpilot.kernels import pdl
 from specpilot.kernels.fused import silu_mul_reference
 from specpilot.w12.gemm import W12GemmError, W12Linear, _check_overrides, one_row_gemv, triton
 
@@ -56,8 +55,6 @@ def _why_not(x, layer, glu: bool = True) -> str | None:
         return f"the layer's bias is {layer.bias.dtype} on {layer.bias.device}, not floating point on {x.device}"
     if not one_row_gemv(n, k):
         return f"one row of a [{n}, {k}] weight goes to the tensor-core kernel, not the GEMV"
-    if pdl.launch_kw(x.device)["PDL"]:
-        return "PDL is on (SPECPILOT_PDL=1): the lines kernel has no PDL path"
     return None
 
 
@@ -66,8 +63,7 @@ def swiglu_fusable(gate_up: torch.Tensor, layer: torch.nn.Module) -> bool:
     :class:`~specpilot.w12.gemm.W12Linear` ``[N, K]`` whose kernel runs for this input (CUDA, or
     ``use_kernel=True``: the Triton interpreter in tests), ``gate_up`` one contiguous dense row ``[1, 2K]`` on the
     layer's device (bfloat16 / float32 on CUDA, float32 in the interpreter), the bias (if any) ``[N]``, one row of
-    that weight goes to the GEMV (:func:`~specpilot.w12.gemm.one_row_gemv`), and PDL is off (the lines
-    kernel has no PDL path). Raises nothing."""
+    that weight goes to the GEMV (:func:`~specpilot.w12.gemm.one_row_gemv`). Raises nothing."""
     return _why_not(gate_up, layer) is None
 
 
