@@ -1,6 +1,7 @@
-"""The ``specpilot`` command line: generate, pilot, audit, memory, replay, bench, train-drafter, zoo.
+"""The ``specpilot`` command line: generate, pilot, audit, memory, replay, bench, train-drafter, zoo, w12.
 
-Every user error (:class:`~specpilot.errors.SpecPilotError`) is printed as one line ``error: ...`` on
+Thin: parse, check, call, print; ``bench`` and the sub-apps (``zoo``, ``w12``, ``memory``) live beside what they
+run. Every user error (:class:`~specpilot.errors.SpecPilotError`) is printed as one line ``error: ...`` on
 stderr with exit status 2, never as a traceback.
 """
 
@@ -13,37 +14,18 @@ from typing import List, Optional
 
 import typer
 
+from specpilot.bench.cli import bench, check_float16_device
 from specpilot.errors import SpecPilotError
 from specpilot.fileio import output_dir
+from specpilot.pilot.memory_cli import app as memory_app
+from specpilot.w12.cli import app as w12_app
+from specpilot.zoo.cli import app as zoo_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Lossless speculative decoding, tuned per deployment.")
-
-
-def _zoo_app():
-    from specpilot.zoo.cli import app as zoo
-
-    return zoo
-
-
-app.add_typer(_zoo_app(), name="zoo", help="Bundled default models: paths and the training recipe.")
-
-
-def _w12_app():
-    from specpilot.w12.cli import app as w12
-
-    return w12
-
-
-app.add_typer(_w12_app(), name="w12", help="W12 lossless 12-bit weights: pack and verify checkpoint directories.")
-
-
-def _memory_app():
-    from specpilot.pilot.memory_cli import app as memory
-
-    return memory
-
-
-app.add_typer(_memory_app(), name="memory", help="Memory of verified entries (§3.5): list, show, check.")
+app.add_typer(zoo_app, name="zoo", help="Bundled default models: paths and the training recipe.")
+app.add_typer(w12_app, name="w12", help="W12 lossless 12-bit weights: pack and verify checkpoint directories.")
+app.add_typer(memory_app, name="memory", help="Memory of verified entries (§3.5): list, show, check.")
+app.command()(bench)
 
 
 def _pydantic_message(e: ValueError) -> str:
@@ -191,21 +173,6 @@ def check_report_dir(out: Path) -> None:
     if not ours:
         raise SpecPilotError(f"--out {out} already holds {', '.join(clash[:3])}, which a pilot run would overwrite, and "
                              "no earlier pilot report: choose a new or empty directory")
-
-
-def check_float16_device(dtype: str, device: str) -> None:
-    """Refuse float16 on the CPU: torch's CPU float16 kernels are slow and the pilot's (and the bench's) timings,
-    margins and byte floor with them mean nothing for a deployment (a float16 CPU matmul peak of ~1 GFLOP/s put
-    a bench at 500% of its "floor").
-
-    Raises:
-        SpecPilotError: ``dtype == "float16"`` and ``device`` (a valid torch device string) is a CPU.
-    """
-    import torch
-
-    if dtype == "float16" and torch.device(device).type == "cpu":
-        raise SpecPilotError("--dtype float16 is not supported on the CPU (slow, and not a deployment dtype there): "
-                             "use --dtype float32 or bfloat16, or --device cuda")
 
 
 @app.command()
@@ -369,94 +336,6 @@ def replay(
     dirs = list(drafter) if drafter else [bundled_block_dir(), bundled_block_markov_dir()]
     rows, md = replay_table(target or bundled_target_dir(), dirs, per_benchmark, max_new_tokens, output_dir(out, "--out"))
     print(json.dumps(rows) if as_json else md)
-
-
-@app.command()
-def bench(
-    target: Optional[Path] = typer.Option(None, help="Checkpoint directory (e.g. from `specpilot zoo random`); "
-                                          "required by the systems suite (and --dtype, --prefix, --new-tokens, "
-                                          "--transformers apply to it alone)."),
-    suite: str = typer.Option("systems", help="systems (our AR and speculative systems vs transformers) | w12 (W12 "
-                              "GEMM vs cuBLAS on Qwen3-8B/32B projections, AR with and without W12; CUDA) | lm-head "
-                              "(certified INT8 head vs bf16 head; CUDA, or a tiny interpreter smoke run on the CPU)."),
-    device: str = typer.Option("cuda", help="torch device."),
-    dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16"),
-    prefix: int = typer.Option(512, help="Prompt length in tokens."),
-    new_tokens: int = typer.Option(128, help="Tokens generated per system."),
-    out: Path = typer.Option(Path("probes/results"), help="Directory for the JSON result and PNG."),
-    transformers_generate: bool = typer.Option(True, "--transformers/--no-transformers", help="Also time transformers' generate."),
-):
-    """Our AR and speculative systems side by side with transformers' generate; c(N) by rows; byte floor. With
-    ``--suite w12`` / ``--suite lm-head``: the W12 and certified-INT8-head benchmarks of §4.1 (JSON under --out)."""
-    from specpilot.bench.engine import run_bench
-
-    from specpilot.model.checkpoint import DTYPES, read_args
-    from specpilot.engine.deployment import check_device
-
-    if suite not in ("systems", "w12", "lm-head"):
-        raise SpecPilotError(f"--suite: unknown suite {suite!r} (choose systems, w12 or lm-head)")
-    if suite != "systems":
-        if target is not None:
-            raise SpecPilotError(f"--target applies to the systems suite only (--suite {suite} uses random "
-                                 "Qwen3-8B / 32B-shaped weights)")
-        raise typer.Exit(_bench_suite(suite, check_device(device), out))
-    if target is None:
-        raise SpecPilotError("--target is required by the systems suite (a checkpoint directory, e.g. from "
-                             "`specpilot zoo random`)")
-
-    if dtype not in DTYPES:
-        raise SpecPilotError(f"unknown --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    if prefix < 1 or new_tokens < 1:
-        raise SpecPilotError(f"--prefix and --new-tokens must be at least 1, got {prefix} and {new_tokens}")
-    args = read_args(target)  # a bad checkpoint directory is named before the device is checked
-    context = min(args.max_position_embeddings, 4096)  # the engine's context (Engine.max_len)
-    if prefix + max(new_tokens, 256) > context:  # c(N) is measured up to 256 rows after the prefix
-        raise SpecPilotError(f"--prefix {prefix} + max(--new-tokens {new_tokens}, 256 rows) exceeds the target's "
-                             f"context of {context} tokens")
-    check_float16_device(dtype, check_device(device))
-    output_dir(out, "--out")
-    res = run_bench(target, check_device(device), dtype, prefix, new_tokens, out, with_transformers=transformers_generate)
-    print(json.dumps({k: res[k] for k in ("device", "ar_ms_per_step", "ar_tokens_per_s", "byte_floor_ms", "percent_of_floor")}
-                     | {"c_33": res["c"].get(33), "c_64": res["c"].get(64)}
-                     | ({"step_over_kernels": res["ar_step_profile"]["wall_over_kernels"]} if "ar_step_profile" in res else {})
-                     | ({"ar_equals_transformers": res["ar_equals_transformers"]} if "ar_equals_transformers" in res else {}),
-                     indent=1))
-
-
-def _bench_suite(suite: str, device: str, out: Path) -> int:
-    """``specpilot bench --suite w12 | lm-head``: run :mod:`specpilot.bench.w12` (CUDA only) or
-    :mod:`specpilot.bench.lm_head` (on the CPU its tiny Triton-interpreter smoke run) into
-    ``out/<suite>_bench_<device type>_<date>.json``. Returns the exit status (lm-head: 1 when a correctness check
-    failed). Raises SpecPilotError for w12 off CUDA or a CPU run after Triton was imported without its interpreter."""
-    import os
-
-    import torch
-
-    from specpilot.bench.engine import result_stem
-
-    cuda = torch.device(device).type == "cuda"
-    if suite == "w12" and not cuda:
-        raise SpecPilotError("--suite w12 needs a CUDA GPU (--device cuda)")
-    outp = output_dir(out, "--out")
-    outp.mkdir(parents=True, exist_ok=True)
-    path = outp / (result_stem(outp, "", device, label=suite.replace("-", "_") + "_bench") + ".json")
-    if suite == "w12":
-        from specpilot.bench.w12 import main as w12_main
-
-        with torch.cuda.device(torch.device(device)):
-            w12_main(str(path))
-        print(f"wrote {path}")
-        return 0
-    if not cuda:  # the interpreter must be chosen before Triton is first imported
-        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            raise SpecPilotError("the CPU run of --suite lm-head needs TRITON_INTERPRET=1 before Triton is imported")
-        os.environ["TRITON_INTERPRET"] = "1"
-    from specpilot.bench.lm_head import main as lm_main
-
-    if cuda:
-        with torch.cuda.device(torch.device(device)):
-            return lm_main(["--out", str(path), "--bundled"])
-    return lm_main(["--out", str(path), "--quick", "--no-sweep"])
 
 
 def main() -> None:

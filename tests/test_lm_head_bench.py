@@ -1,4 +1,4 @@
-"""``specpilot bench --suite lm-head --device cpu`` (= ``probes/lm_head_bench.py --quick --no-sweep``): the CPU smoke
+"""``specpilot bench --suite lm-head --device cpu`` (``specpilot.bench.lm_head --quick --no-sweep``): the CPU smoke
 mode of the certified INT8 head benchmark (§4.1) runs end to end in the Triton interpreter and writes a complete
 JSON with a passing correctness section; the suite's bad inputs are refused with a message."""
 
@@ -34,6 +34,7 @@ def test_quick_mode_writes_json(tmp_path):
 def test_suite_bad_inputs_are_refused(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for args, msg in ((["--suite", "w12", "--device", "cpu"], "needs a CUDA GPU"),
+                      (["--suite", "read-floor", "--device", "cpu"], "needs a CUDA GPU"),
                       (["--suite", "nope"], "unknown suite 'nope'"),
                       (["--suite", "lm-head", "--device", "cpu", "--target", str(tmp_path)], "systems suite only"),
                       (["--device", "cpu"], "--target is required")):

@@ -1,8 +1,12 @@
-"""``probes/read_floor.py``: the streaming-read kernel whose time is the measured read floor reads every word
-once (its per-program XORs equal numpy's), in every launch shape the probe times; a ragged tail is masked."""
+"""The read-floor suite (``specpilot bench --suite read-floor``, :mod:`specpilot.bench.read_floor`): the
+streaming-read kernel whose time is the measured read floor reads every word once (its per-program XORs equal
+numpy's), in every launch shape the suite times; a ragged tail is masked. Its derived budget figures, and its
+one-line refusal without CUDA."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,9 +15,9 @@ import torch
 
 from .tritonutil import DEV, triton  # noqa: F401  (skips without Triton; the interpreter on the CPU)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from specpilot.bench import read_floor as rf  # noqa: E402  (after tritonutil chose the interpreter)
 
-import read_floor as rf  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("cfg", [(1, 2, 2), (2, 1, 3)] + ([] if DEV == "cpu" else list(rf.CONFIGS)))
@@ -30,11 +34,12 @@ def test_read_kernel_reads_every_word(cfg, n):
     assert not torch.equal(rf.read_words(x, cfg), want)
 
 
-def test_probe_refuses_without_cuda(tmp_path):
+def test_suite_refuses_without_cuda(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("checks the CPU refusal")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         rf.main(str(tmp_path / "o.json"))
+    assert not (tmp_path / "o.json").exists()
 
 
 def test_budget_figures():
@@ -46,20 +51,18 @@ def test_budget_figures():
     assert b["cap_vs_cublas"] == pytest.approx(15 / 9)
     # a W12 kernel at exactly budget + floor is exactly 1.25x
     assert 15.0 / (9.0 + b["budget_us"]) == pytest.approx(1.25)
+    # cuBLAS at or below its own floor: no ratio (standard JSON, not inf)
+    assert rf.budget(10.0, 9.0, 8.0, 10.0)["budget_of_cublas_excess"] is None
 
 
-@pytest.mark.parametrize("args, msg", [(["--rows", "0"], "--rows must be"), (["--models", "bogus"], "--models: no projections"),
-                                       (["--rows", "1,8"], None)])
-def test_cli_refuses_in_one_line(tmp_path, args, msg):
-    import subprocess
-
-    out = tmp_path / "o.json"
-    p = subprocess.run([sys.executable, str(Path(rf.__file__)), str(out), *args], capture_output=True, text=True,
-                       timeout=120)
-    if msg is None:  # good arguments: without CUDA one line and exit 1 (with CUDA the probe would run: not here)
-        if torch.cuda.is_available():
-            pytest.skip("would run the GPU probe")
-        assert p.returncode == 1 and p.stderr.strip() == "read_floor: the read-floor probe needs a CUDA GPU"
-    else:
-        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr
-    assert not out.exists()
+def test_cli_refuses_in_one_line_without_cuda(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("would run the GPU suite")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for args in (["--device", "cpu"], []):  # the default device is cuda: no GPU here
+        p = subprocess.run([sys.executable, "-m", "specpilot", "bench", "--suite", "read-floor", *args, "--out",
+                            str(tmp_path / "r")], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+        assert "Traceback" not in p.stderr
+    assert not (tmp_path / "r").exists()

@@ -1,4 +1,4 @@
-"""``specpilot bench``: our AR and speculative systems side by side with transformers ``generate`` (issue 4).
+"""``specpilot bench`` (the systems suite): our AR and speculative systems side by side with transformers ``generate``.
 
 One checkpoint, one device, one run: the exact pass's time by rows (c(N) for N = 1..256, through the
 row-bucket static path, CUDA graphs on CUDA), the byte floor of an AR step from the measured copy
@@ -116,7 +116,7 @@ def result_stem(out: Path, ckpt, device: str, label: str | None = None) -> str:
 
 
 def run_bench(ckpt, device: str = "cuda", dtype: str = "bfloat16", prefix_len: int = 512, new_tokens: int = 128,
-              out_dir: str | Path = "probes/results", rows=tuple(sorted({*BUCKETS, 33})), with_transformers: bool = True, seed: int = 0) -> dict:
+              out_dir: str | Path = "results", rows=tuple(sorted({*BUCKETS, 33})), with_transformers: bool = True, seed: int = 0) -> dict:
     """Run the side-by-side benchmark and write ``out_dir/bench_<name>_<device>_<date>.json`` (+ PNG; a
     ``_HHMMSS`` suffix when that file exists already, so no earlier result is overwritten).
 

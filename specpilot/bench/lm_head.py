@@ -1,8 +1,7 @@
-"""Certified INT8 LM head (§4.1, issue 5 item 3) on the GPU: correctness, then bf16 head vs certified head.
+"""Certified INT8 LM head (§4.1) on the GPU: correctness, then bf16 head vs certified head.
 
-    specpilot bench --suite lm-head --out DIR                 # CUDA: DIR/lm_head_<device>_<date>.json
+    specpilot bench --suite lm-head --out DIR                 # CUDA: DIR/lm_head_bench_cuda_<date>.json
     specpilot bench --suite lm-head --device cpu --out DIR    # CPU smoke test (Triton interpreter, tiny)
-    python probes/lm_head_bench.py --out OUT.json [--quick] [--bundled] [--no-sweep]
 
 1. Correctness (random bf16 weights N(0, 0.02) with planted duplicate and 1-ulp near-duplicate rows):
    ``CertifiedInt8Head.argmax`` (the Triton path; flagged rows through the full head) must equal
@@ -201,8 +200,8 @@ def bundled(dev: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Command line as documented in the module docstring (``argv`` default: ``sys.argv[1:]``); exit status 0
     when every correctness check passed, 1 otherwise, 2 without CUDA (and without ``--quick``). ``--quick``
-    needs ``TRITON_INTERPRET=1`` set before Triton is first imported (``probes/lm_head_bench.py`` and
-    ``specpilot bench --suite lm-head --device cpu`` do that)."""
+    needs ``TRITON_INTERPRET=1`` set before Triton is first imported (``specpilot bench --suite lm-head --device
+    cpu`` does that)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON result path")
     ap.add_argument("--quick", action="store_true", help="CPU smoke test in the Triton interpreter (tiny shapes)")

@@ -1,33 +1,33 @@
-"""Measured read floor of one kernel launch (issue 5): how fast can *any* kernel that reads a projection's
-weight bytes once, in one launch inside a CUDA graph of back-to-back launches, finish on this GPU?
+"""Measured read floor of one kernel launch: how fast can *any* kernel that reads a projection's weight bytes
+once, in one launch inside a CUDA graph of back-to-back launches, finish on this GPU? The byte floors of the
+cost model, measured rather than taken from the datasheet's bandwidth.
 
-    python probes/read_floor.py OUT.json [--rows 1,8,16,32] [--models qwen3-8b,qwen3-32b]
+    specpilot bench --suite read-floor --out DIR     # DIR/read_floor_bench_<device>_<date>.json
 
-The W12 GEMM's done-when asks for 1.25x cuBLAS at 1 row on every Qwen3-8B projection. A W12 kernel must at
-least read its 12-bit records (0.75 of the bf16 bytes); this script times a plain streaming read of exactly
-that many bytes (16-byte loads, several in flight a thread, an int32 XOR per program so nothing is optimised
-away), best over a few launch shapes, beside cuBLAS and the W12 GEMM in the same run:
+The W12 GEMM's goal is 1.25x cuBLAS at 1-32 rows on every Qwen3-8B projection. A W12 kernel must at least read
+its 12-bit records (0.75 of the bf16 bytes); this suite times a plain streaming read of exactly that many bytes
+(16-byte loads, several in flight a thread, an int32 XOR per program so nothing is optimised away), best over a
+few launch shapes, beside cuBLAS and the W12 GEMM in the same run:
 
 1. Check: the read kernel's per-program XORs equal numpy's on fresh random words (it reads every word once).
 2. Launch floor: µs per call of a kernel that reads nothing (1024 programs of 2 warps), back to back in one graph.
 3. Read floor vs size: µs to read 4 MB .. 256 MB (distinct buffers cycled: ≥ 1 GiB, no L2 reuse), best config
    per size, and the fit ``t = fixed + bytes / bandwidth`` over sizes up to 64 MB.
-4. Per Qwen3-8B / Qwen3-32B projection and row count (``--rows``, default 1): cuBLAS bf16 and W12 (defaults)
-   µs, the read floor of the W12 bytes and of the bf16 bytes (same kernel, same run), and the derived figures
-   (:func:`budget`): ``w12_of_floor`` = floor / W12 µs (how close the W12 kernel is to a plain read),
+4. Per Qwen3-8B / Qwen3-32B projection and row count (``rows``, default 1, 8, 16, 32): cuBLAS bf16 and W12
+   (defaults) µs, the read floor of the W12 bytes and of the bf16 bytes (same kernel, same run), and the derived
+   figures (:func:`budget`): ``w12_of_floor`` = floor / W12 µs (how close the W12 kernel is to a plain read),
    ``cap_vs_cublas`` = cuBLAS µs / read floor of the W12 bytes (the most any single-launch W12 kernel could beat
    this cuBLAS by), ``needed_us`` = cuBLAS µs / 1.25, ``excess_w12_us`` / ``excess_cublas_us`` = each kernel's
    time above a plain read of its own bytes, ``budget_us`` = the excess a W12 kernel may carry and still be
    1.25x, ``budget_of_cublas_excess`` = that budget over cuBLAS's own excess.
 
-Writes OUT.json after each section (device, versions, commit, every figure).
+Writes the JSON after each section (device, versions, commit, every figure).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 
 import torch
@@ -35,7 +35,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the CPU test imports the module only where Triton exists
+except ImportError:  # a CPU install without Triton still imports the module
     triton = None
 
 if triton is not None:
@@ -105,18 +105,17 @@ def budget(cublas_us: float, w12_us: float, floor_w12_us: float, floor_bf16_us: 
             "budget_of_cublas_excess": bud / xs_b if xs_b > 0 else None}
 
 
-def main(out_path: str, rows=(1,), models=("qwen3-8b", "qwen3-32b")) -> dict:
+def main(out_path: str, rows=(1, 8, 16, 32), models=("qwen3-8b", "qwen3-32b")) -> dict:
     """Sections 1-4 (module docstring) for the row counts ``rows`` and the projection-name prefixes ``models``;
     writes ``out_path`` after each. Raises RuntimeError without CUDA."""
     if not torch.cuda.is_available():
-        raise RuntimeError("the read-floor probe needs a CUDA GPU")
+        raise RuntimeError("the read-floor suite needs a CUDA GPU")
     import torch.nn.functional as F
 
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from timing import time_calls, time_graph  # noqa: E402  (probes/timing.py)
-    from w12_bench import projection_copies  # noqa: E402
-    from specpilot.w12.gemm import w12_gemm
+    from specpilot.bench.timing import time_calls, time_graph
+    from specpilot.bench.w12 import projection_copies
     from specpilot.provenance import git_commit, versions
+    from specpilot.w12.gemm import w12_gemm
 
     t0 = time.time()
     dev = "cuda"
@@ -201,33 +200,3 @@ def main(out_path: str, rows=(1,), models=("qwen3-8b", "qwen3-32b")) -> dict:
     save()
     return res
 
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Measured read floor of one launch vs cuBLAS and W12 (issue 5).")
-    ap.add_argument("out", help="JSON file to write")
-    ap.add_argument("--rows", default="1", help="comma-separated row counts for section 4 (default 1)")
-    ap.add_argument("--models", default="qwen3-8b,qwen3-32b", help="comma-separated models for section 4 (qwen3-8b, qwen3-32b)")
-    a = ap.parse_args()
-    try:
-        rows_ = tuple(int(r) for r in a.rows.split(","))
-        if any(r < 1 or r > 256 for r in rows_):
-            raise ValueError
-    except ValueError:
-        ap.error(f"--rows must be comma-separated integers in 1..256, got {a.rows!r}")
-    from pathlib import Path
-
-    from specpilot.bench.w12 import SHAPES
-
-    known = sorted({s_.split("/")[0] for s_ in SHAPES if "/" in s_ and not s_.startswith("lm_head")})
-    models_ = tuple(m for m in a.models.split(",") if m)
-    unknown = [m for m in models_ if m not in known]
-    if not models_ or unknown:
-        ap.error(f"--models: no projections named {unknown or a.models!r}; known: {', '.join(known)}")
-    if not Path(a.out).resolve().parent.is_dir():
-        ap.error(f"the folder of {a.out!r} does not exist")
-    try:
-        main(a.out, rows_, models_)
-    except RuntimeError as e:
-        sys.exit(f"read_floor: {e}")

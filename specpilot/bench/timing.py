@@ -1,4 +1,4 @@
-"""Timing helpers shared by the GPU bench scripts (run as ``python bench/<script>.py``; imported by name)."""
+"""CUDA-graph timing helpers of the GPU suites (and of the scripts in ``probes/``)."""
 
 import torch
 

@@ -1,9 +1,8 @@
-"""W12 on the GPU (issue 5, §4.1): correctness of the W12 GEMM, W12 GEMM vs cuBLAS on every projection of
+"""W12 on the GPU (§4.1): correctness of the W12 GEMM, W12 GEMM vs cuBLAS on every projection of
 Qwen3-8B and of a Qwen3-32B-class model, a small launch-config sweep, and the AR decode step with and
 without the ``w12`` mechanism on the Qwen3-8B architecture.
 
     specpilot bench --suite w12 --out DIR      # writes DIR/w12_bench_<device>_<date>.json
-    python probes/w12_bench.py OUT.json         # the same, to a file path
 
 1. Escape check: planted zeros, denormals, outliers, ±inf and NaN; every row bucket, split-K on and off,
    both operand orders, > 256 rows through W12Linear: finite outputs within the rounding bound of
@@ -12,8 +11,7 @@ without the ``w12`` mechanism on the Qwen3-8B architecture.
    8B LM head, ``lm_head/qwen3-8b``): the same checks against the
    reference (decode, then a float32 matmul without TF32) at 1 / 32 / 128 rows; then µs per call of
    ``F.linear`` (cuBLAS) and of :func:`w12_gemm` at 1, 8, 16, 32, 64, 128 rows, each from one CUDA graph of
-   many calls cycling through weight copies of ≥ 512 MiB (no L2 reuse; ``time_calls`` as in
-   ``probes/kernels_probe.py``).
+   many calls cycling through weight copies of ≥ 512 MiB (no L2 reuse; :func:`~specpilot.bench.timing.time_calls`).
 3. AR decode of random Qwen3-8B (untied head): bf16, W12 projections with the bf16 head, and w12 as the
    mechanism builds it (projections and head): the exact pass at 1 and 33 rows,
    ``measure_verify_ms(model, 512, (1, 33), static=True)`` (CUDA graphs, fused kernels, one synchronous pass
@@ -53,13 +51,12 @@ SHAPES = {  # name -> (N, K)
     "qwen3-32b/qkv": (10240, 5120), "qwen3-32b/o": (5120, 8192), "qwen3-32b/gate_up": (51200, 5120),
     "qwen3-32b/down": (5120, 25600),
     # the untied Qwen3-8B LM head (vocab 151936), which the w12 mechanism encodes too; named so that the
-    # "qwen3-8b" prefix (the issue's per-projection criterion, the sweep) does not take it
+    # "qwen3-8b" prefix (the 1.25x per-projection criterion, the sweep) does not take it
     "lm_head/qwen3-8b": (151936, 4096),
 }
 ROWS = (1, 8, 16, 32, 64, 128)
 CHECK_ROWS = (1, 32, 128)
-BUDGET_S = 225  # the sweep stops here (seconds since start); everything else comes first
-T0 = time.time()
+BUDGET_S = 225  # the sweep stops here (seconds since the suite started); everything else comes first
 
 
 
@@ -87,56 +84,8 @@ def check(out: torch.Tensor, x: torch.Tensor, t: W12Tensor, absw_plus_absc: torc
             "max_err_over_bound": ratio, "max_abs_err": err.max().item() if err.numel() else 0.0}
 
 
-def checked_time(call, x: torch.Tensor, t: W12Tensor, esc, absw_plus_absc: torch.Tensor, copies: list,
-                 cublas_us: float | None = None) -> dict:
-    """Run ``call(x, t, esc)`` once and :func:`check` it against the reference; if within the bound, time
-    ``call(x, t_i, esc_i)`` over ``copies`` (``(t_i, esc_i)`` pairs, :func:`copies_of`) with :func:`time_calls`.
-    Returns the check's fields plus ``us`` (µs a call) and, given ``cublas_us``, ``speedup``; a launch the compiler
-    or the hardware refuses comes back as ``error`` (the probes record it and go on) instead of raising."""
-    row: dict = {}
-    try:
-        row |= check(call(x, t, esc), x, t, absw_plus_absc)
-        if row["within_bound"]:
-            row["us"] = time_calls(lambda a, tw: call(a, tw[0], tw[1]), copies, x)
-            if cublas_us is not None:
-                row["speedup"] = cublas_us / row["us"]
-    except Exception as e:  # noqa: BLE001 -- a refused config is a result of the sweep, not a crash
-        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    return row
-
-
-def write_result(res: dict, t0: float, out_path: str) -> dict:
-    """Add ``elapsed_s`` (since ``t0``, ``time.time()``) to ``res`` and write it as indented JSON to ``out_path``."""
-    res["elapsed_s"] = time.time() - t0
-    with open(out_path, "w") as f:
-        json.dump(res, f, indent=1)
-    return res
-
-
-def budget_cli(argv: list[str], script: str, default_budget_s: float) -> tuple[str, float]:
-    """The command line of the timing probes in ``probes/``: ``python probes/SCRIPT OUT.json [BUDGET_S]``.
-
-    Returns ``(out_path, budget_s)``. Raises SystemExit with a one-line message (no traceback) on a wrong
-    argument count, a BUDGET_S that is not a number of seconds, or a machine without CUDA."""
-    if len(argv) not in (2, 3) or (len(argv) == 3 and not argv[2].replace(".", "", 1).isdigit()):
-        raise SystemExit(f"usage: python probes/{script} OUT.json [BUDGET_S]  (BUDGET_S: seconds, a number)")
-    if not torch.cuda.is_available():
-        raise SystemExit("this probe times CUDA kernels: it needs a CUDA GPU")
-    return argv[1], float(argv[2]) if len(argv) == 3 else default_budget_s
-
-
-def prefix_cli(argv: list[str], script: str, default_prefixes: tuple) -> tuple[str, tuple]:
-    """The command line of the per-projection probes in ``probes/``: ``python probes/SCRIPT OUT.json [PREFIX ...]``
-    (PREFIX: a start of a :data:`SHAPES` name, e.g. ``qwen3-8b``). Returns ``(out_path, prefixes)``. Raises
-    SystemExit with a one-line message (no traceback) without OUT.json or on a machine without CUDA."""
-    if len(argv) < 2:
-        raise SystemExit(f"usage: python probes/{script} OUT.json [PREFIX ...]")
-    if not torch.cuda.is_available():
-        raise SystemExit("this probe times CUDA kernels: it needs a CUDA GPU")
-    return argv[1], tuple(argv[2:]) or default_prefixes
-
-
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two bf16 tensors hold the same bits (NaN payloads and signed zeros included)."""
     return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
 
 
@@ -338,8 +287,9 @@ def ar_decode() -> dict:
     return out
 
 
-def sweep() -> list[dict]:
-    """Section 4: one factor at a time around the default config, 1 and 32 rows, Qwen3-8B shapes."""
+def sweep(t0: float) -> list[dict]:
+    """Section 4: one factor at a time around the default config, 1 and 32 rows, Qwen3-8B shapes, until
+    :data:`BUDGET_S` seconds after ``t0`` (``time.time()`` when the suite started)."""
     variants = ([{"block_n": b} for b in (16, 32, 128)] + [{"block_k": b} for b in (64, 256)]
                 + [{"split_k": s} for s in (1, 2, 4, 8, 16)] + [{"num_stages": s} for s in (2, 3, 5, 6)]
                 + [{"num_warps": 8}, {"words": False}, {"w_left": False, "words": False},
@@ -357,7 +307,7 @@ def sweep() -> list[dict]:
             base = time_calls(lambda a, te: w12_gemm(a, te[0], escapes=te[1]), ts, x, reps=4)
             out.append({"proj": name, "rows": m, "config": "default", "us": base})
             for v in variants:
-                if time.time() - T0 > BUDGET_S:
+                if time.time() - t0 > BUDGET_S:
                     out.append({"stopped": "time budget"})
                     return out
                 try:
@@ -374,7 +324,7 @@ def sweep() -> list[dict]:
 
 
 def criteria(res: dict) -> dict:
-    """Issue 5's done-when figures: W12 GEMM ≥ 1.25x cuBLAS at 1/8/16/32 rows on every Qwen3-8B projection;
+    """The W12 goals: W12 GEMM ≥ 1.25x cuBLAS at 1/8/16/32 rows on every Qwen3-8B projection;
     AR decode with w12 ≥ 1.2x bf16 AR: the engine's decode tokens/s (``ar_ok``; the synchronous one-row exact
     pass, host read included, is ``ar_speedup_1row``)."""
     g = [r for r in res.get("gemm", []) if r["proj"].startswith("qwen3-8b") and r["rows"] in (1, 8, 16, 32)]
@@ -391,13 +341,23 @@ def main(out_path: str) -> dict:
     without CUDA."""
     if not torch.cuda.is_available():
         raise RuntimeError("the W12 benchmark needs a CUDA GPU")
-    torch.backends.cuda.matmul.allow_tf32 = False  # the reference is a true float32 matmul
+    t0 = time.time()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference is a true float32 matmul; restored below
+    try:
+        return _run(out_path, t0)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _run(out_path: str, t0: float) -> dict:
     res = {"device": torch.cuda.get_device_name(0), "versions": versions(), "commit": git_commit()}
 
     def save():
         res["criteria"] = criteria(res)
-        res["runtime_s"] = time.time() - T0
-        json.dump(res, open(out_path, "w"), indent=1)
+        res["runtime_s"] = time.time() - t0
+        with open(out_path, "w") as f:
+            json.dump(res, f, indent=1)
 
     res["escape_check"] = escape_check()
     save()
@@ -407,7 +367,7 @@ def main(out_path: str) -> dict:
     save()
     res["ar_decode"] = ar_decode()
     save()
-    res["sweep"] = sweep()
+    res["sweep"] = sweep(t0)
     save()
     print("criteria", res["criteria"], f"runtime {res['runtime_s']:.0f} s", flush=True)
     return res

@@ -1,0 +1,130 @@
+"""``specpilot bench``: check the options, run one suite, print its summary. The main app registers
+:func:`bench` as a command (``specpilot.cli``); errors are :class:`~specpilot.errors.SpecPilotError` (one line,
+exit status 2).
+
+Suites: ``systems`` (default, :mod:`.engine`: our AR and speculative systems vs transformers' ``generate`` on one
+checkpoint, c(N), the byte floor), ``w12`` (:mod:`.w12`), ``lm-head`` (:mod:`.lm_head`) and ``read-floor``
+(:mod:`.read_floor`). The last three build random Qwen3-8B / 32B-shaped weights themselves and write
+``<out>/<suite>_bench_<device type>_<date>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specpilot.errors import SpecPilotError
+from specpilot.fileio import output_dir
+
+SUITES = ("systems", "w12", "lm-head", "read-floor")
+#: suites that need a CUDA GPU on every device (lm-head has a CPU smoke run in the Triton interpreter)
+CUDA_ONLY = ("w12", "read-floor")
+
+
+def bench(
+    target: Optional[Path] = typer.Option(None, help="Checkpoint directory (e.g. from `specpilot zoo random`); "
+                                          "required by the systems suite (and --dtype, --prefix, --new-tokens, "
+                                          "--transformers apply to it alone)."),
+    suite: str = typer.Option("systems", help="systems (our AR and speculative systems vs transformers) | w12 (W12 "
+                              "GEMM vs cuBLAS on Qwen3-8B/32B projections, AR with and without W12; CUDA) | lm-head "
+                              "(certified INT8 head vs bf16 head; CUDA, or a tiny interpreter smoke run on the CPU) | "
+                              "read-floor (a plain streaming read of each projection's bytes beside cuBLAS and W12: "
+                              "the measured byte floor; CUDA)."),
+    device: str = typer.Option("cuda", help="torch device."),
+    dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16"),
+    prefix: int = typer.Option(512, help="Prompt length in tokens."),
+    new_tokens: int = typer.Option(128, help="Tokens generated per system."),
+    out: Path = typer.Option(Path("results"), help="Directory for the JSON result (and the systems suite's PNG)."),
+    transformers_generate: bool = typer.Option(True, "--transformers/--no-transformers",
+                                               help="Also time transformers' generate."),
+):
+    """Benchmarks: our AR and speculative systems beside transformers' generate, c(N) and the byte floor (the
+    default systems suite); --suite w12, lm-head or read-floor for the W12, certified-head and read-floor suites."""
+    from specpilot.engine.deployment import check_device
+    from specpilot.model.checkpoint import DTYPES, read_args
+
+    if suite not in SUITES:
+        raise SpecPilotError(f"--suite: unknown suite {suite!r} (choose {', '.join(SUITES[:-1])} or {SUITES[-1]})")
+    if suite != "systems":
+        if target is not None:
+            raise SpecPilotError(f"--target applies to the systems suite only (--suite {suite} uses random "
+                                 "Qwen3-8B / 32B-shaped weights)")
+        raise typer.Exit(run_suite(suite, check_device(device), out))
+    if target is None:
+        raise SpecPilotError("--target is required by the systems suite (a checkpoint directory, e.g. from "
+                             "`specpilot zoo random`)")
+    if dtype not in DTYPES:
+        raise SpecPilotError(f"unknown --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if prefix < 1 or new_tokens < 1:
+        raise SpecPilotError(f"--prefix and --new-tokens must be at least 1, got {prefix} and {new_tokens}")
+    args = read_args(target)  # a bad checkpoint directory is named before the device is checked
+    context = min(args.max_position_embeddings, 4096)  # the engine's context (Engine.max_len)
+    if prefix + max(new_tokens, 256) > context:  # c(N) is measured up to 256 rows after the prefix
+        raise SpecPilotError(f"--prefix {prefix} + max(--new-tokens {new_tokens}, 256 rows) exceeds the target's "
+                             f"context of {context} tokens")
+    check_float16_device(dtype, check_device(device))
+    output_dir(out, "--out")
+    from specpilot.bench.engine import run_bench
+
+    res = run_bench(target, check_device(device), dtype, prefix, new_tokens, out, with_transformers=transformers_generate)
+    print(json.dumps({k: res[k] for k in ("device", "ar_ms_per_step", "ar_tokens_per_s", "byte_floor_ms", "percent_of_floor")}
+                     | {"c_33": res["c"].get(33), "c_64": res["c"].get(64)}
+                     | ({"step_over_kernels": res["ar_step_profile"]["wall_over_kernels"]} if "ar_step_profile" in res else {})
+                     | ({"ar_equals_transformers": res["ar_equals_transformers"]} if "ar_equals_transformers" in res else {}),
+                     indent=1))
+
+
+def check_float16_device(dtype: str, device: str) -> None:
+    """Refuse float16 on the CPU: torch's CPU float16 kernels are slow and the pilot's (and the bench's) timings,
+    margins and byte floor with them mean nothing for a deployment (a float16 CPU matmul peak of ~1 GFLOP/s put
+    a bench at 500% of its "floor").
+
+    Raises:
+        SpecPilotError: ``dtype == "float16"`` and ``device`` (a valid torch device string) is a CPU.
+    """
+    import torch
+
+    if dtype == "float16" and torch.device(device).type == "cpu":
+        raise SpecPilotError("--dtype float16 is not supported on the CPU (slow, and not a deployment dtype there): "
+                             "use --dtype float32 or bfloat16, or --device cuda")
+
+
+def run_suite(suite: str, device: str, out: Path) -> int:
+    """Run ``suite`` (one of :data:`SUITES` but ``systems``) on ``device`` into
+    ``out/<suite>_bench_<device type>_<date>.json``. Returns the exit status (lm-head: 1 when a correctness check
+    failed). Raises SpecPilotError for a CUDA-only suite off CUDA, or a CPU lm-head run after Triton was imported
+    without its interpreter."""
+    import torch
+
+    from specpilot.bench.engine import result_stem
+
+    cuda = torch.device(device).type == "cuda"
+    if suite in CUDA_ONLY and not cuda:
+        raise SpecPilotError(f"--suite {suite} needs a CUDA GPU (--device cuda)")
+    outp = output_dir(out, "--out")
+    outp.mkdir(parents=True, exist_ok=True)
+    path = outp / (result_stem(outp, "", device, label=suite.replace("-", "_") + "_bench") + ".json")
+    if suite in CUDA_ONLY:
+        if suite == "w12":
+            from specpilot.bench.w12 import main as run
+        else:
+            from specpilot.bench.read_floor import main as run
+        with torch.cuda.device(torch.device(device)):
+            run(str(path))
+        print(f"wrote {path}")
+        return 0
+    if not cuda:  # the interpreter must be chosen before Triton is first imported
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise SpecPilotError("the CPU run of --suite lm-head needs TRITON_INTERPRET=1 before Triton is imported")
+        os.environ["TRITON_INTERPRET"] = "1"
+    from specpilot.bench.lm_head import main as lm_main
+
+    if cuda:
+        with torch.cuda.device(torch.device(device)):
+            return lm_main(["--out", str(path), "--bundled"])
+    return lm_main(["--out", str(path), "--quick", "--no-sweep"])
