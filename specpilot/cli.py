@@ -1,8 +1,8 @@
 """The ``specpilot`` command line: generate, pilot, audit, memory, replay, bench, train-drafter, zoo, w12.
 
 Thin: parse, check, call, print; ``bench`` and the sub-apps (``zoo``, ``w12``, ``memory``) live beside what they
-run. Every user error (:class:`~specpilot.errors.SpecPilotError`) is printed as one line ``error: ...`` on
-stderr with exit status 2, never as a traceback.
+run. Every user error (:class:`~specpilot.errors.SpecPilotError`, and text that is not valid UTF-8) is printed as
+one line ``error: ...`` on stderr with exit status 2, never as a traceback.
 """
 
 from __future__ import annotations
@@ -103,13 +103,19 @@ def generate(
     chat: bool = typer.Option(False, help="Wrap the prompt in the tokenizer's chat template."),
     device: str = typer.Option("cpu", help="torch device."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: as the pilot picks them: 1 on a CPU "
+                                          "device with <= 2 cores, where 2 threads made an AR step 4x slower on a "
+                                          "loaded machine; else torch's default)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (one line; with prompt_ids and output_ids, so it is a line `specpilot audit --outputs` reads)."),
 ):
     """Greedy-decode one prompt with a speculative system (output equals AR greedy decoding)."""
+    import torch
+
     from specpilot.config import SystemConfig
     from specpilot.engine.deployment import Deployment
-
+    from specpilot.pilot.setup import available_cores, choose_threads
     from specpilot.spec.trees import BUILDERS
+    from specpilot.text import check_text, encode_text
 
     if drafter not in ("none", "ngram", "draft_model", "block"):
         raise SpecPilotError(f"unknown drafter {drafter!r} (choose none, ngram, draft_model or block)")
@@ -119,6 +125,12 @@ def generate(
         raise SpecPilotError(f"invalid option: --top-k must be at least 1, got {top_k}")
     if max_new_tokens < 1:  # before loading anything, named by its flag
         raise SpecPilotError(f"invalid option: --max-new-tokens must be at least 1, got {max_new_tokens}")
+    if not check_text(prompt, "--prompt").strip():
+        raise SpecPilotError("the prompt is empty")
+    try:
+        n_threads, _ = choose_threads(device, threads, available_cores(), torch.get_num_threads())
+    except ValueError as e:
+        raise SpecPilotError(f"invalid option: {e}") from None
     try:
         cfg = SystemConfig(drafter=drafter, tree=tree, nodes=nodes, depth=depth,
                            top_k=1 if tree == "chain" else top_k, dtype=dtype)
@@ -130,23 +142,22 @@ def generate(
     tdir, ddir = _default_dirs(target, drafter, drafter_path)
     if ddir is not None:
         cfg = cfg.model_copy(update={"drafter_path": str(ddir)})
+    torch.set_num_threads(n_threads)  # before loading: the load's own work runs on these threads too
     dep = Deployment(tdir, ddir, dtype=dtype, device=device)
     tok = dep.tokenizer
     if tok is None:
         raise SpecPilotError(f"{tdir} has no tokenizer files, so a text prompt cannot be encoded (random-weight "
                              "checkpoints are for `specpilot bench` and `specpilot pilot`, which feed token ids)")
-    if not prompt.strip():
-        raise SpecPilotError("the prompt is empty")
     if chat and tok.chat_template:
         prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    ids = encode_text(tok, prompt, "--prompt")
     gen = dep.system(cfg).generate(ids, max_new_tokens)
     text = tok.decode(gen.tokens, skip_special_tokens=True)
     if as_json:
         print(json.dumps({
             "prompt_ids": ids, "output_ids": gen.tokens, "tokens": gen.tokens, "text": text, "tau": round(gen.tau, 4), "steps": gen.steps,
             "accepted": gen.accepted, "stop_reason": gen.stop_reason, "tokens_per_s": round(gen.tokens_per_s, 2),
-            "system": cfg.model_dump(), "target": str(tdir),
+            "system": cfg.model_dump(), "target": str(tdir), "threads": n_threads,
         }))
     else:
         print(text)
@@ -350,6 +361,9 @@ def main() -> None:
         code = app(standalone_mode=False)  # a command's typer.Exit(n) comes back as n in this mode
     except SpecPilotError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except UnicodeError as e:  # text a command did not check itself (e.g. a file it read) is not UTF-8
+        print(f"error: not valid UTF-8: {e}", file=sys.stderr)
         sys.exit(2)
     except typer.Abort:
         sys.exit(130)

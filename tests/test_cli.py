@@ -295,3 +295,40 @@ def test_train_drafter_refuses_bad_numbers_and_token_files(monkeypatch, capsys, 
                                  str(path), "--steps", "1", "--n-seqs", "2")
         _one_line_error(code, err, needle)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture
+def keep_threads():
+    """``generate`` sets torch's thread count for its process; restore it for the tests after this one."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield n
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("cores, flag, want", [(2, None, 1), (1, None, 1), (64, None, "default"), (2, "3", 3)])
+def test_generate_picks_threads_as_the_pilot_does(monkeypatch, capsys, keep_threads, cores, flag, want):
+    """``generate`` on a CPU with <= 2 cores runs on 1 thread (2 threads made an AR step 4x slower on a loaded
+    2-core machine), else on torch's default; ``--threads N`` overrides. Applied before the model loads."""
+    import torch
+
+    import specpilot.pilot.setup as setup
+
+    monkeypatch.setattr(setup, "available_cores", lambda: cores)
+    seen = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n)))
+    args = ["generate", "--prompt", "def add(a, b):", "--drafter", "none", "--max-new-tokens", "4", "--json"]
+    code, out, err = run_cli(monkeypatch, capsys, *args, *(["--threads", flag] if flag else []))
+    assert code == 0, err
+    want = keep_threads if want == "default" else want
+    assert json.loads(out)["threads"] == want and seen[:1] == [want] and torch.get_num_threads() == want
+
+
+def test_generate_threads_below_one_is_refused_before_loading(monkeypatch, capsys, keep_threads):
+    import specpilot.engine.deployment as deployment
+
+    monkeypatch.setattr(deployment, "Deployment", lambda *a, **k: pytest.fail("loaded a model"))
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--prompt", "x", "--threads", "0")
+    _one_line_error(code, err, "--threads")
