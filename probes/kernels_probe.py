@@ -9,6 +9,7 @@ bandwidth of the weight bytes. ``--sweep`` also times a grid of launch configura
 ``gemm.default_config``).
 """
 
+import dataclasses
 import itertools
 import json
 import sys
@@ -86,15 +87,17 @@ def pass_variants(model) -> dict:
         return cfg | {"num_splits": 1} if r * g >= 64 else cfg
 
     out = {}
+    default = model.kernels
     for name, kernels, skinny, attn_cfg in (("op_by_op", False, False, real_cfg), ("fused_cublas", True, False, real_cfg),
                                             ("fused_skinny", True, True, real_cfg),
                                             ("fused_cublas_attn_nosplit_m64", True, False, few_splits)):
-        model.use_kernels, model.skinny_gemm, ta.default_config = kernels, skinny, attn_cfg
+        model.kernels = dataclasses.replace(default, fused=kernels, skinny_gemm=skinny)
+        ta.default_config = attn_cfg
         t0 = time.time()
         out[name] = measure_verify_ms(model, 512, rows, repeats=20, static=True)
         print(name, {r: round(v, 3) for r, v in out[name].items()}, f"({time.time() - t0:.0f} s)", flush=True)
         torch.cuda.empty_cache()
-    model.use_kernels, model.skinny_gemm, ta.default_config = None, False, real_cfg
+    model.kernels, ta.default_config = default, real_cfg
     return out
 
 

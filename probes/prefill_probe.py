@@ -16,7 +16,7 @@ m = load_model(bundled_target_dir(), "bfloat16", "cuda")
 cache = m.new_cache(2048)
 import contextlib
 
-import specpilot.model.transformer as model_mod
+import specpilot.model.layers as model_mod  # the attention layer enters _sdpa_backends per call
 
 ours = model_mod._sdpa_backends
 with torch.inference_mode():
