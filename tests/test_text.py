@@ -67,6 +67,16 @@ def test_a_latin1_file_the_cli_reads_is_one_line(tmp_path):
     _one_line(p, str(bad), "0xe9")
 
 
+def test_a_latin1_corpus_is_one_line(tmp_path):
+    """``zoo tokenizer --corpus`` reads the file as UTF-8 without a check of its own: the CLI's last net makes the
+    decode error one line."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(LATIN1 + b"\n")
+    _one_line(_cli("zoo", "tokenizer", "--corpus", str(corpus), "--out", str(tmp_path / "tok")), "not valid UTF-8",
+              "0xe9")
+    assert not (tmp_path / "tok").exists()
+
+
 def test_an_unchecked_decode_error_is_one_line(monkeypatch, capsys):
     """The CLI's last net: a UnicodeError from text a command did not check itself (here raised by the load) is one
     line and exit 2, not a traceback."""
