@@ -42,3 +42,22 @@ def test_suite_bad_inputs_are_refused(tmp_path):
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and msg in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
     assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def test_suite_leaves_torch_flags_as_they_were(tmp_path):
+    """The suite turns off bf16 reduced-precision reductions for its run only (the certified bound needs float32
+    sums): the process's flag is restored after it, whatever it was."""
+    import torch
+
+    from .tritonutil import DEV  # noqa: F401  (the interpreter on the CPU)
+    from specpilot.bench import lm_head
+
+    before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    try:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True  # the suite sets False
+        quick = [] if torch.cuda.is_available() else ["--quick"]
+        lm_head.main(["--out", str(tmp_path / "r.json"), *quick, "--no-sweep", "--n", "4", "--reps", "2",
+                      "--vocab", "512", "--hidden", "64"])
+        assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is True
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before

@@ -221,7 +221,15 @@ def main(argv: list[str] | None = None) -> int:
             print("error: no CUDA GPU here (use --quick for the CPU smoke test)", file=sys.stderr)
             return 2
         dev, rows = "cuda", ROWS
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # the bound needs fp32 sums
+    flag = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # the bound needs fp32 sums
+    try:
+        return _run(args, dev, rows)
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flag
+
+
+def _run(args, dev: str, rows) -> int:
     result = {"meta": meta(args)}
 
     def save():
