@@ -8,7 +8,7 @@ system from a :class:`~specpilot.config.SystemConfig` (untimed) and answers time
 over pipes; the worker's stderr goes to a file whose tail is quoted when it dies.
 
 :class:`WorkerExecutor` is the controller's executor over workers (see
-:class:`specpilot.pilot.controller.LocalExecutor` for the session interface): with one device, A and B
+:class:`specpilot.pilot.paired.LocalExecutor` for the session interface): with one device, A and B
 run one at a time A B B A; with two devices, A on device 0 and B on device 1 run concurrently on the
 first variant of a request, then swapped (A on 1, B on 0) on the second. Systems of the same source tree
 share one worker per device (built under separate keys), so process-to-process differences cancel like
@@ -241,7 +241,7 @@ class WorkerPool:
 @dataclass
 class WorkerExecutor:
     """The controller's executor over worker processes (§3.3); pass it as ``executor=`` to
-    :func:`~specpilot.pilot.controller.paired_run`, ``interleaved_run``, ``phase0`` or ``Controller.judge``.
+    :func:`~specpilot.pilot.paired.paired_run`, ``interleaved_run``, ``phase0`` or ``Controller.judge``.
 
     Attributes:
         dep: the deployment every worker loads. devices: one device (A and B run one at a time, A B B A)
@@ -273,7 +273,7 @@ class WorkerExecutor:
 
 
 class WorkerSession:
-    """Workers of one controller run; the interface of :class:`~specpilot.pilot.controller.LocalExecutor`'s
+    """Workers of one controller run; the interface of :class:`~specpilot.pilot.paired.LocalExecutor`'s
     sessions (``schedule``, ``build``, ``run``, ``close``).
 
     Systems that run the same source tree share one worker process per device (each built under its own
