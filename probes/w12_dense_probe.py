@@ -8,7 +8,7 @@ prefill of a random Qwen3-8B.
    outliers, ±inf, NaN; every Qwen3-8B shape); a wide ``W12Linear`` pass equals ``F.linear`` bit for bit.
 2. µs per call (one CUDA graph, ≥ 512 MiB of weight copies) at 16–2048 rows: cuBLAS, the byte tensor-core
    kernel (chunks of 256 rows), the word tensor-core kernel, decode + cuBLAS, and the decode alone. The
-   crossover row count is what :data:`~specpilot.w12.gemm.DENSE_ROWS` should be.
+   crossover row count is what :data:`~specpilot.w12.linear.DENSE_ROWS` should be.
 3. Prefill ms (eager forward of 512 and 2048 prompt tokens, median of 5): bf16, W12 with the dense path, W12
    without it.
 """
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import specpilot.w12.dense as wd
 import specpilot.w12.gemm as wg
+import specpilot.w12.linear as wl
 from specpilot.w12.convert import to_w12
 from specpilot.provenance import git_commit, versions
 from specpilot.w12.format import encode
@@ -57,8 +58,8 @@ def correctness() -> dict:
         for i, v in enumerate([0.0, -0.0, 1e-40, -3e-39, 300.0, -5e4, 1e30, float("inf"), float("-inf"), float("nan")]):
             w[(37 * i + 5) % n, (53 * i + 7) % k] = v
         t = encode(w, device=dev)
-        layer = wg.W12Linear.from_w12(t)
-        x = torch.randn(wg.DENSE_ROWS + 36, k, device=dev, dtype=torch.bfloat16)
+        layer = wl.W12Linear.from_w12(t)
+        x = torch.randn(wl.DENSE_ROWS + 36, k, device=dev, dtype=torch.bfloat16)
         case = {"shape": name, "escapes": t.num_escapes, "decode_bit_exact": bits_equal(wd.w12_decode_dense(t), w),
                 "wide_pass_equals_f_linear": bits_equal(layer(x), F.linear(x, w))}
         out["cases"].append(case)
@@ -109,11 +110,11 @@ def prefill() -> dict:
     to_w12(model, inplace=True)
     for p in (512, 2048):
         out[f"w12_dense_{p}_ms"] = ms(p)
-    keep = wg.DENSE_ROWS
-    wg.DENSE_ROWS = 10 ** 9
+    keep = wl.DENSE_ROWS
+    wl.DENSE_ROWS = 10 ** 9
     for p in (512, 2048):
         out[f"w12_tensor_core_{p}_ms"] = ms(p)
-    wg.DENSE_ROWS = keep
+    wl.DENSE_ROWS = keep
     print("prefill", out, flush=True)
     return out
 
@@ -121,7 +122,7 @@ def prefill() -> dict:
 def main():
     path = sys.argv[1]
     res = {"device": torch.cuda.get_device_name(0), "versions": versions(), "commit": git_commit(),
-           "dense_rows": wg.DENSE_ROWS}
+           "dense_rows": wl.DENSE_ROWS}
     save = lambda: json.dump(res | {"runtime_s": time.time() - T0}, open(path, "w"), indent=1)  # noqa: E731
     res["correctness"] = correctness()
     save()

@@ -13,6 +13,41 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def fix_interpreter_index() -> bool:
+    """Make Triton 3.6's CPU interpreter usable with numpy >= 2.4, for this test process only (idempotent).
+
+    The interpreter turns a runtime loop bound (a loaded or reduced scalar, a one-element array) into a Python int
+    with ``int(array)``, which numpy >= 2.4 refuses for arrays of shape ``(1,)`` ("only 0-dimensional arrays can be
+    converted to Python scalars"; triton-lang/triton#9171, fixed upstream by #9172). The W12 kernels have such loops
+    (the escape epilogue), so without this their interpreter runs fail with a current numpy. The patch makes the
+    interpreter's tensor ``__index__`` read the one element instead. It lives here, not in the package: importing
+    specpilot must not change Triton for the whole process (no product path runs a W12 kernel in the interpreter;
+    the certified head's CPU smoke run, ``specpilot bench --suite lm-head --device cpu``, has no such loop).
+    Returns True when the patch is in place, False when Triton or the patched hook is absent (another Triton
+    version: left alone)."""
+    try:
+        from triton.runtime import interpreter as it
+    except ImportError:
+        return False
+    orig = getattr(it, "_patch_lang_tensor", None)
+    if orig is None:
+        return False
+    if getattr(orig, "_specpilot_shim", False):
+        return True
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._specpilot_shim = True
+    it._patch_lang_tensor = patched
+    return True
+
+
+if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on"):
+    fix_interpreter_index()
+
+
 def save_tiny(path, model_type="qwen3", vocab=64, hidden=64, layers=2, heads=4, kv_heads=2, seed=0, **kw):
     """Save a tiny random HF causal LM of ``model_type`` to ``path``; returns ``path`` (str)."""
     import transformers as tf

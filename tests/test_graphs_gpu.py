@@ -52,7 +52,7 @@ def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs(gemv, lines):
     capture on a stream without counters falls back to the two-kernel sum (same bits). The engine's bucket
     graphs reserve them: the bundled target's down projection (K 768) runs split K 2 at 8 rows. Replayed twice: the
     counters reset themselves (one row of Qwen3-8B qkv / o runs the GEMV with split K by default)."""
-    from specpilot.w12 import gemm as wg
+    from specpilot.w12 import epilogue as wg
     from specpilot.w12.gemm import escape_table, reserve_split_locks, w12_gemm
     from specpilot.w12.format import encode
 

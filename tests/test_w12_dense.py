@@ -9,9 +9,10 @@ import torch
 from .tritonutil import DEV, triton  # noqa: F401
 
 import specpilot.w12.dense as wd
-import specpilot.w12.gemm as wg
-from specpilot.w12.gemm import W12GemmError, W12Linear
+import specpilot.w12.linear as wl
 from specpilot.w12.format import decode, encode
+from specpilot.w12.gemm import W12GemmError
+from specpilot.w12.linear import W12Linear
 
 from .test_w12_gemm import planted_weight
 
@@ -50,9 +51,9 @@ def test_wide_w12_pass_takes_the_dense_path_and_equals_f_linear(monkeypatch):
     layer.use_kernel = True
     lin = lin.to(DEV)
     calls = []
-    real = wd.w12_decode_dense
-    monkeypatch.setattr(wd, "w12_decode_dense", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(wg, "DENSE_ROWS", 8)
+    real = wl.w12_decode_dense
+    monkeypatch.setattr(wl, "w12_decode_dense", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(wl, "DENSE_ROWS", 8)
     x = torch.randn(9, 96, generator=g).to(DEV)
     assert torch.equal(layer(x), lin(x)) and calls == [1]
     torch.testing.assert_close(layer(x[:8]), lin(x[:8]), atol=1e-5, rtol=1e-5)

@@ -26,7 +26,7 @@ from specpilot.model.checkpoint import load_model
 from specpilot.engine.deployment import Deployment
 from specpilot.engine.engine import Engine
 from specpilot.errors import CheckpointError
-from specpilot.w12.gemm import W12Linear
+from specpilot.w12.linear import W12Linear
 from specpilot.w12.convert import is_w12, to_w12, w12_head
 from specpilot.w12.format import W12FormatError
 from specpilot.w12.pack import pack_dir

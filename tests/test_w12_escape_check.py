@@ -1,4 +1,4 @@
-"""Value checks of a caller's W12 escape table (specpilot.w12.gemm.check_escape_table), run by w12_gemm once per
+"""Value checks of a caller's W12 escape table (specpilot.w12.escapes.check_escape_table), run by w12_gemm once per
 table: an out-of-range row_ptr or column would read out of bounds on the GPU, a table of another weight of the same
 shape would give wrong sums. Small shapes: the CPU runs the kernels in Triton's interpreter."""
 
@@ -9,9 +9,10 @@ import torch
 
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
-from specpilot.w12 import gemm as wg
-from specpilot.w12.gemm import ESC_SLOTS, W12GemmError, W12Linear, check_escape_table, escape_table, w12_gemm
+from specpilot.w12 import escapes as wg
 from specpilot.w12.format import encode
+from specpilot.w12.gemm import ESC_SLOTS, W12GemmError, check_escape_table, escape_table, w12_gemm
+from specpilot.w12.linear import W12Linear
 
 from .test_w12_gemm import planted_weight
 
@@ -171,7 +172,7 @@ def test_the_check_cache_stays_bounded(weight, monkeypatch):
     monkeypatch.setattr(wg, "_CHECKED_MAX", 3)
     keep = [escape_table(t) for _ in range(5)]
     for esc in keep:
-        wg._check_escapes_once(t, esc)
+        wg.check_escapes_once(t, esc)
     assert len(wg._CHECKED_TABLES) == 3
 
 
@@ -222,7 +223,7 @@ def test_inference_mode_tables_are_checked_once(weight, monkeypatch):
         bad = (esc[0], esc[1].clone(), esc[2])
         bad[1][0] = K
         for _ in range(2):
-            wg._check_escapes_once(t, esc)
+            wg.check_escapes_once(t, esc)
         with pytest.raises(W12GemmError, match=r"slot k\[0\]"):
-            wg._check_escapes_once(t, bad)
+            wg.check_escapes_once(t, bad)
     assert len(calls) == 2

@@ -14,9 +14,10 @@ import torch
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
 from specpilot.kernels import gemm
-from specpilot.w12.gemm import (ESC_SLOTS, PROGRAMS_PER_SM, WAVE_MAXNREG, W12GemmError, W12Linear, codes_at, default_config, escape_table, one_row_gemv, split_locks, w12_gemm,
-                                        w12_gemm_reference)
 from specpilot.w12.format import W12FormatError, W12Tensor, decode, encode
+from specpilot.w12.gemm import (ESC_SLOTS, PROGRAMS_PER_SM, WAVE_MAXNREG, W12GemmError, codes_at, default_config,
+                                escape_table, one_row_gemv, split_locks, w12_gemm, w12_gemm_reference)
+from specpilot.w12.linear import W12Linear
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if CUDA else [])
 
@@ -176,7 +177,7 @@ def test_default_config_path_and_reference_order():
 
 
 def test_one_row_dispatch_follows_the_measured_rule_and_stays_exact():
-    # Qwen3-8B qkv / o / gate_up / down, Qwen3-32B qkv / o / gate_up / down (H200 winners, session 13)
+    # Qwen3-8B qkv / o / gate_up / down, Qwen3-32B qkv / o / gate_up / down (H200 winners, results/w12_double_probe_h200_2026-12-01_session13.json)
     shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (10240, 5120), (5120, 8192), (51200, 5120),
               (5120, 25600)]
     assert [one_row_gemv(n, k) for n, k in shapes] == [True, True, True, True, False, False, True, False]
@@ -408,22 +409,20 @@ def test_gemm_linear_dispatches_w12_layers():
     assert torch.equal(gemm.linear(x, w12), lin(x)) and torch.equal(gemm.cublas_linear(x, w12), lin(x))
 
 
-@pytest.mark.skipif(CUDA, reason="checks the CPU interpreter")
-def test_interpreter_runs_w12_gemm_outside_the_test_suite():
-    """A user's own process with TRITON_INTERPRET=1 (no test shims loaded): specpilot.kernels patches Triton 3.6's
-    interpreter for numpy >= 2.4 (triton#9171) on import, so the W12 kernels' runtime loops work there too."""
+def test_importing_the_kernels_leaves_tritons_interpreter_alone():
+    """A user's own process with TRITON_INTERPRET=1: importing the W12 and shared kernels patches nothing in Triton
+    (the numpy >= 2.4 interpreter fix, triton#9171, is the test suite's own: tests/conftest.py)."""
     import subprocess
     import sys
 
-    code = ("import torch\nfrom specpilot.w12.gemm import w12_gemm, w12_gemm_reference\n"
-            "from specpilot.w12.format import encode\ng = torch.Generator().manual_seed(0)\n"
-            "t = encode((torch.randn(130, 300, generator=g) * 0.02).to(torch.bfloat16))\n"
-            "x = torch.randn(1, 300, generator=g)\n"
-            "print((w12_gemm(x, t) - w12_gemm_reference(x, t)).abs().max().item())\n")
+    code = ("from triton.runtime import interpreter as it\nbefore = it._patch_lang_tensor\n"
+            "import specpilot.kernels, specpilot.kernels.fused, specpilot.w12.gemm, specpilot.w12.linear\n"
+            "import specpilot.head.certified, specpilot.head.kernel\n"
+            "print(it._patch_lang_tensor is before and not getattr(before, '_specpilot_shim', False))\n")
     env = dict(__import__("os").environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-1500:]
-    assert float(proc.stdout.strip().splitlines()[-1]) < 1e-5
+    assert proc.stdout.strip().splitlines()[-1] == "True"
 
 
 def test_escape_table_of_another_layout_is_refused():

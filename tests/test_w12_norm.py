@@ -1,4 +1,4 @@
-"""The residual add and RMSNorm split across the one-row W12 GEMVs (specpilot.w12.norm, §4.1, issue 5).
+"""The residual add and RMSNorm split across the one-row W12 GEMVs (specpilot.w12.norm, §4.1).
 
 The producer half must store bit for bit ``residual + GEMV`` (the residual add ``add_rmsnorm`` does) and the true
 tile sums of squares; the consumer half must equal the GEMV of the normalised row within rounding (the scale's sum

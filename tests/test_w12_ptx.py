@@ -1,4 +1,4 @@
-"""The W12 decode's inline PTX, run instruction by instruction on the CPU (issue 5).
+"""The W12 decode's inline PTX, run instruction by instruction on the CPU.
 
 The Triton interpreter cannot run inline assembly, so the GPU-only decode paths (``_decode8`` with ``ASM`` and
 ``_decode8_bf16``) would otherwise be tested only on a GPU. This file executes the very PTX strings the kernels

@@ -1,4 +1,4 @@
-"""SwiGLU inside the W12 down projection's load (specpilot.w12.swiglu, §4.1, issue 5).
+"""SwiGLU inside the W12 down projection's load (specpilot.w12.swiglu, §4.1).
 
 The fused GEMV must give bit for bit what ``silu_mul`` followed by the same GEMV gives (escapes, bias, split K
 summed in the kernel or by the second kernel, a ragged last step), stay within rounding of the plain PyTorch
@@ -19,7 +19,8 @@ from .test_w12_gemm import assert_within_rounding, planted_weight
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
 from specpilot.kernels import fused
-from specpilot.w12.gemm import W12GemmError, W12Linear, w12_gemm
+from specpilot.w12.gemm import W12GemmError, w12_gemm
+from specpilot.w12.linear import W12Linear
 from specpilot.w12.swiglu import swiglu_fusable, w12_swiglu_down, w12_swiglu_down_reference
 from specpilot.w12.format import encode
 

@@ -17,6 +17,6 @@ if not CUDA:
     if not isinstance(triton.language.standard.zeros, InterpretedFunction):
         raise RuntimeError("TRITON_INTERPRET=1 must be set before triton is first imported (tests/conftest.py "
                            "sets it when there is no CUDA); run this file with TRITON_INTERPRET=1")
-    from specpilot.kernels.interp import fix_interpreter_index
+    from .conftest import fix_interpreter_index
 
-    assert fix_interpreter_index()  # also applied on import of specpilot.kernels (numpy >= 2.4, triton#9171)
+    assert fix_interpreter_index()  # applied by conftest.py when the interpreter is on (numpy >= 2.4, triton#9171)

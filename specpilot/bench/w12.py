@@ -34,7 +34,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specpilot.w12.gemm import W12Linear, default_config, escape_table, routes_to_gemv, w12_gemm, w12_gemm_reference
+from specpilot.w12.gemm import default_config, escape_table, routes_to_gemv, w12_gemm, w12_gemm_reference
+from specpilot.w12.linear import W12Linear
 from specpilot.w12.convert import to_w12
 from specpilot.pilot.setup import measure_verify_ms
 from specpilot.provenance import git_commit, versions

@@ -1,4 +1,4 @@
-"""Skinny GEMM for verification passes: ``x [M, K] @ W[N, K]ᵀ`` with M = 1–64 rows (issue 4, §2.1).
+"""Skinny GEMM for verification passes: ``x [M, K] @ W[N, K]ᵀ`` with M = 1–64 rows (§2.1).
 
 At a few rows a projection is a read of W: the time is W's bytes over the bandwidth. cuBLAS reaches
 1.8–2.5 TB/s on the Qwen3-8B shapes at 1 row where a copy runs at 4.3 TB/s (``../shared/ANCHORS.md``),

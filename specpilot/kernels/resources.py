@@ -4,7 +4,7 @@ Triton compiles to PTX without a device; the ``ptxas`` bundled with its NVIDIA b
 for ``sm_90a`` (the H100 / H200) and reports, per kernel, the registers a thread uses and the bytes it
 spills to local memory. Those two figures bound occupancy (65 536 registers an SM: a thread using ``r``
 registers allows at most ``65536 // (32 r)`` warps an SM) and flag launch configs that will be slow before
-any GPU time is spent (issue 5: the W12 GEMV's rows and groups per thread). A compile-time figure, not a
+any GPU time is spent (e.g. the W12 GEMV's rows and groups per thread). A compile-time figure, not a
 timing: it says nothing about speed by itself.
 """
 

@@ -115,7 +115,7 @@ def _num_sms(device_index: int | None) -> int:
 
 #: the split-KV combine unrolls its loop over the splits when each thread then holds at most this many float32
 #: partials (one row of Qwen3-8B, 17 splits: 68 with 4 warps, 254 registers and no spill on sm_90a; 2 rows and up
-#: spilled 4–45 KB when always unrolled, session 10 review)
+#: spilled 4–45 KB when always unrolled; offline ptxas, ``tests/test_tree_attention.py``)
 COMBINE_UNROLL_PER_THREAD = 80
 
 

@@ -1,7 +1,7 @@
 """The ``w12`` engine mechanism (§4.1): the target's projection layers read W12 lossless 12-bit weights.
 
 Every ``nn.Linear`` of every decoder layer's attention (``qkv_proj`` / ``q,k,v_proj``, ``o_proj``) and MLP
-(``gate_up_proj`` / ``gate,up_proj``, ``down_proj``) becomes a :class:`~specpilot.w12.gemm.W12Linear`
+(``gate_up_proj`` / ``gate,up_proj``, ``down_proj``) becomes a :class:`~specpilot.w12.linear.W12Linear`
 holding the same bf16 weight, encoded losslessly, and so does an untied LM head (``head=True``, the default;
 as ``specpilot w12 pack`` converts it, and as the paper does on the RTX PRO 6000, §4.1: the head is the
 largest single projection, 1.24 GB of bf16 in Qwen3-8B). A head tied to the embeddings stays bf16 (the
@@ -19,7 +19,7 @@ import copy
 from torch import nn
 
 from specpilot.model.transformer import Transformer
-from specpilot.w12.gemm import W12Linear
+from specpilot.w12.linear import W12Linear
 
 
 def _shallow(module: nn.Module) -> nn.Module:

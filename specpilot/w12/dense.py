@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import torch
 
+from specpilot.w12.escapes import W12GemmError
 from specpilot.w12.format import RECORD_COLS, W12Tensor
-from specpilot.w12.gemm import W12GemmError, triton
 
-if triton is not None:
+try:
+    import triton
     import triton.language as tl
 
     from specpilot.w12.tiles import _decode_words, _load_groups, _word_offsets
+except ImportError:  # CPU installs without triton
+    triton = None
 
 
 def w12_decode_dense(w12: W12Tensor, out: torch.Tensor | None = None, block_n: int = 32, block_k: int = 256,

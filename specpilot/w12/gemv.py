@@ -1,5 +1,5 @@
 """W12 GEMV: ``x [M, K] @ W[N, K]ᵀ`` for 1–8 rows straight from W12 records, FMAs instead of tensor cores
-(§4.1, issue 5).
+(§4.1).
 
 At one row a projection is a read of its weight: the kernel must decode 12-bit codes faster than HBM
 delivers them (~12 weights per clock per SM on an H200). The decode takes three integer instructions a
@@ -8,8 +8,9 @@ nibble become a float32 whose exponent is ``112 + offset`` instead of ``B_n + of
 is multiplied once by the exact power of two ``2^(B_n − 112)``. Weights are read as 64-bit words of views
 and 32-bit words of nibbles, one of each per group of 8 columns.
 
-Two kernels. One row runs :func:`_w12_gemv_lines_kernel` (session 12): the step's words as ``[records, rows · 8]``
-tiles, so each warp load covers whole 128-byte lines. 2–8 rows (and one row with ``lines=False``) run
+Two kernels. One row runs :func:`_w12_gemv_lines_kernel`: the step's words as ``[records, rows · 8]`` tiles, so each
+warp load covers whole 128-byte lines (the layout measured fastest at one row on the H200,
+``results/w12_launch_sweep_lines_h200_2026-12-01_session12.json``). 2–8 rows (and one row with ``lines=False``) run
 :func:`_w12_gemv_kernel`: ``[BLOCK_N, groups]`` tiles, 16 groups a thread at one row, x loaded once per group
 and shared by the thread's rows.
 
@@ -21,89 +22,28 @@ faster than these kernels (``probes/read_floor.py``). 2–8 rows: 0.12–0.61x c
 
 Shapes, escapes, bias and the split-K sum follow :mod:`specpilot.w12.gemm`, whose
 :func:`~specpilot.w12.gemm.w12_gemm` routes here; the reference is
-:func:`~specpilot.w12.gemm.w12_gemm_reference`.
+:func:`~specpilot.w12.gemm.w12_gemm_reference`. The launch rule: :func:`~specpilot.w12.launch.gemv_config`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specpilot.w12.format import RECORD_COLS, RECORD_ROWS, W12Tensor
 from specpilot.kernels.gemm import _num_sms
-from specpilot.w12.gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
+from specpilot.w12.epilogue import _outputs, _sum_splits, split_locks
+from specpilot.w12.escapes import W12GemmError
+from specpilot.w12.format import RECORD_COLS, RECORD_ROWS, W12Tensor
+from specpilot.w12.launch import GEMV_MAX_ROWS, gemv_config
 
-if triton is not None:
+try:
+    import triton
     import triton.language as tl
 
     from specpilot.kernels.fused import rmsnorm_values, silu_mul_values
-    from specpilot.w12.gemm import _add_escapes, _escapes_load, _norm_rstd, _split_end, _x_load
+    from specpilot.w12.epilogue import _add_escapes, _escapes_load, _norm_rstd, _split_end, _x_load
     from specpilot.w12.tiles import _decode8, _load_groups, _tile_words, _word_offsets
-
-GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
-
-
-
-#: warps an SM the grid should hold, by padded rows: one row from the H200 sweeps
-#: (``results/w12_gemv_probe_h200_2026-11-30_session4*.json``); 2–8 rows: what the registers allow
-#: (``results/ptxas_w12_gemv_2026-11-30.json``), timed in session 13 (0.12–0.61x cuBLAS, left unrouted).
-GEMV_WARPS_PER_SM = {1: 11, 2: 16, 4: 10, 8: 8}
-
-
-def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
-    """Launch parameters of :func:`w12_gemv` for ``m`` rows from static shapes only.
-
-    One row (H200, session 12, ``results/w12_launch_sweep_lines_h200_2026-12-01_session12.json``): the
-    line-coalesced kernel (``lines``, :func:`_w12_gemv_lines_kernel`), BLOCK_N 16, BLOCK_K 256, one warp a
-    program, K split in 2, 4, 8 or 16 until the grid holds :data:`GEMV_WARPS_PER_SM` warps an SM (and the splits
-    divide the padded K into whole steps). This rule gives the best of 31 launch shapes on each Qwen3-8B
-    projection: qkv split 4 (14.11 µs vs 14.94 for the previous default in the same run), o split 8 (10.92 vs
-    11.27), gate_up split 1 (40.23 vs 40.74), down split 8 (22.98 vs 23.57). Session 13 timed the alternatives
-    side by side against this pick (``results/w12_{stream,double,intra_split,narrow}_probe_h200_2026-12-01_
-    session13.json``): TMA copies into a 2–5-stage shared-memory ring (also persistent), a register double buffer,
-    K split inside a program (2–16 warps), BLOCK_N 4 / 8 and one-warp BLOCK_K 512 / 1024. Only one config beat it on
-    one shape (o, BLOCK_N 8 / BLOCK_K 1024 / 4 warps: 10.87 vs 11.02 µs); the rest were slower on every shape.
-
-    2–8 rows (:func:`_w12_gemv_kernel`, ``[BLOCK_N, groups]`` tiles; 0.12–0.61x cuBLAS on the H200 in session 13, so
-    not a default): 8 groups of 8 weights a thread, since ptxas reported 254–255 registers with 16 groups from 2
-    rows on (before session 12's affine row offsets) and 8 groups 128 / ~175 / ~250 registers at 2 / 4 / 8 rows.
-    BLOCK_N 16; BLOCK_K the smallest of 256 .. 2048 whose grid reaches :data:`GEMV_WARPS_PER_SM` warps an SM,
-    ``num_warps = 16 · BLOCK_K / (256 · groups)``; if the grid is still short, split K in two or four, then BLOCK_K
-    grows again. BLOCK_K grows only to sizes that divide the padded K, and the splits divide it too (a ragged last
-    block masks every load of the kernel: Qwen3-32B's down projection, K = 25600, ran at 0.46x cuBLAS with BLOCK_K
-    2048 and 1.03x with 1024, ``results/w12_one_row_check_h200_2026-12-01_session8.json``). ``num_stages`` 3
-    (the launch option; it pipelines nothing here, see ``load_stages``); split K summed in the kernel
-    (``fused_split``, see :func:`~specpilot.w12.gemm.default_config`); ``load_stages`` 1 (plain loads; see
-    :func:`w12_gemv`); ``esc_early`` off: the lines kernel loads its escape slots after the K loop (H200, session 17,
-    ``results/w12_escape_slots_probe_h200_2026-12-02_session17.json``, the slot steps then unrolled: before the
-    loop, with the registers held through it, o / down ran 13.69 / 29.43 µs, after it 10.21 / 22.13; qkv / gate_up
-    14.75 / 40.62 vs 13.64 / 39.86). The 2–8-row kernel always loads them before its loop.
-
-    Raises: W12GemmError for ``m`` outside 1..8."""
-    rows = 1 << max(0, int(m) - 1).bit_length()
-    if rows not in GEMV_WARPS_PER_SM:
-        raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {m}")
-    bn, bk, groups = 16, 256, 16 if rows == 1 else 8
-    warps = lambda b: max(1, bn * b // (8 * 32 * groups))  # noqa: E731
-    k_pad = -(-k // RECORD_COLS) * RECORD_COLS
-    want = GEMV_WARPS_PER_SM[rows] * num_sms
-    programs = -(-n // bn)
-    if rows == 1:  # the line-coalesced kernel: one-warp programs of 256 columns a step, split K to fill the grid
-        split = 1
-        while split < 16 and programs * split < want and k_pad % (2 * split * bk) == 0:
-            split *= 2
-        return dict(block_n=bn, block_k=bk, split_k=split, num_warps=1, num_stages=3, asm=True, fused_split=True,
-                    load_stages=1, lines=True, esc_early=False)
-    while bk < 2048 and k_pad % (2 * bk) == 0 and warps(2 * bk) <= 16 and programs * warps(bk) < want:
-        bk *= 2
-    split = 1
-    while split < 4 and programs * split * warps(bk) < want and k_pad % (2 * split * bk) == 0:
-        split *= 2
-    while (bk < 2048 and k_pad % (2 * bk * split) == 0 and warps(2 * bk) <= 16
-           and programs * split * warps(bk) < want):
-        bk *= 2
-    return dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps(bk), num_stages=3, asm=True, fused_split=True,
-                load_stages=1, lines=False, esc_early=False)
-
+except ImportError:  # CPU installs without triton
+    triton = None
 
 def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict,
              glu: bool = False, norm: tuple | None = None, add: tuple | None = None) -> torch.Tensor:
@@ -111,7 +51,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     decoded to float32 in registers once and summed with M FMAs each (no tensor cores, so no layout change
     between the decode and the dot). Measured on the H200 at one row only; rows are padded to a power of
     two in registers (``ROWS``) and masked. Called by :func:`~specpilot.w12.gemm.w12_gemm` (which
-    checks shapes, dtypes and devices) with ``escapes`` its :func:`~specpilot.w12.gemm.escape_table`
+    checks shapes, dtypes and devices) with ``escapes`` its :func:`~specpilot.w12.escapes.escape_table`
     and ``overrides`` its launch overrides (block_n, block_k, split_k, num_warps, num_stages, asm, fused_split,
     load_stages, lines, esc_early).
 
@@ -133,10 +73,10 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     step's load latency is exposed (ncu, one row of Qwen3-8B qkv: 41–49% of DRAM bandwidth); with ``s`` > 1 the
     words of the next ``s − 1`` steps are copied to shared memory (cp.async, ``s · BLOCK_N · BLOCK_K · 1.5``
     bytes a program) while a step is summed. The same operations in the same order, so bitwise the same output.
-    (A register double buffer, session 10, was 0.48–1.07x cuBLAS where the plain loop is 1.0–1.16x:
+    (A register double buffer was 0.48–1.07x cuBLAS on the H200 where the plain loop is 1.0–1.16x:
     ``results/w12_gemv_probe_h200_2026-12-01_session11.json``; removed.)
 
-    ``lines`` (override; the one-row default, see :func:`gemv_config`): one row runs
+    ``lines`` (override; the one-row default, see :func:`~specpilot.w12.launch.gemv_config`): one row runs
     :func:`_w12_gemv_lines_kernel`, whose loads cover whole 128-byte lines; another summation order within the same
     bound, deterministic. Ignored for 2–8 rows.
 
@@ -144,10 +84,10 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     otherwise the same bit operations in plain Triton (the interpreter, and a GPU comparison). Split K
     (``split_k`` > 1): partial sums, scaled, in ``[split, 1, N]`` float32 (split 0's with the escapes), summed in
     split order, then the bias; by default (``fused_split``) the tile's last split does that sum in this kernel
-    (one atomic counter a tile only decides which program finishes, :func:`~specpilot.w12.gemm.split_locks`;
+    (one atomic counter a tile only decides which program finishes, :func:`~specpilot.w12.epilogue.split_locks`;
     no second launch), with ``fused_split=False`` the second kernel ``_w12_split_sum_kernel`` does: the same
-    fixed order and the same bits either way. The GEMV's fused default has no A/B timing of its own yet (the
-    session 9 sweep forced the tensor-core kernel).
+    fixed order and the same bits either way. The GEMV's fused default has no A/B timing of its own yet (the sweep
+    that chose the fused sum, ``results/w12_mma_sweep_h200_2026-12-01_session9.json``, timed the tensor-core kernel).
 
     ``glu`` (:func:`~specpilot.w12.swiglu.w12_swiglu_down`, which checks the call): ``x`` is one contiguous
     row of ``gate_up [1, 2K]`` and the kernel multiplies ``silu(gate) · up`` instead of x, in the lines kernel only.
@@ -301,11 +241,11 @@ if triton is not None:
                     SPLIT_K: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr = False,
                     NORM: tl.constexpr = False, NormW=None, rstd=None, ADD: tl.constexpr = False, Res=None, SqOut=None):
         """The GEMV kernels' end: ``y [ROWS, BLOCK_N]`` (the scaled K sum of this split), plus the escapes in split 0
-        (``esc``: :func:`~specpilot.w12.gemm._escapes_load`'s tuple), then
-        :func:`~specpilot.w12.gemm._split_end` (bias and store, or this split's partial and, with ``FUSED``,
+        (``esc``: :func:`~specpilot.w12.epilogue._escapes_load`'s tuple), then
+        :func:`~specpilot.w12.epilogue._split_end` (bias and store, or this split's partial and, with ``FUSED``,
         the tile's last split sums the partials here). ``GLU`` / ``NORM``: how the escapes read x
-        (:func:`~specpilot.w12.gemm._add_escapes`). ``ADD``: the residual add
-        (:func:`~specpilot.w12.gemm._store_out`)."""
+        (:func:`~specpilot.w12.epilogue._add_escapes`). ``ADD``: the residual add
+        (:func:`~specpilot.w12.epilogue._store_out`)."""
         dst = offs_m[:, None] * N + offs_n[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
         if pid_k == 0:
@@ -334,7 +274,7 @@ if triton is not None:
         (:mod:`specpilot.w12.swiglu`): X is the one row of ``gate_up [1, 2K]`` and the kernel multiplies
         ``silu(gate) · up`` (computed as :func:`~specpilot.kernels.fused.silu_mul` computes it: the same bits).
         ``NORM`` / ``ADD`` (:mod:`specpilot.w12.norm`): x is RMS-normalised in the load, the scale formed from
-        the ``n_sq`` tile sums of squares at ``SqIn`` (:func:`~specpilot.w12.gemm._norm_rstd`) and the weights
+        the ``n_sq`` tile sums of squares at ``SqIn`` (:func:`~specpilot.w12.epilogue._norm_rstd`) and the weights
         ``NormW``; the stored output is ``Res + y`` with its tile's sum of squares at ``SqOut[program_id(0)]``."""
         R: tl.constexpr = BLOCK_K // 64
         J: tl.constexpr = BLOCK_N * 8

@@ -1,6 +1,6 @@
-"""W12 GEMM on tensor cores from record *words*: ``x [M, K] @ W[N, K]ᵀ`` for 2–256 rows (§4.1, issue 5).
+"""W12 GEMM on tensor cores from record *words*: ``x [M, K] @ W[N, K]ᵀ`` for 2–256 rows (§4.1).
 
-The first tensor-core kernel (:func:`~specpilot.w12.gemm.w12_gemm`, ``words=False``) loads the
+The first tensor-core kernel (:mod:`~specpilot.w12.mma_bytes`, ``w12_gemm(..., words=False)``) loads the
 records byte by byte (128 one-byte global loads a thread per 128-column step compiled for sm_90a,
 ``probes/ptxas_probe.py``), decodes each weight with an exponent add, and waits for every MMA. This one reads
 what the GEMV reads (:mod:`specpilot.w12.tiles`): per row and group of 8 columns a 64-bit word of
@@ -10,9 +10,9 @@ e.g. in the interpreter, the float32 decode of ``_decode8``), lays the 8 columns
 and permutes K on both operands (``_k_order``) so that the decoded words of a thread are exactly its
 ``wgmma`` register fragment: the tile feeds ``tl.dot`` as the left operand (``acc [BLOCK_N, BLOCK_M] = W'
 xᵀ``) with no round trip through shared memory. The epilogue multiplies each output row by the exact power of
-two ``2^(B_n − 112)``; split 0 adds the escapes (:func:`~specpilot.w12.gemm._add_escapes`, their slots
+two ``2^(B_n − 112)``; split 0 adds the escapes (:func:`~specpilot.w12.epilogue._add_escapes`, their slots
 loaded before the K loop), as the first kernel does; split K sums in fixed order, then the bias
-(:func:`~specpilot.w12.gemm._w12_split_sum_kernel`, or in the kernel with ``fused_split``).
+(:func:`~specpilot.w12.epilogue._w12_split_sum_kernel`, or in the kernel with ``fused_split``).
 
 Rounding: the bound of :mod:`specpilot.w12.gemm` (a sum over K in another order), plus the GEMV's
 caveat (scaling by a power of two commutes with float32 rounding unless a partial sum or product is
@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import torch
 
+from specpilot.w12.epilogue import _outputs, _sum_splits, split_locks
+from specpilot.w12.escapes import W12GemmError
 from specpilot.w12.format import RECORD_COLS, RECORD_ROWS, W12Tensor
-from specpilot.w12.gemm import W12GemmError, _outputs, _sum_splits, split_locks, triton
 
-if triton is not None:
+try:
+    import triton
     import triton.language as tl
 
-    from specpilot.w12.gemm import _add_escapes, _escapes_load, _split_end
+    from specpilot.w12.epilogue import _add_escapes, _escapes_load, _split_end
     from specpilot.w12.tiles import _decode_words, _decode_words_bf16, _k_columns, _k_order, _load_groups, _word_offsets
+except ImportError:  # CPU installs without triton
+    triton = None
 
 
 #: ``x_gather`` default: load the activation tile with its columns in ``_k_order`` (see ``_mma_step``). Off: on
@@ -45,7 +49,7 @@ X_GATHER_DEFAULT = False
 def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, cfg: dict) -> torch.Tensor:
     """``x [M, K] @ W12ᵀ (+ bias)`` on tensor cores from record words; called by
     :func:`~specpilot.w12.gemm.w12_gemm` (which checks shapes, dtypes, devices and ``cfg``: its
-    :func:`~specpilot.w12.gemm.default_config` plus overrides) with ``escapes`` its escape table.
+    :func:`~specpilot.w12.launch.default_config` plus overrides) with ``escapes`` its escape table.
     ``cfg["asm"]`` (default: on CUDA) selects the inline-PTX decode, ``cfg["x_gather"]`` (default
     :data:`X_GATHER_DEFAULT`) the permuted activation load, ``cfg["esc_early"]`` whether split 0 loads its escape
     slots before the K loop. Returns ``[M, N]`` in x's dtype.

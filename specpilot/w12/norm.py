@@ -1,10 +1,11 @@
-"""The residual add and RMSNorm split across the one-row W12 GEMVs around them (§4.1, issue 5).
+"""The residual add and RMSNorm split across the one-row W12 GEMVs around them (§4.1).
 
 At one row a decoder layer's norms are two launches of ``add_rmsnorm`` (``x += delta``, then RMSNorm of x), each
 ~2 µs on the H200 plus a graph gap, 72 of them in a Qwen3-8B pass. A norm needs the whole row's sum of squares
 before any element can be normalised, which is why fusing it into the *producing* GEMV's last program lost
-(session 15: a serial tail, ``docs/NOTES.md``). Here the work is split across the two GEMVs instead, with no serial
-tail and no atomics:
+(its serial tail made the o projection + norm 15.4 µs against 12.9 unfused on the H200,
+``results/w12_fusion_probe_whole_row_h200_2026-12-02_session15.json``). Here the work is split across the two
+GEMVs instead, with no serial tail and no atomics:
 
 - the producer (o, or down: :func:`w12_add_residual`) stores ``residual + y`` instead of ``y``, rounded to the
   dtype as :func:`~specpilot.kernels.fused.add_rmsnorm` rounds its residual add (the same bits), and each output
@@ -35,7 +36,9 @@ import math
 import torch
 
 from specpilot.kernels.fused import silu_mul_reference
-from specpilot.w12.gemm import W12GemmError, _check_overrides
+from specpilot.w12.escapes import W12GemmError
+from specpilot.w12.gemv import w12_gemv
+from specpilot.w12.launch import check_overrides
 from specpilot.w12.swiglu import _why_not
 
 #: output columns a tile sum of squares covers: the one-row GEMV's BLOCK_N (:func:`~specpilot.w12.gemv.gemv_config`)
@@ -53,7 +56,7 @@ def _why_not_residual(residual, n: int, dtype, device) -> str | None:
 
 
 def add_fusable(x: torch.Tensor, layer: torch.nn.Module, residual: torch.Tensor, glu: bool = False) -> bool:
-    """Whether :func:`w12_add_residual` can run: ``layer`` a :class:`~specpilot.w12.gemm.W12Linear` ``[N, K]``
+    """Whether :func:`w12_add_residual` can run: ``layer`` a :class:`~specpilot.w12.linear.W12Linear` ``[N, K]``
     whose kernel runs for this input, ``x`` one contiguous dense row ``[1, K]`` (``glu``: ``gate_up [1, 2K]``) on its
     device (bfloat16 / float32 on CUDA, float32 in the interpreter), one row of that weight routed to the GEMV,
     and ``residual`` one contiguous row ``[1, N]`` of x's dtype and device. Raises nothing."""
@@ -85,7 +88,7 @@ def w12_add_residual(x: torch.Tensor, layer, residual: torch.Tensor, glu: bool =
     Args:
         x: ``[1, K]`` (``glu``: ``gate_up [1, 2K]``, the layer then multiplies ``silu(gate) · up``,
             :mod:`~specpilot.w12.swiglu`), bf16 / float32 on CUDA, float32 in the interpreter.
-        layer: the :class:`~specpilot.w12.gemm.W12Linear` ``[N, K]`` (o or down).
+        layer: the :class:`~specpilot.w12.linear.W12Linear` ``[N, K]`` (o or down).
         residual: ``[1, N]`` of x's dtype, the residual stream before the add (not modified).
         overrides: the GEMV's launch overrides (block_k, split_k, num_warps, fused_split, asm; not block_n, which
             fixes the tiles of the sums of squares at :data:`TILE`).
@@ -96,11 +99,9 @@ def w12_add_residual(x: torch.Tensor, layer, residual: torch.Tensor, glu: bool =
     why = _why_not(x, layer, glu) or _why_not_residual(residual, layer.out_features, x.dtype, x.device)
     if why is not None:
         raise W12GemmError(f"no fused residual add: {why}")
-    _check_overrides(overrides)
+    check_overrides(overrides)
     if overrides.get("block_n") not in (None, TILE):
         raise W12GemmError(f"the fused residual add runs in {TILE}-column tiles (block_n={overrides['block_n']})")
-    from specpilot.w12.gemv import w12_gemv
-
     n = layer.out_features
     sq = torch.empty(-(-n // TILE), dtype=torch.float32, device=x.device)
     out = w12_gemv(x, layer.w12(), layer.bias, layer.escapes(), overrides | {"lines": True, "block_n": TILE}, glu=glu,
@@ -117,7 +118,7 @@ def w12_norm_in(x: torch.Tensor, sq: torch.Tensor, weight: torch.Tensor, eps: fl
         sq: ``[P]`` float32, sums of squares of x's float32 values over tiles that cover the row once (any tiling;
             :func:`w12_add_residual` gives 16-column tiles); summed in a fixed order in the kernel.
         weight: ``[K]`` the norm's weight, x's dtype. eps: the norm's epsilon.
-        layer: the :class:`~specpilot.w12.gemm.W12Linear` ``[N, K]`` (qkv or gate_up).
+        layer: the :class:`~specpilot.w12.linear.W12Linear` ``[N, K]`` (qkv or gate_up).
         overrides: the GEMV's launch overrides (:func:`~specpilot.w12.gemm.w12_gemm` names).
     Returns: ``[1, N]`` in x's dtype: ``layer`` applied to ``weight · (x · rstd)`` rounded as
         :func:`~specpilot.kernels.fused.add_rmsnorm` rounds it, ``rstd = 1 / sqrt(Σ sq / K + eps)``.
@@ -135,9 +136,7 @@ def w12_norm_in(x: torch.Tensor, sq: torch.Tensor, weight: torch.Tensor, eps: fl
         why = f"eps must be a finite non-negative number, got {eps!r}"
     if why is not None:
         raise W12GemmError(f"no fused norm: {why}")
-    _check_overrides(overrides)
-    from specpilot.w12.gemv import w12_gemv
-
+    check_overrides(overrides)
     return w12_gemv(x, layer.w12(), layer.bias, layer.escapes(), overrides | {"lines": True},
                     norm=(weight, sq, float(eps)))
 

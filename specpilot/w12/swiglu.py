@@ -1,4 +1,4 @@
-"""SwiGLU computed inside the W12 down projection's activation load, at one row (§4.1, issue 5).
+"""SwiGLU computed inside the W12 down projection's activation load, at one row (§4.1).
 
 At one row the MLP ends with two launches: ``silu_mul`` (``gate_up [1, 2I]`` -> ``[1, I]``, ~1.2 µs on the H200)
 and the down projection's GEMV, which then reads the ``[1, I]`` product back. Owning the W12 GEMV, the engine can
@@ -25,7 +25,10 @@ from __future__ import annotations
 import torch
 
 from specpilot.kernels.fused import silu_mul_reference
-from specpilot.w12.gemm import W12GemmError, W12Linear, _check_overrides, one_row_gemv, triton
+from specpilot.w12.escapes import W12GemmError
+from specpilot.w12.gemv import triton, w12_gemv
+from specpilot.w12.launch import check_overrides, one_row_gemv
+from specpilot.w12.linear import W12Linear
 
 
 def _why_not(x, layer, glu: bool = True) -> str | None:
@@ -60,10 +63,10 @@ def _why_not(x, layer, glu: bool = True) -> str | None:
 
 def swiglu_fusable(gate_up: torch.Tensor, layer: torch.nn.Module) -> bool:
     """Whether :func:`w12_swiglu_down` can run ``layer(silu(gate) · up)`` for ``gate_up``: ``layer`` is a
-    :class:`~specpilot.w12.gemm.W12Linear` ``[N, K]`` whose kernel runs for this input (CUDA, or
+    :class:`~specpilot.w12.linear.W12Linear` ``[N, K]`` whose kernel runs for this input (CUDA, or
     ``use_kernel=True``: the Triton interpreter in tests), ``gate_up`` one contiguous dense row ``[1, 2K]`` on the
     layer's device (bfloat16 / float32 on CUDA, float32 in the interpreter), the bias (if any) ``[N]``, one row of
-    that weight goes to the GEMV (:func:`~specpilot.w12.gemm.one_row_gemv`). Raises nothing."""
+    that weight goes to the GEMV (:func:`~specpilot.w12.launch.one_row_gemv`). Raises nothing."""
     return _why_not(gate_up, layer) is None
 
 
@@ -71,7 +74,7 @@ def w12_swiglu_down(gate_up: torch.Tensor, layer: W12Linear, **overrides) -> tor
     """``layer(silu(gate) · up)`` for one row ``gate_up [1, 2K]`` (gate first, then up; bf16 on CUDA, float32 in
     the interpreter), ``layer`` the W12 down projection ``[N, K]``: one launch of the line-coalesced GEMV (two
     with split K and ``fused_split=False``) computing the SwiGLU in its activation load. ``overrides``: the GEMV's
-    launch overrides (block_n, block_k, split_k, num_warps, fused_split, asm; :func:`w12_gemm` names).
+    launch overrides (block_n, block_k, split_k, num_warps, fused_split, asm; :data:`~specpilot.w12.launch.OVERRIDES`).
 
     Returns: ``[1, N]`` in gate_up's dtype, bitwise ``layer(silu_mul(gate_up))`` with the same launch shape.
     Raises: W12GemmError when :func:`swiglu_fusable` is False (saying which condition failed), or on an unknown /
@@ -80,9 +83,7 @@ def w12_swiglu_down(gate_up: torch.Tensor, layer: W12Linear, **overrides) -> tor
     why = _why_not(gate_up, layer)
     if why is not None:
         raise W12GemmError(f"no fused SwiGLU: {why}")
-    _check_overrides(overrides)
-    from specpilot.w12.gemv import w12_gemv  # here, not at the top, as in w12_gemm
-
+    check_overrides(overrides)
     return w12_gemv(gate_up, layer.w12(), layer.bias, layer.escapes(), overrides | {"lines": True}, glu=True)
 
 

@@ -1,4 +1,4 @@
-"""Triton helpers shared by the W12 kernels (§4.1, issue 5): record words to decoded weights.
+"""Triton helpers shared by the W12 kernels (§4.1): record words to decoded weights.
 
 The records (:mod:`specpilot.w12.format`) are read as words: per row and group of 8 columns, one 64-bit
 word of views (byte i = column i) and one 32-bit word of nibbles (nibble i = column i), both contiguous in
@@ -14,7 +14,10 @@ cores); tested through both against :func:`~specpilot.w12.gemm.w12_gemm_referenc
 
 from __future__ import annotations
 
-from specpilot.w12.gemm import triton
+try:
+    import triton
+except ImportError:  # CPU installs without triton
+    triton = None
 
 #: runtime arguments of the word-reading kernels (``_w12_gemv_kernel``, ``_w12_mma_kernel``) and their Triton
 #: types with bf16 activations, for offline compiles (:mod:`specpilot.kernels.resources`)
@@ -153,7 +156,7 @@ if triton is not None:
         ``n0`` is a multiple of BLOCK_N and BLOCK_N divides 128, so the tile lies in one band: the band and the
         first row are scalars and a row's offset is ``scalar + 8 · i``. The compiler then addresses a thread's rows
         from one base register with immediate offsets (per-row 64-bit addresses took 64 registers a thread in the
-        one-row GEMV, session 12's offline SASS)."""
+        one-row GEMV's offline SASS)."""
         v0, q0 = _tile_words(n0, K_PAD)
         rows = tl.arange(0, BLOCK_N)
         row_v = v0 + rows * 8
