@@ -1,4 +1,4 @@
-"""Adversarial tests of the controller (§3.3, issue 6): cheating candidates on the bundled models (CPU,
+"""Adversarial tests of the controller (§3.3: an agent rewarded only for speed may cheat): cheating candidates on the bundled models (CPU,
 float32) go through the pilot's own path — Phase 0, then ``Controller.judge`` (paired run + token
 forcing + approval rule) — and must be rejected; A vs A is not approved, a real 2x is.
 
@@ -188,11 +188,13 @@ def test_bf16_verification_flips_only_near_ties_and_is_caught_by_the_rate_rule(p
 def test_pilot_adversarial_check_rejects_every_cheat_by_its_defence(p0, dep, reqs):
     """``pilot --adversarial``: A vs A and the six cheats of :func:`adversaries`, judged by the pilot's own
     method on the pilot's controller, are all rejected, each by the defence it targets."""
-    from specpilot.pilot.run import Pilot, PilotOptions
+    from specpilot.pilot.adversarial import check_adversaries
+    from specpilot.pilot.run import PilotOptions
+    from specpilot.pilot.state import Pilot
 
     pilot = Pilot(PilotOptions(target=bundled_target_dir(), drafter=bundled_drafter_dir(), adversarial=True))
     pilot.dep, pilot.reqs, pilot.controller = dep, reqs, p0.controller
-    rows = pilot.check_adversaries()
+    rows = check_adversaries(pilot)
     assert [r["name"] for r in rows] == ["A vs A", "cached outputs", "lazy outputs", "thread left running", "logit bias",
                                          "low-precision verification", "skipped verification"]
     for r in rows:
@@ -204,7 +206,9 @@ def test_pilot_adversarial_check_builds_in_process_when_candidates_run_in_worker
     """With ``--devices cpu,cpu`` the real candidates run in worker processes, but the cheats (and the A vs A
     control) are objects of this process: every factory handed to the controller must be callable here
     (on the H200 the control was handed a WorkerSystem and the run crashed)."""
-    from specpilot.pilot.run import Pilot, PilotOptions
+    from specpilot.pilot.adversarial import check_adversaries
+    from specpilot.pilot.run import PilotOptions
+    from specpilot.pilot.state import Pilot
 
     pilot = Pilot(PilotOptions(target=bundled_target_dir(), drafter=bundled_drafter_dir(), adversarial=True,
                                devices=("cpu", "cpu")))
@@ -221,7 +225,7 @@ def test_pilot_adversarial_check_builds_in_process_when_candidates_run_in_worker
                                    verdict=SimpleNamespace(approved=False, reason="rejected: stub", bar=0.01))
 
     pilot.dep, pilot.reqs, pilot.controller = dep, reqs, Judge()
-    rows = pilot.check_adversaries()
+    rows = check_adversaries(pilot)
     assert len(seen) == len(rows) == 7
 
 
@@ -233,8 +237,8 @@ def test_skipped_verification_on_a_flat_logit_bf16_target_is_rejected_by_both_ru
     """The regime where token forcing is weakest: random weights (flat logits) in bfloat16, where stock itself
     mismatches the scorer on near-ties (a random-weight 8B on the H200: ~10%). Here (tiny random target,
     bf16 on the CPU) stock mismatches 0.43%; the skipped-verification cheat 3.73% with one event of 0.81
-    nats (6.5δ). Both rules must fire. Session 7 loosened them on the H200 (an exact count test for events,
-    a cluster-robust allowance) and the cheat was approved there; under those rules this event alone (one
+    nats (6.5δ). Both rules must fire. Looser rules tried on the H200 (an exact count test for events, a
+    cluster-robust allowance) approved the cheat there; under those rules this event alone (one
     against stock's none, p = 0.5) would not have been an event failure."""
     import random as _random
 

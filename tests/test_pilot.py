@@ -64,13 +64,21 @@ def test_replay_tau_equals_live_tau(dep, reqs, cfg):
     assert tau == pytest.approx(sum(sum(g.accepted) for g in gens) / live_steps)
 
 
-def test_pilot_end_to_end_tiny_plan(tmp_path):
+def test_pilot_end_to_end_tiny_plan(tmp_path, capsys):
     from specpilot.pilot.run import PilotOptions, run_pilot
 
     out = tmp_path / "report"
     opts = PilotOptions(target=bundled_target_dir(), drafter=bundled_drafter_dir(), out=out, quick=True,
-                        overrides={"per_benchmark": 2, "max_new_tokens": 24, "rounds": 1, "candidates": 1, "depth_max": 6})
+                        overrides={"per_benchmark": 2, "max_new_tokens": 24, "rounds": 1, "candidates": 1, "depth_max": 6,
+                                   "benchmarks": None})
     rep = run_pilot(opts)
+    err = capsys.readouterr().err  # the expected duration is said before Phase 0, the actual one at the end
+    assert err.index("expected duration") < err.index("phase 0") and "--quick sized to fit 3 min" in err
+    assert "done took " in err and "(expected " in err
+    d = rep["duration"]  # the estimate and the wall time, per phase, to compare
+    assert d["estimate_s"] > 0 and d["actual_s"] > 0 and d["plan_changes"] == []  # every size was given
+    assert set(d["estimate_by_phase_s"]) == set(d["actual_by_phase_s"])
+    assert d["actual_s"] == pytest.approx(sum(d["actual_by_phase_s"].values()), rel=0.01)
     for f in ("report.md", "report.json", "system.json", "tau_vs_n.png", "c_vs_n.png", "ceiling.png"):
         assert (out / f).is_file(), f
     data = json.loads((out / "report.json").read_text())
@@ -115,14 +123,16 @@ def test_pilot_end_to_end_tiny_plan(tmp_path):
 
 def test_scorer_dtype_float32_loads_an_unrounded_copy(tmp_path):
     from specpilot.model.checkpoint import load_model
-    from specpilot.pilot.run import Pilot, PilotOptions
+    from specpilot.pilot.phase0 import scorer_model
+    from specpilot.pilot.run import PilotOptions
+    from specpilot.pilot.state import Pilot
 
     kw = dict(target=bundled_target_dir(), drafter=None, out=tmp_path / "r", dtype="bfloat16")
     same = Pilot(PilotOptions(**kw))
-    assert same.scorer_model() is same.dep.target  # default: the deployment's own target (§3.4)
-    assert Pilot(PilotOptions(**kw, scorer_dtype="bfloat16")).scorer_model() is not None
+    assert scorer_model(same) is same.dep.target  # default: the deployment's own target (§3.4)
+    assert scorer_model(Pilot(PilotOptions(**kw, scorer_dtype="bfloat16"))) is not None
     p = Pilot(PilotOptions(**kw, scorer_dtype="float32"))
-    m = p.scorer_model()
+    m = scorer_model(p)
     assert m.dtype == torch.float32 and p.dep.target.dtype == torch.bfloat16
     ref = load_model(bundled_target_dir(), "float32", "cpu")
     ids = list(range(5, 40))

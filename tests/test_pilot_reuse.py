@@ -18,6 +18,8 @@ import torch
 
 from specpilot.pilot import run as pilot_run
 from specpilot.pilot.memory import Entry, Evidence, Memory
+from specpilot.pilot.phase0 import clear_old_memory
+from specpilot.pilot.state import Pilot
 from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
 
 PLAN = {"per_benchmark": 2, "max_new_tokens": 16, "candidates": 1, "depth_max": 6}
@@ -25,14 +27,14 @@ PLAN = {"per_benchmark": 2, "max_new_tokens": 16, "candidates": 1, "depth_max": 
 
 @pytest.fixture
 def approve_all(monkeypatch):
-    real = pilot_run.Pilot.judge
+    real = Pilot.judge
 
     def judge(self, a, b, label):
         j = real(self, a, b, label)
         v = dataclasses.replace(j.verdict, approved=True, reason="approved: decision pinned by the test")
         return dataclasses.replace(j, verdict=v)
 
-    monkeypatch.setattr(pilot_run.Pilot, "judge", judge)
+    monkeypatch.setattr(Pilot, "judge", judge)
 
 
 def test_second_run_reports_first_runs_memory_as_reused(tmp_path, approve_all):
@@ -83,20 +85,19 @@ def test_rerun_into_the_same_out_replaces_the_old_memory_and_refuses_it_as_sourc
     stale = out / "memory" / "r1-old-entry"
     stale.mkdir(parents=True)
     (stale / "entry.json").write_text("{}")
-    mine = out / "memory" / "my_notes"  # fresh-user run 16: a user's folder there was deleted as an "entry"
+    mine = out / "memory" / "my_notes"  # a user's folder there was once deleted as an "entry"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me\n")
     (out / "memory" / "README").write_text("mine too\n")
     opts = pilot_run.PilotOptions(target=bundled_target_dir(), drafter=bundled_drafter_dir(), out=out)
-    pilot = pilot_run.Pilot(opts)
-    pilot.clear_old_memory()
+    clear_old_memory(Pilot(opts))
     assert not stale.exists()
     assert (mine / "notes.txt").read_text() == "keep me\n" and (out / "memory" / "README").read_text() == "mine too\n"
     assert sorted(p.name for p in (out / "memory").iterdir()) == ["README", "my_notes"]
     stale.mkdir(parents=True)
     (stale / "entry.json").write_text("{}")
     with pytest.raises(SpecPilotError, match="own output"):
-        pilot_run.Pilot(dataclasses.replace(opts, memory=out / "memory"))
+        Pilot(dataclasses.replace(opts, memory=out / "memory"))
 
 
 def test_memory_whose_every_entry_is_broken_is_refused_before_phase0(tmp_path, monkeypatch, capsys):

@@ -71,7 +71,7 @@ def test_report_flags_a_sealed_system_slower_than_ar_and_estimator_gaps(tmp_path
     assert "Round 0 judges AR only when" in md
     write_report(tmp_path / "r0", {"speedup_vs_ar": 0.99, "speedup_ci_low": 0.89, "sigma": 0.079,
                                    "rounds": [{"round": 0, "approved": None}], "sealed_label": "draft_model/chain N=6"})
-    md = (tmp_path / "r0" / "report.md").read_text()  # fresh-user run 17: round 0 did judge AR, below a 17% bar
+    md = (tmp_path / "r0" / "report.md").read_text()  # round 0 did judge AR, below a 17% bar
     assert "Round 0 judged AR against stock and did not approve it" in md and "σ = 7.9%" in md
     assert "only when stock loses" not in md
     write_report(tmp_path / "ar", {"speedup_vs_ar": 0.98, "speedup_ci_low": 0.96, "sealed_label": "AR"})
@@ -82,7 +82,7 @@ def test_report_flags_a_sealed_system_slower_than_ar_and_estimator_gaps(tmp_path
     assert "slower than AR" not in md and "differ by" not in md and "stock itself" not in md
     write_report(tmp_path / "st", {"speedup_vs_ar": 1.3, "speedup_vs_stock": 1.016, "speedup_vs_stock_ci_low": 1.003,
                                    "sealed_label": "ngram/chain N=3", "stock_label": "ngram/chain N=3"})
-    md = (tmp_path / "st" / "report.md").read_text()  # fresh-user run 17: a seal that is stock read 1.016x stock
+    md = (tmp_path / "st" / "report.md").read_text()  # a seal that is stock read 1.016x stock
     assert "sealed system is stock itself" in md and "1.003" in md and "run-to-run noise" in md
 
 
@@ -103,3 +103,16 @@ def test_report_flags_a_seal_that_failed_token_forcing(tmp_path):
                                                                  "reaudit_float32_command": cmd}}, {})
     head = (tmp_path / "bf16" / "report.md").read_text().split("## Ceiling")[0]
     assert "The scorer ran in bfloat16" in head and f"against a float32 scorer: `{cmd}`" in head
+
+
+def test_duration_line_compares_the_estimate_with_the_wall_time(tmp_path):
+    """report.md says how long the run took against the estimate printed before Phase 0, per phase."""
+    d = {"estimate_s": 150.0, "actual_s": 171.0, "target_s": 180.0, "plan_changes": ["max_new_tokens 32 -> 16"],
+         "estimate_by_phase_s": {"setup": 10.0, "phase0": 40.0, "seal": 100.0},
+         "actual_by_phase_s": {"setup": 10.0, "phase0": 45.0, "seal": 116.0}}
+    write_report(tmp_path / "d", {**REPORT, "duration": d}, {})
+    md = (tmp_path / "d" / "report.md").read_text()
+    assert ("Duration: 2.9 min, expected 2.5 min before Phase 0 (per phase, actual (expected): setup 10 s (10), "
+            "phase0 45 s (40), seal 116 s (100)); --quick plan: max_new_tokens 32 -> 16") in md
+    write_report(tmp_path / "n", REPORT, {})
+    assert "Duration:" not in (tmp_path / "n" / "report.md").read_text()  # no duration in the report: no line

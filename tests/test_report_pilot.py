@@ -12,12 +12,14 @@ from specpilot.config import SystemConfig
 from specpilot.spec.ngram import NgramDrafter
 from specpilot.engine.types import Generation
 from specpilot.pilot import controller as ctl
+from specpilot.pilot.ceiling import tree_tau_best
 from specpilot.pilot.memory import Entry, Evidence
 from specpilot.pilot.planner import Planner
 from specpilot.pilot.replay import record
-from specpilot.pilot.report import ceiling_rows, write_report
+from specpilot.pilot.report import write_report
+from specpilot.pilot.report_plots import ceiling_rows
 from specpilot.pilot.reuse import neighbourhood, patch_status
-from specpilot.pilot.run import benchmark_table, tree_tau_best
+from specpilot.pilot.seal import benchmark_table
 from specpilot.pilot.setup import choose_threads
 from specpilot.pilot.steps import StepRecorder, c_of, interleaved_steps, step_stats
 

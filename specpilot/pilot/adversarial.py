@@ -165,8 +165,8 @@ class Adversary:
 
 
 def adversaries(dep, stock: SystemConfig, stop: threading.Event) -> list[Adversary]:
-    """The five kinds of cheat of issue 6 (cached outputs, work outside the timed region, a logit bias,
-    low-precision verification, skipped verification), each built on ``stock`` of deployment ``dep``
+    """The five kinds of cheat the controller and token forcing must reject (cached outputs, work outside the
+    timed region, a logit bias, low-precision verification, skipped verification), each built on ``stock`` of deployment ``dep``
     (a :class:`~specpilot.engine.deployment.Deployment`). ``stop`` ends the saboteur's thread.
 
     Where a cheat would lose on speed anyway (it does the incumbent's work, plus a defect), A does its
@@ -196,3 +196,37 @@ def adversaries(dep, stock: SystemConfig, stop: threading.Event) -> list[Adversa
         Adversary("skipped verification", "every 2nd exact pass accepts the drafted chain unverified",
                   "token forcing", slow, skip, "token forcing failed"),
     ]
+
+
+def check_adversaries(pilot) -> list[dict]:
+    """``pilot --adversarial``: judge A vs A and every cheat of :func:`adversaries` (built on stock) through
+    the run's controller and token forcing, as any candidate (§3.3, §3.4), in this process (the cheats are
+    objects here, whatever the executor of the real candidates).
+
+    Args:
+        pilot: the run's :class:`~specpilot.pilot.state.Pilot` after Phase 0 (``dep``, ``stock``, ``reqs``,
+            ``controller``).
+    Returns:
+        One row each: verdict, reason, and whether the expected defence is what rejected it
+        (``defence_fired``).
+    """
+    stop = threading.Event()
+    control = Adversary("A vs A", "stock against itself (a control: never approved)", "approval bar",
+                        lambda: pilot.dep.system(pilot.stock), lambda: pilot.dep.system(pilot.stock), "below the bar")
+    rows = []
+    try:
+        for adv in [control] + adversaries(pilot.dep, pilot.stock, stop):
+            bar, advance = pilot.progress(f"adversarial: {adv.name}", 4 * len(pilot.reqs))
+            with bar:
+                j = pilot.controller.judge(adv.make_a, adv.make_b, pilot.reqs, progress=advance)
+            v = j.verdict
+            fired = (not v.approved) and adv.reason_has in v.reason
+            pilot.say("adversarial", ("[green]rejected[/]" if not v.approved else "[red bold]APPROVED[/]")
+                      + f" {adv.name}: {v.reason}" + ("" if fired else f" [yellow](expected: {adv.defence})[/]"))
+            rows.append({"name": adv.name, "cheat": adv.cheat, "defence": adv.defence, "gain": j.run.gain,
+                         "lower_bound": j.run.lower_bound, "bar": v.bar, "outputs_differ": j.run.outputs_differ,
+                         "forcing_passed": j.forcing_passed, "forcing_reasons": list(j.forcing_reasons),
+                         "approved": v.approved, "reason": v.reason, "defence_fired": fired})
+    finally:
+        stop.set()
+    return rows

@@ -31,7 +31,6 @@ called per round (no per-direction sub-agents on several devices yet).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import math
 import queue
 import shutil
 from dataclasses import dataclass, field

@@ -117,7 +117,7 @@ def retune(pilot, cfg: SystemConfig, inc_m: dict) -> tuple[SystemConfig, dict]:
     figures ``{tau, c, speedup, c_screened, speedup_screened, variants}`` (τ: replay when available,
     else live; c: T_step / T_AR from one interleaved measurement)."""
     preds = []
-    for c in neighbourhood(cfg, pilot.o.plan["depth_max"]):
+    for c in neighbourhood(cfg, pilot.plan["depth_max"]):
         p = pilot.planner.predict(c)
         preds.append((c, p))
     ranked = [cfg] + [c for c, p in sorted((cp for cp in preds if cp[1] is not None), key=lambda cp: -cp[1].speedup)

@@ -1,4 +1,4 @@
-"""Pilot setup: the request set, torch thread count, exact-pass timing by rows, versions and commit."""
+"""Pilot setup helpers: the request set, the torch thread count, exact-pass timing by rows."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 
 from specpilot.data.benchmarks import load_mix
 from specpilot.errors import SpecPilotError
-from specpilot.provenance import git_commit, versions  # noqa: F401  (used by the pilot)
 from specpilot.pilot.controller import Req
 
 

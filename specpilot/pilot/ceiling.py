@@ -1,0 +1,79 @@
+"""The ceiling of a system on this deployment (paper §3.2): tree × kernel × outside-profile factors.
+
+:func:`ceiling` measures the system's decode steps interleaved with AR, profiles the same requests by kernel
+class, counts each class's FLOPs and bytes for the byte floor, and takes τ_best from exact replay
+(:func:`tree_tau_best`). Each round attacks the largest factor; the seal reports the sealed system's.
+"""
+
+from __future__ import annotations
+
+from specpilot.config import SystemConfig
+from specpilot.pilot.costmodel import Ceiling, build_ceiling, step_counts
+from specpilot.pilot.profiler import StepProfiler
+from specpilot.pilot.replay import replay
+from specpilot.pilot.state import Pilot
+
+
+def ceiling(pilot: Pilot, cfg: SystemConfig) -> tuple[Ceiling, dict]:
+    """Profile ``cfg``'s decode steps by kernel class and assemble its ceiling (§3.2); T_step and T_AR
+    come from one interleaved measurement. Sets ``pilot.tau_best_source``.
+
+    Returns:
+        (:class:`Ceiling`, :meth:`Pilot.measure` dict of the same requests).
+    """
+    m = pilot.measure(cfg, n=4)
+    eng, prof = pilot.engine(cfg), StepProfiler(pilot.o.device)
+    target = pilot.dep.target
+    steps, prefix = 0, []
+    for req in pilot.spread(4):  # the same requests as the unprofiled step time above
+        g = eng.generate(list(req.prompt_ids), req.max_new_tokens, prof=prof)
+        steps += g.steps
+        prefix.append(len(req.prompt_ids) + len(g.tokens) // 2)
+    totals = prof.calibrated_totals_ms()  # less the profiler's own per-region cost
+    if "exact_pass" in totals:  # one graph replay per step: split by the pass's kernel classes
+        exact = totals.pop("exact_pass")
+        if target.device.type == "cuda":
+            from specpilot.pilot.kernel_profile import pass_class_fractions
+
+            rows = min(max(1, round(m["rows"])), 256)
+            fractions = pass_class_fractions(target, rows, int(sum(prefix) / len(prefix)))
+        else:
+            fractions = {"other": 1.0}
+        for k, f in fractions.items():
+            totals[k] = totals.get(k, 0.0) + exact * f
+    d_args = pilot.dep.draft_model.args if cfg.drafter == "draft_model" else None
+    counts = step_counts(target.args, max(1, round(m["rows"])), int(sum(prefix) / len(prefix)),
+                         target.dtype.itemsize, drafter_args=d_args, drafter_passes=cfg.depth)
+    tau_best, pilot.tau_best_source = tree_tau_best(pilot.planner, cfg, m["tau"], pilot.stock.nodes)
+    ceil = build_ceiling(totals, counts, pilot.peaks, m["step_ms"], m["tau"], tau_best, steps=max(steps, 1),
+                         ar_ms=m["ar_step_ms"], rows=round(m["rows"]))
+    return ceil, m
+
+
+def tree_tau_best(planner, cfg: SystemConfig, tau: float, ar_nodes: int) -> tuple[float, str]:
+    """τ_best of the ceiling's tree factor (§3.2): the top-K oracle's τ (exact replay, §2.4) and its source.
+
+    A speculative ``cfg``: the oracle of its own drafter at its N (block drafters matched by checkpoint). AR
+    (drafter ``none``, its own oracle is 1): the best oracle over every recorded drafter at ``ar_nodes``
+    nodes (the stock budget), so a round after "speculation off" still sees the speculation headroom.
+
+    Args:
+        planner: :class:`Planner` holding the recordings. tau: measured τ of ``cfg`` (τ_best is at least it).
+    Returns:
+        ``(tau_best, source)``.
+    """
+    if cfg.drafter == "none":
+        best, src = tau, "AR: no drafter recorded"
+        for (kind, k), rec in planner.recordings.items():
+            probe = cfg.model_copy(update={"nodes": ar_nodes, "depth": rec.depth, "top_k": k})
+            t = replay(rec, probe, policy="oracle")[0]
+            if t > best:
+                best, src = t, f"AR incumbent: best recorded drafter's oracle ({kind}, top-{k}, N={ar_nodes})"
+        return best, src
+    if cfg.drafter == "block":
+        t = max([replay(rec, cfg.model_copy(update={"depth": rec.depth, "top_k": k}), policy="oracle")[0]
+                 for (kind, k), rec in planner.recordings.items()
+                 if kind.startswith("block") and rec.drafter_path == cfg.drafter_path] or [0.0])
+    else:
+        t = planner.oracle_tau(cfg)
+    return max(t, tau), f"{cfg.drafter} oracle at N={cfg.nodes}"

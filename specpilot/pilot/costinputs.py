@@ -1,0 +1,94 @@
+"""The cost model's inputs (paper §3.2): T_AR, pass time by rows, and lattices recorded for exact replay.
+
+After Phase 0 the pilot measures AR interleaved with stock (one source of truth for T_AR, :mod:`.steps`),
+the exact pass's time by row count right after, and records every drafter's lattices along AR's outputs
+(n-gram at top-1/2/4/8, the draft model, each block drafter at its full block) so the planner can replay
+any tree over them (§2.4). From these it builds the :class:`~specpilot.pilot.planner.Planner` and the
+report's c(N) and τ(N) curves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specpilot.config import SystemConfig
+from specpilot.pilot.phase0 import Phase0Result
+from specpilot.pilot.planner import Planner
+from specpilot.pilot.replay import record
+from specpilot.pilot.setup import measure_verify_ms
+from specpilot.pilot.state import Pilot
+
+#: Row counts whose exact-pass time the cost model measures (c(N) curve, planner).
+VERIFY_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+@dataclass
+class CostInputs:
+    """The report's ``cost_inputs`` (T_AR, stock's step figures, pass ms by rows, source), ``c_curve``
+    (``{N: c}``) and ``tau_curve`` (``{drafter/builder: {N: τ}}``)."""
+
+    report: dict
+    c_curve: dict
+    tau_curve: dict
+
+
+def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
+    """Measure T_AR and stock's step, pass time by rows, record the drafters' lattices along AR's Phase 0
+    outputs, and set ``pilot.planner`` (§3.2). Appends stock's measured c to ``pilot.c_measured``."""
+    dep, depth_max = pilot.dep, pilot.plan["depth_max"]
+    base_m = pilot.measure(pilot.stock, n=4)
+    verify_ms = measure_verify_ms(dep.target, prefix_len=200, rows=VERIFY_ROWS,
+                                  static=torch.device(dep.device).type == "cuda")  # as the engine runs there
+    report = {"ar_step_ms": base_m["ar_step_ms"], "stock": base_m, "verify_ms": verify_ms,
+              "source": "AR and stock interleaved on 4 requests (decode steps, prefill excluded); "
+                        "pass times by rows measured right after"}
+    pilot.c_measured.append({"label": f"stock {pilot.stock.label()}", "N": base_m["rows"] - 1, "c": base_m["c"],
+                             "source": "cost-model inputs"})
+    prompts, ar_out = p0.prompts, p0.ar_outputs
+    recs = {}
+    for k in (1, 2, 4, 8):
+        ngram = dep.system(SystemConfig(drafter="ngram", top_k=k, depth=depth_max, nodes=depth_max)).drafter
+        recs[("ngram", k)] = record(ngram, prompts, ar_out, depth_max, k)
+    if dep.draft_model is not None:
+        pilot.say("cost model", "recording draft-model lattices along the AR outputs (exact replay)")
+        dm = dep.system(SystemConfig(drafter="draft_model", top_k=8, depth=depth_max, nodes=depth_max)).drafter
+        recs[("draft_model", 8)] = record(dm, prompts, ar_out, depth_max, 8)
+    for bd in dep.block_dirs:  # block drafters (--block), recorded at their full block for replay
+        pilot.say("cost model", f"recording block-drafter lattices of {bd} (exact replay)")
+        bdr = dep.system(SystemConfig(drafter="block", drafter_path=str(bd), top_k=16)).drafter
+        recs[(f"block:{bd}", 16)] = record(bdr, prompts, ar_out, bdr.cfg.block_size, 16, target=dep.target)
+        recs[(f"block:{bd}", 16)].drafter_path = str(bd)
+    pilot.planner = Planner(recs, verify_ms, base_m["ar_step_ms"], device=pilot.o.device)
+    return CostInputs(report, c_model_curve(pilot.planner, verify_ms), tau_curves(pilot))
+
+
+def c_model_curve(planner: Planner, verify_ms: dict) -> dict:
+    """c(N) of the cost model without drafting: (T_AR − T_pass(1) + T_pass(N+1)) / T_AR, i.e. an AR step
+    with its one-row pass replaced by an (N+1)-row pass; c(0) = 1 by construction (same T_AR as the
+    planner)."""
+    ar = planner.ar_ms
+    return {0: 1.0, **{r - 1: (planner.overhead_ms + ms) / ar for r, ms in sorted(verify_ms.items()) if r > 1}}
+
+
+def tau_curves(pilot: Pilot) -> dict:
+    """τ vs N by exact replay, per tree builder, for the deployment's drafter (report plot)."""
+    out = {}
+    kind = pilot.drafter_kind
+    k = 8 if kind == "draft_model" else 4
+    depth = pilot.plan["depth_max"]
+    for builder in ("chain", "best_first", "oracle"):
+        curve = {}
+        for n in (1, 2, 4, 6, 8, 12, 16, 24, 32):
+            if builder == "chain" and n > depth:
+                continue
+            cfg = SystemConfig(drafter=kind, tree="chain" if builder == "chain" else "best_first", nodes=n,
+                               depth=min(n, depth) if builder == "chain" else depth, top_k=1 if builder == "chain" else k)
+            if builder == "oracle":
+                curve[n] = pilot.planner.oracle_tau(cfg)
+            else:
+                p = pilot.planner.predict(cfg)
+                curve[n] = p.tau if p else None
+        out[f"{kind}/{builder}"] = curve
+    return out
