@@ -78,7 +78,7 @@ def test_reproduction_check(mem, tmp_path):
 
 
 def test_entries_missing_their_metadata_or_misnamed_are_corrupted(tmp_path):
-    """Fresh-user finding: an entry dir without entry.json vanished from list/check (0 of 0 passed), and an
+    """An entry dir without entry.json vanished from list/check (0 of 0 passed), and an
     entry whose id differs from its directory passed check yet could not be shown or reused."""
     m = Memory(tmp_path)
     m.add(entry("a", {"nodes": 8}))
@@ -244,7 +244,8 @@ def test_memory_cli_errors(monkeypatch, capsys, tmp_path, args, needle):
 
 
 def test_legacy_entry_with_inline_delta_is_read_as_config(tmp_path):
-    """Entries written before the directory layout of issue 6 kept the config delta inside entry.json."""
+    """Entries written before the one-directory-per-entry layout (delta.json beside entry.json) kept the config
+    delta inside entry.json: they are still read, as config entries."""
     tree = STOCK.apply({"tree": "best_first", "top_k": 4})
     d = tmp_path / "mem" / "old"
     d.mkdir(parents=True)
@@ -261,7 +262,7 @@ def test_legacy_entry_with_inline_delta_is_read_as_config(tmp_path):
 
 
 def test_a_delta_that_does_not_apply_names_its_fields(tmp_path):
-    """Tenth fresh-user run: a bad delta said only '1 validation error for SystemConfig'."""
+    """A bad delta must name its fields (it once said only '1 validation error for SystemConfig')."""
     m = Memory(tmp_path / "memory")
     m.add(entry("bad", {"nodes": -4, "bogus": 1}))
     with pytest.raises(MemoryEntryError, match=r"delta does not apply: nodes: .*greater than or equal to 1; bogus: Extra"):

@@ -53,7 +53,7 @@ def test_kernel_direction_on_an_ar_incumbent():
 
 def test_tree_direction_has_no_equivalent_duplicates():
     """A best-first tree of N nodes is at most N deep, so (N, D > N) is the system (N, N): the planner must not
-    propose both (a fresh-user run judged N=4 with D=4, 8 and 10 as three candidates)."""
+    propose both (otherwise N=4 with D=4, 8 and 10 are judged as three candidates)."""
     p = planner("cpu")
     stock = SystemConfig.stock("ngram")
     space = [c for c in p.space(stock, "tree") if c.tree == "best_first"]

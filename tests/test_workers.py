@@ -1,4 +1,5 @@
-"""Worker processes and the external agent (§3.3, issue 6): systems built and timed in separate processes
+"""Worker processes and the external agent (§3.3; candidate code must never run in the controller's
+process): systems built and timed in separate processes
 (one device A B B A, two devices swapped), clean errors when a worker fails, and ``--agent`` patches going
 through the same controller and token forcing (scripted agent: tests/agents/scripted_agent.py)."""
 
@@ -263,6 +264,18 @@ def test_agent_patch_approved_and_reproduced_by_memory_check(p0, spec, reqs, tmp
     mem.add(res.entry)
     code, out, _ = run_cli(monkeypatch, capsys, "memory", "check", str(tmp_path / "memory"), "--json")
     assert code == 0 and [r["status"] for r in __import__("json").loads(out)] == ["reproduced", "reproduced"]
+
+
+def test_agent_allowlist_is_the_package_layout_never_the_pilot():
+    """An agent may patch the engine, the model, the drafters / lattices / trees, W12, the certified head and the
+    shared kernels (every one a directory of the package), never the pilot (controller, forcing, workers, memory)."""
+    import specpilot
+    from specpilot.pilot.agent import ALLOWED, FORBIDDEN
+
+    root = Path(specpilot.__file__).parents[1]
+    assert set(ALLOWED) == {f"specpilot/{d}/" for d in ("engine", "model", "spec", "w12", "head", "kernels")}
+    assert all((root / p).is_dir() for p in ALLOWED), [p for p in ALLOWED if not (root / p).is_dir()]
+    assert FORBIDDEN == ("specpilot/pilot/",) and not any(p.startswith(FORBIDDEN) for p in ALLOWED)
 
 
 @pytest.mark.parametrize("mode, timeout, reason", [

@@ -26,8 +26,10 @@ from typing import Sequence
 
 from specpilot.errors import SpecPilotError
 
-#: directories an agent's patch may change (prefixes of repository paths)
-ALLOWED = ("specpilot/kernels/", "specpilot/spec/", "specpilot/spec/", "specpilot/engine/")
+#: Directories an agent's patch may change (prefixes of repository paths): the engine, the model, the drafters,
+#: lattices and trees, W12, the certified head and the shared kernels. Never the pilot (:data:`FORBIDDEN`).
+ALLOWED = ("specpilot/engine/", "specpilot/model/", "specpilot/spec/", "specpilot/w12/", "specpilot/head/",
+           "specpilot/kernels/")
 FORBIDDEN = ("specpilot/pilot/",)
 
 

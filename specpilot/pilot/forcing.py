@@ -229,7 +229,7 @@ def mismatch_allowance(system: ForcingStats, stock: ForcingStats) -> float:
     itself (A vs A: 11.11% vs 10.59%) and AR. Large mismatches stay judged by the second rule (events), which
     has no allowance.
 
-    Looser rules were tried and withdrawn (session 7, docs/NOTES.md): an allowance from the difference's
+    Looser rules were tried and withdrawn (docs/NOTES.md): an allowance from the difference's
     cluster-robust error over requests plus an exact count test for events let the ``skipped verification``
     cheat through on a random-weight 8B on the H200 (approved at gain 2.01). On flat logits the audit's power is
     low; the rules stay strict and err toward rejecting a lossless system, never toward passing a lossy one."""

@@ -1,9 +1,11 @@
-"""GPU kernel time by kernel class, from the PyTorch profiler (issue 4 item 4, paper §3.2).
+"""GPU kernel time by kernel class, from the PyTorch profiler (paper §3.2: the kernel factor needs
+time per kernel class, which a replayed CUDA graph hides from Python timers).
 
 Inside a replayed CUDA graph there are no Python regions to time, so on the GPU the step is profiled
 by kernel: every CUDA kernel the profiler records is put in a class by its name
 (:func:`kernel_class`), and the step's wall time is compared with the sum of its kernels' times
-(``wall_over_kernels``: 1.0 means no launch gaps or host stalls; issue 4 asks ≤ 1.05).
+(``wall_over_kernels``: 1.0 means no launch gaps or host stalls; above about 1.05 the step loses
+time outside its kernels, which the outside-profile factor should show).
 
 The LM head is a GEMM like the projections; it is told apart by position: the GEMMs between the final
 norm and the argmax of a pass.

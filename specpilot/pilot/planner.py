@@ -25,7 +25,7 @@ TOP_K = (2, 4, 8)
 DEPTH = (3, 4, 6, 8, 10)
 #: Kernel mechanisms (§4.1) the planner toggles in the ``kernel`` direction (SystemConfig bool fields).
 KERNEL_MECHANISMS = ("w12", "lm_head_int8")
-#: Block drafters (issue 3): block sizes (lattice depth) and builders the planner proposes.
+#: Block drafters (DFlash-style, ``--block``): block sizes (lattice depth) and builders the planner proposes.
 BLOCK_DEPTH = (8, 12, 16)
 BLOCK_TREES = ("chain", "best_first", "ddtree_marginal", "eagle2_topk")
 
@@ -138,7 +138,7 @@ class Planner:
                         out.append(incumbent.model_copy(update={**base, "tree": tree, "nodes": n}))
             for d, n, k, dep in itertools.product(drafters, NODES, TOP_K, DEPTH):
                 # a best-first tree of n nodes is at most n deep: depth > n is the same system as depth n
-                # (the fresh-user run judged N=4 with D=4, 8 and 10 as three candidates), so cap it
+                # (uncapped, N=4 with D=4, 8 and 10 were judged as three candidates), so cap it
                 out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": None, "tree": "best_first",
                                                         "nodes": n, "top_k": k, "depth": min(dep, n)}))
             for d, dep in itertools.product(drafters, DEPTH):

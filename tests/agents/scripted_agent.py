@@ -1,4 +1,4 @@
-"""A scripted stand-in for an external coding agent (tests of ``--agent``, issue 6): it reads nothing but
+"""A scripted stand-in for an external coding agent (tests of ``--agent``): it reads nothing but
 its mode, edits the worktree it is given and exits. Usage: ``scripted_agent.py MODE BRIEF WORKTREE``.
 
 Modes: ``unslow`` removes the lines marked ``SPECPILOT-TEST-SLEEP`` (a planted slowdown of the incumbent's
