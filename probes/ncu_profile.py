@@ -106,7 +106,7 @@ def run_case(case: str) -> None:
         h = torch.randn(1, k, generator=g, device=dev).to(torch.bfloat16)
         if case == "head-int8-1":
             kern = CertifiedInt8Head(w, use_kernel=True).kernel()
-            fn = lambda: kern(h, packed=True)  # noqa: E731
+            fn = lambda: kern(h)  # noqa: E731
         else:
             fn = lambda: F.linear(h, w).argmax(-1)  # noqa: E731
     else:

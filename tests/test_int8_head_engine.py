@@ -82,54 +82,55 @@ def test_tiny_random_model_kernel_path(tiny_dirs, buckets):
     assert head.stats.calls > 0 and head.kernel() is not None
 
 
-def test_packed_graph_path_settles_flagged_rows(tiny_dirs):
-    """The CUDA-graph form (packed tokens, flagged rows >= V settled from the pass's static hidden states by
-    the full head), forced on the CPU with a kernel that flags every row: outputs must not change."""
+def test_flagged_graph_path_settles_flagged_rows(tiny_dirs):
+    """The CUDA-graph form (``argmax_flagged``: ids and ``needs_full_head``; flagged rows settled from the pass's
+    static hidden states by the full head), forced on the CPU with a kernel that flags every row and guesses token 0:
+    outputs must not change."""
     target, drafter = load_model(tiny_dirs[0]), load_model(tiny_dirs[1])
     head = CertifiedInt8Head(target.lm_head.weight, use_kernel=False)
     calls = []
 
-    v = target.args.vocab_size
-
     class Flagging:  # a Triton path that never certifies a row and guesses token 0
-        def __call__(self, h, packed=False):
+        def __call__(self, h):
             calls.append(h.shape[0])
-            tok, ok = torch.zeros(h.shape[0], dtype=torch.long), torch.zeros(h.shape[0], dtype=torch.bool)
-            return tok + v if packed else (tok, ok)
+            return torch.zeros(h.shape[0], dtype=torch.long), torch.zeros(h.shape[0], dtype=torch.bool)
 
     head.kernel = lambda: Flagging()
     t8 = with_int8_head(target, head)
     cfg = SystemConfig(drafter="draft_model", tree="best_first", nodes=6, depth=3, top_k=2, lm_head_int8=True)
     for p in random_prompts(2, 64, length=8, seed=37):
         eng = Engine(t8, cfg, DraftModelDrafter(drafter, 2), eos_ids=[], buckets=True)
-        eng.runner.packed = True
+        eng.runner.head_flags = True
         plain = Engine(target, SystemConfig.ar(), None, eos_ids=[]).generate(p, 8).tokens
         assert eng.generate(p, 8).tokens == plain
-    assert calls and set(calls) <= {1, 2, 4, 8}  # bucket-padded passes went through the packed head
+        flags = eng.runner.needs_full_head()  # the last pass's rows, every one flagged
+        assert flags and all(flags)
+    assert calls and set(calls) <= {1, 2, 4, 8}  # bucket-padded passes went through the flagged head
 
 
 @pytest.mark.parametrize("flag_every", [1, 3])
-def test_pipelined_ar_with_packed_head_redoes_flagged_steps(tiny_dirs, flag_every):
-    """Pipelined AR (steps queued ahead on device-fed tokens) with the packed INT8 head, forced on the CPU
-    with a kernel that flags every row (or every third call, else certifies the true argmax): a flagged
-    step is redone and settled by the full head, so the output is the plain model's AR exactly."""
+def test_pipelined_ar_with_flagged_head_redoes_flagged_steps(tiny_dirs, flag_every):
+    """Pipelined AR (steps queued ahead on device-fed tokens) with the INT8 head's flagged form, forced on the CPU
+    with a kernel that flags every row (or every third call, else certifies the true argmax) and guesses a wrong
+    (valid) id where it flags: a flagged step is redone and settled by the full head, so the output is the plain
+    model's AR exactly."""
     target = load_model(tiny_dirs[0])
     head = CertifiedInt8Head(target.lm_head.weight, use_kernel=False)
     v, calls = target.args.vocab_size, []
 
     class SometimesFlagging:
-        def __call__(self, h, packed=False):
+        def __call__(self, h):
             calls.append(h.shape[0])
             true = torch.nn.functional.linear(h, target.lm_head.weight).float().argmax(-1)
             flag = torch.zeros_like(true, dtype=torch.bool) | (len(calls) % flag_every == 0)
-            return torch.where(flag, true * 0 + v, true) if packed else (true, ~flag)
+            return torch.where(flag, (true + 1) % v, true), ~flag  # a flagged row's guess is wrong
 
     head.kernel = lambda: SometimesFlagging()
     t8 = with_int8_head(target, head)
     for p in random_prompts(2, 64, length=8, seed=41):
         eng = Engine(t8, SystemConfig.ar(lm_head_int8=True), None, eos_ids=[], buckets=True)
-        eng.runner.packed = True
+        eng.runner.head_flags = True
         assert eng._pipelined_ar(None)
         plain = Engine(target, SystemConfig.ar(), None, eos_ids=[]).generate(p, 12).tokens
         assert eng.generate(p, 12).tokens == plain
-    assert calls.count(1) >= 2 * 11  # the pipelined one-row steps went through the packed head
+    assert calls.count(1) >= 2 * 11  # the pipelined one-row steps went through the flagged head

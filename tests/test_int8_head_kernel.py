@@ -11,28 +11,18 @@ import torch.nn.functional as F
 
 from .tritonutil import DEV, triton  # noqa: F401
 
+from specpilot.head.bound import eps, fp32_reduction
+from specpilot.head.certified import CertifiedInt8Head
 from specpilot.head.kernel import Int8HeadKernel
-from specpilot.head.certified import CertifiedInt8Head, _eps
 
 from .test_lm_head_int8 import real_tie_weights
 
 
-@pytest.fixture(autouse=True)
-def fp32_reductions():
-    """The certified head refuses cuBLAS's reduced-precision bf16 reductions (PyTorch's CUDA default; the engine's
-    Deployment turns them off): turn them off here too, as a user of the head must, and restore the setting after.
-    Set and restored by hand: pytest >= 9.2's monkeypatch restores it by deleting the attribute, which torch's
-    ``cuBLASModule`` refuses."""
-    m = torch.backends.cuda.matmul
-    before = m.allow_bf16_reduced_precision_reduction
-    m.allow_bf16_reduced_precision_reduction = False
-    yield
-    m.allow_bf16_reduced_precision_reduction = before
-
-
 def exact_argmax(h, w):
-    """The engine's exact head and argmax (``Transformer.logits``), over all rows at once."""
-    return F.linear(h.to(w.dtype), w).float().argmax(dim=-1)
+    """The exact head and argmax (``Transformer.logits``' GEMM reducing in float32, as the bound assumes), over all
+    rows at once. The process's cuBLAS flags are left as they are: the head scopes its own exact GEMMs."""
+    with fp32_reduction(w.device):
+        return F.linear(h.to(w.dtype), w).float().argmax(dim=-1)
 
 
 def make(v, k, dtype, seed, scale=0.05):
@@ -53,7 +43,7 @@ def test_bounds_enclose_float64(dtype, v, k, r):
     h64 = h.double()
     # the INT8 logits against float64 (products and sums exact to ~1e-16): within the kernel's own rounding
     a64 = (h64 @ head.q.double().T) * head.scale.double()
-    eps_a = _eps(k, 0.0, 2.0**-23, 2.0**-24)
+    eps_a = eps(k, 0.0, 2.0**-23, 2.0**-24)
     tol = eps_a * head.scale.double() * head.q_norm * h64.norm(dim=1, keepdim=True) + 1e-30
     assert bool(((a.double() - a64).abs() <= tol).all())
     # U and the per-block max of L enclose the engine's exact logits
@@ -142,8 +132,10 @@ def test_overflow_and_non_finite_rows_flagged():
     assert int(head.kernel().last_survivors[1]) == 1200
     assert torch.equal(head.argmax(h), exact_argmax(h, w))
     assert head.stats.undecided_rows == 4 and head.stats.full_head_calls == 1
-    packed = head.argmax_packed(h)
-    assert int(packed[0]) < 1200 and bool((packed[1:] >= 1200).all())
+    ids, needs = head.argmax_flagged(h)  # the graph form: the same flags, explicitly, and valid ids throughout
+    assert needs.dtype == torch.bool and ids.dtype == torch.int64 and ids.device == needs.device == h.device
+    assert needs.tolist() == [False, True, True, True, True]
+    assert int(ids[0]) == int(exact_argmax(h, w)[0]) and bool(((ids >= 0) & (ids < 1200)).all())
 
 
 def test_kernel_errors():
@@ -162,4 +154,5 @@ def test_many_rows_take_the_full_head():
     head = CertifiedInt8Head(w, use_kernel=True)
     h = torch.randn(70, 32, generator=g).to(DEV)
     assert torch.equal(head.argmax(h), exact_argmax(h, w)) and head.stats.full_head_calls == 1
-    assert torch.equal(head.argmax_packed(h), exact_argmax(h, w))
+    ids, needs = head.argmax_flagged(h)
+    assert torch.equal(ids, exact_argmax(h, w)) and needs.shape == (70,) and not bool(needs.any())

@@ -177,3 +177,85 @@ def test_bundled_target_real_hidden_states(dtype):
     assert torch.equal(got, model.logits(hid).argmax(-1))
     # measured: about 1.5 (float32) / 2.1 (bf16) survivors per row out of 4096
     assert head.stats.survivors / head.stats.rows < 0.01 * model.args.vocab_size
+
+
+def _cublas_flags():
+    from specpilot.head.bound import _get_flag
+
+    return {name: _get_flag(name) for name in ("allow_bf16_reduced_precision_reduction",
+                                                "allow_fp16_reduced_precision_reduction")}
+
+
+def test_fp32_reduction_scopes_the_cublas_flags():
+    """:func:`~specpilot.head.bound.fp32_reduction` turns cuBLAS's reduced-precision bf16 / fp16 reductions off inside
+    (a CUDA device) and restores exactly the process's setting on exit, also after an error; off CUDA it touches
+    nothing. (The flags are host state: settable without a GPU.)"""
+    from specpilot.head.bound import fp32_reduction
+
+    m = torch.backends.cuda.matmul
+    before = _cublas_flags()
+    try:
+        m.allow_bf16_reduced_precision_reduction = True
+        m.allow_fp16_reduced_precision_reduction = True
+        allowed = _cublas_flags()
+        with fp32_reduction(torch.device("cuda")):
+            assert not m.allow_bf16_reduced_precision_reduction and not m.allow_fp16_reduced_precision_reduction
+        assert _cublas_flags() == allowed
+        with pytest.raises(RuntimeError, match="inside"):
+            with fp32_reduction("cuda"):
+                raise RuntimeError("inside")
+        assert _cublas_flags() == allowed
+        with fp32_reduction("cpu"):
+            assert _cublas_flags() == allowed
+    finally:
+        for name, value in before.items():
+            setattr(m, name, value)
+    assert _cublas_flags() == before
+
+
+def test_exact_head_gemms_run_inside_fp32_reduction_and_flags_are_not_refused(monkeypatch):
+    """Every exact-head GEMM of the head (:meth:`exact_logits`, :meth:`full_argmax`, the fallback of :meth:`argmax`)
+    runs inside the head's own ``fp32_reduction`` on the weight's device, and a process that allows reduced-precision
+    reductions is no longer refused: the head scopes the setting itself and leaves the process's flags as they were."""
+    import contextlib
+    import types
+
+    from specpilot.head import certified
+
+    scopes, inside = [], [False]
+
+    @contextlib.contextmanager
+    def spy(device):
+        scopes.append(torch.device(device))
+        inside[0] = True
+        try:
+            yield
+        finally:
+            inside[0] = False
+
+    def linear(*a, **kw):
+        assert inside[0], "an exact-head GEMM outside fp32_reduction"
+        return F.linear(*a, **kw)
+
+    monkeypatch.setattr(certified, "fp32_reduction", spy)
+    monkeypatch.setattr(certified, "F", types.SimpleNamespace(linear=linear))
+    m = torch.backends.cuda.matmul
+    before = _cublas_flags()
+    try:
+        m.allow_bf16_reduced_precision_reduction = True
+        allowed = _cublas_flags()
+        g = torch.Generator().manual_seed(11)
+        w = (torch.randn(500, 32, generator=g) * 0.05).to(torch.bfloat16)
+        head = CertifiedInt8Head(w)
+        h = torch.randn(6, 32, generator=g).to(torch.bfloat16)
+        h[2] = float("nan")  # a row the bound cannot decide: the fallback's full head runs
+        want = reference(h, w)
+        assert torch.equal(head.argmax(h), want) and head.stats.full_head_calls == 1
+        assert torch.equal(head.full_argmax(h), want) and torch.equal(head.exact_logits(h).argmax(-1), want)
+        ids, needs = head.argmax_flagged(h)  # the reference path: settled itself, nothing flagged
+        assert torch.equal(ids, want) and needs.dtype == torch.bool and not bool(needs.any())
+        assert len(scopes) >= 4 and all(d == w.device for d in scopes)
+        assert _cublas_flags() == allowed
+    finally:
+        for name, value in before.items():
+            setattr(m, name, value)

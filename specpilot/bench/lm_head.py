@@ -11,7 +11,7 @@
    and h aimed at the planted ties. Per kind: mismatches (must be 0), kernel-certified rate, survivors.
    Optionally (``--bundled``) the bundled target's head on its own hidden states.
 2. Timing at R = 1, 8, 16, 32, 64 (peaked h): µs per call of ``F.linear(h, W).argmax(-1)`` (bf16, cuBLAS)
-   and of the certified head as the engine's CUDA-graph path calls it (``argmax_packed``: bounds kernel +
+   and of the certified head as the engine's CUDA-graph path calls it (``argmax_flagged``: bounds kernel +
    threshold + selection + float64 rescoring, no host sync), and of the bounds kernel alone; each from one
    captured CUDA graph of ``reps`` calls on distinct h (a bank of fresh inputs), timed with CUDA events,
    best of 5 replays. The weights (1.2 GB bf16, 0.6 GB int8) exceed L2 many times over, so every call
@@ -35,6 +35,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from specpilot.head.bound import fp32_reduction
 from specpilot.head.certified import CertifiedInt8Head
 
 ROWS = (1, 8, 16, 32, 64)
@@ -137,7 +138,7 @@ def timing(head: CertifiedInt8Head, w, rows, reps: int, quick: bool, dev: str) -
             res["certified_rate"] = float(ok.float().mean())
             res["survivors_max"] = int(kern.last_survivors.max())
             res["bf16_us"] = time_graph(lambda h: F.linear(h, w).argmax(-1), bank, quick)
-            res["certified_us"] = time_graph(head.argmax_packed, bank, quick)
+            res["certified_us"] = time_graph(head.argmax_flagged, bank, quick)
             res["bounds_kernel_us"] = time_graph(lambda h: kern.bounds(h), bank, quick)
             res["speedup"] = res["bf16_us"] / res["certified_us"]
         except Exception as e:  # noqa: BLE001 - record and go on
@@ -221,12 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             print("error: no CUDA GPU here (use --quick for the CPU smoke test)", file=sys.stderr)
             return 2
         dev, rows = "cuda", ROWS
-    flag = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # the bound needs fp32 sums
-    try:
+    with fp32_reduction(dev):  # the bound's reference GEMMs reduce in float32; the flags restored after the run
         return _run(args, dev, rows)
-    finally:
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flag
 
 
 def _run(args, dev: str, rows) -> int:

@@ -86,19 +86,15 @@ class Deployment:
         """``base`` (:attr:`target` or the W12 target) with the certified INT8 LM head (§4.1,
         :func:`specpilot.head.certified.with_int8_head`); one INT8 copy of the head serves both.
 
-        On CUDA this sets ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` (and the
-        fp16 twin) to False for the process: the certified bound needs the exact head to reduce in float32
-        (:class:`~specpilot.head.certified.CertifiedInt8Head` refuses otherwise). Every bf16 GEMM
-        of the process runs under this setting from then on, also in systems measured earlier.
+        The certified bound needs the exact head's GEMM to reduce in float32; the head scopes that itself around
+        its own exact-head GEMMs (:func:`~specpilot.head.bound.fp32_reduction`), so no torch flag of the process
+        changes.
 
         Raises:
             SpecPilotError: the LM head weight holds inf / NaN.
         """
         from specpilot.head.certified import CertifiedInt8Head, with_int8_head
 
-        if self.target.lm_head.weight.is_cuda:
-            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         if self._int8_head is None:
             self._int8_head = CertifiedInt8Head(self.target.lm_head.weight)
         if id(base) not in self._int8:

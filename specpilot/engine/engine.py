@@ -247,7 +247,7 @@ class Engine:
         tok_list = [committed[-1]] + tree.tokens
         pos_list = [start] + [start + d for d in tree.depths]
         argmax = self._verify(tok_list, pos_list, start, tree, prof).tolist()  # the one host read
-        if self.runner is not None and self.runner.packed and max(argmax) >= self.target.args.vocab_size:
+        if self.runner is not None and any(self.runner.needs_full_head()):
             argmax = self.runner.full_head(r)  # certified INT8 head: a flagged row (§4.1)
         with region(prof, "other"):
             kids = tree.child_maps()

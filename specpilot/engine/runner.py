@@ -37,8 +37,8 @@ class BucketRunner:
         buckets: row buckets (increasing).
         graphs: capture CUDA graphs (CUDA only; ignored on the CPU).
         output: ``argmax`` (``[R] long``, the target's verify step) or ``logits`` (``[R, V] float32``).
-            With the certified INT8 head on CUDA graphs (:attr:`packed`) ``argmax`` values ``>= V`` flag
-            rows to settle with :meth:`full_head`.
+            With the certified INT8 head on CUDA graphs (:attr:`head_flags`) the head also flags the rows that
+            need the full head (:meth:`needs_full_head`), settled with :meth:`full_head`.
         logits_hook: test-only (adversarial candidates): applied to the float32 logits ``[b, V]`` inside the
             captured pass (it must be capturable: device tensors only after its first, eager call).
     """
@@ -52,10 +52,11 @@ class BucketRunner:
         self._static: dict[int, dict] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
-        #: graphs return the certified INT8 head's packed argmax (§4.1; values >= vocab flag rows that
-        #: :meth:`full_head` settles after the host read)
-        self.packed = (self.graphs and output == "argmax" and logits_hook is None
-                       and getattr(model, "int8_head", None) is not None)
+        #: graphs run the certified INT8 head's ``argmax_flagged`` (§4.1): ids plus per-row ``needs_full_head``
+        #: flags (:meth:`needs_full_head`), which :meth:`full_head` settles after the host read
+        self.head_flags = (self.graphs and output == "argmax" and logits_hook is None
+                           and getattr(model, "int8_head", None) is not None)
+        self._flags: tuple | None = None  # the last run()'s host needs_full_head flags and their copy's event
         self._last_bucket: int | None = None
 
     def _buffers(self, b: int) -> dict:
@@ -94,9 +95,9 @@ class BucketRunner:
         if self.logits_hook is not None:  # test-only (adversarial candidates): captured with the pass
             logits = self.logits_hook(self.model.logits(hidden))
             return logits.argmax(dim=-1) if self.output == "argmax" else logits
-        if self.packed:
+        if self.head_flags:
             s["hidden"] = hidden
-            return self.model.int8_head.argmax_packed(hidden)
+            return self.model.int8_head.argmax_flagged(hidden)  # (ids [b], needs_full_head [b]) on the device
         return self.model.greedy(hidden) if self.output == "argmax" else self.model.logits(hidden)
 
     def full_head(self, r: int) -> list[int]:
@@ -104,9 +105,36 @@ class BucketRunner:
         hidden states over the whole bucket (the same ``[B, H]`` product as without the int8 head): how
         the engine settles rows the certified INT8 head flagged (§4.1). Raises RuntimeError before a pass."""
         if self._last_bucket is None or "hidden" not in self._static[self._last_bucket]:
-            raise RuntimeError("no packed pass to settle")
+            raise RuntimeError("no flagged pass to settle")
         with torch.inference_mode():
-            return self.model.full_greedy(self._static[self._last_bucket]["hidden"])[:r].tolist()
+            return self.model.int8_head.full_argmax(self._static[self._last_bucket]["hidden"])[:r].tolist()
+
+    def needs_full_head(self) -> list[bool]:
+        """Per row of the last :meth:`run` (host bools): whether the certified INT8 head left the row to the full
+        head (:meth:`full_head`); ``[]`` when that pass did not go through the head's flagged form (eager
+        fallback, no INT8 head, logits). Call it after the host read of that pass's ids: the flags were copied to
+        host memory before it on the same stream, so this waits for nothing more."""
+        if self._flags is None:
+            return []
+        flags, ready = self._flags
+        if ready is not None:
+            ready.synchronize()  # already done once the caller has read the ids
+        return flags.tolist()
+
+    def _with_flags(self, s: dict, out, r: int) -> torch.Tensor:
+        """The ids ``[r]`` of a pass through the certified INT8 head; its ``needs_full_head`` flags are copied to a
+        pinned host buffer now (asynchronously, queued before the caller's read of the ids) for
+        :meth:`needs_full_head`: one host read a step, as without the head."""
+        ids, needs = out
+        if "flags" not in s:
+            s["flags"] = torch.zeros(needs.numel(), dtype=torch.bool, pin_memory=self.dev.type == "cuda")
+        s["flags"][:r].copy_(needs[:r], non_blocking=True)
+        ready = None
+        if self.dev.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        self._flags = (s["flags"][:r], ready)
+        return ids[:r]
 
     def _capture(self, b: int) -> None:
         from specpilot.w12.gemm import reserve_split_locks
@@ -167,7 +195,9 @@ class BucketRunner:
     @torch.inference_mode()
     def run(self, tokens: list[int], positions: list[int], start: int, tree_mask: torch.Tensor | None):
         """One pass of R rows at prefix ``start``; returns ``[R]`` argmax or ``[R, V]`` logits on the
-        device, or None when R exceeds the largest bucket (the caller then runs the eager path).
+        device, or None when R exceeds the largest bucket (the caller then runs the eager path). With
+        :attr:`head_flags` the argmax of rows :meth:`needs_full_head` flags is a guess: settle them with
+        :meth:`full_head`.
 
         Args:
             tokens / positions: R token ids and position ids (host lists: one small copy to the device).
@@ -178,6 +208,7 @@ class BucketRunner:
         """
         r = len(tokens)
         b = bucket_for(r, self.buckets)
+        self._flags = None
         if b is None:
             return None
         if start + b > self.cache.max_len:
@@ -204,6 +235,8 @@ class BucketRunner:
             out = s["out"]
         else:
             out = self._body(s)
+        if self.head_flags:
+            return self._with_flags(s, out, r)
         return out[:r]
 
     @torch.inference_mode()
@@ -224,7 +257,7 @@ class BucketRunner:
             chunk = prompt_ids[s:s + step]
             out = self.run(chunk, list(range(s, s + len(chunk))), s, None)
         tok = int(out[-1])
-        if self.packed and tok >= self.model.args.vocab_size:
+        if self.head_flags and self.needs_full_head()[-1]:
             tok = self.full_head(len(chunk))[-1]
         return tok
 
@@ -239,7 +272,7 @@ class BucketRunner:
         it writes K/V only at the slot after the last committed token, which the cache never counts. Each
         yielded token is the argmax of an exact one-row pass over exactly the committed prefix, as in
         :meth:`run`. Closing the generator early is the way to stop. With the certified INT8 head
-        (:attr:`packed`) a step whose row the head flagged feeds a clamped guess to the queued step; the host
+        (:attr:`head_flags`) a step whose row the head flagged feeds its guess to the queued step; the host
         then redoes that step unpipelined, settles it with the full head (:meth:`full_head`), re-seeds the
         device inputs and queues the next step again (the guessed step's K/V slot is rewritten).
 
@@ -255,6 +288,7 @@ class BucketRunner:
             self._capture(1)
         cuda = self.dev.type == "cuda"
         read = torch.zeros(max(limit, 1), dtype=torch.long, pin_memory=cuda)
+        flags = torch.zeros(max(limit, 1), dtype=torch.bool, pin_memory=cuda)  # the INT8 head's needs_full_head
 
         def launch(i):
             if self.graphs:
@@ -262,12 +296,15 @@ class BucketRunner:
                 out = s["out"]
             else:
                 out = self._body(s)
-            read[i : i + 1].copy_(out, non_blocking=True)
+            ids, needs = out if self.head_flags else (out, None)
+            read[i : i + 1].copy_(ids, non_blocking=True)
+            if needs is not None:
+                flags[i : i + 1].copy_(needs, non_blocking=True)
             done = torch.cuda.Event() if cuda else None
             if done is not None:
                 done.record()
-            # the next step's input, on the device (a flagged INT8-head row feeds a valid id; redone below)
-            s["tokens"].copy_(out.clamp(max=vocab - 1) if self.packed else out)
+            # the next step's input, on the device (a flagged INT8-head row feeds its guess, a valid id; redone below)
+            s["tokens"].copy_(ids)
             s["positions"].add_(1)
             s["start"].add_(1)
             return done
@@ -276,7 +313,7 @@ class BucketRunner:
             self._host(s)[:4] = (tok, slot, slot, 1)
             self._upload(s)
 
-        vocab, last_in = self.model.args.vocab_size, token
+        last_in = token
         self._last_bucket = 1
         pending = launch(0) if limit > 0 else None
         for i in range(limit):
@@ -284,7 +321,7 @@ class BucketRunner:
             if pending is not None:
                 pending.synchronize()
             tok = int(read[i])
-            if tok >= vocab:  # certified INT8 head flagged step i: redo it unpipelined, settle with the full head
+            if flags[i]:  # certified INT8 head flagged step i: redo it unpipelined, settle with the full head
                 if nxt is not None:
                     nxt.synchronize()  # step i + 1 ran on a guess: its K/V slot is rewritten below
                 seed(last_in, start + i)

@@ -13,7 +13,7 @@ Bound (per row r of h and vocab row v; z = <W_v, h> in real arithmetic, K = hidd
 computed with inputs rounded with unit ``u_in``, any summation order with unit ``u_acc`` and a final
 rounding ``u_out`` is off by at most ``eps * sum_k |x_k y_k|`` with
 ``eps = (1 + u_out)(1 + u_in)^2 (1 + gamma_K) - 1``, ``gamma_K = K u_acc / (1 - K u_acc)`` (Higham,
-Accuracy and Stability, §3.1; any order, FMA or not), plus an absolute term ``eta = (K + 2) 2^-125`` for
+Accuracy and Stability, §3.1; any order, FMA or not; :mod:`specpilot.head.bound`), plus an absolute term ``eta = (K + 2) 2^-125`` for
 flushed denormals (and 2^-24 for a float16 output). With ``sum |x y| <= ||x|| ||h||`` (Cauchy–Schwarz):
 
 * approximate logit ``a_v = fl32(s_v * fl32(h . q_v))``:  ``|a_v - s_v <q_v, h>| <= eps_a s_v ||q_v|| ||h|| + eta``
@@ -37,13 +37,19 @@ the engine would, and its argmax used. Rows with non-finite h or a possible over
 Units assumed: ``u_acc = 2^-24`` on the CPU, ``2^-23`` on CUDA (tensor-core accumulators may truncate);
 float32 matmuls at ``torch.get_float32_matmul_precision() == "highest"`` and without TF32 have
 ``u_in = 0``, otherwise ``u_in = 2^-8`` (covers TF32 and bf16 passes). bf16/fp16 GEMMs on CUDA must reduce
-in float32: with ``torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precision_reduction`` set,
-:meth:`argmax` refuses (no sound bound).
+in float32 for ``u_acc`` to hold (cuBLAS may otherwise reduce split-K partials in the 16-bit type): the head runs
+every exact-head GEMM of its own (:meth:`CertifiedInt8Head.exact_logits`, :meth:`CertifiedInt8Head.full_argmax`)
+inside :func:`~specpilot.head.bound.fp32_reduction`, which turns
+``torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precision_reduction`` off for that call only and restores
+them, whatever the process set. So "the exact head" here is the float32-reducing one, which the engine's plain
+head (``Transformer.logits``, run with the process's setting) equals unless the process allows reduced-precision
+reductions and cuBLAS uses them.
 
 This is the plain PyTorch reference; the INT8 product is done in float32 here (``q`` converted per call).
 On CUDA (bf16 / float32 heads, triton installed) :meth:`CertifiedInt8Head.argmax` runs the Triton path of
 :mod:`specpilot.head.kernel` instead (same contract; no host sync but the one that checks the
-per-row flags), and :meth:`CertifiedInt8Head.argmax_packed` gives the sync-free form for CUDA graphs.
+per-row flags), and :meth:`CertifiedInt8Head.argmax_flagged` gives the sync-free form for CUDA graphs: the ids and,
+explicitly, which rows need the full head.
 :func:`with_int8_head` makes the engine mechanism ``lm_head_int8`` of a :class:`Transformer`.
 """
 
@@ -55,22 +61,13 @@ import torch
 import torch.nn.functional as F
 
 from specpilot.errors import SpecPilotError
+from specpilot.head.bound import U_OUT, eps, fp32_reduction, gamma, matmul_units
+from specpilot.head.kernel import Int8HeadKernel, triton
 
 #: the Triton path serves up to this many rows per call; more rows (prefill chunks, wide passes) take the
 #: full head, which is compute- rather than weight-read-bound there
 KERNEL_MAX_ROWS = 64
-_U_OUT = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 _ROWS_CHUNK = 1 << 22
-
-
-def _gamma(n: int, u: float) -> float:
-    if n * u >= 0.5:
-        raise SpecPilotError(f"hidden size {n} too large for a certified bound with unit {u:g}")
-    return n * u / (1 - n * u)
-
-
-def _eps(k: int, u_in: float, u_acc: float, u_out: float) -> float:
-    return (1 + u_out) * (1 + u_in) ** 2 * (1 + _gamma(k, u_acc)) - 1
 
 
 @dataclass
@@ -114,7 +111,7 @@ class CertifiedInt8Head:
 
     def __init__(self, weight: torch.Tensor, use_kernel: bool | None = None, capacity: int = 32):
         w = weight.detach()
-        if w.dim() != 2 or w.dtype not in _U_OUT:
+        if w.dim() != 2 or w.dtype not in U_OUT:
             raise SpecPilotError(f"the LM head weight must be 2-D float32/bfloat16/float16, got {w.dtype} {tuple(w.shape)}")
         if not bool(torch.isfinite(w).all()):
             raise SpecPilotError("the LM head weight holds inf or NaN: no certified bound exists")
@@ -143,53 +140,56 @@ class CertifiedInt8Head:
         if self.use_kernel is False:
             return None
         if self.use_kernel is None:
-            from specpilot.head.kernel import triton
-
             if not (self.weight.is_cuda and triton is not None and self.weight.dtype in (torch.bfloat16, torch.float32)):
                 return None
         if self._kernel is None:
-            from specpilot.head.kernel import Int8HeadKernel
-
             self._kernel = Int8HeadKernel(self, self.capacity)
         return self._kernel
 
     @torch.no_grad()
-    def argmax_packed(self, h: torch.Tensor) -> torch.Tensor:
-        """Sync-free certified argmax for CUDA graphs (§4.1): LongTensor ``[R]``, a value ``t < V`` is the
-        exact head's argmax of that row; ``t >= V`` marks a row the caller must settle with the full head
-        (``t - V`` is only a guess). Without the Triton path (see :meth:`kernel`) this is :meth:`argmax`
-        (always ``< V``, with its own host sync). Raises SpecPilotError on a wrong h shape."""
+    def argmax_flagged(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sync-free certified argmax for CUDA graphs (§4.1): ``(ids [R] int64, needs_full_head [R] bool)``, both on
+        h's device. Where ``needs_full_head`` is False, ``ids`` is the exact head's argmax of that row; where it is
+        True (a near-tie within rounding, more survivors than the capacity, non-finite h or a possible overflow) the
+        id is only a guess (a valid vocabulary id) and the caller must settle the row with the full head
+        (:meth:`full_argmax` of the same h). No host sync on the Triton path (shapes depend only on R: capturable).
+        Without the Triton path (see :meth:`kernel`) this is :meth:`argmax` (its own host sync) and no row is
+        flagged; more than ``KERNEL_MAX_ROWS`` rows take :meth:`full_argmax`, none flagged.
+        Raises SpecPilotError on a wrong h shape."""
         kern = self.kernel()
         if kern is None:
-            return self.argmax(h)
+            ids = self.argmax(h)
+            return ids, torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
         self._check_h(h)
         if h.shape[0] > KERNEL_MAX_ROWS:
-            return self.exact_logits(h).argmax(dim=1)
-        return kern(h, packed=True)
+            ids = self.full_argmax(h)
+            return ids, torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+        ids, ok = kern(h)
+        return ids, ~ok
 
     def _check_h(self, h: torch.Tensor) -> None:
         if h.dim() != 2 or h.shape[1] != self.weight.shape[1]:
             raise SpecPilotError(f"hidden states must be [R, {self.weight.shape[1]}], got {tuple(h.shape)}")
 
     def exact_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The engine's exact head (§4.1 reference): ``h [R, H]`` -> ``F.linear(h.to(W.dtype), W).float()``,
-        ``[R, V]`` float32 logits."""
-        return F.linear(h.to(self.weight.dtype), self.weight).float()
+        """The exact head (§4.1 reference): ``h [R, H]`` -> ``F.linear(h.to(W.dtype), W).float()``, ``[R, V]``
+        float32 logits, its GEMM reducing in float32 (:func:`~specpilot.head.bound.fp32_reduction`: the bound
+        assumes a float32 accumulator; the process's cuBLAS flags are restored after the call)."""
+        with fp32_reduction(self.weight.device):
+            return F.linear(h.to(self.weight.dtype), self.weight).float()
+
+    def full_argmax(self, h: torch.Tensor) -> torch.Tensor:
+        """The full head's argmax ``[R] int64`` of ``h [R, H]`` (first index on ties): ``argmax`` of
+        :meth:`exact_logits` (the same ids; computed on the logits in W's dtype, whose float32 cast is exact, without
+        writing float32 logits), its GEMM reducing in float32. How a caller settles the rows
+        :meth:`argmax_flagged` flags (also inside a CUDA-graph capture). Raises SpecPilotError on a wrong h shape."""
+        self._check_h(h)
+        with fp32_reduction(self.weight.device):
+            return F.linear(h.to(self.weight.dtype), self.weight).argmax(dim=1)
 
     def _units(self) -> tuple[float, float]:
-        """``(u_in, u_acc)`` of this device's matmuls (module docstring). Raises SpecPilotError if unsound."""
-        cuda = self.weight.device.type == "cuda"
-        if cuda and self.weight.dtype != torch.float32:
-            m = torch.backends.cuda.matmul
-            flag = getattr(m, "allow_bf16_reduced_precision_reduction" if self.weight.dtype == torch.bfloat16
-                           else "allow_fp16_reduced_precision_reduction", False)
-            if flag:
-                raise SpecPilotError("certified INT8 head: set torch.backends.cuda.matmul.allow_"
-                                     f"{'bf16' if self.weight.dtype == torch.bfloat16 else 'fp16'}"
-                                     "_reduced_precision_reduction = False (the exact head must reduce in float32)")
-        tf32 = cuda and bool(torch.backends.cuda.matmul.allow_tf32)
-        u_in = 2.0**-8 if (tf32 or torch.get_float32_matmul_precision() != "highest") else 0.0
-        return u_in, (2.0**-23 if cuda else 2.0**-24)
+        """``(u_in, u_acc)`` of the exact head's GEMM on this device (:func:`~specpilot.head.bound.matmul_units`)."""
+        return matmul_units(self.weight)
 
     def bounds(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """INT8 approximate logits and their certified error (§4.1): ``(a [R, V] float32, E [R, V] float64)``
@@ -198,14 +198,14 @@ class CertifiedInt8Head:
         Args:
             h: ``[R, H]`` hidden states (cast to W's dtype first, as the engine's head does).
         Raises:
-            SpecPilotError: bf16/fp16 CUDA reductions in reduced precision (no sound bound).
+            SpecPilotError: a hidden size too large for a bound (``K · u_acc >= 1/2``).
         """
         he = h.to(self.weight.dtype)
         hf = he.float()
         k = self.weight.shape[1]
         u_in, u_acc = self._units()
-        eps_a = _eps(k, u_in, u_acc, 2.0**-24)
-        eps_x = _eps(k, u_in, u_acc, _U_OUT[self.weight.dtype])
+        eps_a = eps(k, u_in, u_acc, 2.0**-24)
+        eps_x = eps(k, u_in, u_acc, U_OUT[self.weight.dtype])
         eta = (k + 2) * 2.0**-125 + (2.0**-24 if self.weight.dtype == torch.float16 else 0.0)
         a = (hf @ self.q.to(torch.float32).T) * self.scale
         coef = self.res_norm + eps_a * self.scale.double() * self.q_norm + eps_x * self.w_norm
@@ -217,7 +217,7 @@ class CertifiedInt8Head:
         """``torch.argmax(self.exact_logits(h), -1)`` for ``h [R, H]``, as LongTensor ``[R]`` (module docstring).
 
         Raises:
-            SpecPilotError: h of the wrong shape; bf16/fp16 CUDA reductions in reduced precision.
+            SpecPilotError: h of the wrong shape.
         """
         w = self.weight
         self._check_h(h)
@@ -287,7 +287,7 @@ class CertifiedInt8Head:
         w64 = w[cols].double()
         z = h64 @ w64.T
         amag = h64.abs() @ w64.abs().T
-        delta = (_eps(k, u_in, u_acc, 0.0) + _gamma(k, 2.0**-53) + 1e-9) * amag + (k + 2) * 2.0**-125
+        delta = (eps(k, u_in, u_acc, 0.0) + gamma(k, 2.0**-53) + 1e-9) * amag + (k + 2) * 2.0**-125
         inf = torch.tensor(float("inf"), dtype=torch.float64, device=w.device)
         lo64, hi64 = torch.nextafter(z - delta, -inf), torch.nextafter(z + delta, inf)
         lo, hi = lo64.float(), hi64.float()

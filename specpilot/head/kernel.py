@@ -25,10 +25,11 @@ captured in a CUDA graph. One call, for ``h [R, K]`` (the engine's hidden states
 
 Returns ``(tokens [R] int64, ok [R] bool)``. ``ok`` is False for rows that are undecided (a near-tie within
 rounding), whose survivors exceed the capacity, or whose h is non-finite / could overflow; the caller must
-take the engine's full head for those rows (:meth:`CertifiedInt8Head.argmax` does, with a host sync; the
-engine's CUDA-graph path reads the flag with the tokens in its one host read per step). Where ``ok`` is
-True the token equals ``argmax(F.linear(h, W).float())`` (ties: lowest index), with the reference's
-accumulation units (``u_acc = 2^-23`` on CUDA for both the engine's head and this kernel's fp32 dots).
+take the full head for those rows (:meth:`CertifiedInt8Head.argmax` does, with a host sync;
+:meth:`CertifiedInt8Head.argmax_flagged`, the engine's CUDA-graph form, returns ``needs_full_head = ~ok`` with the
+tokens). Where ``ok`` is True the token equals ``argmax(F.linear(h, W).float())`` (ties: lowest index), with the
+reference's accumulation units (``u_acc = 2^-23`` on CUDA for both the exact head, a float32-reducing GEMM, and this
+kernel's fp32 dots; :mod:`specpilot.head.bound`).
 
 CUDA-graph capturable: shapes depend only on R, V, K and C; no host sync; the survivor counter is zeroed
 by the bounds kernel. Four launches per call (bounds, select, rescore, decide). fp16 heads are not supported
@@ -40,6 +41,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from specpilot.head.bound import U_OUT, eps, gamma, matmul_units
 
 try:
     import triton
@@ -94,18 +97,16 @@ class Int8HeadKernel:
 
     def _refresh(self) -> None:
         """(Re)compute the per-row constants ``c_v`` and the scalar constants for the current matmul units."""
-        from specpilot.head.certified import _U_OUT, _eps, _gamma
-
         head, k = self.head, self.k
-        units = head._units()
+        units = matmul_units(head.weight)
         if units == self._units:
             return
         u_in, u_acc = units
-        eps_a = _eps(k, 0.0, 2.0**-23, 2.0**-24)  # this kernel: exact products, fp32 sums, fp32 scale multiply
-        eps_x = _eps(k, u_in, u_acc, _U_OUT[head.weight.dtype])  # the engine's exact head
+        eps_a = eps(k, 0.0, 2.0**-23, 2.0**-24)  # this kernel: exact products, fp32 sums, fp32 scale multiply
+        eps_x = eps(k, u_in, u_acc, U_OUT[head.weight.dtype])  # the exact head
         coef = (head.res_norm + eps_a * head.scale.double() * head.q_norm + eps_x * head.w_norm) * (1 + 1e-9)
         self.coef = _up32(coef)
-        self.eps_r = (_eps(k, u_in, u_acc, 0.0) + _gamma(k, 2.0**-53) + 1e-9) * (1 + 1e-6)
+        self.eps_r = (eps(k, u_in, u_acc, 0.0) + gamma(k, 2.0**-53) + 1e-9) * (1 + 1e-6)
         self.eta = (k + 2) * 2.0**-125 * 2
         limit = torch.finfo(head.weight.dtype).max / 4
         # rows with ||h||^2 >= this may overflow the exact head (the reference's test, conservative; an fp32
@@ -139,10 +140,9 @@ class Int8HeadKernel:
             ZERO_CNT=cnt is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return (u, lmax, a, hn) if write_a else (u, lmax, None, None)
 
-    def __call__(self, h: torch.Tensor, packed: bool = False):
+    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Certified argmax of ``h [R, K]``: ``(tokens [R] int64, ok [R] bool)`` on h's device (module
-        docstring); with ``packed`` one LongTensor ``[R]``: the token where certified, ``V + guess`` where
-        not. No host sync; 4 launches (bounds, select, rescore, decide). ``last_survivors`` is set to the
+        docstring; where ``ok`` is False the token is a guess, a valid vocabulary id). No host sync; 4 launches (bounds, select, rescore, decide). ``last_survivors`` is set to the
         survivor counts ``[R] int32`` (device; above ``capacity`` means overflow). Raises ValueError on a
         shape mismatch."""
         h = self._check(h)
@@ -161,11 +161,11 @@ class Int8HeadKernel:
         _rescore_kernel[(r, c)](h, w, idx, cnt, z, amag, hsq, h.stride(0), w.stride(0), K=self.k, C=c, BLOCK_K=bk,
                                 num_warps=8)
         tok = torch.empty(r, dtype=torch.int64, device=h.device)
-        ok = tok if packed else torch.empty(r, dtype=torch.int8, device=h.device)
-        _decide_kernel[(r,)](idx, cnt, z, amag, hsq, tok, ok, self.eps_r, self.eta, self.norm_limit2, self.v, C=c,
-                             ROUND_BF16=w.dtype == torch.bfloat16, PACKED=packed, num_warps=1)
+        ok = torch.empty(r, dtype=torch.int8, device=h.device)
+        _decide_kernel[(r,)](idx, cnt, z, amag, hsq, tok, ok, self.eps_r, self.eta, self.norm_limit2, C=c,
+                             ROUND_BF16=w.dtype == torch.bfloat16, num_warps=1)
         self.last_survivors = cnt
-        return tok if packed else (tok, ok.view(torch.bool))
+        return tok, ok.view(torch.bool)
 
     def _check(self, h: torch.Tensor) -> torch.Tensor:
         if h.dim() != 2 or h.shape[1] != self.k:
@@ -289,8 +289,8 @@ if triton is not None:
         tl.store(Hsq + r, tl.sum(hsq, axis=0), mask=j == 0)
 
     @triton.jit
-    def _decide_kernel(Idx, Cnt, Z, Amag, Hsq, Tok, Ok, EPS_R, ETA, NORM_LIMIT2, V, C: tl.constexpr,
-                       ROUND_BF16: tl.constexpr, PACKED: tl.constexpr):
+    def _decide_kernel(Idx, Cnt, Z, Amag, Hsq, Tok, Ok, EPS_R, ETA, NORM_LIMIT2, C: tl.constexpr,
+                       ROUND_BF16: tl.constexpr):
         """Grid ``(R,)``: the reference's decision rule on row r's rescored survivors (module docstring)."""
         r = tl.program_id(0)
         n = tl.load(Cnt + r)
@@ -315,11 +315,8 @@ if triton is not None:
         tok = tl.where(ncand >= 1, tok, 0)
         hsq_r = tl.load(Hsq + r)
         ok = ((ncand == 1) | (inexact == 0)) & (ncand >= 1) & (n <= C) & (hsq_r == hsq_r) & (hsq_r < NORM_LIMIT2)
-        if PACKED:
-            tl.store(Tok + r, tok.to(tl.int64) + tl.where(ok, 0, V).to(tl.int64))
-        else:
-            tl.store(Tok + r, tok.to(tl.int64))
-            tl.store(Ok + r, ok.to(tl.int8))
+        tl.store(Tok + r, tok.to(tl.int64))
+        tl.store(Ok + r, ok.to(tl.int8))
 
 
 __all__ = ["CAPACITY", "Int8HeadKernel", "default_config"]
