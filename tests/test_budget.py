@@ -72,6 +72,8 @@ def test_shrink_applies_the_levers_in_order_until_it_fits():
     assert plan["max_new_tokens"] == 32 and plan["benchmarks"] is None and changes == ["candidates 2 -> 1"]
     plan, _, _ = shrink({**PLAN, "max_new_tokens": 10, "candidates": 1}, est, target_s=0)
     assert plan["max_new_tokens"] == 8 and plan["candidates"] == 1  # never raised
+    plan, _, changes = shrink(PLAN, lambda p: p["max_new_tokens"] * p["candidates"], target_s=0)
+    assert plan["benchmarks"] is None and not any(c.startswith("benchmarks") for c in changes)  # no effect: kept
 
 
 def fake_pilot(quick: bool, ar_ms: float, overrides=None):

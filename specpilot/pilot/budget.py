@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
+from specpilot.errors import SpecPilotError
 from specpilot.pilot.paired import SALT_TOKENS
 from specpilot.pilot.steps import fastest, step_stats
 
@@ -134,7 +135,8 @@ def estimate_s(plan: dict, shape: RunShape, costs: StepCosts) -> dict[str, float
 def shrink(plan: dict, estimate, target_s: float, fixed=()) -> tuple[dict, float, list[str]]:
     """Apply :data:`QUICK_LEVERS` to ``plan`` in order while ``estimate(plan)`` (seconds) is above ``target_s``.
 
-    A lever lowers its key only (``benchmarks`` None = all of them); keys in ``fixed`` are never changed.
+    A lever lowers its key only (``benchmarks`` None = all of them) and is kept only when it lowers the
+    estimate (fewer benchmarks than there are change nothing); keys in ``fixed`` are never changed.
     Returns:
         ``(plan, its estimate, ["key old -> new", ...])``, one change per key in the order first applied; the
         smallest plan when even it does not fit.
@@ -146,36 +148,41 @@ def shrink(plan: dict, estimate, target_s: float, fixed=()) -> tuple[dict, float
         old = plan.get(key)
         if key in fixed or (old is not None and old <= value):
             continue
-        plan = {**plan, key: value}
-        est = estimate(plan)
+        smaller = {**plan, key: value}
+        smaller_est = estimate(smaller)
+        if smaller_est < est:
+            plan, est = smaller, smaller_est
     changed = dict.fromkeys(k for k, _ in QUICK_LEVERS if plan.get(k) != start.get(k))
     return plan, est, [f"{k} {'all' if start.get(k) is None else start[k]} -> {plan[k]}" for k in changed]
 
 
 def measure_step_costs(pilot, reqs: list, new_tokens: int = 16) -> StepCosts:
-    """Time AR and stock on the middle request of ``reqs``, and one recorded lattice position per drafter kind
-    of the deployment (:func:`.replay.record`).
+    """Time AR and stock on a request of ``reqs`` (the middle one; the next when its output ends at the first
+    token), and one recorded lattice position per drafter kind of the deployment (:func:`.replay.record`).
 
     After a short untimed warm-up of each engine, AR and stock run A S S A and each keeps its faster run, as
     :func:`.steps.interleaved_steps` does (the first calls of a draft model ran several times slower than
     the later ones).
 
     Raises:
-        ValueError: ``reqs`` is empty.
+        SpecPilotError: no request of ``reqs`` gives a decode step (every output ends at its first token).
     """
     from specpilot.config import SystemConfig
     from specpilot.pilot.replay import record
 
-    if not reqs:
-        raise ValueError("no request to time a step on")
     t0 = time.perf_counter()
-    probe = list(reqs[len(reqs) // 2].prompt_ids)
     engines = {"ar": pilot.engine(pilot.ar), "stock": pilot.engine(pilot.stock)}
-    for eng in engines.values():
-        eng.generate(probe, 4)  # warm-up (allocators, lazy init)
-    gens = {n: [] for n in engines}
-    for n in ("ar", "stock", "stock", "ar"):
-        gens[n].append(engines[n].generate(probe, new_tokens))
+    for i in range(len(reqs)):
+        probe = list(reqs[(len(reqs) // 2 + i) % len(reqs)].prompt_ids)
+        for eng in engines.values():
+            eng.generate(probe, 4)  # warm-up (allocators, lazy init)
+        gens = {n: [] for n in engines}
+        for n in ("ar", "stock", "stock", "ar"):
+            gens[n].append(engines[n].generate(probe, new_tokens))
+        if all(g.steps for gs in gens.values() for g in gs):
+            break
+    else:
+        raise SpecPilotError("no benchmark prompt gives a decode step to time: every output ends at its first token")
     ar, sp = fastest(gens["ar"]), fastest(gens["stock"])
     ar_st, sp_st = step_stats([ar]), step_stats([sp])
     dep, depth = pilot.dep, pilot.plan["depth_max"]
@@ -207,8 +214,7 @@ def size_plan(pilot, requests_for) -> tuple[dict, dict]:
         ``(plan, duration)``.
     """
     o, plan = pilot.o, dict(pilot.plan)
-    costs = measure_step_costs(pilot, requests_for(plan) or requests_for({**plan, "max_new_tokens": 8}),
-                               new_tokens=min(16, plan["max_new_tokens"]))
+    costs = measure_step_costs(pilot, requests_for(plan), new_tokens=min(16, plan["max_new_tokens"]))
     src = pilot.source
     base = {"draft_model": pilot.dep.draft_model is not None, "blocks": len(pilot.dep.block_dirs),
             "round0": costs.spec_step_ms / max(costs.tau, 1.0) > costs.ar_ms, "adversarial": o.adversarial,
@@ -233,7 +239,7 @@ def size_plan(pilot, requests_for) -> tuple[dict, dict]:
     elif est <= target:
         line += f"; --quick sized to fit {target / 60:.0f} min: {', '.join(changes) or 'plan unchanged'})"
     else:
-        line = (f"[yellow]{line}; above the {target / 60:.0f} min --quick target even at the smallest quick plan"
+        line = (f"[yellow]{line}; above the {target / 60:.0f} min --quick target even at the smallest plan allowed"
                 + (f": {', '.join(changes)}" if changes else "") + ")[/]")
     duration = {"estimate_s": est, "estimate_by_phase_s": by_phase, "target_s": target, "plan_changes": changes,
                 "step_costs": asdict(costs), "shape": asdict(shape), "line": line}
@@ -241,18 +247,17 @@ def size_plan(pilot, requests_for) -> tuple[dict, dict]:
 
 
 def mark(pilot, phase: str) -> None:
-    """Record the wall time (s) of ``phase``, which ends now, in ``pilot.duration["actual_by_phase_s"]``."""
-    now = time.perf_counter()
+    """Record the wall time (s) of ``phase``, which ends now (the previous one ended where it starts), in
+    ``pilot.duration["actual_by_phase_s"]``."""
     actual = pilot.duration.setdefault("actual_by_phase_s", {})
-    actual[phase] = now - pilot.duration.get("_last", pilot.t0)
-    pilot.duration["_last"] = now
+    actual[phase] = time.perf_counter() - pilot.t0 - sum(actual.values())
 
 
 def finish(pilot) -> dict:
     """The report's ``duration``: the estimate, the wall time per phase (the seal's up to now, before the
     report is written) and in total since the run's state was created, and their ratio."""
     mark(pilot, "seal")
-    d = {k: v for k, v in pilot.duration.items() if k not in ("line", "_last")}
+    d = {k: v for k, v in pilot.duration.items() if k != "line"}
     d["actual_s"] = time.perf_counter() - pilot.t0
     if d.get("estimate_s"):
         d["actual_over_estimate"] = d["actual_s"] / d["estimate_s"]

@@ -17,8 +17,8 @@ B run one at a time A B B A; on two devices A on device 0 and B on device 1 conc
 first variant, swapped (A on 1, B on 0) on its second, so a device difference enters both systems'
 best-of-two throughput alike. Systems of the same source tree (config candidates: stock code) share one
 worker per device, so a process-to-process difference cancels the same way (an A vs A of two stock
-workers on one CPU measured a 1.19x "gain" in CI); a code candidate's tree always gets its own worker. The recheck and the thread listing run in
-the worker on the system that ran the variant and are reported back.
+workers on one CPU measured a 1.19x "gain" in CI); a code candidate's tree always gets its own worker. The
+recheck and the thread listing run in the worker on the system that ran the variant and are reported back.
 """
 
 from __future__ import annotations

@@ -71,15 +71,15 @@ def prepare(pilot: Pilot) -> None:
     pilot.say("setup", f"target {o.target}  drafter {o.drafter or 'ngram'}  device {o.device}  dtype {o.dtype}")
     pilot.peaks = measure_peaks(o.device, pilot.dep.target.dtype, seconds_budget=1.5)
     pilot.say("setup", f"peaks: {pilot.peaks.flops_per_s / 1e9:.1f} GFLOP/s, {pilot.peaks.bytes_per_s / 1e9:.1f} GB/s")
+    if pilot.dep.tokenizer is None:
+        pilot.say("setup", f"{pilot.dep.target_dir} has no tokenizer: prompts fed as UTF-8 byte ids (timing only)")
+    if not requests_for(pilot, pilot.plan):  # a smaller plan only lets more prompts fit
+        context = min(pilot.dep.target.args.max_position_embeddings, 4096)
+        raise SpecPilotError(f"no benchmark prompt fits this target (context {context} tokens, "
+                             f"{pilot.plan['max_new_tokens']} new tokens): nothing to measure")
     pilot.plan, pilot.duration = size_plan(pilot, lambda plan: requests_for(pilot, plan))
     plan = pilot.plan
     pilot.reqs = requests_for(pilot, plan)
-    if pilot.dep.tokenizer is None:
-        pilot.say("setup", f"{pilot.dep.target_dir} has no tokenizer: prompts fed as UTF-8 byte ids (timing only)")
-    if not pilot.reqs:
-        context = min(pilot.dep.target.args.max_position_embeddings, 4096)
-        raise SpecPilotError(f"no benchmark prompt fits this target (context {context} tokens, "
-                             f"{plan['max_new_tokens']} new tokens): nothing to measure")
     benchmarks = sorted({r.benchmark for r in pilot.reqs})
     pilot.say("setup", f"{len(pilot.reqs)} requests from {benchmarks}")
     per = {b: sum(r.benchmark == b for r in pilot.reqs) for b in benchmarks}
@@ -120,7 +120,8 @@ def run_phase0(pilot: Pilot) -> Phase0Result:
                         progress=advance, executor=pilot.dispatch.executor(0), **pilot.salt_kw())
     ar_stock, aa, pilot.controller = p0.ar_stock, p0.aa, p0.controller
     sigma = pilot.sigma
-    pilot.say("phase 0", f"stock {pilot.stock.label()}: {ar_stock.gain:.3f}x AR (95% lower bound {ar_stock.lower_bound:.3f})")
+    pilot.say("phase 0", f"stock {pilot.stock.label()}: {ar_stock.gain:.3f}x AR "
+                         f"(95% lower bound {ar_stock.lower_bound:.3f})")
     report = {"stock_vs_ar_gain": ar_stock.gain, "stock_vs_ar_lower_bound": ar_stock.lower_bound,
               "aa_gain": aa.gain, "aa_lower_bound": aa.lower_bound, "sigma": sigma}
     pilot.say("phase 0", f"stock A/A gain {aa.gain:.4f}: noise σ = {sigma:.4f}")

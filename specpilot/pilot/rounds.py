@@ -46,7 +46,8 @@ def run_rounds(pilot: Pilot, p0: Phase0Result) -> Search:
         s.incumbent, s.reused = reuse_memory(pilot, pilot.source, s.incumbent, s.memory, s.entries, s.candidates,
                                              s.tried)
     if p0.stock_vs_ar < 1.0 and pilot.ar.seal() not in s.tried:  # stock loses to AR: speculation off is a candidate
-        pilot.say("round 0", f"stock is {p0.stock_vs_ar:.3f}x AR: candidate AR (no drafter) against {s.incumbent.label()}")
+        pilot.say("round 0", f"stock is {p0.stock_vs_ar:.3f}x AR: candidate AR (no drafter) against "
+                             f"{s.incumbent.label()}")
         ceil, inc_m = ceiling(pilot, s.incumbent)
         s.rounds.append(round_row(pilot, 0, ceil, inc_m, s.incumbent, "speculation (stock loses to AR in phase 0)"))
         s.incumbent = round0_ar(pilot, s)

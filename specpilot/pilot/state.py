@@ -40,11 +40,12 @@ if TYPE_CHECKING:
 class Pilot:
     """State of one pilot run; the phases fill it in order (module doc).
 
-    Set here: ``t0`` (``time.perf_counter()`` at the start), ``o`` (options), ``con`` (console), ``dep`` (:class:`Deployment`), ``stock`` / ``ar`` configs,
-    ``dispatch``, ``source`` (``--memory``), ``threads``; ``plan`` (the options' plan until
-    :func:`.phase0.prepare` sizes it). Filled later: ``peaks``, ``reqs``, ``duration`` (setup), ``scorer`` and
-    ``controller`` (Phase 0), ``planner`` (cost-model inputs), ``c_measured`` (every c measured along the run),
-    ``code_tree`` / ``code_entries`` (the incumbent's approved agent patches).
+    Set here: ``t0`` (``time.perf_counter()`` at the start), ``o`` (options), ``con`` (console), ``dep``
+    (:class:`Deployment`), ``stock`` / ``ar`` configs, ``dispatch``, ``source`` (``--memory``), ``threads``;
+    ``plan`` (the options' plan until :func:`.phase0.prepare` sizes it). Filled later: ``peaks``, ``reqs``,
+    ``duration`` (setup), ``scorer`` and ``controller`` (Phase 0), ``planner`` (cost-model inputs),
+    ``c_measured`` (every c measured along the run), ``code_tree`` / ``code_entries`` (the incumbent's
+    approved agent patches).
 
     Raises:
         SpecPilotError: ``--memory`` is this run's own output or unusable, ``--threads < 1``, a bad checkpoint
