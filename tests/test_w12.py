@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from specpilot.w12.format import (NIBBLE_BYTES, RECORD_BYTES, VIEW_BYTES, W12FormatError, approx_view, decode,
                                   encode)
-from specpilot.w12.pack import is_linear_weight, load_w12_state_dict, pack_dir, verify_dir
+from specpilot.w12.pack import is_linear_weight, pack_dir
+from specpilot.w12.verify import load_w12_state_dict, verify_dir
 from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
 
 from .conftest import save_tiny, run_cli

@@ -80,7 +80,8 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     from specpilot.w12.format import W12FormatError
-    from specpilot.w12.pack import MANIFEST, load_w12_state_dict
+    from specpilot.w12.pack import MANIFEST
+    from specpilot.w12.verify import load_w12_state_dict
 
     if (Path(path) / MANIFEST).is_file():
         try:

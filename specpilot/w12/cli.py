@@ -37,7 +37,7 @@ def verify(
 ):
     """Restore every tensor and compare it bit for bit with its stored sha256 (and --source); check every copied
     tensor and file against its sha256 in w12.json."""
-    from specpilot.w12.pack import verify_dir
+    from specpilot.w12.verify import verify_dir
 
     rep = verify_dir(directory, source)
     if as_json:
