@@ -188,9 +188,9 @@ def check_report_dir(out: Path) -> None:
 
 @app.command()
 def pilot(
-    quick: bool = typer.Option(False, help="Smoke run (1–3 minutes on 2 CPU cores)."),
+    quick: bool = typer.Option(False, help="Smoke run: its plan is sized from measured step times to fit about 3 minutes (the expected duration is printed before it starts)."),
     per_benchmark: Optional[int] = typer.Option(None, min=2, help="Requests per benchmark, at least 2 (the paired bootstrap needs two requests of a benchmark; default 4; --quick 2)."),
-    max_new_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per request (default 64; --quick 32)."),
+    max_new_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per request (default 64; --quick at most 32)."),
     rounds: Optional[int] = typer.Option(None, min=0, help="Planner rounds after round 0 (default 3; --quick 1)."),
     adversarial: bool = typer.Option(False, help="Also judge A vs A and the cheating candidates (cached outputs, "
                                      "lazy outputs, a thread left running, a logit bias, FP8 verification, skipped "
