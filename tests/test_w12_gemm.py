@@ -177,7 +177,7 @@ def test_default_config_path_and_reference_order():
 
 
 def test_one_row_dispatch_follows_the_measured_rule_and_stays_exact():
-    # Qwen3-8B qkv / o / gate_up / down, Qwen3-32B qkv / o / gate_up / down (H200 winners, results/w12_double_probe_h200_2026-12-01_session13.json)
+    # Qwen3-8B qkv / o / gate_up / down, Qwen3-32B qkv / o / gate_up / down (H200 winners, results/w12_double_probe_h200_2026-12-01_7b87fb5.json)
     shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (10240, 5120), (5120, 8192), (51200, 5120),
               (5120, 25600)]
     assert [one_row_gemv(n, k) for n, k in shapes] == [True, True, True, True, False, False, True, False]
@@ -272,7 +272,7 @@ def test_escape_table_and_codes():
 
 
 def test_default_config_fills_the_device_and_divides_k():
-    # the splits the H200 sweep found best (results/w12_mma_sweep_h200_2026-12-01_session8.json)
+    # the splits the H200 sweep found best (results/w12_mma_sweep_h200_2026-12-01_4881152.json)
     assert [default_config(8, n, k)["split_k"] for n, k in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]] \
         == [4, 8, 1, 8]
     for m, n, k in [(1, 6144, 4096), (1, 4096, 4096), (8, 24576, 4096), (32, 4096, 12288), (256, 10240, 5120),
@@ -287,7 +287,7 @@ def test_default_config_fills_the_device_and_divides_k():
 
 
 def test_default_config_caps_registers_only_where_a_second_wave_shrinks():
-    # results/w12_waves_probe_h200_2026-12-02_session18.json: 32B gate_up (800 programs) at 8 rows 128.9 µs
+    # results/w12_waves_probe_h200_2026-12-02_735344e.json: 32B gate_up (800 programs) at 8 rows 128.9 µs
     # uncapped, 109.2 capped; launches of at most 5 programs an SM were not helped
     assert default_config(8, 51200, 5120)["maxnreg"] == WAVE_MAXNREG
     assert default_config(16, 51200, 5120)["maxnreg"] == WAVE_MAXNREG

@@ -10,15 +10,15 @@ and 32-bit words of nibbles, one of each per group of 8 columns.
 
 Two kernels. One row runs :func:`_w12_gemv_lines_kernel`: the step's words as ``[records, rows · 8]`` tiles, so each
 warp load covers whole 128-byte lines (the layout measured fastest at one row on the H200,
-``results/w12_launch_sweep_lines_h200_2026-12-01_session12.json``). 2–8 rows (and one row with ``lines=False``) run
+``results/w12_launch_sweep_lines_h200_2026-12-01_bfb1047.json``). 2–8 rows (and one row with ``lines=False``) run
 :func:`_w12_gemv_kernel`: ``[BLOCK_N, groups]`` tiles, 16 groups a thread at one row, x loaded once per group
 and shared by the thread's rows.
 
-H200, ``specpilot bench --suite w12`` (``results/w12_bench_h200_2026-12-01_session13.json``), one row:
+H200, ``specpilot bench --suite w12`` (``results/w12_bench_h200_2026-12-01_7b87fb5.json``), one row:
 Qwen3-8B qkv / o / gate_up / down 1.06 / 1.23 / 1.22 / 1.31x cuBLAS bf16, Qwen3-32B gate_up 1.34x; the exact pass of
 Qwen3-8B 1.14x the bf16 pass. A plain streaming read of the same bytes is still 1.4x (qkv) to 1.2x (gate_up)
 faster than these kernels (``probes/read_floor.py``). 2–8 rows: 0.12–0.61x cuBLAS on the H200
-(``results/w12_double_probe_h200_2026-12-01_session13.json``), so only ``gemv=True`` sends them here.
+(``results/w12_double_probe_h200_2026-12-01_7b87fb5.json``), so only ``gemv=True`` sends them here.
 
 Shapes, escapes, bias and the split-K sum follow :mod:`specpilot.w12.gemm`, whose
 :func:`~specpilot.w12.gemm.w12_gemm` routes here; the reference is
@@ -74,7 +74,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     words of the next ``s − 1`` steps are copied to shared memory (cp.async, ``s · BLOCK_N · BLOCK_K · 1.5``
     bytes a program) while a step is summed. The same operations in the same order, so bitwise the same output.
     (A register double buffer was 0.48–1.07x cuBLAS on the H200 where the plain loop is 1.0–1.16x:
-    ``results/w12_gemv_probe_h200_2026-12-01_session11.json``; removed.)
+    ``results/w12_gemv_probe_h200_2026-12-01_2fa2632.json``; removed.)
 
     ``lines`` (override; the one-row default, see :func:`~specpilot.w12.launch.gemv_config`): one row runs
     :func:`_w12_gemv_lines_kernel`, whose loads cover whole 128-byte lines; another summation order within the same
@@ -87,7 +87,7 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     (one atomic counter a tile only decides which program finishes, :func:`~specpilot.w12.epilogue.split_locks`;
     no second launch), with ``fused_split=False`` the second kernel ``_w12_split_sum_kernel`` does: the same
     fixed order and the same bits either way. The GEMV's fused default has no A/B timing of its own yet (the sweep
-    that chose the fused sum, ``results/w12_mma_sweep_h200_2026-12-01_session9.json``, timed the tensor-core kernel).
+    that chose the fused sum, ``results/w12_mma_sweep_h200_2026-12-01_36ffc3b.json``, timed the tensor-core kernel).
 
     ``glu`` (:func:`~specpilot.w12.swiglu.w12_swiglu_down`, which checks the call): ``x`` is one contiguous
     row of ``gate_up [1, 2K]`` and the kernel multiplies ``silu(gate) · up`` instead of x, in the lines kernel only.

@@ -21,7 +21,7 @@ MAX_ROWS = 256  # rows per kernel launch; more rows are run in chunks of this ma
 GEMV_MAX_ROWS = 8  # rows per call of the FMA kernel
 
 #: programs a launch aims for, per SM (SPLIT_K grows until reached): on the H200 the best split in
-#: ``results/w12_mma_sweep_h200_2026-12-01_session8.json`` gave 384–512 programs (qkv 96 x 4, o and down
+#: ``results/w12_mma_sweep_h200_2026-12-01_4881152.json`` gave 384–512 programs (qkv 96 x 4, o and down
 #: 64 x 8, gate_up 384 x 1) on 132 SMs
 PROGRAMS_PER_SM = 2.9
 
@@ -29,7 +29,7 @@ PROGRAMS_PER_SM = 2.9
 #: rows up to which split K is summed in the kernel (``fused_split``): on the H200 the tensor-core kernel's fused sum
 #: saved 6.5–7.7% on Qwen3-8B qkv / o and 3.9–5.2% on down at 1–16 rows; from 32 rows it lost 20–60% on o and
 #: down (the last split adds every partial tile alone) and was mixed on qkv
-#: (``results/w12_mma_sweep_h200_2026-12-01_session9.json``)
+#: (``results/w12_mma_sweep_h200_2026-12-01_36ffc3b.json``)
 FUSED_SPLIT_MAX_ROWS = 16
 
 
@@ -37,7 +37,7 @@ FUSED_SPLIT_MAX_ROWS = 16
 #: Uncapped it takes 86 (offline ptxas, sm_90a, M not a multiple of 16; fewer when M is), so an SM holds
 #: :data:`WAVE_PROGRAMS` = 5 four-warp programs (registers are allocated per warp in units of 256); at 80 (no spills,
 #: offline) it holds 6. H200 (``probes/w12_waves_probe.py``,
-#: ``results/w12_waves_probe_h200_2026-12-02_session18.json``): Qwen3-32B gate_up launches 800 programs at
+#: ``results/w12_waves_probe_h200_2026-12-02_735344e.json``): Qwen3-32B gate_up launches 800 programs at
 #: 8–32 rows, 660 fit at 5 an SM (792 at 6), and the second wave of 140 ran nearly alone: 8 rows 128.9 µs uncapped, 109.2 at 80
 #: (cuBLAS 129.8); at 16 rows (M a multiple of 16, fewer registers) 106.9 uncapped, 129.4 when allowed 96 (the same
 #: cliff). Launches that fit one wave anyway (every Qwen3-8B projection, 32B qkv / o / down: at most 640 programs)
@@ -58,10 +58,10 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     splits beat the previous default (BLOCK_K 128, one program an SM) by 1.1–1.3x at 8–32 rows.
     ``fused_split`` (the split-K sum inside the kernel) up to :data:`FUSED_SPLIT_MAX_ROWS` rows. ``esc_early`` off:
     split 0 loads its escape slots after the K loop. Loading them before it won 1–3% at 8–16 rows on the split-K 8B
-    shapes (``results/w12_escape_slots_probe_h200_2026-12-02_session17.json``, with the slot
+    shapes (``results/w12_escape_slots_probe_h200_2026-12-02_26e1c53.json``, with the slot
     steps unrolled), but holds ~28 more registers through the loop (offline ptxas, 16 rows: 78 → 106; with the
     unrolled steps the kernel went 80 → 126 and Qwen3-32B's 640-program launches then no longer fit in one wave:
-    32B down at 8 rows 1.39 → 1.07x in ``results/w12_bench_h200_2026-12-02_session17_unrolled.json``).
+    32B down at 8 rows 1.39 → 1.07x in ``results/w12_bench_h200_2026-12-02_26e1c53_unrolled.json``).
     ``maxnreg`` (:data:`WAVE_MAXNREG` or None): at BLOCK_M 16, a launch of more programs than the SMs hold at the
     kernel's own register count (:data:`WAVE_PROGRAMS` an SM) runs with its registers capped, so an SM holds one more
     and the second wave shrinks or goes (see :data:`WAVE_MAXNREG`).
@@ -83,7 +83,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
 def one_row_gemv(n: int, k: int) -> bool:
     """Whether one activation row of ``[1, k] @ W12[n, k]ᵀ`` goes to the GEMV (FMAs) rather than the tensor-core
     kernel: for ``k ≤ 4096``, ``n > 4 k``, or ``n ≤ 4096`` with ``k ≤ 3 n``. Empirical, H200, both kernels timed
-    side by side in one run (``results/w12_double_probe_h200_2026-12-01_session13.json``, the line-coalesced
+    side by side in one run (``results/w12_double_probe_h200_2026-12-01_7b87fb5.json``, the line-coalesced
     GEMV): the GEMV wins on Qwen3-8B qkv / o / gate_up (14.29 / 11.01 / 40.76 µs vs 15.08 / 11.90 / 41.18), 8B down
     (23.24 vs 24.07) and Qwen3-32B gate_up (100.3 vs 109.8); the tensor cores win on 32B qkv / o / down (24.9 /
     21.5 / 52.4 vs 27.0 / 22.9 / 56.6), where K is long for the tile count. The third clause is fitted to these
@@ -124,23 +124,23 @@ def check_overrides(overrides: dict) -> None:
 
 
 #: warps an SM the grid should hold, by padded rows: one row from the H200 sweeps
-#: (``results/w12_gemv_probe_h200_2026-11-30_session4*.json``); 2–8 rows: what the registers allow
+#: (``results/w12_gemv_probe_h200_2026-11-30_*_run{1,2,3}.json``); 2–8 rows: what the registers allow
 #: (``results/ptxas_w12_gemv_2026-11-30.json``), timed on the H200 at 0.12–0.61x cuBLAS
-#: (``results/w12_double_probe_h200_2026-12-01_session13.json``), so left unrouted.
+#: (``results/w12_double_probe_h200_2026-12-01_7b87fb5.json``), so left unrouted.
 GEMV_WARPS_PER_SM = {1: 11, 2: 16, 4: 10, 8: 8}
 
 
 def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     """Launch parameters of :func:`~specpilot.w12.gemv.w12_gemv` for ``m`` rows from static shapes only.
 
-    One row (H200, ``results/w12_launch_sweep_lines_h200_2026-12-01_session12.json``): the line-coalesced kernel
+    One row (H200, ``results/w12_launch_sweep_lines_h200_2026-12-01_bfb1047.json``): the line-coalesced kernel
     (``lines``, :func:`~specpilot.w12.gemv._w12_gemv_lines_kernel`), BLOCK_N 16, BLOCK_K 256, one warp a
     program, K split in 2, 4, 8 or 16 until the grid holds :data:`GEMV_WARPS_PER_SM` warps an SM (and the splits
     divide the padded K into whole steps). This rule gives the best of 31 launch shapes on each Qwen3-8B
     projection: qkv split 4 (14.11 µs vs 14.94 for the previous default in the same run), o split 8 (10.92 vs
     11.27), gate_up split 1 (40.23 vs 40.74), down split 8 (22.98 vs 23.57). The alternatives were timed side by
     side against this pick (``results/w12_{stream,double,intra_split,narrow}_probe_h200_2026-12-01_
-    session13.json``): TMA copies into a 2–5-stage shared-memory ring (also persistent), a register double buffer,
+    7b87fb5.json``): TMA copies into a 2–5-stage shared-memory ring (also persistent), a register double buffer,
     K split inside a program (2–16 warps), BLOCK_N 4 / 8 and one-warp BLOCK_K 512 / 1024. Only one config beat it on
     one shape (o, BLOCK_N 8 / BLOCK_K 1024 / 4 warps: 10.87 vs 11.02 µs); the rest were slower on every shape.
 
@@ -152,11 +152,11 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
     ``num_warps = 16 · BLOCK_K / (256 · groups)``; if the grid is still short, split K in two or four, then BLOCK_K
     grows again. BLOCK_K grows only to sizes that divide the padded K, and the splits divide it too (a ragged last
     block masks every load of the kernel: Qwen3-32B's down projection, K = 25600, ran at 0.46x cuBLAS with BLOCK_K
-    2048 and 1.03x with 1024, ``results/w12_one_row_check_h200_2026-12-01_session8.json``). ``num_stages`` 3
+    2048 and 1.03x with 1024, ``results/w12_one_row_check_h200_2026-12-01_99fd15e.json``). ``num_stages`` 3
     (the launch option; it pipelines nothing here, see ``load_stages``); split K summed in the kernel
     (``fused_split``, see :func:`default_config`); ``load_stages`` 1 (plain loads; see
     :func:`~specpilot.w12.gemv.w12_gemv`); ``esc_early`` off: the lines kernel loads its escape slots after the K
-    loop (H200, ``results/w12_escape_slots_probe_h200_2026-12-02_session17.json``, the slot steps then unrolled:
+    loop (H200, ``results/w12_escape_slots_probe_h200_2026-12-02_26e1c53.json``, the slot steps then unrolled:
     before the loop, with the registers held through it, o / down ran 13.69 / 29.43 µs, after it 10.21 / 22.13;
     qkv / gate_up 14.75 / 40.62 vs 13.64 / 39.86). The 2–8-row kernel always loads them before its loop.
 

@@ -18,7 +18,7 @@ Rounding: the bound of :mod:`specpilot.w12.gemm` (a sum over K in another order)
 caveat (scaling by a power of two commutes with float32 rounding unless a partial sum or product is
 subnormal in one scaling and not the other: at most ``2^-149`` an operation). On the H200 with the default
 launch: 0.89–1.33x cuBLAS bf16 at 8–32 rows over the Qwen3-8B and -32B projections
-(``results/w12_bench_h200_2026-12-01_session8.json``).
+(``results/w12_bench_h200_2026-12-01_62845f8.json``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ except ImportError:  # CPU installs without triton
 #: ``x_gather`` default: load the activation tile with its columns in ``_k_order`` (see ``_mma_step``). Off: on
 #: the H200 the permuted load (4-byte ``cp.async`` pieces, 19 instead of 7 a step) was 0–16% slower than loading in
 #: column order and permuting through shared memory, on every Qwen3-8B projection at 2–128 rows
-#: (``results/w12_xgather_probe_h200_2026-12-02_session14.json``)
+#: (``results/w12_xgather_probe_h200_2026-12-02_f2fd9b3.json``)
 X_GATHER_DEFAULT = False
 
 

@@ -4,7 +4,7 @@ At one row a decoder layer's norms are two launches of ``add_rmsnorm`` (``x += d
 ~2 µs on the H200 plus a graph gap, 72 of them in a Qwen3-8B pass. A norm needs the whole row's sum of squares
 before any element can be normalised, which is why fusing it into the *producing* GEMV's last program lost
 (its serial tail made the o projection + norm 15.4 µs against 12.9 unfused on the H200,
-``results/w12_fusion_probe_whole_row_h200_2026-12-02_session15.json``). Here the work is split across the two
+``results/w12_fusion_probe_whole_row_h200_2026-12-02_4453b8e.json``). Here the work is split across the two
 GEMVs instead, with no serial tail and no atomics:
 
 - the producer (o, or down: :func:`w12_add_residual`) stores ``residual + y`` instead of ``y``, rounded to the

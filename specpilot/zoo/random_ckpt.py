@@ -1,6 +1,6 @@
 """Real architectures without weights: HF checkpoint directories with random weights of a real shape.
 
-For timing only (issue 4): the shapes, dtypes and file layout are those of the public checkpoints, the
+For timing only: the shapes, dtypes and file layout are those of the public checkpoints, the
 values are N(0, 0.02) (norm weights 1). No tokenizer is written; benchmarks feed token ids directly.
 """
 
