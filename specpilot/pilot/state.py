@@ -15,9 +15,9 @@ decode-step times from one interleaved measurement of AR and the system (:meth:`
 from __future__ import annotations
 
 import datetime as _dt
+from dataclasses import dataclass
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -33,8 +33,45 @@ from specpilot.pilot.setup import available_cores, choose_threads
 from specpilot.pilot.steps import c_of, interleaved_steps
 from specpilot.pilot.workers import DeploymentSpec
 
-if TYPE_CHECKING:
-    from specpilot.pilot.run import PilotOptions
+
+
+@dataclass
+class PilotOptions:
+    """Options of one pilot run (CLI flags of ``specpilot pilot``)."""
+
+    target: Path
+    drafter: Path | None = None
+    out: Path = Path("specpilot-report")
+    quick: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    overrides: dict | None = None
+    blocks: tuple = ()  # block drafter directories the planner may propose (kind, block size, builder)
+    adversarial: bool = False  # judge the cheating candidates of :mod:`.adversarial` in this run
+    threads: int | None = None  # torch intra-op threads (None: 1 on a CPU device with <= 2 cores, else torch's)
+    memory: Path | None = None  # memory directory of an earlier run to start from (§3.5)
+    # where judgements run and the external agent (rule: specpilot.pilot.dispatch)
+    devices: tuple = ()  # --devices (empty: just --device)
+    paired_devices: bool | None = None  # None: two-device paired judgements iff exactly two devices
+    executor: str = "auto"  # auto | local | workers
+    agent: str | None = None  # command template with {brief} and {worktree}
+    agent_timeout: float = 1800.0  # seconds
+    scorer_dtype: str | None = None  # token forcing's scorer body: None = the deployment dtype (§3.4), or float32
+
+    @property
+    def plan(self) -> dict:
+        """Request-set size and search effort as asked: ``--quick`` starts from a smaller plan, which the run
+        shrinks further until its estimated duration fits a few minutes (:func:`.budget.size_plan`).
+
+        Keys: per_benchmark, max_new_tokens, rounds, candidates, depth_max, benchmarks (how many of the
+        bundled benchmarks, None = all). ``overrides`` replaces any of them (and the run never shrinks those).
+        """
+        if self.quick:
+            plan = {"per_benchmark": 2, "max_new_tokens": 32, "rounds": 1, "candidates": 2, "depth_max": 8}
+        else:
+            plan = {"per_benchmark": 4, "max_new_tokens": 64, "rounds": 3, "candidates": 3, "depth_max": 10}
+        return {**plan, "benchmarks": None, **(self.overrides or {})}
 
 
 class Pilot:
