@@ -18,7 +18,6 @@ import copy
 
 from torch import nn
 
-from specpilot.model.transformer import Transformer
 from specpilot.w12.linear import W12Linear
 
 
@@ -29,11 +28,12 @@ def _shallow(module: nn.Module) -> nn.Module:
     return c
 
 
-def to_w12(model: Transformer, inplace: bool = False, head: bool = True) -> Transformer:
+def to_w12(model: nn.Module, inplace: bool = False, head: bool = True) -> nn.Module:
     """``model`` with its decoder layers' projections in W12 (module docstring), encoded on their device.
 
     Args:
-        model: a :class:`Transformer` (fused or not; its weights must be bfloat16 values).
+        model: a :class:`~specpilot.model.transformer.Transformer` (fused or not; its weights must be bfloat16
+            values). W12 sits below the model (the model's fused path calls its kernels), so it is typed here by duck.
         inplace: replace the layers in ``model`` itself; otherwise return a new model object that shares
             every other parameter (embeddings, norms, a tied or kept LM head) with ``model``, which stays
             unchanged. Shared means the same tensors: an in-place change of either model's shared parameters,
@@ -65,12 +65,12 @@ def to_w12(model: Transformer, inplace: bool = False, head: bool = True) -> Tran
     return out
 
 
-def w12_head(model: Transformer) -> bool:
+def w12_head(model: nn.Module) -> bool:
     """Whether ``model``'s LM head is a W12 layer (:func:`to_w12` with ``head=True`` on an untied head)."""
     return isinstance(model.lm_head, W12Linear)
 
 
-def is_w12(model: Transformer) -> bool:
+def is_w12(model: nn.Module) -> bool:
     """Whether ``model``'s decoder projections are W12 layers (those of :func:`to_w12`)."""
     return any(isinstance(m, W12Linear) for m in model.model.layers.modules())
 
