@@ -1,4 +1,4 @@
-"""W12 checkpoint directories: pack, verify, load (§4.1).
+"""W12 checkpoint directories: pack any safetensors checkpoint into W12 records (§4.1); the format of the directory.
 
 :func:`pack_dir` converts the linear-layer weights of any safetensors checkpoint directory (one file, or
 shards with a ``*.safetensors.index.json``; the engine need not support the model) and copies every other
