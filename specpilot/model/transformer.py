@@ -143,15 +143,8 @@ class Transformer(nn.Module):
         if start + r > cache.max_len:
             raise ValueError(f"{start + r} slots needed, cache holds {cache.max_len}")
         x, cos, sin = self._embed(tokens, positions, prof)
-        captured = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, start, mask, kind, prof)
-            if i in feature_layers:
-                captured[i] = x
-        if feature_layers:
-            features.extend(captured[i] for i in feature_layers)
-        with region(prof, "norms_elementwise"):
-            return self.model.norm(x)
+        return self._layers(x, lambda i, layer, h: layer(h, cos, sin, cache, i, start, mask, kind, prof), prof,
+                            features, feature_layers)
 
     def forward_static(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: torch.Tensor,
                        tree_mask: torch.Tensor, prof=None, features: list | None = None,
@@ -169,9 +162,15 @@ class Transformer(nn.Module):
             from specpilot.model.fused import forward_fused
 
             return forward_fused(self, x, cos, sin, cache, start, tree_mask, features, feature_layers)
+        return self._layers(x, lambda i, layer, h: layer.forward_static(h, cos, sin, cache, i, start, tree_mask, prof),
+                            prof, features, feature_layers)
+
+    def _layers(self, x, call, prof, features, feature_layers) -> torch.Tensor:
+        """``call(i, layer, x)`` through every decoder layer, the outputs of ``feature_layers`` appended to
+        ``features`` in the order given, then the final norm."""
         captured = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer.forward_static(x, cos, sin, cache, i, start, tree_mask, prof)
+            x = call(i, layer, x)
             if i in feature_layers:
                 captured[i] = x
         if feature_layers:
