@@ -1,5 +1,6 @@
 """Importing the package, loading a deployment and building and running every kind of system leave torch's
-process-wide flags (and the environment) as they were: no mechanism switches anything for the whole process."""
+process-wide flags, its random number generator and the environment as they were: no mechanism switches anything
+for the whole process."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def flags():
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "default_dtype": str(torch.get_default_dtype()), "grad_enabled": torch.is_grad_enabled(),
         "inference_mode": torch.is_inference_mode_enabled(), "num_threads": torch.get_num_threads(),
+        "cpu_rng_state": torch.random.get_rng_state().sum().item(),  # loading builds no module that draws from it
         # torch sets TORCHINDUCTOR_CACHE_DIR itself when one of its modules first imports torch._dynamo
         "environ": {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"},
     }

@@ -73,8 +73,9 @@ class RMSNorm(nn.Module):
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One ``nn.Linear`` whose weight (and bias) are ``parts``' concatenated on the output dim."""
     p0 = parts[0]
-    fused = nn.Linear(p0.in_features, sum(p.out_features for p in parts), bias=p0.bias is not None)
-    fused = fused.to(device=p0.weight.device, dtype=p0.weight.dtype)
+    with torch.device("meta"):  # no initialisation: it would only be overwritten (and draw from torch's RNG)
+        fused = nn.Linear(p0.in_features, sum(p.out_features for p in parts), bias=p0.bias is not None)
+    fused = fused.to_empty(device=p0.weight.device).to(p0.weight.dtype)
     with torch.no_grad():
         fused.weight.copy_(torch.cat([p.weight for p in parts]))
         if fused.bias is not None:

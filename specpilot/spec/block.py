@@ -318,7 +318,9 @@ def load_block(path, target: Transformer) -> BlockNet:
     if max(cfg.target_layers) >= ta.num_layers or min(cfg.target_layers) < 0:
         raise DrafterError(f"block drafter {p} reads target layers {cfg.target_layers}, "
                            f"the target has {ta.num_layers} layers")
-    net = BlockNet(cfg)
+    with torch.device("meta"):  # no initialisation (the weights are loaded next; it would draw from torch's RNG)
+        net = BlockNet(cfg)
+    net = net.to_empty(device="cpu")
     try:
         net.load_state_dict(load_file(str(p / "model.safetensors")))
     except RuntimeError as e:
