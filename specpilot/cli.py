@@ -125,8 +125,10 @@ def generate(
         raise SpecPilotError(f"invalid option: --top-k must be at least 1, got {top_k}")
     if max_new_tokens < 1:  # before loading anything, named by its flag
         raise SpecPilotError(f"invalid option: --max-new-tokens must be at least 1, got {max_new_tokens}")
-    if not check_text(prompt, "--prompt").strip():
+    if not check_text(prompt, "--prompt"):  # whitespace is text (it has tokens); only nothing is empty
         raise SpecPilotError("the prompt is empty")
+    if drafter == "none" and tree != "chain":
+        raise SpecPilotError(f"--tree {tree} needs a drafter: --drafter none is plain AR decoding")
     try:
         n_threads, _ = choose_threads(device, threads, available_cores(), torch.get_num_threads())
     except ValueError as e:

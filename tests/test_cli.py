@@ -332,3 +332,19 @@ def test_generate_threads_below_one_is_refused_before_loading(monkeypatch, capsy
     monkeypatch.setattr(deployment, "Deployment", lambda *a, **k: pytest.fail("loaded a model"))
     code, _, err = run_cli(monkeypatch, capsys, "generate", "--prompt", "x", "--threads", "0")
     _one_line_error(code, err, "--threads")
+
+
+def test_a_whitespace_prompt_is_text_not_empty(monkeypatch, capsys, keep_threads):
+    """Spaces or a newline tokenize to ids (the Python API takes them), so ``generate`` decodes them too; only an
+    empty string is the empty prompt."""
+    for prompt in ("   ", "\n"):
+        code, out, err = run_cli(monkeypatch, capsys, "generate", "--prompt", prompt, "--max-new-tokens", "3", "--json")
+        assert code == 0, err
+        assert len(json.loads(out)["tokens"]) >= 1
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--prompt", "", "--max-new-tokens", "3")
+    _one_line_error(code, err, "the prompt is empty")
+
+
+def test_a_tree_without_a_drafter_is_refused(monkeypatch, capsys, keep_threads):
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--prompt", "x", "--drafter", "none", "--tree", "best_first")
+    _one_line_error(code, err, "--tree best_first needs a drafter")
