@@ -61,3 +61,20 @@ def test_suite_leaves_torch_flags_as_they_were(tmp_path):
         assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is True
     finally:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before
+
+
+def test_cpu_run_without_triton_is_one_line(monkeypatch, tmp_path):
+    """The README's main install (``pip install .``) has no Triton: the CPU smoke run says what is missing instead
+    of writing tracebacks into its JSON."""
+    import importlib.util
+
+    import pytest
+
+    from specpilot.bench.cli import run_suite
+    from specpilot.errors import SpecPilotError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(SpecPilotError, match="install triton"):
+        run_suite("lm-head", "cpu", tmp_path / "r")
+    assert not (tmp_path / "r").exists()  # refused before anything was written

@@ -10,6 +10,7 @@ checkpoint, c(N), the byte floor), ``w12`` (:mod:`.w12`), ``lm-head`` (:mod:`.lm
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -97,8 +98,8 @@ def check_float16_device(dtype: str, device: str) -> None:
 def run_suite(suite: str, device: str, out: Path) -> int:
     """Run ``suite`` (one of :data:`SUITES` but ``systems``) on ``device`` into
     ``out/<suite>_bench_<device type>_<date>.json``. Returns the exit status (lm-head: 1 when a correctness check
-    failed). Raises SpecPilotError for a CUDA-only suite off CUDA, or a CPU lm-head run after Triton was imported
-    without its interpreter."""
+    failed). Raises SpecPilotError for a CUDA-only suite off CUDA, a CPU lm-head run without Triton installed, or
+    after Triton was imported without its interpreter."""
     import torch
 
     from specpilot.bench.engine import result_stem
@@ -106,6 +107,9 @@ def run_suite(suite: str, device: str, out: Path) -> int:
     cuda = torch.device(device).type == "cuda"
     if suite in CUDA_ONLY and not cuda:
         raise SpecPilotError(f"--suite {suite} needs a CUDA GPU (--device cuda)")
+    if not cuda and importlib.util.find_spec("triton") is None:
+        raise SpecPilotError("the CPU run of --suite lm-head runs the Triton kernels in Triton's interpreter: install "
+                             "triton (pip install 'triton==3.6.0', or the package's [test] extra)")
     outp = output_dir(out, "--out")
     outp.mkdir(parents=True, exist_ok=True)
     path = outp / (result_stem(outp, "", device, label=suite.replace("-", "_") + "_bench") + ".json")
