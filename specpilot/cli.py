@@ -294,7 +294,7 @@ def audit(
 @app.command("train-drafter")
 def train_drafter_cmd(
     kind: str = typer.Option("block", help="block | block_markov"),
-    block: int = typer.Option(16, min=1, help="Block size B (positions drafted per pass)."),
+    block: int = typer.Option(16, min=2, max=32, help="Block size B (positions drafted per pass), 2-32."),
     out: Path = typer.Option(..., help="Output directory (config.json + model.safetensors + provenance)."),
     target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: bundled)."),
     tokens: Path = typer.Option(Path("work/zoo/tokens.npy"), help="Training tokens (specpilot zoo tokenize)."),

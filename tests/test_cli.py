@@ -41,7 +41,7 @@ def test_bad_input_is_one_line_error(monkeypatch, capsys, tmp_path, case):
         (d / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
         args += ["--target", str(d)]
     elif case == "empty":
-        args[2] = "   "
+        args[2] = ""  # whitespace is text with tokens (test_a_whitespace_prompt_is_text_not_empty)
     elif case == "too_long":
         args[2] = "x = 1\n" * 3000
     elif case == "vocab":

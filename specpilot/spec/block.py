@@ -307,7 +307,8 @@ def load_block(path, target: Transformer) -> BlockNet:
 
     p = Path(path)
     if not is_block_dir(p) or not (p / "model.safetensors").is_file():
-        raise DrafterError(f"{p} is not a block drafter directory (config.json + model.safetensors)")
+        raise DrafterError(f"{p} is not a block drafter directory (a config.json with \"specpilot_drafter\": \"block\" "
+                           "and a model.safetensors; a causal LM directory is a draft model)")
     raw = json.loads((p / "config.json").read_text())
     names = BlockConfig.__dataclass_fields__
     cfg = BlockConfig(**{k: v for k, v in raw.items() if k in names})
