@@ -15,9 +15,11 @@ from specpilot.config import SystemConfig
 from specpilot.spec.block import TOP_K as BLOCK_TOP_K
 from specpilot.spec.block import BlockDrafter, is_block_dir, load_block
 from specpilot.spec.draft_model import DraftModelDrafter
+from specpilot.spec.drafter import SlotFanout
 from specpilot.spec.ngram import NgramDrafter
 from specpilot.errors import CheckpointError, DrafterError, SpecPilotError
 from specpilot.model.checkpoint import load_model, load_tokenizer, read_args
+from specpilot.engine.batch import BatchEngine
 from specpilot.engine.engine import Engine
 
 
@@ -131,32 +133,51 @@ class Deployment:
             W12FormatError: ``config.w12`` with a target whose weights are not bfloat16 values.
             SpecPilotError: ``config`` is not a SystemConfig (a dict: ``SystemConfig(**d)``).
         """
+        target = self._target(config)
+        engine_kw.setdefault("eos_ids", self.eos_ids())
+        engine_kw.setdefault("buckets", torch.device(self.device).type == "cuda")  # CUDA graphs per row bucket
+        return Engine(target, config, self._drafter(config, target, 1), **engine_kw)
+
+    def batch_system(self, config: SystemConfig, max_num_seqs: int = 8, **engine_kw) -> BatchEngine:
+        """A batched engine (continuous batching, one exact pass per step) running ``config`` for up to
+        ``max_num_seqs`` requests at once; its drafter holds that many requests (an n-gram index per request; a
+        draft model or block drafter per slot). Raises as :meth:`system`, and ValueError for ``max_num_seqs < 1``."""
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        target = self._target(config)
+        engine_kw.setdefault("eos_ids", self.eos_ids())
+        return BatchEngine(target, config, self._drafter(config, target, max_num_seqs), max_num_seqs=max_num_seqs,
+                           **engine_kw)
+
+    def _target(self, config: SystemConfig):
         if not isinstance(config, SystemConfig):
             raise SpecPilotError(f"system() takes a SystemConfig, got {type(config).__name__}"
                                  + (" (build one with SystemConfig(**d))" if isinstance(config, dict) else ""))
         target = self.w12_target() if config.w12 else self.target
-        if config.lm_head_int8:
-            target = self.int8_target(target)
-        drafter = None
+        return self.int8_target(target) if config.lm_head_int8 else target
+
+    def _drafter(self, config: SystemConfig, target, slots: int):
+        """The drafter ``config`` names, holding ``slots`` requests (None for AR)."""
         if config.drafter == "ngram":
-            drafter = NgramDrafter(config.ngram_max, config.ngram_min, max_matches=max(config.top_k, 1))
-        elif config.drafter == "draft_model":
+            return NgramDrafter(config.ngram_max, config.ngram_min, max_matches=max(config.top_k, 1),
+                                max_slots=max(slots, 1024))
+        if config.drafter == "draft_model":
             if self.draft_model is None and self._block_given_as_drafter is not None:
                 raise DrafterError(f"drafter 'draft_model' asked for, but {self._block_given_as_drafter} is a block "
                                    "drafter (specpilot_drafter: block in its config.json): use drafter 'block'")
             if self.draft_model is None:
                 raise DrafterError("drafter 'draft_model' needs a draft model checkpoint (--drafter-path)")
-            drafter = DraftModelDrafter(self.draft_model, top_k=config.top_k)
-        elif config.drafter == "block":
+            make = [DraftModelDrafter(self.draft_model, top_k=config.top_k) for _ in range(slots)]
+            return make[0] if slots == 1 else SlotFanout(make)
+        if config.drafter == "block":
             net = self.block_net(config.drafter_path)
             if config.depth > net.cfg.block_size or config.top_k > BLOCK_TOP_K:  # refused, not clamped
                 raise DrafterError(f"the block drafter drafts at most {net.cfg.block_size} positions (its block size) "
                                    f"with at most {BLOCK_TOP_K} candidates each: depth {config.depth}, top_k "
                                    f"{config.top_k} asked for")
-            drafter = BlockDrafter(net, target, top_k=config.top_k)
-        engine_kw.setdefault("eos_ids", self.eos_ids())
-        engine_kw.setdefault("buckets", torch.device(self.device).type == "cuda")  # CUDA graphs per row bucket
-        return Engine(target, config, drafter, **engine_kw)
+            make = [BlockDrafter(net, target, top_k=config.top_k) for _ in range(slots)]
+            return make[0] if slots == 1 else SlotFanout(make)
+        return None
 
 
 def check_drafter_fits(target_dir, drafter_dir, target_tokenizer=None) -> None:

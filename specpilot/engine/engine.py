@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 import torch
 
 from specpilot.config import SystemConfig
-from specpilot.engine.requests import check_prompt, stop_id_set
+from specpilot.engine.requests import check_prompt, keep, stop_id_set
 from specpilot.engine.runner import BUCKETS, BucketRunner
 from specpilot.engine.types import Generation
 from specpilot.errors import SpecPilotError
@@ -114,18 +114,13 @@ class Engine:
         self.cache.commit(len(committed) - 1)
         out = Generation(tokens=[first], steps=0)
         out.prefill_s = time.perf_counter() - t0
-        out.stop_reason = self._stop_reason(first, stops)
+        out.stop_reason = keep([first], stops, self.eos_ids, 1)[1]
         passes = self._ar_passes(committed, out, max_new_tokens) if self._pipelined_ar(prof) else \
             self._spec_passes(committed, out, max_new_tokens, prof)
         try:
             while out.stop_reason == "length" and len(out.tokens) < max_new_tokens:
                 new, rows = next(passes)
-                kept = []
-                for tok in new:
-                    kept.append(tok)
-                    out.stop_reason = self._stop_reason(tok, stops)
-                    if out.stop_reason != "length" or len(out.tokens) + len(kept) >= max_new_tokens:
-                        break
+                kept, out.stop_reason = keep(new, stops, self.eos_ids, max_new_tokens - len(out.tokens))
                 committed += kept  # in place: the passes read the committed tokens from this list
                 out.tokens += kept
                 out.steps += 1
@@ -140,11 +135,6 @@ class Engine:
         out.cache_length = self.cache.length
         self.cache.commit(0)  # the request's slots are free again (R14)
         return out
-
-    def _stop_reason(self, tok: int, stops: set[int]) -> str:
-        if tok not in stops:
-            return "length"
-        return "eos" if tok in self.eos_ids else "stop"
 
     def _prefill(self, prompt: list[int]) -> int:
         """The prompt's exact pass (K/V to slots ``[0, P)``); returns the first generated token. Not part of a
@@ -250,12 +240,7 @@ class Engine:
         if self.runner is not None and any(self.runner.needs_full_head()):
             argmax = self.runner.full_head(r)  # certified INT8 head: a flagged row (§4.1)
         with region(prof, "other"):
-            kids = tree.child_maps()
-            path, row = [0], 0
-            while argmax[row] in kids[row]:
-                row = kids[row][argmax[row]]
-                path.append(row)
-            new = [tree.tokens[i - 1] for i in path[1:]] + [argmax[row]]
+            path, new = tree.accept(argmax)
             rows = torch.tensor(path)
             if path[-1] != len(path) - 1:  # rows 0..k-1 (a path's rows increase) are in place already
                 self.cache.compact(start, rows)

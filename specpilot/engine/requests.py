@@ -64,3 +64,15 @@ def stop_id_set(stop_ids, vocab_size: int) -> set[int]:
     if bad:
         raise PromptError(f"stop_ids {bad[:5]} are outside the vocabulary [0, {vocab_size}): they can never occur")
     return {int(t) for t in stop_ids}
+
+
+def keep(new: list[int], stops: set[int], eos: set[int], room: int) -> tuple[list[int], str]:
+    """What a request keeps of a pass's accepted tokens ``new`` (R1, R3): up to and including the first stop id,
+    and at most ``room`` tokens (its remaining ``max_new_tokens``). Returns ``(kept, reason)``: ``eos`` or ``stop``
+    when a stop id was kept (an EOS id, or one of ``stops`` that is not), else ``length``."""
+    kept = []
+    for tok in new[:max(room, 0)]:
+        kept.append(tok)
+        if tok in stops:
+            return kept, "eos" if tok in eos else "stop"
+    return kept, "length"

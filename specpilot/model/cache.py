@@ -41,12 +41,14 @@ class KVCache:
         ValueError: ``max_len < 1``.
     """
 
-    def __init__(self, args: ModelArgs, max_len: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, args: ModelArgs, max_len: int, dtype: torch.dtype, device: torch.device | str,
+                 storage: tuple[torch.Tensor, torch.Tensor] | None = None):
         if max_len < 1:
             raise ValueError(f"a cache needs at least one slot, got max_len {max_len}")
         shape = (args.num_layers, max_len, args.n_kv_heads, args.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if storage is None:
+            storage = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self.k, self.v = storage  # ``storage``: a slot of a KVPool (views of its tensors)
         self.max_len = max_len
         self._length = 0
 
@@ -82,3 +84,36 @@ class KVCache:
         src = rows.to(self.k.device) + start
         self.k[:, start : start + k] = self.k[:, src]
         self.v[:, start : start + k] = self.v[:, src]
+
+
+class KVPool:
+    """The K/V of every request a batch can hold: ``k, v [num_slots, num_layers, slot_len, n_kv_heads, head_dim]``.
+
+    Slot ``i`` is one request's :class:`KVCache` (:meth:`cache`, views of the pool's tensors: the same layout as a
+    request's own cache), so one exact pass can write and read every request's K/V (``forward_batch``). Which
+    request owns a slot is the batch engine's business; a slot's length is its cache's, committed by that engine.
+
+    Args:
+        args: the model's architecture; num_slots: requests held at once; slot_len: positions a slot holds (the
+            context plus room for a pass's rows).
+    Raises:
+        ValueError: ``num_slots < 1`` or ``slot_len < 1``.
+    """
+
+    def __init__(self, args: ModelArgs, num_slots: int, slot_len: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        if num_slots < 1 or slot_len < 1:
+            raise ValueError(f"a KV pool needs at least one slot of one position, got {num_slots} x {slot_len}")
+        shape = (num_slots, args.num_layers, slot_len, args.n_kv_heads, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots, self.slot_len = num_slots, slot_len
+        self._caches = [KVCache(args, slot_len, dtype, device, storage=(self.k[i], self.v[i])) for i in range(num_slots)]
+
+    def cache(self, slot: int) -> KVCache:
+        """The :class:`KVCache` of ``slot`` (its length is that request's committed slots)."""
+        return self._caches[slot]
+
+    def nbytes(self) -> int:
+        """Bytes held by the pool's tensors."""
+        return self.k.numel() * self.k.element_size() * 2

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpilot.model.args import ModelArgs
-from specpilot.model.cache import KVCache, PassKind
+from specpilot.model.batch import Prepared
+from specpilot.model.cache import KVCache, KVPool, PassKind
 
 
 def region(prof, name: str):
@@ -170,6 +171,30 @@ class Attention(nn.Module):
             return self.o_proj(o)
 
 
+    def forward_batch(self, x, cos, sin, pool: KVPool, layer: int, p: Prepared, prof=None):
+        """Batched exact pass (:mod:`specpilot.model.batch`): ``x [R, hidden]`` rows of several requests; each row's
+        K/V is written to its request's pool slot, then every request's rows attend to that slot's committed
+        prefix and, among its own rows, to what its mask allows: rows padded to ``[B, R_max]``, keys gathered to
+        ``[B, span]``, one masked SDPA (the reference). Returns ``[R, hidden]``."""
+        a = self.args
+        q, k, v = self._qkv(x, cos, sin, prof)
+        with region(prof, "attention"):
+            pool.k[p.slot, layer, p.pos] = k.to(pool.k.dtype)
+            pool.v[p.slot, layer, p.pos] = v.to(pool.v.dtype)
+            keys = pool.k[p.slots, layer, : p.span].transpose(1, 2)  # [B, KVH, span, D]
+            vals = pool.v[p.slots, layer, : p.span].transpose(1, 2)
+            rep = a.n_heads // a.n_kv_heads
+            if rep > 1:
+                keys, vals = keys.repeat_interleave(rep, dim=1), vals.repeat_interleave(rep, dim=1)
+            qp = q.new_zeros(len(p.slots), p.r_max, a.n_heads, a.head_dim)
+            qp[p.req, p.j] = q
+            with _sdpa_backends(x.device):
+                o = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, vals, attn_mask=p.mask[:, None])
+            o = o.transpose(1, 2)[p.req, p.j].reshape(x.shape[0], a.n_heads * a.head_dim)
+        with region(prof, "projections"):
+            return self.o_proj(o)
+
+
 class MLP(nn.Module):
     """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
 
@@ -224,6 +249,16 @@ class DecoderLayer(nn.Module):
         with region(prof, "norms_elementwise"):
             h = self.input_layernorm(x)
         x = x + self.self_attn.forward_static(h, cos, sin, cache, layer, start, tree_mask, prof)
+        with region(prof, "norms_elementwise"):
+            h = self.post_attention_layernorm(x)
+        return x + self.mlp(h, prof)
+
+
+    def forward_batch(self, x, cos, sin, pool, layer, p, prof=None):
+        """Batched exact pass (see :meth:`Attention.forward_batch`): ``x [R, hidden]`` -> ``[R, hidden]``."""
+        with region(prof, "norms_elementwise"):
+            h = self.input_layernorm(x)
+        x = x + self.self_attn.forward_batch(h, cos, sin, pool, layer, p, prof)
         with region(prof, "norms_elementwise"):
             h = self.post_attention_layernorm(x)
         return x + self.mlp(h, prof)

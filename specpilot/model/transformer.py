@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from specpilot.model.args import ModelArgs, rope_inv_freq
-from specpilot.model.cache import KVCache, PassKind
+from specpilot.model.batch import BatchRows
+from specpilot.model.cache import KVCache, KVPool, PassKind
 from specpilot.model.layers import Backbone, region
 
 
@@ -164,6 +165,29 @@ class Transformer(nn.Module):
             return forward_fused(self, x, cos, sin, cache, start, tree_mask, features, feature_layers)
         return self._layers(x, lambda i, layer, h: layer.forward_static(h, cos, sin, cache, i, start, tree_mask, prof),
                             prof, features, feature_layers)
+
+    def forward_batch(self, tokens: torch.Tensor, positions: torch.Tensor, pool: KVPool, rows: BatchRows, prof=None,
+                      features: list | None = None, feature_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """Final-norm hidden states of one exact pass over the rows of several requests (§2.2, §4.4).
+
+        Args:
+            tokens / positions: ``[R] long``, request 0's rows, then request 1's, ... (positions: prefix + depth).
+            pool: the :class:`KVPool`; rows: the :class:`~specpilot.model.batch.BatchRows` (slots, starts, counts,
+                masks); each request's rows' K/V go to ``[start, start + count)`` of its slot.
+            prof / features / feature_layers: as :meth:`forward` (features ``[R, hidden]`` over all rows).
+        Returns:
+            ``[R, hidden_size]``.
+        Raises:
+            ValueError: malformed rows, or rows past a slot's end.
+        """
+        if tokens.shape[0] != sum(rows.counts):
+            raise ValueError(f"{tokens.shape[0]} tokens for {sum(rows.counts)} rows")
+        if max(s + c for s, c in zip(rows.starts, rows.counts)) > pool.slot_len:
+            raise ValueError(f"rows past a slot's {pool.slot_len} positions")
+        p = rows.prepared(tokens.device)
+        x, cos, sin = self._embed(tokens, positions, prof)
+        return self._layers(x, lambda i, layer, h: layer.forward_batch(h, cos, sin, pool, i, p, prof), prof, features,
+                            feature_layers)
 
     def _layers(self, x, call, prof, features, feature_layers) -> torch.Tensor:
         """``call(i, layer, x)`` through every decoder layer, the outputs of ``feature_layers`` appended to

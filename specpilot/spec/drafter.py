@@ -142,6 +142,44 @@ class OneSlotDrafter:
         raise NotImplementedError
 
 
+class SlotFanout:
+    """Single-request drafters, one per slot, as one :class:`Drafter` of ``len(drafters)`` slots: slot ``i`` is slot 0
+    of ``drafters[i]``. For drafters that cannot hold several requests (a draft model's cache); a batch of them is
+    drafted one request after another, not in one pass.
+
+    Raises:
+        DrafterError: no drafters, or drafters of different kinds or facts.
+    """
+
+    def __init__(self, drafters: Sequence[Drafter]):
+        if not drafters:
+            raise DrafterError("a slot fan-out needs at least one drafter")
+        d0 = drafters[0]
+        facts = (d0.kind, tuple(d0.target_layers), d0.vocab_size, d0.max_context)
+        if any((d.kind, tuple(d.target_layers), d.vocab_size, d.max_context) != facts for d in drafters):
+            raise DrafterError("the drafters of a slot fan-out must be of one kind, with the same facts")
+        self.drafters = list(drafters)
+        self.kind, self.target_layers, self.vocab_size, self.max_context = facts
+        self.max_slots = len(self.drafters)
+
+    def _of(self, slot: int) -> Drafter:
+        if not 0 <= slot < self.max_slots:
+            raise DrafterError(f"drafter slot {slot} outside [0, {self.max_slots})")
+        return self.drafters[slot]
+
+    def reset(self, slot: int = 0) -> None:
+        """Reset slot ``slot`` (slot 0 of its drafter)."""
+        self._of(slot).reset(0)
+
+    def propose(self, batch: Sequence[DraftRequest]) -> list[Lattice | None]:
+        """Each request drafted by its slot's drafter."""
+        return [self._of(q.slot).propose([DraftRequest(0, q.committed, q.depth)])[0] for q in batch]
+
+    def observe(self, slot: int, features: torch.Tensor, start: int) -> None:
+        """Features of ``slot``'s request to its drafter."""
+        self._of(slot).observe(0, features, start)
+
+
 class SlotTable:
     """Per-request state of a drafter, one object per slot, built on first use (``new()``).
 

@@ -83,6 +83,21 @@ class Tree:
         return maps
 
 
+    def accept(self, argmax: list[int]) -> tuple[list[int], list[int]]:
+        """Greedy acceptance (§1.1): from the root, step to the child whose token equals the row's argmax while one
+        exists. ``argmax``: the exact pass's argmax per row (root = row 0). Returns ``(path, tokens)``: the accepted
+        rows (root first, increasing) and the accepted draft tokens plus the bonus (the argmax at the last row)."""
+        kids = self.child_maps()
+        path, row = [0], 0
+        while argmax[row] in kids[row]:
+            row = kids[row][argmax[row]]
+            path.append(row)
+        return path, [self.tokens[i - 1] for i in path[1:]] + [argmax[row]]
+
+    def truncate(self, n: int) -> "Tree":
+        """The first ``n`` nodes (a prefix of a topological order is prefix-closed: still a tree)."""
+        return Tree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n])
+
 def build_chain(lattice: Lattice, nodes: int) -> Tree:
     """Stock (§1.1): follow the best candidate at each position, up to ``min(nodes, depth)`` nodes.
 

@@ -1,0 +1,287 @@
+"""The batched engine: continuous batching with one exact pass per step for every running request (§2.2, §4.4).
+
+Requests wait in a queue until a KV slot is free; admitted ones are prefilled together in one pass; then each
+step drafts for every running request (one :meth:`Drafter.propose` call for the batch), builds each request's
+tree, and runs ONE exact pass over all their ``[root] + tree`` rows (:meth:`Transformer.forward_batch`: GEMMs
+over every row, attention per request over its own slot). Acceptance, KV compaction, stop checks and commits are
+per request, exactly as in :class:`~specpilot.engine.engine.Engine`, so a request's output does not depend on what
+shares its batch (R12, R18): in float32 it equals its batch-1 output and AR greedy. A request that ends (stop,
+length, abort) frees its slot at once (R14). This module alone commits the lengths of the pool's caches.
+
+Not yet here: CUDA graphs and a Triton kernel for the batched pass (the eager masked-SDPA reference runs on
+every device), and the paper's row-selection rules (shared node budget, per-request block, prompt admission).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from specpilot.config import SystemConfig
+from specpilot.engine.requests import check_prompt, keep, stop_id_set
+from specpilot.engine.types import Generation
+from specpilot.errors import DrafterError, PromptError
+from specpilot.model.batch import BatchRows
+from specpilot.model.cache import KVPool
+from specpilot.model.transformer import Transformer
+from specpilot.spec.drafter import Drafter, DraftRequest, check_fits, draft_depth
+from specpilot.spec.trees import Tree, build_tree
+
+
+@dataclass
+class Request:
+    """One request to the batched engine.
+
+    Attributes:
+        request_id: unique among the engine's unfinished requests.
+        prompt_ids: the prompt's token ids (non-empty).
+        max_new_tokens: most tokens to generate (≥ 1).
+        stop_ids: extra ids that end it (kept in the output, like EOS, which is the engine's own).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request.
+
+    Attributes:
+        request_id: the request.
+        new_tokens: tokens committed this step, already cut at a stop id or at ``max_new_tokens``.
+        finished: the request ended this step (its slot is free again).
+        finish_reason: ``stop`` (EOS or a stop id), ``length``, or None while it runs.
+        drafted: draft tokens verified for it this step (its tree's nodes); accepted: of those, accepted (bonus
+            excluded); accepted_by_pos: 1 per accepted draft position 0 .. accepted − 1.
+    """
+
+    request_id: str
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None
+    drafted: int = 0
+    accepted: int = 0
+    accepted_by_pos: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Running:
+    req: Request
+    slot: int
+    committed: list[int]
+    stops: set[int]
+    generated: int = 0
+
+
+class BatchEngine:
+    """A target, an optional drafter and a :class:`SystemConfig`, serving many requests at once.
+
+    Args:
+        target: the target :class:`Transformer`.
+        config: tree builder, budget and depth (as for :class:`~specpilot.engine.engine.Engine`).
+        drafter: a :class:`~specpilot.spec.drafter.Drafter` with at least ``max_num_seqs`` slots (None: AR).
+        eos_ids: ids that end a request (default: the target config's).
+        max_len: context in tokens (default: ``max_position_embeddings``, at most 4096).
+        max_num_seqs: requests running at once (KV slots); more wait.
+        max_prefill_rows: prompt rows prefilled in one pass (at least one whole prompt is always admitted).
+    Raises:
+        DrafterError: the drafter does not fit the target or holds fewer slots than ``max_num_seqs``.
+        ValueError: ``max_num_seqs < 1``.
+
+    Attributes:
+        exact_passes / prefill_passes: decode-step and prefill passes run so far (one decode pass per step).
+        step_hook: test-only: ``step_hook(engine)`` after every decode pass, each running cache committed.
+    """
+
+    def __init__(self, target: Transformer, config: SystemConfig, drafter: Drafter | None = None,
+                 eos_ids: list[int] | None = None, max_len: int | None = None, max_num_seqs: int = 8,
+                 max_prefill_rows: int = 2048):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        if drafter is not None:
+            check_fits(drafter, target.args.vocab_size, target.args.num_layers)
+            if drafter.max_slots < max_num_seqs:
+                raise DrafterError(f"the {drafter.kind} drafter holds {drafter.max_slots} requests, the batch "
+                                   f"{max_num_seqs}")
+        self.target, self.config, self.drafter = target, config, drafter
+        self.eos_ids = set(target.args.eos_token_ids if eos_ids is None else eos_ids)
+        self.max_len = max_len or min(target.args.max_position_embeddings, 4096)
+        self.num_slots, self.max_prefill_rows = max_num_seqs, max_prefill_rows
+        self.pool = KVPool(target.args, max_num_seqs, self.max_len + config.nodes + 1, target.dtype, target.device)
+        self.feature_layers = tuple(drafter.target_layers) if drafter is not None else ()
+        self._free = list(range(max_num_seqs - 1, -1, -1))
+        self._waiting: deque[Request] = deque()
+        self._running: dict[str, _Running] = {}
+        self.exact_passes = self.prefill_passes = 0
+        self.step_hook = None
+
+    # -- the queue -----------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue ``req``. Raises PromptError: a malformed or too long request, bad stop ids, a duplicate id."""
+        check_prompt(req.prompt_ids, req.max_new_tokens, self.target.args.vocab_size, self.max_len)
+        stop_id_set(req.stop_ids, self.target.args.vocab_size)
+        if req.request_id in self._running or any(w.request_id == req.request_id for w in self._waiting):
+            raise PromptError(f"request id {req.request_id!r} is already in the engine")
+        self._waiting.append(req)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a waiting or running request and free its slot (nothing when it is unknown or finished)."""
+        self._waiting = deque(w for w in self._waiting if w.request_id != request_id)
+        if request_id in self._running:
+            self._release(self._running.pop(request_id))
+
+    def has_work(self) -> bool:
+        """Whether a request waits or runs."""
+        return bool(self._waiting or self._running)
+
+    def free_slots(self) -> int:
+        """KV slots no request holds (``num_slots`` when every request ended, R14)."""
+        return len(self._free)
+
+    def _release(self, r: _Running) -> None:
+        self.pool.cache(r.slot).commit(0)
+        if self.drafter is not None:
+            self.drafter.reset(r.slot)
+        self._free.append(r.slot)
+
+    # -- a step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """Admit and prefill waiting requests while slots are free, then one exact pass for every running request.
+        Returns the outputs of every request touched ([] when idle)."""
+        out = self._prefill(self._admit())
+        if self._running:
+            out += self._decode(list(self._running.values()))
+        return out
+
+    def _admit(self) -> list[_Running]:
+        admitted, rows = [], 0
+        while self._waiting and self._free:
+            n = len(self._waiting[0].prompt_ids)
+            if admitted and rows + n > self.max_prefill_rows:
+                break
+            req = self._waiting.popleft()
+            r = _Running(req, self._free.pop(), list(req.prompt_ids), self.eos_ids | set(req.stop_ids))
+            if self.drafter is not None:
+                self.drafter.reset(r.slot)
+            admitted.append(r)
+            rows += n
+        return admitted
+
+    def _pass(self, rs: list[_Running], tokens: list[list[int]], positions: list[list[int]], starts: list[int],
+              masks: list, read: list[int] | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """One exact pass over the requests' rows; returns the argmax of the rows ``read`` (None: every row; one
+        host read) and the target features of every row (None without a feature-reading drafter)."""
+        dev = self.target.device
+        rows = BatchRows([r.slot for r in rs], starts, [len(t) for t in tokens], masks)
+        feats: list = []
+        hidden = self.target.forward_batch(torch.tensor(sum(tokens, []), device=dev),
+                                           torch.tensor(sum(positions, []), device=dev), self.pool, rows,
+                                           features=feats, feature_layers=self.feature_layers)
+        if read is not None:
+            hidden = hidden[torch.tensor(read, device=hidden.device)]
+        return self.target.greedy(hidden).tolist(), (torch.cat(feats, dim=-1) if feats else None)
+
+    def _prefill(self, rs: list[_Running]) -> list[StepOutput]:
+        if not rs:
+            return []
+        ends = torch.tensor([len(r.committed) for r in rs]).cumsum(0).tolist()
+        first, feats = self._pass(rs, [r.committed for r in rs], [list(range(len(r.committed))) for r in rs],
+                                  [0] * len(rs), [None] * len(rs), read=[e - 1 for e in ends])
+        self.prefill_passes += 1
+        out = []
+        for r, tok, end in zip(rs, first, ends):
+            if feats is not None:
+                self.drafter.observe(r.slot, feats[end - len(r.committed):end], 0)
+            self._running[r.req.request_id] = r
+            out.append(self._commit(r, [tok], 0, 0))
+        return out
+
+    def _draft(self, rs: list[_Running]) -> list[Tree]:
+        """Each request's tree: one propose call for the batch (requests with one token left draft nothing)."""
+        trees = [Tree() for _ in rs]
+        if self.drafter is None:
+            return trees
+        cfg, asks = self.config, []
+        for i, r in enumerate(rs):
+            room = r.req.max_new_tokens - r.generated
+            depth = draft_depth(self.drafter, len(r.committed), min(cfg.depth, room - 1))
+            if depth >= 1:
+                asks.append((i, DraftRequest(r.slot, r.committed, depth)))
+        if asks:
+            for (i, _), lat in zip(asks, self.drafter.propose([q for _, q in asks])):
+                if lat is not None:
+                    trees[i] = build_tree(cfg.tree, lat, cfg.nodes)
+        return trees
+
+    def _decode(self, rs: list[_Running]) -> list[StepOutput]:
+        trees = self._draft(rs)
+        starts = [len(r.committed) - 1 for r in rs]
+        tokens = [[r.committed[-1]] + t.tokens for r, t in zip(rs, trees)]
+        positions = [[s] + [s + d for d in t.depths] for s, t in zip(starts, trees)]
+        masks = [t.ancestor_mask() if len(t) else None for t in trees]
+        argmax, feats = self._pass(rs, tokens, positions, starts, masks)
+        self.exact_passes += 1
+        out, end = [], 0
+        for r, t, s in zip(rs, trees, starts):
+            first, end = end, end + len(t) + 1
+            path, new = t.accept(argmax[first:end])
+            rows = torch.tensor(path)
+            if path[-1] != len(path) - 1:  # rows 0..k-1 (a path's rows increase) are in place already
+                self.pool.cache(r.slot).compact(s, rows)
+            if feats is not None:
+                self.drafter.observe(r.slot, feats[first:end][rows.to(feats.device)], s)
+            out.append(self._commit(r, new, len(t), len(path) - 1))
+        if self.step_hook is not None:
+            self.step_hook(self)
+        return out
+
+    def _commit(self, r: _Running, new: list[int], drafted: int, accepted: int) -> StepOutput:
+        """Keep what the request keeps of ``new``, commit its cache, end it at a stop or its length."""
+        kept, reason = keep(new, r.stops, self.eos_ids, r.req.max_new_tokens - r.generated)
+        r.committed += kept
+        r.generated += len(kept)
+        self.pool.cache(r.slot).commit(len(r.committed) - 1)
+        finished = reason != "length" or r.generated >= r.req.max_new_tokens
+        if finished:
+            del self._running[r.req.request_id]
+            self._release(r)
+        acc = min(accepted, len(kept))
+        return StepOutput(r.req.request_id, kept, finished, ("stop" if reason != "length" else "length") if finished
+                          else None, drafted, acc, [1] * acc)
+
+    # -- convenience ---------------------------------------------------------------------------
+    def generate_all(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                     stop_ids: list[int] | None = None) -> list[Generation]:
+        """Run ``prompts`` through the queue to the end (all at once, as many as the slots hold at a time); one
+        :class:`Generation` per prompt, in order (``steps``, ``accepted``, ``rows`` per decode step of that request;
+        ``time_s`` the whole run's). Raises PromptError for a bad request (none is queued then)."""
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        reqs = [Request(f"g{i}", list(p), n, frozenset(stop_ids or ())) for i, (p, n) in enumerate(zip(prompts, budgets))]
+        for q in reqs:
+            check_prompt(q.prompt_ids, q.max_new_tokens, self.target.args.vocab_size, self.max_len)
+        gens = {q.request_id: Generation(tokens=[], steps=-1) for q in reqs}
+        t0 = time.perf_counter()
+        for q in reqs:
+            self.add_request(q)
+        while self.has_work():
+            for o in self.step():
+                g = gens[o.request_id]
+                g.tokens += o.new_tokens
+                if g.steps >= 0:
+                    g.accepted.append(len(o.new_tokens))
+                    g.rows.append(o.drafted + 1)
+                g.steps += 1
+                if o.finished:
+                    tail = g.tokens[-1] if g.tokens else None
+                    g.stop_reason = "length" if o.finish_reason == "length" else (
+                        "eos" if tail in self.eos_ids else "stop")
+        for g in gens.values():
+            g.time_s = time.perf_counter() - t0
+        return [gens[q.request_id] for q in reqs]

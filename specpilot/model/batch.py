@@ -1,0 +1,81 @@
+"""Rows of several requests in one exact pass: which request each row belongs to, its cache slot, what it sees.
+
+A batched pass packs every request's rows (``[root] + tree`` in a decode step, the prompt in a prefill) into one
+``[R]`` sequence, so projections and MLPs run as single GEMMs over all rows (§2.2: in batching every row costs,
+and one weight stream serves them all). Attention is per request: request ``b``'s rows attend to its own
+committed slots ``[0, start_b)`` of its pool slot and, among its own rows, to what its mask allows (ancestors for
+a tree, earlier rows for a prompt). :meth:`~specpilot.model.layers.Attention.forward_batch` is the plain PyTorch
+reference: the rows padded to ``[B, R_max]``, every request's keys gathered to ``[B, S]``, one masked SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+
+@dataclass
+class BatchRows:
+    """The requests of one batched pass.
+
+    Attributes:
+        slots: pool slot of each request (``B`` ints, distinct).
+        starts: committed slots of each request: its rows' K/V go to ``[start, start + count)`` of its slot.
+        counts: rows of each request (≥ 1); the pass's rows are request 0's, then request 1's, ...
+        masks: per request the ``[count, count]`` bool mask among its rows (True = may attend; a tree's
+            ancestor-or-self mask), or None for causal rows (a prompt, a chain).
+    """
+
+    slots: list[int]
+    starts: list[int]
+    counts: list[int]
+    masks: list[torch.Tensor | None]
+    _prepared: dict = field(default_factory=dict, repr=False)
+
+    def prepared(self, device) -> "Prepared":
+        """The index tensors and the attention mask of this batch on ``device`` (built once per pass)."""
+        key = str(device)
+        if key not in self._prepared:
+            self._prepared[key] = Prepared.of(self, torch.device(device))
+        return self._prepared[key]
+
+
+@dataclass
+class Prepared:
+    """Index tensors of a :class:`BatchRows` on a device.
+
+    Attributes:
+        req, j: ``[R] long``: each row's request and its index among that request's rows.
+        slot, pos: ``[R] long``: the pool slot and position its K/V are written to.
+        slots: ``[B] long``; span: the longest ``start + count`` (keys gathered per request); r_max: most rows.
+        mask: ``[B, r_max, span] bool``: what each (padded) row may attend to; a padding row sees slot 0 only.
+    """
+
+    req: torch.Tensor
+    j: torch.Tensor
+    slot: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor
+    span: int
+    r_max: int
+    mask: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: BatchRows, device: torch.device) -> "Prepared":
+        b = len(rows.counts)
+        if not b or len(rows.slots) != b or len(rows.starts) != b or len(rows.masks) != b or min(rows.counts) < 1:
+            raise ValueError("a batch needs one slot, start, count (>= 1) and mask per request")
+        req = torch.repeat_interleave(torch.arange(b), torch.tensor(rows.counts))
+        j = torch.cat([torch.arange(c) for c in rows.counts])
+        starts = torch.tensor(rows.starts)
+        span = max(s + c for s, c in zip(rows.starts, rows.counts))
+        r_max = max(rows.counts)
+        mask = torch.zeros(b, r_max, span, dtype=torch.bool)
+        mask[:, :, 0] = True  # padding rows: one harmless key (their outputs are dropped)
+        for i, (s, c, m) in enumerate(zip(rows.starts, rows.counts, rows.masks)):
+            mask[i, :c, :s] = True
+            mask[i, :c, s:s + c] = torch.ones(c, c, dtype=torch.bool).tril() if m is None else m.cpu()
+        return cls(req.to(device), j.to(device), torch.tensor(rows.slots)[req].to(device), (starts[req] + j).to(device),
+                   torch.tensor(rows.slots, device=device), span, r_max, mask.to(device))

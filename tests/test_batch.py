@@ -1,0 +1,177 @@
+"""The batched engine (continuous batching, one exact pass per step): whatever shares its batch, a request's output
+equals AR greedy (float32, CPU) for every drafter and tree builder (R4, R12, R18); one exact pass per step; each
+cache equals a fresh prefill of its committed tokens after every step (R8); slots come back (R14)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specpilot.config import SystemConfig
+from specpilot.engine.batch import BatchEngine, Request
+from specpilot.engine.engine import Engine
+from specpilot.errors import DrafterError, PromptError
+from specpilot.spec.block import BlockDrafter, BlockNet
+from specpilot.spec.draft_model import DraftModelDrafter
+from specpilot.spec.drafter import SlotFanout
+from specpilot.spec.ngram import NgramDrafter
+from specpilot.spec.trees import BUILDERS
+
+from .blockutil import tiny_config
+
+V = 64
+
+
+def ar(target, prompt, n, stops=()):
+    return Engine(target, SystemConfig.ar(), None, eos_ids=[]).generate(prompt, n, stop_ids=list(stops)).tokens
+
+
+def drafter_of(kind, target, small, slots, cfg):
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return NgramDrafter(cfg.ngram_max, cfg.ngram_min, max_matches=cfg.top_k, max_slots=slots)
+    if kind == "draft_model":
+        return SlotFanout([DraftModelDrafter(small, cfg.top_k, static=False) for _ in range(slots)])
+    net = BlockNet(tiny_config(target))
+    return SlotFanout([BlockDrafter(net, target, top_k=cfg.top_k) for _ in range(slots)])
+
+
+def random_requests(rng, n, repeats=True):
+    """Prompts of random length (some with repeats so n-gram lookup finds matches), budgets 1..24, a few stop ids."""
+    out = []
+    for _ in range(n):
+        base = [rng.randrange(V) for _ in range(rng.randint(2, 8))]
+        prompt = (base * rng.randint(1, 3))[: rng.randint(3, 20)] if repeats else base
+        out.append((prompt, rng.choice([1, 1, 2, 5, 13, 24]), frozenset(rng.sample(range(V), rng.choice([0, 0, 2])))))
+    return out
+
+
+def cache_matches_prefill(eng: BatchEngine):
+    """Every running request's slot holds exactly a fresh prefill of its committed tokens but the last (R8)."""
+    t = eng.target
+    for r in eng._running.values():
+        c = eng.pool.cache(r.slot)
+        n = len(r.committed) - 1
+        assert c.length == n
+        fresh = t.new_cache(n + 1)
+        t.forward(torch.tensor(r.committed[:-1]), torch.arange(n), fresh, 0)
+        torch.testing.assert_close(c.k[:, :n], fresh.k[:, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c.v[:, :n], fresh.v[:, :n], atol=1e-5, rtol=1e-5)
+
+
+CASES = [("none", "chain")] + [("ngram", b) for b in sorted(BUILDERS)] + [("draft_model", "best_first"),
+                                                                          ("draft_model", "chain"), ("block", "best_first"),
+                                                                          ("block", "eagle2_topk")]
+
+
+@pytest.mark.parametrize("kind,tree", CASES)
+def test_batched_output_equals_ar_whatever_the_batch(tiny_models, kind, tree):
+    target, small = tiny_models
+    rng = random.Random(hash((kind, tree)) % 1000)
+    cfg = (SystemConfig.ar() if kind == "none" else
+           SystemConfig(drafter=kind, tree=tree, nodes=rng.choice([3, 6, 10]), depth=rng.choice([3, 5]),
+                        top_k=1 if tree == "chain" else 3))
+    slots = rng.choice([2, 3, 5])
+    eng = BatchEngine(target, cfg, drafter_of(kind, target, small, slots, cfg), eos_ids=[], max_num_seqs=slots)
+    eng.step_hook = cache_matches_prefill
+    reqs = random_requests(rng, 9)  # more requests than slots: they queue, join and leave
+    passes = []
+    real = target.forward_batch
+    target.forward_batch = lambda *a, **k: passes.append(1) or real(*a, **k)
+    try:
+        for i, (p, n, stops) in enumerate(reqs):
+            eng.add_request(Request(f"r{i}", p, n, stops))
+        got = {f"r{i}": [] for i in range(len(reqs))}
+        steps = 0
+        while eng.has_work():
+            before = eng.exact_passes
+            for o in eng.step():
+                got[o.request_id] += o.new_tokens
+            assert eng.exact_passes - before <= 1  # one exact pass per step, whatever the batch size
+            steps += 1
+    finally:
+        del target.forward_batch
+    assert len(passes) == eng.exact_passes + eng.prefill_passes
+    for i, (p, n, stops) in enumerate(reqs):
+        assert got[f"r{i}"] == ar(target, p, n, stops), (i, p, n, sorted(stops))
+    assert eng.free_slots() == slots and not eng.has_work()
+    assert all(c.length == 0 for c in (eng.pool.cache(s) for s in range(slots)))
+
+
+def test_generate_all_gives_each_request_its_batch_1_output(tiny_models):
+    target, small = tiny_models
+    cfg = SystemConfig(drafter="draft_model", tree="best_first", nodes=6, depth=4, top_k=2)
+    rng = random.Random(7)
+    reqs = random_requests(rng, 6)
+    eng = BatchEngine(target, cfg, drafter_of("draft_model", target, small, 4, cfg), eos_ids=[], max_num_seqs=4)
+    gens = eng.generate_all([p for p, _, _ in reqs], [n for _, n, _ in reqs])
+    one = Engine(target, cfg, DraftModelDrafter(small, 2, static=False), eos_ids=[])
+    for g, (p, n, _) in zip(gens, reqs):
+        alone = one.generate(p, n)
+        assert g.tokens == alone.tokens and g.steps == len(g.accepted) and sum(g.accepted) + 1 == len(g.tokens)
+        assert g.stop_reason == alone.stop_reason == "length"
+
+
+def test_abort_frees_the_slot_and_others_go_on(tiny_models):
+    target, _ = tiny_models
+    eng = BatchEngine(target, SystemConfig.ar(), None, eos_ids=[], max_num_seqs=2)
+    p = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    for i, q in enumerate(p):
+        eng.add_request(Request(f"r{i}", q, 10))
+    first = eng.step()  # r0 and r1 prefilled and decoded once; r2 waits
+    assert eng.free_slots() == 0 and {o.request_id for o in first} == {"r0", "r1"}
+    eng.abort_request("r0")  # running: its slot goes to the waiting r2
+    eng.abort_request("nope")  # unknown: nothing
+    got = {"r1": [t for o in first if o.request_id == "r1" for t in o.new_tokens], "r2": []}
+    while eng.has_work():
+        for o in eng.step():
+            assert o.request_id != "r0"
+            got[o.request_id] += o.new_tokens
+    assert got["r1"] == ar(target, p[1], 10) and got["r2"] == ar(target, p[2], 10)
+    assert eng.free_slots() == 2
+
+
+def test_bad_requests_are_refused_and_the_engine_stays_usable(tiny_models):
+    target, _ = tiny_models
+    eng = BatchEngine(target, SystemConfig.ar(), None, eos_ids=[], max_num_seqs=2, max_len=32)
+    eng.add_request(Request("a", [1, 2], 3))
+    for bad, msg in ((Request("a", [1], 2), "already in the engine"), (Request("b", [], 2), "empty"),
+                     (Request("c", [1] * 30, 5), "exceeds the context"), (Request("d", [1, V], 2), "lie in"),
+                     (Request("e", [1], 0), ">= 1"), (Request("f", [1], 2, frozenset({V + 3})), "outside the vocab")):
+        with pytest.raises(PromptError, match=msg):
+            eng.add_request(bad)
+    out = []
+    while eng.has_work():
+        out += eng.step()
+    assert [t for o in out for t in o.new_tokens] == ar(target, [1, 2], 3)
+
+
+def test_a_drafter_with_fewer_slots_than_the_batch_is_refused(tiny_models):
+    target, small = tiny_models
+    with pytest.raises(DrafterError, match="holds 1 requests, the batch 4"):
+        BatchEngine(target, SystemConfig(drafter="draft_model"), DraftModelDrafter(small, 2), max_num_seqs=4)
+
+
+def test_stop_and_one_token_requests_in_a_batch(tiny_models):
+    """R1, R4: a stop id accepted mid-block ends only its request; max_new_tokens 1 finishes at the prefill."""
+    target, small = tiny_models
+    cfg = SystemConfig(drafter="ngram", tree="best_first", nodes=6, depth=4, top_k=2)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    full = ar(target, prompt, 12)
+    stop = full[5]
+    eng = BatchEngine(target, cfg, drafter_of("ngram", target, small, 3, cfg), eos_ids=[], max_num_seqs=3)
+    eng.add_request(Request("stop", prompt, 12, frozenset({stop})))
+    eng.add_request(Request("one", prompt, 1))
+    eng.add_request(Request("free", prompt, 12))
+    got, reasons = {"stop": [], "one": [], "free": []}, {}
+    while eng.has_work():
+        for o in eng.step():
+            got[o.request_id] += o.new_tokens
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    assert got["stop"] == full[: full.index(stop) + 1] and reasons["stop"] == "stop"
+    assert got["one"] == full[:1] and reasons["one"] == "length"
+    assert got["free"] == full and reasons["free"] == "length"
