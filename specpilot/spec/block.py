@@ -1,6 +1,6 @@
 """Block drafter (DFlash-style parallel drafting, §1.1) with an optional Markov head (DSpark-style).
 
-A few decoder layers read the target's hidden states (outputs of ``target_layers``, concatenated and
+The network (:mod:`specpilot.spec.block_net`): a few decoder layers read the target's hidden states (outputs of ``target_layers``, concatenated and
 projected) as context and draft B positions in one pass. The block's rows are the anchor (the last committed
 token, which has no target features yet) at position L, then mask embeddings at L+1 … L+B−1; row i predicts
 the token at position L+1+i. Block rows attend to every context slot and causally to the block rows up to
@@ -15,163 +15,18 @@ fields + the target facts it was trained for) and ``model.safetensors``.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from specpilot.model.args import ModelArgs
-from specpilot.model.layers import MLP, RMSNorm
 from specpilot.model.transformer import Transformer
 from specpilot.errors import DrafterError
+from specpilot.spec.block_net import BlockConfig, BlockNet
 from specpilot.spec.drafter import OneSlotDrafter
 from specpilot.spec.lattice import MarkovLattice, PositionalLattice
 
 TOP_K = 16  # candidates per position kept in a block drafter's lattice (§1.1)
-
-
-@dataclass
-class BlockConfig:
-    """Architecture of a block drafter and the target it fits.
-
-    Attributes:
-        block_size: B, positions drafted per pass (trained block length).
-        markov_rank: r of the Markov head (0 = no Markov head: kind ``block``; > 0: ``block_markov``).
-        layers / heads / kv_heads / head_dim / intermediate_size: the drafter's decoder layers.
-        target_layers: 0-based target layer indices whose outputs form the context.
-        target_hidden / vocab_size / target_num_layers / target_model_type: facts of the target it fits.
-    """
-
-    block_size: int = 16
-    markov_rank: int = 0
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 64
-    intermediate_size: int = 512
-    target_layers: list[int] = field(default_factory=lambda: [1, 3, 5])
-    target_hidden: int = 256
-    vocab_size: int = 4096
-    target_num_layers: int = 6
-    target_model_type: str = "qwen3"
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-
-    @property
-    def kind(self) -> str:
-        return "block_markov" if self.markov_rank > 0 else "block"
-
-    def layer_args(self) -> ModelArgs:
-        """The :class:`ModelArgs` of one drafter layer (hidden = the target's hidden size)."""
-        return ModelArgs("qwen3", self.vocab_size, self.target_hidden, self.intermediate_size, self.layers,
-                         self.heads, self.kv_heads, self.head_dim, self.rms_norm_eps, self.rope_theta, qk_norm=True)
-
-
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate ``x [..., S, H, D]`` by position ids ``pos [..., S]`` (HF rotate-half, float32 angles)."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)).float()
-    f = pos.float()[..., None] * inv
-    emb = torch.cat((f, f), dim=-1)
-    cos, sin = emb.cos().to(x.dtype)[..., None, :], emb.sin().to(x.dtype)[..., None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class BlockLayer(nn.Module):
-    """One drafter layer: attention whose keys/values are [context slots; block rows], then a SwiGLU MLP."""
-
-    def __init__(self, a: ModelArgs):
-        super().__init__()
-        h, d = a.hidden_size, a.head_dim
-        self.q_proj = nn.Linear(h, a.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, a.n_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, a.n_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(a.n_heads * d, h, bias=False)
-        self.q_norm, self.k_norm = RMSNorm(d, a.rms_norm_eps), RMSNorm(d, a.rms_norm_eps)
-        self.input_layernorm = RMSNorm(h, a.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(h, a.rms_norm_eps)
-        self.mlp = MLP(a)
-        self.a = a
-
-    def kv(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of rows ``x [..., S, hidden]`` at ``pos [..., S]`` -> ``[..., S, KVH, D]`` each."""
-        h = self.input_layernorm(x)
-        shp = (*x.shape[:-1], self.a.n_kv_heads, self.a.head_dim)
-        k = _rope(self.k_norm(self.k_proj(h).view(shp)), pos, self.a.rope_theta)
-        return k, self.v_proj(h).view(shp)
-
-    def forward(self, x, pos, ctx_k, ctx_v, mask):
-        """Block rows ``x [Bt, Q, hidden]`` at ``pos [Bt, Q]``; context ``ctx_k/v [Bt, C, KVH, D]``;
-        ``mask [Bt, Q, C + Q] bool``. Returns ``[Bt, Q, hidden]``."""
-        a = self.a
-        h = self.input_layernorm(x)
-        q = self.q_proj(h).view(*x.shape[:-1], a.n_heads, a.head_dim)
-        q = _rope(self.q_norm(q), pos, a.rope_theta)
-        k, v = self.kv(x, pos)
-        keys, vals = torch.cat((ctx_k, k), 1), torch.cat((ctx_v, v), 1)
-        rep = a.n_heads // a.n_kv_heads
-        keys, vals = keys.repeat_interleave(rep, 2), vals.repeat_interleave(rep, 2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                           attn_mask=mask[:, None])
-        x = x + self.o_proj(o.transpose(1, 2).reshape(*x.shape[:-1], a.n_heads * a.head_dim))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class BlockNet(nn.Module):
-    """The trainable part of a block drafter (what ``model.safetensors`` holds).
-
-    Args:
-        cfg: :class:`BlockConfig`.
-    The target's ``embed_tokens`` and ``lm_head`` are passed to :meth:`logits` / :meth:`block_input`
-    (shared and frozen, §1.1).
-    """
-
-    def __init__(self, cfg: BlockConfig):
-        super().__init__()
-        self.cfg = cfg
-        a = cfg.layer_args()
-        h = cfg.target_hidden
-        self.fc = nn.Linear(len(cfg.target_layers) * h, h, bias=False)
-        self.ctx_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.mask_embed = nn.Parameter(torch.randn(h) * 0.02)
-        self.layers = nn.ModuleList(BlockLayer(a) for _ in range(cfg.layers))
-        self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        if cfg.markov_rank > 0:
-            self.markov_u = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
-            self.markov_v = nn.Linear(cfg.markov_rank, cfg.vocab_size, bias=False)
-            nn.init.normal_(self.markov_u.weight, std=0.02)
-            nn.init.zeros_(self.markov_v.weight)
-
-    def context_kv(self, feats: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (keys, values) ``[..., S, KVH, D]`` of context slots.
-
-        Args:
-            feats: ``[..., S, len(target_layers) * hidden]`` target features of committed tokens.
-            pos: ``[..., S] long`` their positions.
-        """
-        ctx = self.ctx_norm(self.fc(feats))
-        return [layer.kv(ctx, pos) for layer in self.layers]
-
-    def block_input(self, anchors: torch.Tensor, embed: nn.Embedding, block: int) -> torch.Tensor:
-        """``anchors [Bt] long`` -> block rows ``[Bt, block, hidden]``: anchor embedding then mask embeddings."""
-        x = self.mask_embed.expand(anchors.shape[0], block, -1).clone()
-        x[:, 0] = embed(anchors).to(x.dtype)
-        return x
-
-    def run(self, x, pos, ctx_kv, mask) -> torch.Tensor:
-        """Drafter layers + final norm: ``x [Bt, Q, hidden]`` -> ``[Bt, Q, hidden]`` (see :class:`BlockLayer`)."""
-        for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, pos, ck, cv, mask)
-        return self.norm(x)
-
-    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
-        """``prev [...] long`` -> the Markov head's logit bias ``[..., vocab]`` (zero without the head)."""
-        if self.cfg.markov_rank == 0:
-            raise ValueError("this block drafter has no Markov head")
-        return self.markov_v(self.markov_u(prev)).float()
 
 
 class BlockDrafter(OneSlotDrafter):

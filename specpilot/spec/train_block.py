@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from specpilot.model.checkpoint import load_model
 from specpilot.errors import SpecPilotError
-from specpilot.spec.block import BlockConfig, BlockNet, save_block
+from specpilot.spec.block import save_block
+from specpilot.spec.block_net import BlockConfig, BlockNet
 
 
 def make_sequences(target_dir, tokens_path, n_seqs: int, prompt_len: int, gen_len: int, seed: int,
