@@ -175,3 +175,32 @@ def test_stop_and_one_token_requests_in_a_batch(tiny_models):
     assert got["stop"] == full[: full.index(stop) + 1] and reasons["stop"] == "stop"
     assert got["one"] == full[:1] and reasons["one"] == "length"
     assert got["free"] == full and reasons["free"] == "length"
+
+
+def test_bench_batch_writes_json_with_equal_outputs(monkeypatch, capsys, tmp_path):
+    """``specpilot bench --batch``: every size of both systems measured (open and closed loop, steps with rows),
+    batched outputs equal to the single-request engine's in float32, token forcing against batch-1 AR passed."""
+    import json
+
+    from specpilot.zoo import bundled_target_dir
+
+    from .conftest import run_cli
+
+    n = torch.get_num_threads()
+    try:
+        code, out, err = run_cli(monkeypatch, capsys, "bench", "--target", str(bundled_target_dir()), "--batch", "1,3",
+                                 "--device", "cpu", "--dtype", "float32", "--prefix", "16", "--new-tokens", "6",
+                                 "--out", str(tmp_path))
+    finally:
+        torch.set_num_threads(n)
+    assert code == 0, err
+    (path,) = tmp_path.glob("batch_bench_*.json")
+    res = json.loads(path.read_text())
+    assert set(res["runs"]) == {"ar@1", "ar@3", "spec@1", "spec@3"}
+    for r in res["runs"].values():
+        assert r["outputs_equal_batch1"] == 1.0 and r["open"]["tokens"] > 0 and r["closed"]["requests"] >= 2
+        assert r["open"]["steps"] and all(s["rows"] >= s["requests"] >= 1 for s in r["open"]["steps"])
+    assert res["forcing_ar_at_3"]["passed"] and res["forcing_spec_at_3"]["passed"]
+    assert (tmp_path / path.name.replace(".json", ".png")).is_file()
+    code, _, err = run_cli(monkeypatch, capsys, "bench", "--target", str(bundled_target_dir()), "--batch", "1,x")
+    assert code == 2 and err.strip().startswith("error: --batch takes")

@@ -43,12 +43,25 @@ def bench(
     out: Path = typer.Option(Path("results"), help="Directory for the JSON result (and the systems suite's PNG)."),
     transformers_generate: bool = typer.Option(True, "--transformers/--no-transformers",
                                                help="Also time transformers' generate."),
+    batch: Optional[str] = typer.Option(None, help="Batch sizes, e.g. 1,2,4,8,16,32: the batched engine under load "
+                                        "(open and closed loop), AR beside the speculative system of --drafter, "
+                                        "--tree, --nodes, --depth, --top-k; needs --target."),
+    drafter: str = typer.Option("ngram", help="With --batch: ngram | draft_model | block."),
+    drafter_path: Optional[Path] = typer.Option(None, help="With --batch: the draft model or block drafter dir."),
+    tree: str = typer.Option("best_first", help="With --batch: the speculative system's tree builder."),
+    nodes: int = typer.Option(6, help="With --batch: tree budget N."),
+    depth: int = typer.Option(4, help="With --batch: draft positions."),
+    top_k: int = typer.Option(2, help="With --batch: candidates a position."),
+    threads: Optional[int] = typer.Option(None, help="torch threads on the CPU (default: the pilot's rule)."),
 ):
     """Benchmarks: our AR and speculative systems beside transformers' generate, c(N) and the byte floor (the
     default systems suite); --suite w12, lm-head or read-floor for the W12, certified-head and read-floor suites."""
     from specpilot.engine.deployment import check_device
     from specpilot.model.checkpoint import DTYPES, read_args
 
+    if batch is not None:
+        return _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, drafter_path, tree, nodes, depth,
+                      top_k, threads)
     if suite not in SUITES:
         raise SpecPilotError(f"--suite: unknown suite {suite!r} (choose {', '.join(SUITES[:-1])} or {SUITES[-1]})")
     if suite != "systems":
@@ -78,6 +91,54 @@ def bench(
                      | ({"step_over_kernels": res["ar_step_profile"]["wall_over_kernels"]} if "ar_step_profile" in res else {})
                      | ({"ar_equals_transformers": res["ar_equals_transformers"]} if "ar_equals_transformers" in res else {}),
                      indent=1))
+
+
+def _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, drafter_path, tree, nodes, depth, top_k,
+           threads) -> None:
+    """``specpilot bench --batch``: check the options, run :func:`specpilot.bench.batch.run_batch_bench`, print a
+    table."""
+    import torch
+
+    from specpilot.config import SystemConfig
+    from specpilot.engine.deployment import check_device
+    from specpilot.model.checkpoint import read_args
+    from specpilot.pilot.setup import available_cores, choose_threads
+
+    if target is None:
+        raise SpecPilotError("--batch needs --target (a checkpoint directory, e.g. from `specpilot zoo random`)")
+    try:
+        sizes = [int(x) for x in batch.split(",") if x.strip()]
+    except ValueError:
+        raise SpecPilotError(f"--batch takes comma-separated request counts, e.g. 1,2,4,8, got {batch!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise SpecPilotError(f"--batch sizes must be at least 1, got {batch!r}")
+    if prefix < 1 or new_tokens < 1:
+        raise SpecPilotError(f"--prefix and --new-tokens must be at least 1, got {prefix} and {new_tokens}")
+    args = read_args(target)
+    if prefix + new_tokens + 8 > min(args.max_position_embeddings, 4096):
+        raise SpecPilotError(f"--prefix {prefix} + --new-tokens {new_tokens} exceeds the target's context")
+    try:
+        spec = SystemConfig(drafter=drafter, tree=tree, nodes=nodes, depth=depth, top_k=top_k)
+    except ValueError as e:
+        raise SpecPilotError(f"invalid option: {str(e).splitlines()[0]}") from None
+    dev = check_device(device)
+    check_float16_device(dtype, dev)
+    try:
+        n, _ = choose_threads(dev, threads, available_cores(), torch.get_num_threads())
+    except ValueError as e:
+        raise SpecPilotError(f"invalid option: {e}") from None
+    torch.set_num_threads(n)
+    output_dir(out, "--out")
+    from specpilot.bench.batch import run_batch_bench
+
+    res = run_batch_bench(target, sizes, spec, dev, dtype, prefix, new_tokens, out, drafter=drafter_path)
+    for name, label in res["systems"].items():
+        for b in sizes:
+            r = res["runs"][f"{name}@{b}"]
+            print(f"{label:32s} batch {b:3d}: {r['open']['aggregate_tokens_per_s']:9.1f} tok/s "
+                  f"({res['speedup_vs_batch1_ar'][f'{name}@{b}']:.2f}x AR at batch {min(sizes)}), closed loop "
+                  f"{r['closed']['aggregate_tokens_per_s']:9.1f} tok/s, outputs equal batch 1: {r['outputs_equal_batch1']:.2f}")
+    print(f"wrote {res['path']}")
 
 
 def check_float16_device(dtype: str, device: str) -> None:
