@@ -1,12 +1,6 @@
-"""Block drafter (DFlash-style parallel drafting, §1.1) with an optional Markov head (DSpark-style).
-
-The network (:mod:`specpilot.spec.block_net`): a few decoder layers read the target's hidden states (outputs of ``target_layers``, concatenated and
-projected) as context and draft B positions in one pass. The block's rows are the anchor (the last committed
-token, which has no target features yet) at position L, then mask embeddings at L+1 … L+B−1; row i predicts
-the token at position L+1+i. Block rows attend to every context slot and causally to the block rows up to
-themselves. The drafter shares the target's token embedding and LM head (frozen, not stored again). The
-Markov head adds ``markov_v(markov_u[prev])`` (rank r) to a row's logits, ``prev`` being the token before
-the predicted one (the anchor for row 0), so a child's score depends on its parent's token.
+"""Block drafter (DFlash-style parallel drafting, §1.1) with an optional Markov head (DSpark-style): a
+:class:`~specpilot.spec.block_net.BlockNet` bound to a target, holding many requests in slots and drafting a batch
+of them in one pass of the network; and its checkpoints.
 
 Checkpoint: a directory with ``config.json`` (``"specpilot_drafter": "block"`` + :class:`BlockConfig`
 fields + the target facts it was trained for) and ``model.safetensors``.
@@ -17,116 +11,196 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
-from specpilot.model.transformer import Transformer
 from specpilot.errors import DrafterError
+from specpilot.model.transformer import Transformer
 from specpilot.spec.block_net import BlockConfig, BlockNet
-from specpilot.spec.drafter import OneSlotDrafter
+from specpilot.spec.drafter import DraftRequest
 from specpilot.spec.lattice import MarkovLattice, PositionalLattice
 
 TOP_K = 16  # candidates per position kept in a block drafter's lattice (§1.1)
 
 
-class BlockDrafter(OneSlotDrafter):
-    """Block drafter bound to a target (:class:`~specpilot.spec.drafter.Drafter`, one request slot): keeps the
-    context K/V of the committed slots and proposes lattices.
+class BlockDrafter:
+    """Block drafter bound to a target (:class:`~specpilot.spec.drafter.Drafter`): holds the context K/V of up to
+    ``max_slots`` requests and drafts every request of a batch in one pass of its network.
 
     Args:
         net: a :class:`BlockNet` (same dtype / device as the target).
         target: the target :class:`Transformer` (its embedding and LM head are shared).
         top_k: candidates per position exposed by the lattice (≤ 16).
-        max_len: context slots allocated up front; the buffers grow (doubling) when a longer context is observed.
-    The engine captures the target's outputs at :attr:`target_layers` and hands them to :meth:`observe`. The
-    drafter always runs all B block rows and cuts the lattice to ``depth``, so a lattice's first positions do not
-    depend on the requested depth (exact replay).
+        max_len: context slots (positions) allocated per request slot up front; the buffers grow (doubling, for
+            every slot at once) when a longer context is observed.
+        max_slots: requests held at once (slots ``[0, max_slots)``; 1: the single-request engine's slot 0).
+    Raises:
+        ValueError: ``max_slots < 1``.
+
+    State per slot ``s``: the context K/V of that request's committed positions ``[0, context_length(s))`` in
+    :attr:`slot_k` / :attr:`slot_v` ``[max_slots, layers, S, kv_heads, head_dim]`` (the target's dtype and
+    device; ``S`` ≥ ``max_len``), written by :meth:`observe`, forgotten by :meth:`reset`. The engine captures the
+    target's outputs at :attr:`target_layers` and hands them to :meth:`observe`. The drafter always runs all B
+    block rows and cuts each lattice to its depth, so a lattice's first positions do not depend on the requested
+    depth (exact replay), and a request's lattice does not depend on the batch it is drafted in (up to float
+    rounding of the batched kernels).
     """
 
     kind = "block"
+    max_context: int | None = None
 
-    def __init__(self, net: BlockNet, target: Transformer, top_k: int = TOP_K, max_len: int = 4096):
+    def __init__(self, net: BlockNet, target: Transformer, top_k: int = TOP_K, max_len: int = 4096,
+                 max_slots: int = 1):
+        if max_slots < 1:
+            raise ValueError(f"a block drafter holds at least one request, max_slots {max_slots} given")
         self.net, self.target, self.top_k = net.eval(), target, min(top_k, TOP_K)
         self.cfg = net.cfg
         self.target_layers = tuple(net.cfg.target_layers)
         self.vocab_size = net.cfg.vocab_size
-        shape = (net.cfg.layers, max(max_len, 1), net.cfg.kv_heads, net.cfg.head_dim)
-        dt, dev = target.dtype, target.device
-        self.ctx_k = torch.zeros(shape, dtype=dt, device=dev)
-        self.ctx_v = torch.zeros(shape, dtype=dt, device=dev)
-        self._context = 0  # committed slots whose context K/V are held
+        self.max_slots = max_slots
+        shape = (max_slots, net.cfg.layers, max(max_len, 1), net.cfg.kv_heads, net.cfg.head_dim)
+        self.slot_k = torch.zeros(shape, dtype=target.dtype, device=target.device)
+        self.slot_v = torch.zeros(shape, dtype=target.dtype, device=target.device)
+        self._lengths = [0] * max_slots  # per slot: committed positions whose context K/V are held
 
     @property
-    def context_length(self) -> int:
-        """Committed slots whose context K/V are held (written by :meth:`observe`, cleared by :meth:`reset`)."""
-        return self._context
+    def ctx_k(self) -> torch.Tensor:
+        """Slot 0's context keys ``[layers, S, kv_heads, head_dim]`` (a view; the single-request layout)."""
+        return self.slot_k[0]
 
-    def clear(self) -> None:
-        """Start a new request (forget the context)."""
-        self._context = 0
+    @property
+    def ctx_v(self) -> torch.Tensor:
+        """Slot 0's context values ``[layers, S, kv_heads, head_dim]`` (a view)."""
+        return self.slot_v[0]
+
+    def check_slot(self, slot: int) -> None:
+        """Raise :class:`DrafterError` unless ``0 <= slot < max_slots``."""
+        if not 0 <= slot < self.max_slots:
+            raise DrafterError(f"the {self.kind} drafter holds {self.max_slots} request(s) (slots 0 to "
+                               f"{self.max_slots - 1}), asked for slot {slot}")
+
+    def context_length(self, slot: int = 0) -> int:
+        """Committed positions of ``slot``'s request whose context K/V are held (set by :meth:`observe`, 0 after
+        :meth:`reset`)."""
+        self.check_slot(slot)
+        return self._lengths[slot]
+
+    def reset(self, slot: int = 0) -> None:
+        """Forget the request held in ``slot`` (a new request starts there)."""
+        self.check_slot(slot)
+        self._lengths[slot] = 0
 
     def _reserve(self, n: int) -> None:
-        """Context buffers of at least ``n`` slots (doubling; the held slots are kept)."""
-        have = self.ctx_k.shape[1]
+        """Context buffers of at least ``n`` positions per slot (doubling; every slot's held positions kept)."""
+        have = self.slot_k.shape[2]
         if n <= have:
             return
         size = max(n, 2 * have)
-        for name in ("ctx_k", "ctx_v"):
+        for name in ("slot_k", "slot_v"):
             old = getattr(self, name)
-            new = old.new_zeros((old.shape[0], size, *old.shape[2:]))
-            new[:, :have] = old
+            new = old.new_zeros((*old.shape[:2], size, *old.shape[3:]))
+            new[:, :, :have] = old
             setattr(self, name, new)
 
     @torch.inference_mode()
     def observe(self, slot: int, features: torch.Tensor, start: int) -> None:
-        """Store the context K/V of committed slots ``[start, start + k)`` from ``features [k, n_layers*hidden]``;
-        the context then ends there (slots past it are forgotten)."""
+        """Store the context K/V of ``slot``'s committed positions ``[start, start + k)`` from the target features
+        ``features [k, len(target_layers) * hidden]`` (any float dtype; cast to the target's); the slot's context
+        then ends there (positions past it are forgotten)."""
         self.check_slot(slot)
         k = features.shape[0]
         self._reserve(start + k)
         pos = torch.arange(start, start + k, device=features.device)
-        for i, (ck, cv) in enumerate(self.net.context_kv(features.to(self.ctx_k.dtype), pos)):
-            self.ctx_k[i, start : start + k] = ck
-            self.ctx_v[i, start : start + k] = cv
-        self._context = start + k
+        for i, (ck, cv) in enumerate(self.net.context_kv(features.to(self.slot_k.dtype), pos)):
+            self.slot_k[slot, i, start : start + k] = ck
+            self.slot_v[slot, i, start : start + k] = cv
+        self._lengths[slot] = start + k
+
+    def _contexts(self, slots: list[int], width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per drafter layer, (keys, values) ``[Bt, width, kv_heads, head_dim]`` of the first ``width`` context
+        positions of ``slots`` (a view when the slots are consecutive and ascending, else a gathered copy)."""
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            k = self.slot_k[slots[0] : slots[0] + len(slots), :, :width]
+            v = self.slot_v[slots[0] : slots[0] + len(slots), :, :width]
+        else:
+            idx = torch.tensor(slots, device=self.slot_k.device)
+            k, v = self.slot_k[idx, :, :width], self.slot_v[idx, :, :width]
+        return [(k[:, i], v[:, i]) for i in range(self.cfg.layers)]
 
     @torch.inference_mode()
-    def block_logits(self, committed: list[int]) -> torch.Tensor:
-        """Base logits ``[B, vocab] float32`` of the B block positions after ``committed`` (one pass)."""
-        n, b = len(committed), self.cfg.block_size
-        dev = self.ctx_k.device
-        x = self.net.block_input(torch.tensor([committed[-1]], device=dev), self.target.model.embed_tokens, b)
-        pos = torch.arange(n - 1, n - 1 + b, device=dev)[None]
-        mask = torch.ones(1, b, n - 1 + b, dtype=torch.bool, device=dev)
-        mask[0, :, n - 1:] = torch.ones(b, b, dtype=torch.bool, device=dev).tril()
-        ctx = [(self.ctx_k[i, None, : n - 1], self.ctx_v[i, None, : n - 1]) for i in range(self.cfg.layers)]
-        return self.target.logits(self.net.run(x, pos, ctx, mask)[0])
+    def batch_logits(self, slots: list[int], committed: list[list[int]]) -> torch.Tensor:
+        """Base logits ``[Bt, B, vocab] float32`` of the B block positions after each ``committed[b]``, drafted
+        from the context of ``slots[b]`` (distinct slots, each holding ``len(committed[b]) - 1`` positions; not
+        checked here), in one pass of the network.
+
+        The block rows ``[Bt, B, hidden]`` sit at positions ``n_b - 1 … n_b + B - 2`` (``n_b = len(committed[b])``).
+        Each row's keys are its request's context padded to the longest, ``[Bt, C, ...]`` with
+        ``C = max_b (n_b - 1)``, then the block rows; the mask ``[Bt, B, C + B] bool`` lets a row attend to its own
+        request's context positions ``[0, n_b - 1)`` and causally to its block's rows (never to the padding).
+        """
+        b, dev = self.cfg.block_size, self.slot_k.device
+        lengths = torch.tensor([len(c) - 1 for c in committed], device=dev)  # [Bt] context positions
+        width = max(len(c) - 1 for c in committed)
+        anchors = torch.tensor([c[-1] for c in committed], device=dev)
+        x = self.net.block_input(anchors, self.target.model.embed_tokens, b)  # [Bt, B, hidden]
+        pos = lengths[:, None] + torch.arange(b, device=dev)  # [Bt, B]
+        mask = torch.empty(len(committed), b, width + b, dtype=torch.bool, device=dev)
+        mask[:, :, :width] = (torch.arange(width, device=dev) < lengths[:, None])[:, None, :]
+        mask[:, :, width:] = torch.ones(b, b, dtype=torch.bool, device=dev).tril()
+        h = self.net.run(x, pos, self._contexts(slots, width), mask)
+        return self.target.logits(h.reshape(-1, h.shape[-1])).view(len(committed), b, -1)
+
+    def block_logits(self, committed: list[int], slot: int = 0) -> torch.Tensor:
+        """Base logits ``[B, vocab] float32`` of the B block positions after ``committed`` (one request)."""
+        self._check_context(slot, committed)
+        return self.batch_logits([slot], [committed])[0]
+
+    def _check_context(self, slot: int, committed: list[int]) -> None:
+        self.check_slot(slot)
+        if self._lengths[slot] != len(committed) - 1:
+            raise RuntimeError(f"block drafter context of slot {slot} holds {self._lengths[slot]} positions, "
+                               f"expected {len(committed) - 1}")
 
     @torch.inference_mode()
-    def draft(self, committed: list[int], depth: int):
-        """``min(depth, B)`` positions drafted after ``committed`` in one pass: a :class:`PositionalLattice` ``[depth, top_k]`` (no Markov head) or a :class:`MarkovLattice` (top-16
-        base candidates per position, parent-conditioned log-probs renormalized exactly over the full
-        vocabulary), or None when ``depth < 1``. Needs the context of ``committed[:-1]`` (R11).
+    def propose(self, batch: Sequence[DraftRequest]) -> list[PositionalLattice | MarkovLattice | None]:
+        """Per request, ``min(depth, B)`` positions drafted after its committed tokens, the requests with depth ≥ 1
+        drafted together in one pass (:meth:`batch_logits`): a :class:`PositionalLattice` ``[depth, top_k]`` (no
+        Markov head) or a :class:`MarkovLattice` (top-16 base candidates per position, parent-conditioned
+        log-probs renormalized exactly over the full vocabulary); None for a request with depth < 1. Each lattice
+        is the one that request would get drafted alone. Needs each slot's context of ``committed[:-1]`` (R11).
 
         Raises:
-            RuntimeError: when the context held does not end at ``len(committed) - 1``.
+            DrafterError: a slot outside ``[0, max_slots)``, or one slot twice in the batch.
+            RuntimeError: a drafted request whose slot's context does not end at ``len(committed) - 1``.
         """
-        n, b = len(committed), self.cfg.block_size
-        depth = min(depth, b)
-        if depth < 1:
-            return None
-        if self._context != n - 1:
-            raise RuntimeError(f"block drafter context holds {self._context} slots, expected {n - 1}")
-        logits = self.block_logits(committed)[:depth]  # [depth, V] float32
-        anchor = torch.tensor([committed[-1]], device=logits.device)
-        logp = logits.log_softmax(-1)
-        marg, toks = logp.topk(TOP_K, dim=-1)
+        out: list[PositionalLattice | MarkovLattice | None] = [None] * len(batch)
+        seen: set[int] = set()
+        for q in batch:
+            self.check_slot(q.slot)
+            if q.slot in seen:
+                raise DrafterError(f"the {self.kind} drafter was asked about slot {q.slot} twice in one batch")
+            seen.add(q.slot)
+        drafted = [(i, q, min(q.depth, self.cfg.block_size)) for i, q in enumerate(batch) if q.depth >= 1]
+        if not drafted:
+            return out
+        for _, q, _ in drafted:
+            self._check_context(q.slot, q.committed)
+        logits = self.batch_logits([q.slot for _, q, _ in drafted], [q.committed for _, q, _ in drafted])
+        marg, toks = logits.log_softmax(-1).topk(TOP_K, dim=-1)  # [Bt, B, 16] each
         if self.cfg.markov_rank == 0:
-            return PositionalLattice(toks[:, : self.top_k].cpu(), marg[:, : self.top_k].cpu())
-        parents = torch.cat((anchor.expand(1, TOP_K), toks[:-1]), 0)  # [depth, 16]; row 0: the anchor
-        cond = (logits[:, None, :] + self.net.markov_bias(parents)).log_softmax(-1)  # [depth, 16, V]
-        cond = cond.gather(-1, toks[:, None, :].expand(-1, TOP_K, -1))  # [depth, parent j, child c]
-        return MarkovLattice(toks.cpu(), marg.cpu(), cond.cpu(), committed[-1], self.top_k)
+            toks, marg = toks[..., : self.top_k].cpu(), marg[..., : self.top_k].cpu()
+            for j, (i, _, d) in enumerate(drafted):
+                out[i] = PositionalLattice(toks[j, :d], marg[j, :d])
+            return out
+        toks_c, marg_c = toks.cpu(), marg.cpu()
+        for j, (i, q, d) in enumerate(drafted):  # per request: [d, 16, vocab] floats at a time
+            anchor = torch.tensor([q.committed[-1]], device=logits.device)
+            parents = torch.cat((anchor.expand(1, TOP_K), toks[j, : d - 1]), 0)  # [d, 16]; row 0: the anchor
+            cond = (logits[j, :d, None, :] + self.net.markov_bias(parents)).log_softmax(-1)  # [d, 16, V]
+            cond = cond.gather(-1, toks[j, :d, None, :].expand(-1, TOP_K, -1))  # [d, parent j, child c]
+            out[i] = MarkovLattice(toks_c[j, :d], marg_c[j, :d], cond.cpu(), q.committed[-1], self.top_k)
+        return out
 
 
 def save_block(net: BlockNet, out: str | Path, extra: dict | None = None) -> Path:
