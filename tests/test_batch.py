@@ -35,8 +35,7 @@ def drafter_of(kind, target, small, slots, cfg):
         return NgramDrafter(cfg.ngram_max, cfg.ngram_min, max_matches=cfg.top_k, max_slots=slots)
     if kind == "draft_model":
         return SlotFanout([DraftModelDrafter(small, cfg.top_k, static=False) for _ in range(slots)])
-    net = BlockNet(tiny_config(target))
-    return SlotFanout([BlockDrafter(net, target, top_k=cfg.top_k) for _ in range(slots)])
+    return BlockDrafter(BlockNet(tiny_config(target)), target, top_k=cfg.top_k, max_len=16, max_slots=slots)
 
 
 def random_requests(rng, n, repeats=True):

@@ -175,8 +175,8 @@ class Deployment:
                 raise DrafterError(f"the block drafter drafts at most {net.cfg.block_size} positions (its block size) "
                                    f"with at most {BLOCK_TOP_K} candidates each: depth {config.depth}, top_k "
                                    f"{config.top_k} asked for")
-            make = [BlockDrafter(net, target, top_k=config.top_k) for _ in range(slots)]
-            return make[0] if slots == 1 else SlotFanout(make)
+            # one network pass drafts every request of a batch; context buffers start small and grow
+            return BlockDrafter(net, target, top_k=config.top_k, max_len=4096 if slots == 1 else 512, max_slots=slots)
         return None
 
 
