@@ -18,6 +18,7 @@ from specpilot.bench.cli import bench, check_float16_device
 from specpilot.errors import SpecPilotError
 from specpilot.fileio import output_dir
 from specpilot.pilot.memory_cli import app as memory_app
+from specpilot.serve.cli import serve
 from specpilot.w12.cli import app as w12_app
 from specpilot.zoo.cli import app as zoo_app
 
@@ -26,6 +27,7 @@ app.add_typer(zoo_app, name="zoo", help="Bundled default models: paths and the t
 app.add_typer(w12_app, name="w12", help="W12 lossless 12-bit weights: pack and verify checkpoint directories.")
 app.add_typer(memory_app, name="memory", help="Memory of verified entries (§3.5): list, show, check.")
 app.command()(bench)
+app.command()(serve)
 
 
 def _pydantic_message(e: ValueError) -> str:

@@ -1,0 +1,78 @@
+"""Chat messages to prompt token ids: the tokenizer's chat template, or a named fallback.
+
+A chat request is rendered with the chat template of the target's tokenizer (``apply_chat_template`` with
+``add_generation_prompt``), or with the template given to ``specpilot serve --chat-template FILE``. A tokenizer
+without one (a base model's) gets :data:`FALLBACK_TEMPLATE`, a plain ``role: content`` transcript ending in
+``assistant:``; the server says so when it starts and in its ``/v1/models`` entry (``chat_template``), never
+silently. The rendered text is tokenized without adding special tokens (the template writes its own).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specpilot.errors import PromptError
+from specpilot.serve.protocol import APIError
+from specpilot.text import check_text
+
+#: the template used when the tokenizer has none and no --chat-template is given
+FALLBACK_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}assistant:{% endif %}")
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def choose_template(tokenizer, path: str | Path | None = None) -> tuple[str, str]:
+    """The chat template to use and where it comes from: ``(template, "file PATH" | "tokenizer" | "fallback")``.
+
+    Raises:
+        PromptError: ``path`` cannot be read or is not UTF-8 (one line).
+    """
+    if path is not None:
+        from specpilot.text import read_text
+
+        return read_text(path, f"--chat-template {path}"), f"file {path}"
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, str) and own.strip():
+        return own, "tokenizer"
+    return FALLBACK_TEMPLATE, "fallback"
+
+
+def _content(i: int, content) -> str:
+    """A message's content as text: a string, or text parts joined by newlines (vLLM's joining)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                           f"supported, got a {part.get('type')!r} part", param="messages", code="invalid_value")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def render_chat(tokenizer, template: str, messages, add_generation_prompt: bool = True) -> list[int]:
+    """Prompt token ids of ``messages`` (the request's :class:`~specpilot.serve.protocol.Message` list).
+
+    Raises:
+        APIError: 400 for a role other than system / developer / user / assistant, a non-text content part, text
+            that is not valid UTF-8, or a template that fails to render (its message named).
+    """
+    msgs = []
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise APIError(400, f"messages[{i}].role {m.role!r} is not supported (use {', '.join(ROLES)})",
+                           param="messages", code="invalid_value")
+        try:
+            text = check_text(_content(i, m.content), f"messages[{i}].content")
+        except PromptError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_value") from None
+        msgs.append({"role": m.role, "content": text} | ({"name": m.name} if m.name else {}))
+    try:
+        rendered = tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # a template's own raise_exception(...) or a jinja error: the client's messages
+        raise APIError(400, f"the chat template could not render these messages: {str(e).splitlines()[0]}",
+                       param="messages", code="invalid_value") from None
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]

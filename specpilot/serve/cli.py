@@ -1,0 +1,185 @@
+"""``specpilot serve``: a batched speculative system behind the OpenAI-compatible API (:mod:`specpilot.serve.app`).
+
+The main app registers :func:`serve` as a command (``specpilot.cli``). The system is either given by options
+(``--target``, ``--drafter``, ``--tree``, ...; as ``specpilot generate`` takes them) or read from a system sealed by
+``specpilot pilot`` (``--system system.json``: its ``config`` and ``deployment``). Bad options are a
+:class:`~specpilot.errors.SpecPilotError` (one line, exit status 2), raised before anything is loaded where they can
+be. Safe by default: it listens on 127.0.0.1 unless ``--host`` says otherwise; ``--api-key`` (or the environment
+variable ``SPECPILOT_API_KEY``) makes every ``/v1`` request without ``Authorization: Bearer KEY`` a 401.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specpilot.errors import SpecPilotError
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (taken before the model loads, so a busy port fails at once).
+
+    Raises:
+        SpecPilotError: the address cannot be resolved or bound (one line).
+    """
+    if not 0 <= port <= 65535:
+        raise SpecPilotError(f"--port must lie in 0-65535, got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, reuse_port=False)
+    except OSError as e:
+        raise SpecPilotError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def read_system(path: Path) -> tuple[dict, dict]:
+    """``(config, deployment)`` of a sealed ``system.json`` written by ``specpilot pilot``.
+
+    Raises:
+        SpecPilotError: the file is missing, not JSON, or has no ``config`` object (one line).
+    """
+    from specpilot.text import read_text
+
+    try:
+        sysd = json.loads(read_text(path, f"--system {path}"))
+    except ValueError as e:
+        raise SpecPilotError(f"--system {path} is not JSON: {e}") from None
+    if not isinstance(sysd, dict) or not isinstance(sysd.get("config"), dict):
+        raise SpecPilotError(f"--system {path} is not a sealed system (no 'config' object; `specpilot pilot` writes "
+                             "one as <out>/system.json)")
+    dep = sysd.get("deployment") if isinstance(sysd.get("deployment"), dict) else {}
+    return sysd["config"], dep
+
+
+def serve(
+    target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: the bundled target)."),
+    drafter: Optional[str] = typer.Option(None, help="none | ngram | draft_model | block (default ngram)."),
+    drafter_path: Optional[Path] = typer.Option(None, help="Draft model or block drafter checkpoint directory."),
+    tree: Optional[str] = typer.Option(None, help="chain | best_first | ddtree_marginal | eagle2_topk | sequoia "
+                                       "(default chain)."),
+    nodes: int = typer.Option(6, help="Tree budget N (drafted nodes per request per exact pass)."),
+    depth: int = typer.Option(6, help="Draft positions per step."),
+    top_k: int = typer.Option(4, help="Candidates per draft position (a chain takes 1)."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default float32)."),
+    device: Optional[str] = typer.Option(None, help="torch device (default cpu; with --system, its deployment's)."),
+    system: Optional[Path] = typer.Option(None, help="A system sealed by `specpilot pilot` (its system.json): "
+                                          "serves its config on its deployment; not with the system options."),
+    max_num_seqs: int = typer.Option(16, help="Requests decoded at once (engine slots); more wait in a queue."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (default: this machine only)."),
+    port: int = typer.Option(8000, help="TCP port."),
+    api_key: Optional[str] = typer.Option(None, envvar="SPECPILOT_API_KEY", show_envvar=True,
+                                          help="Require 'Authorization: Bearer KEY' on /v1 requests (/health "
+                                               "and /metrics stay open)."),
+    served_model_name: Optional[str] = typer.Option(None, help="The model name of the API (default: the target "
+                                                    "directory's name; specpilot-bundled for the bundled target)."),
+    chat_template: Optional[Path] = typer.Option(None, help="A Jinja chat template file (default: the tokenizer's; "
+                                                 "without one, a plain 'role: content' fallback, named in /v1/models)."),
+    max_body_bytes: int = typer.Option(8 << 20, help="Largest request body accepted (bytes); larger ones get a 413."),
+    log_level: str = typer.Option("info", help="uvicorn's log level (critical, error, warning, info, debug)."),
+):
+    """Serve a speculative system over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
+    Greedy only: temperature > 0, n > 1 and other sampling fields get a 400."""
+    from specpilot.config import SystemConfig
+    from specpilot.spec.trees import BUILDERS
+
+    if max_num_seqs < 1:
+        raise SpecPilotError(f"--max-num-seqs must be at least 1, got {max_num_seqs}")
+    if max_body_bytes < 1024:
+        raise SpecPilotError(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
+    if api_key is not None and not api_key.strip():
+        raise SpecPilotError("--api-key (or SPECPILOT_API_KEY) is empty")
+    if log_level not in ("critical", "error", "warning", "info", "debug"):
+        raise SpecPilotError(f"--log-level: unknown level {log_level!r}")
+    if system is not None:
+        given = [f"--{n}" for n, v in (("target", target), ("drafter", drafter), ("drafter-path", drafter_path),
+                                        ("tree", tree), ("dtype", dtype)) if v is not None]
+        if given:
+            raise SpecPilotError(f"--system gives the whole system: drop {', '.join(given)}")
+        cfg_d, dep = read_system(system)
+        try:
+            cfg = SystemConfig(**cfg_d)
+        except (TypeError, ValueError) as e:
+            raise SpecPilotError(f"--system {system}: its config is not a SystemConfig: {str(e).splitlines()[0]}") from None
+        tdir = Path(dep.get("target") or "")
+        ddir = cfg.drafter_path or (dep.get("drafter") if dep.get("drafter") not in (None, "ngram") else None)
+        ddir = Path(ddir) if ddir and cfg.drafter in ("draft_model", "block") else None
+        if not dep.get("target"):
+            raise SpecPilotError(f"--system {system} names no target (its 'deployment' has no 'target')")
+        device = device or dep.get("device") or "cpu"
+    else:
+        from specpilot.cli import _default_dirs, _pydantic_message
+
+        drafter, tree = drafter or "ngram", tree or "chain"
+        if drafter not in ("none", "ngram", "draft_model", "block"):
+            raise SpecPilotError(f"unknown drafter {drafter!r} (choose none, ngram, draft_model or block)")
+        if tree not in BUILDERS:
+            raise SpecPilotError(f"unknown tree builder {tree!r} (choose {', '.join(BUILDERS)})")
+        if drafter == "none" and tree != "chain":
+            raise SpecPilotError(f"--tree {tree} needs a drafter: --drafter none is plain AR decoding")
+        if drafter_path is not None and drafter in ("none", "ngram"):
+            raise SpecPilotError(f"--drafter-path is for --drafter draft_model or block; drafter {drafter!r} reads "
+                                 "no checkpoint")
+        try:
+            cfg = SystemConfig(drafter=drafter, tree=tree, nodes=nodes, depth=depth,
+                               top_k=1 if tree == "chain" else top_k, dtype=dtype or "float32")
+        except ValueError as e:
+            raise SpecPilotError(f"invalid option: {_pydantic_message(e)}") from None
+        bundled = target is None
+        tdir, ddir = _default_dirs(target, drafter, drafter_path)
+        if ddir is not None:
+            cfg = cfg.model_copy(update={"drafter_path": str(ddir)})
+        device = device or "cpu"
+        served_model_name = served_model_name or ("specpilot-bundled" if bundled else None)
+    sock = _listen(host, port)
+    try:
+        run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, served_model_name or tdir.resolve().name,
+                   chat_template, max_body_bytes, log_level, host)
+    finally:
+        sock.close()
+
+
+def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_template, max_body_bytes,
+               log_level, host) -> None:
+    """Load the deployment, build the batched system, and serve on ``sock`` until interrupted.
+
+    Raises:
+        SpecPilotError: a checkpoint that cannot be loaded, a target without tokenizer files, a system the batched
+            engine cannot build, an unreadable chat template (one line each).
+    """
+    import uvicorn
+
+    from specpilot.engine.deployment import Deployment, check_device
+    from specpilot.serve.app import create_app
+    from specpilot.serve.chat import choose_template
+    from specpilot.serve.driver import EngineDriver
+    from specpilot.serve.metrics import ServerMetrics
+    from specpilot.serve.run import ServeContext
+
+    dep = Deployment(tdir, ddir, dtype=cfg.dtype, device=check_device(device))
+    if dep.tokenizer is None:
+        raise SpecPilotError(f"{tdir} has no tokenizer files: the server needs one to read and write text")
+    template, source = choose_template(dep.tokenizer, chat_template)
+    if not hasattr(dep, "batch_system"):
+        raise SpecPilotError("this build has no batched engine (Deployment.batch_system): serving needs it")
+    engine = dep.batch_system(cfg, max_num_seqs)
+    metrics = ServerMetrics(name)
+    ctx = ServeContext(driver=EngineDriver(engine, metrics), tokenizer=dep.tokenizer, model_name=name,
+                       max_len=int(engine.max_len), vocab_size=int(dep.target.args.vocab_size),
+                       eos_ids=frozenset(dep.eos_ids()), metrics=metrics, chat_template=template, chat_source=source,
+                       api_key=api_key, max_body_bytes=max_body_bytes)
+    addr = sock.getsockname()
+    print(f"specpilot serve: {name!r} ({cfg.label()}) at http://{host}:{addr[1]}/v1, {engine.num_slots} slots, "
+          f"context {engine.max_len} tokens, chat template: {source}, API key: {'required' if api_key else 'off'}",
+          file=sys.stderr)
+    if source == "fallback":
+        print("specpilot serve: the tokenizer has no chat template; chat requests use the plain 'role: content' "
+              "fallback (pass --chat-template FILE for the model's own)", file=sys.stderr)
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"specpilot serve: warning: listening on {host} without --api-key: anyone who can reach this port can "
+              "use it", file=sys.stderr)
+    server = uvicorn.Server(uvicorn.Config(create_app(ctx), log_level=log_level, timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
