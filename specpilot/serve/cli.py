@@ -77,7 +77,8 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, help="The model name of the API (default: the target "
                                                     "directory's name; specpilot-bundled for the bundled target)."),
     chat_template: Optional[Path] = typer.Option(None, help="A Jinja chat template file (default: the tokenizer's; "
-                                                 "without one, a plain 'role: content' fallback, named in /v1/models)."),
+                                                 "without one, a plain 'role: content' fallback, named in "
+                                                 "/v1/models)."),
     max_body_bytes: int = typer.Option(8 << 20, help="Largest request body accepted (bytes); larger ones get a 413."),
     log_level: str = typer.Option("info", help="uvicorn's log level (critical, error, warning, info, debug)."),
 ):
@@ -103,7 +104,8 @@ def serve(
         try:
             cfg = SystemConfig(**cfg_d)
         except (TypeError, ValueError) as e:
-            raise SpecPilotError(f"--system {system}: its config is not a SystemConfig: {str(e).splitlines()[0]}") from None
+            raise SpecPilotError(f"--system {system}: its config is not a SystemConfig: "
+                                 f"{str(e).splitlines()[0]}") from None
         tdir = Path(dep.get("target") or "")
         ddir = cfg.drafter_path or (dep.get("drafter") if dep.get("drafter") not in (None, "ngram") else None)
         ddir = Path(ddir) if ddir and cfg.drafter in ("draft_model", "block") else None

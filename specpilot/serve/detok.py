@@ -30,30 +30,33 @@ class IncrementalDetokenizer:
         self.tok, self.skip = tokenizer, skip_special_tokens
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset, self.read_offset = 0, len(self.ids)
+        self.sent = 0  # characters of the current window already handed out past its prefix text
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip) if ids else ""
 
-    def _delta(self) -> str:
+    def _delta(self, final: bool) -> str:
         before = self._decode(self.ids[self.prefix_offset:self.read_offset])
         now = self._decode(self.ids[self.prefix_offset:])
-        return now[len(before):] if len(now) > len(before) else ""
+        complete = not now.endswith(REPLACEMENT)
+        shown = now if complete or final else now.rstrip(REPLACEMENT)  # an unfinished character waits
+        delta = shown[len(before) + self.sent:] if len(shown) > len(before) + self.sent else ""
+        if complete or final:
+            self.prefix_offset, self.read_offset, self.sent = self.read_offset, len(self.ids), 0
+        else:
+            self.sent += len(delta)
+        return delta
 
     def push(self, token_id: int) -> str:
-        """Append one token id; returns the text it completes ('' while a character is still incomplete)."""
+        """Append one token id; returns the text it completes ('' while a character is still incomplete; the text
+        before such a character is not held back)."""
         self.ids.append(int(token_id))
-        delta = self._delta()
-        if not delta or delta.endswith(REPLACEMENT):  # an incomplete UTF-8 sequence: wait for its next byte
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return delta
+        return self._delta(final=False)
 
     def flush(self) -> str:
         """Text still held back at the end of the output (an incomplete character decodes as U+FFFD here, as it
         does in the whole text)."""
-        delta = self._delta()
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return delta
+        return self._delta(final=True)
 
 
 class StopMatcher:

@@ -1,0 +1,158 @@
+"""The server's text path without a server: incremental detokenization never splits a character, stop strings
+spanning tokens are found and nothing after them comes out, stop ids end the text, the chat template and its
+named fallback; and ``specpilot serve``'s option errors (one line, exit 2) and a real run of the command."""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from specpilot.model.checkpoint import load_tokenizer
+from specpilot.serve.chat import FALLBACK_TEMPLATE, choose_template, render_chat
+from specpilot.serve.detok import StopMatcher, TextStream
+from specpilot.serve.protocol import Message
+from specpilot.zoo import bundled_target_dir
+
+from .conftest import run_cli
+
+TOK = load_tokenizer(bundled_target_dir())
+TEXTS = ["héllo wörld 日本語 🙂 The answer is 42.", "def f(x):\n    return x * 2  # ½ → ∞\n",
+         "Ünïcödé … “quotes” — 🙂🙃 end", "plain ascii text with spaces   and\ttabs"]
+
+
+def stream(ids, prompt=(5, 6), groups=1, **kw):
+    ts, rng, out, i = TextStream(TOK, list(prompt), **kw), random.Random(len(ids)), [], 0
+    while i < len(ids) and not ts.done:
+        n = rng.randint(1, groups)
+        piece = ts.feed(ids[i:i + n])
+        out.append(piece.text)
+        i += piece.tokens
+        if piece.stopped:
+            return out, piece, i
+    out.append(ts.finish().text)
+    return out, None, i
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("groups", [1, 3])
+def test_stream_joins_to_the_whole_text_without_split_characters(text, groups):
+    ids = TOK(text, add_special_tokens=False)["input_ids"]
+    out, _, _ = stream(ids, groups=groups)
+    assert "".join(out) == TOK.decode(ids) == text
+    assert not any("\ufffd" in piece for piece in out)
+
+
+@pytest.mark.parametrize("text", TEXTS[:3])
+def test_stop_strings_spanning_tokens(text):
+    ids = TOK(text, add_special_tokens=False)["input_ids"]
+    rng = random.Random(0)
+    for _ in range(25):
+        a = rng.randrange(len(text) - 1)
+        stop = text[a:a + rng.randint(1, 6)]
+        out, piece, used = stream(ids, stops=[stop, "never-there"], groups=2)
+        assert "".join(out) == text[:text.index(stop)] and piece.stop == stop
+        # the token that completed the stop string is the last one consumed
+        assert stop in TOK.decode(ids[:used]) and stop not in TOK.decode(ids[:used - 1])
+        out, _, _ = stream(ids, stops=[stop], include_stop=True)
+        assert "".join(out) == text[:text.index(stop) + len(stop)]
+
+
+def test_stop_ids_end_the_text_and_an_unfinished_character_flushes():
+    ids = TOK("def add(a, b): return a + b", add_special_tokens=False)["input_ids"]
+    ts = TextStream(TOK, [1], stop_ids={ids[2]})
+    piece = ts.feed(ids)
+    assert piece.stopped and piece.stop == ids[2] and piece.tokens == 3
+    assert piece.text == TOK.decode(ids[:2]) and ts.finish().text == ""
+    lead = TOK("日", add_special_tokens=False)["input_ids"][:1]  # the first byte of a 3-byte character
+    ts = TextStream(TOK, [1])
+    assert ts.feed(lead).text == "" and ts.finish().text == TOK.decode(lead) == "\ufffd"
+
+
+def test_stop_matcher_holds_back_a_possible_start():
+    m = StopMatcher(["STOP"])
+    assert m.feed("xxST") == ("x", None)
+    assert m.feed("ART") == ("xST", None)
+    assert m.feed("OP") == ("AR", None)
+    assert m.feed("STOP more") == ("TOP", "STOP")
+
+
+def test_chat_template_and_the_named_fallback():
+    template, source = choose_template(TOK)
+    assert source == "tokenizer" and "im_start" in template
+    bare = copy.deepcopy(TOK)
+    bare.chat_template = None
+    template, source = choose_template(bare)
+    assert (template, source) == (FALLBACK_TEMPLATE, "fallback")
+    ids = render_chat(bare, template, [Message(role="system", content="Be brief."), Message(role="user", content="hi")])
+    assert TOK.decode(ids) == "system: Be brief.\nuser: hi\nassistant:"
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--max-num-seqs", "0"], "--max-num-seqs"), (["--drafter", "bogus"], "unknown drafter"),
+    (["--tree", "nope"], "unknown tree builder"), (["--port", "70000"], "--port"), (["--api-key", " "], "empty"),
+    (["--system", "/nonexistent/system.json"], "cannot read"),
+    (["--drafter", "none", "--tree", "best_first"], "needs a drafter"),
+    (["--nodes", "0"], "--nodes"),
+])
+def test_serve_option_errors_are_one_line(monkeypatch, capsys, args, msg):
+    code, out, err = run_cli(monkeypatch, capsys, "serve", *args)
+    assert code == 2 and err.startswith("error: ") and msg in err and err.count("\n") == 1, err
+
+
+def test_serve_system_file_errors(monkeypatch, capsys, tmp_path):
+    f = tmp_path / "system.json"
+    f.write_text('{"label": "x"}')
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f))
+    assert code == 2 and "not a sealed system" in err
+    f.write_text('{"config": {"drafter": "ngram"}, "deployment": {"target": "x"}}')
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--tree", "chain")
+    assert code == 2 and "drop --tree" in err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        code, _, err = run_cli(monkeypatch, capsys, "serve", "--port", str(busy.getsockname()[1]))
+    assert code == 2 and "cannot listen" in err
+
+
+def test_specpilot_serve_command_serves_the_bundled_pair():
+    """The command as a user runs it: --port 0, read the address it prints, ask it, stop it with Ctrl-C."""
+    env = dict(os.environ, SPECPILOT_API_KEY="k")
+    proc = subprocess.Popen([sys.executable, "-m", "specpilot", "serve", "--port", "0", "--drafter", "draft_model",
+                             "--max-num-seqs", "2", "--log-level", "warning"], env=env, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line, t0 = "", time.time()
+        while "specpilot serve:" not in line:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "serve exited"
+            assert time.time() - t0 < 120
+        url = re.search(r"at (http://\S+/v1)", line).group(1)
+        assert "API key: required" in line and "chat template: tokenizer" in line
+        for _ in range(100):
+            try:
+                if httpx.get(url[:-3] + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
+        assert client.models.list().data[0].id == "specpilot-bundled"
+        r = client.completions.create(model="specpilot-bundled", prompt="def add(a, b):", max_tokens=8)
+        assert r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("stop", "length")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
