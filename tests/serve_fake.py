@@ -5,8 +5,8 @@ server's tests.
 1-3 of them committed per step per request (a pattern of the step number), with drafted / accepted counts like a
 speculative engine's. Markers in a prompt's text change that: ``[eos:N]`` ends the output with EOS after N script
 tokens; ``[fail]`` makes ``step()`` raise while the request is held; ``[slow]`` makes every step that holds the
-request sleep 50 ms. It honours ``max_new_tokens``, stop ids,
-``num_slots`` (others wait), aborts, and checks that only one thread ever calls it.
+request sleep 50 ms. It takes and returns the engine's own ``Request`` and ``StepOutput``, honours ``max_new_tokens``,
+stop ids, ``num_slots`` (others wait) and aborts, and checks that only one thread ever calls it.
 """
 
 from __future__ import annotations
@@ -15,33 +15,14 @@ import re
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
 import uvicorn
 
+from specpilot.engine.batch import StepOutput
 from specpilot.errors import PromptError
 
 #: multi-byte characters split across byte-level tokens, and a stop string ("STOP") split across two tokens
 SCRIPT = "héllo wörld 日本語 🙂 The answer is 42. STOP here; then more text follows.\n"
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_ids: list[int]
-    max_new_tokens: int
-    stop_ids: frozenset = frozenset()
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_tokens: list[int]
-    finished: bool
-    finish_reason: str | None
-    drafted: int
-    accepted: int
-    accepted_by_pos: list[int]
 
 
 class FakeBatchEngine:

@@ -22,7 +22,7 @@ from specpilot.serve.metrics import ServerMetrics
 from specpilot.serve.run import ServeContext
 from specpilot.zoo import bundled_target_dir
 
-from .serve_fake import SCRIPT, FakeBatchEngine, Request, ServerThread
+from .serve_fake import SCRIPT, FakeBatchEngine, ServerThread
 
 TOK = load_tokenizer(bundled_target_dir())
 EOS = 0
@@ -33,7 +33,7 @@ def make_app(engine, api_key=None, max_body_bytes=1 << 16):
     template, source = choose_template(TOK)
     ctx = ServeContext(driver=EngineDriver(engine, metrics), tokenizer=TOK, model_name="fake", max_len=engine.max_len,
                        vocab_size=engine.vocab_size, eos_ids=frozenset([EOS]), metrics=metrics, chat_template=template,
-                       chat_source=source, api_key=api_key, max_body_bytes=max_body_bytes, request_type=Request)
+                       chat_source=source, api_key=api_key, max_body_bytes=max_body_bytes)
     return ctx, create_app(ctx)
 
 

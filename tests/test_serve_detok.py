@@ -5,6 +5,7 @@ named fallback; and ``specpilot serve``'s option errors (one line, exit 2) and a
 from __future__ import annotations
 
 import copy
+import json
 import os
 import random
 import re
@@ -156,3 +157,23 @@ def test_specpilot_serve_command_serves_the_bundled_pair():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_serve_reads_a_sealed_system(monkeypatch, capsys, tmp_path):
+    """--system takes the config and deployment a pilot seals (system.json), --device may override its device."""
+    from specpilot.config import SystemConfig
+    from specpilot.serve import cli as serve_cli
+    from specpilot.zoo import bundled_drafter_dir
+
+    seen = {}
+    monkeypatch.setattr(serve_cli, "run_server", lambda sock, tdir, ddir, cfg, device, *a: seen.update(
+        tdir=tdir, ddir=ddir, cfg=cfg, device=device, name=a[2]))
+    cfg = SystemConfig(drafter="draft_model", tree="best_first", nodes=8, depth=4, top_k=2)
+    f = tmp_path / "system.json"
+    f.write_text(json.dumps({"config": cfg.model_dump(), "label": cfg.label(), "deployment": {
+        "target": str(bundled_target_dir()), "drafter": str(bundled_drafter_dir()), "device": "cuda:0",
+        "dtype": "float32", "batch": 1}}))
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--device", "cpu", "--port", "0")
+    assert code == 0, err
+    assert (seen["tdir"], seen["ddir"], seen["cfg"], seen["device"], seen["name"]) == \
+        (bundled_target_dir(), bundled_drafter_dir(), cfg, "cpu", "target")

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from specpilot.engine.batch import Request
 from specpilot.serve.detok import TextStream
 from specpilot.serve.driver import ADMITTED, Failure
 from specpilot.serve.protocol import APIError
@@ -38,7 +39,6 @@ class ServeContext:
     chat_source: str = "tokenizer"
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
-    request_type: type | None = None  # the engine's Request class (None: specpilot.engine.batch.Request)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -98,11 +98,7 @@ class Run:
         self.queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._deliver = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        if ctx.request_type is None:
-            from specpilot.engine.batch import Request
-
-            ctx.request_type = Request
-        self.request = ctx.request_type(request_id=self.id, prompt_ids=spec.prompt_ids, max_new_tokens=spec.max_tokens,
+        self.request = Request(request_id=self.id, prompt_ids=spec.prompt_ids, max_new_tokens=spec.max_tokens,
                                stop_ids=spec.stop_ids)
         self.text = TextStream(ctx.tokenizer, spec.prompt_ids, spec.stops, ctx.eos_ids | spec.stop_ids,
                                spec.include_stop, spec.skip_special_tokens)
