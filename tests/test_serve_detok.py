@@ -104,7 +104,7 @@ def test_chat_template_and_the_named_fallback():
     (["--tree", "nope"], "unknown tree builder"), (["--port", "70000"], "--port"), (["--api-key", " "], "empty"),
     (["--system", "/nonexistent/system.json"], "cannot read"),
     (["--drafter", "none", "--tree", "best_first"], "needs a drafter"),
-    (["--nodes", "0"], "--nodes"),
+    (["--nodes", "0"], "--nodes"), (["--threads", "0"], "--threads"),
 ])
 def test_serve_option_errors_are_one_line(monkeypatch, capsys, args, msg):
     code, out, err = run_cli(monkeypatch, capsys, "serve", *args)

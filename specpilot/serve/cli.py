@@ -81,6 +81,8 @@ def serve(
                                                  "/v1/models)."),
     max_body_bytes: int = typer.Option(8 << 20, help="Largest request body accepted (bytes); larger ones get a 413."),
     log_level: str = typer.Option("info", help="uvicorn's log level (critical, error, warning, info, debug)."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: as `generate` picks them: 1 on a "
+                                          "CPU device with <= 2 cores, else torch's default)."),
 ):
     """Serve a speculative system over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
     Greedy only: temperature > 0, n > 1 and other sampling fields get a 400."""
@@ -95,6 +97,8 @@ def serve(
         raise SpecPilotError("--api-key (or SPECPILOT_API_KEY) is empty")
     if log_level not in ("critical", "error", "warning", "info", "debug"):
         raise SpecPilotError(f"--log-level: unknown level {log_level!r}")
+    if threads is not None and threads < 1:
+        raise SpecPilotError(f"--threads must be at least 1, got {threads}")
     if system is not None:
         given = [f"--{n}" for n, v in (("target", target), ("drafter", drafter), ("drafter-path", drafter_path),
                                         ("tree", tree), ("dtype", dtype)) if v is not None]
@@ -138,6 +142,11 @@ def serve(
         served_model_name = served_model_name or ("specpilot-bundled" if bundled else None)
     sock = _listen(host, port)
     try:
+        import torch
+
+        from specpilot.pilot.setup import available_cores, choose_threads
+
+        torch.set_num_threads(choose_threads(device, threads, available_cores(), torch.get_num_threads())[0])
         run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, served_model_name or tdir.resolve().name,
                    chat_template, max_body_bytes, log_level, host)
     finally:

@@ -51,7 +51,7 @@ class EngineDriver:
             loop (read by tests and ``/health``; written by the engine thread only).
     """
 
-    def __init__(self, engine, metrics=None, idle_wait_s: float = 0.05):
+    def __init__(self, engine, metrics=None, idle_wait_s: float = 0.5):
         self.engine, self.metrics, self.idle_wait_s = engine, metrics, idle_wait_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[object], None]] = {}
