@@ -1,8 +1,8 @@
 """``specpilot serve`` over the real batched engine on the bundled pair (target + draft model, float32, CPU), with
 the ``openai`` client against a uvicorn server in a thread: completions and chat, streamed and not, stop strings,
 usage, 4xx, 401 without the key, a disconnect that frees its slot, the metrics; and 200 concurrent requests of
-mixed lengths and budgets (1 included): none lost, each equal to the single-request engine's output of its prompt,
-every slot back after (R4, R12, R14, R17, R18)."""
+mixed lengths and budgets (1 included), among clients that hang up mid-stream and requests refused with a 400:
+none lost, each equal to the single-request engine's output of its prompt, every slot back after (R4, R12, R14, R17, R18)."""
 
 from __future__ import annotations
 
@@ -166,16 +166,37 @@ def test_two_hundred_concurrent_requests_equal_single_request_outputs(srv):
             r = await client.completions.create(model="bundled", prompt=ids, max_tokens=n)
             return r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason
 
+        async def hang_up(ids):  # a client that leaves after its first chunk (its request is aborted mid-batch)
+            stream = await client.completions.create(model="bundled", prompt=ids, max_tokens=300, stream=True)
+            async for _ in stream:
+                break
+            await stream.close()
+
+        async def refused(ids):
+            try:
+                await client.completions.create(model="bundled", prompt=ids, max_tokens=5, temperature=0.5)
+            except openai.BadRequestError:
+                return True
+
         try:
-            return await asyncio.gather(*(one(*j) for j in jobs))
+            extra = [hang_up(jobs[i][0]) for i in range(0, 200, 20)] + [refused(jobs[i][0]) for i in range(0, 200, 40)]
+            res = await asyncio.gather(*(one(*j) for j in jobs), *extra)
+            assert all(res[200 + 10:])
+            return res[:200]
         finally:
             await client.close()
 
+    aborts = "specpilot:request_success_total"
+    before = sum(s.value for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)
+                 for s in f.samples if s.name == aborts and s.labels["finished_reason"] == "abort")
     got = asyncio.run(run_all())
     assert len(got) == 200
     bad = [i for i, (g, w) in enumerate(zip(got, want)) if tuple(g) != w]
     assert not bad, [(i, got[i], want[i]) for i in bad[:3]]
     wait_free(srv)
     fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
+    after = sum(s.value for s in fams["specpilot:request_success"].samples
+                if s.name == aborts and s.labels["finished_reason"] == "abort")
+    assert after - before == 10  # the clients that hung up
     drafts = sum(s.value for s in fams["specpilot:spec_decode_num_drafts"].samples if s.name.endswith("_total"))
     assert drafts > 0 and json.dumps(sorted(fams)).count("specpilot:") >= 10
