@@ -2,7 +2,8 @@
 the ``openai`` client against a uvicorn server in a thread: completions and chat, streamed and not, stop strings,
 usage, 4xx, 401 without the key, a disconnect that frees its slot, the metrics; and 200 concurrent requests of
 mixed lengths and budgets (1 included), among clients that hang up mid-stream and requests refused with a 400:
-none lost, each equal to the single-request engine's output of its prompt, every slot back after (R4, R12, R14, R17, R18)."""
+none lost, each equal to the single-request engine's output of its prompt, every slot back after (R4, R12, R14,
+R17, R18)."""
 
 from __future__ import annotations
 
