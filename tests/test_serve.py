@@ -107,11 +107,12 @@ def test_stop_string_spanning_tokens_aborts_the_request(srv, client):
     pieces = [TOK.decode([t]) for t in srv.eng.script]
     assert "STOP" not in pieces and "".join(pieces).count("STOP") == 1  # the stop string spans two tokens
     want = SCRIPT[:SCRIPT.index("STOP")]
-    r = client.completions.create(model="fake", prompt="Hello", max_tokens=60, stop=["STOP", "never"])
+    # [slow]: 50 ms a step, so the request is still running (200 tokens allowed) when the server aborts it
+    r = client.completions.create(model="fake", prompt="[slow] Hello", max_tokens=200, stop=["STOP", "never"])
     c = r.choices[0]
     assert (c.text, c.finish_reason, c.stop_reason) == (want, "stop", "STOP")
     wait_idle(srv)
-    assert r.id in srv.eng.aborted  # the engine was told: its slot is free
+    assert r.id in srv.eng.aborted and r.id not in srv.eng.finished  # the engine was told: its slot is free
     chunks = list(client.completions.create(model="fake", prompt="Hello", max_tokens=60, stop="STOP", stream=True))
     assert "".join(ch.choices[0].text for ch in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
