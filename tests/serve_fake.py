@@ -39,6 +39,7 @@ class FakeBatchEngine:
         self.finished: list[str] = []
         self.added: list[str] = []
         self.steps = 0
+        self.resets = 0
         self.threads: set[int] = set()
 
     def _touch(self) -> None:
@@ -79,6 +80,16 @@ class FakeBatchEngine:
     def free_slots(self) -> int:
         self._touch()
         return self.num_slots - len(self.running)
+
+    def num_waiting(self) -> int:
+        self._touch()
+        return len(self.waiting)
+
+    def reset(self) -> None:
+        self._touch()
+        self.resets += 1
+        self.running.clear()
+        self.waiting.clear()
 
     def step(self) -> list[StepOutput]:
         self._touch()

@@ -203,3 +203,22 @@ def test_bench_batch_writes_json_with_equal_outputs(monkeypatch, capsys, tmp_pat
     assert (tmp_path / path.name.replace(".json", ".png")).is_file()
     code, _, err = run_cli(monkeypatch, capsys, "bench", "--target", str(bundled_target_dir()), "--batch", "1,x")
     assert code == 2 and err.strip().startswith("error: --batch takes")
+
+
+def test_reset_after_a_failed_step_frees_every_slot(tiny_models, monkeypatch):
+    """A step that raises between taking a request's slot and recording it would leak the slot; ``reset`` drops every
+    request and frees every slot, and the engine serves again."""
+    target, _ = tiny_models
+    eng = BatchEngine(target, SystemConfig.ar(), None, eos_ids=[], max_num_seqs=2)
+    eng.add_request(Request("a", [1, 2, 3], 4))
+    eng.add_request(Request("b", [4, 5], 4))
+    eng.add_request(Request("c", [6], 4))
+    monkeypatch.setattr(eng, "_prefill", lambda rs: (_ for _ in ()).throw(RuntimeError("planted")))
+    with pytest.raises(RuntimeError, match="planted"):
+        eng.step()
+    assert eng.free_slots() == 0 and eng.num_waiting() == 1  # two slots taken by requests nobody records
+    monkeypatch.undo()
+    eng.reset()
+    assert eng.free_slots() == 2 and eng.num_waiting() == 0 and not eng.has_work()
+    gens = eng.generate_all([[1, 2, 3]], 4)
+    assert gens[0].tokens == ar(target, [1, 2, 3], 4)

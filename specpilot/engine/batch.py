@@ -54,7 +54,8 @@ class StepOutput:
 
     Attributes:
         request_id: the request.
-        new_tokens: tokens committed this step, already cut at a stop id or at ``max_new_tokens``.
+        new_tokens: tokens committed this step, already cut at a stop id (which they include, as EOS is kept in
+            a :class:`~specpilot.engine.types.Generation`) or at ``max_new_tokens``.
         finished: the request ended this step (its slot is free again).
         finish_reason: ``stop`` (EOS or a stop id), ``length``, or None while it runs.
         drafted: draft tokens verified for it this step (its tree's nodes); accepted: of those, accepted (bonus
@@ -143,6 +144,21 @@ class BatchEngine:
     def free_slots(self) -> int:
         """KV slots no request holds (``num_slots`` when every request ended, R14)."""
         return len(self._free)
+
+    def num_waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self._waiting)
+
+    def reset(self) -> None:
+        """Drop every request, waiting or running, and free every slot: the way back to a known state after
+        :meth:`step` raised (a step may have failed between taking a request's slot and recording it)."""
+        self._waiting.clear()
+        self._running.clear()
+        for s in range(self.num_slots):
+            self.pool.cache(s).commit(0)
+            if self.drafter is not None:
+                self.drafter.reset(s)
+        self._free = list(range(self.num_slots - 1, -1, -1))
 
     def _release(self, r: _Running) -> None:
         self.pool.cache(r.slot).commit(0)

@@ -43,7 +43,7 @@ class EngineDriver:
 
     Args:
         engine: a BatchEngine (``add_request``, ``abort_request``, ``step``, ``has_work``, ``free_slots``,
-            ``num_slots``).
+            ``num_waiting``, ``reset``, ``num_slots``).
         metrics: a :class:`~specpilot.serve.metrics.ServerMetrics` (None: no metrics).
         idle_wait_s: how long the idle thread waits for a request before checking for a stop, seconds.
     Attributes:
@@ -185,7 +185,10 @@ class EngineDriver:
                 deliver(failure)
             except RuntimeError:
                 pass
-            self._abort_engine(rid)
+        try:
+            self.engine.reset()  # every request it held failed: back to a known state, every slot free
+        except Exception:
+            log.exception("engine.reset() raised")
 
     def _gauges(self) -> None:
         try:
@@ -194,5 +197,4 @@ class EngineDriver:
             log.exception("engine.free_slots() raised")
             return
         if self.metrics is not None:
-            running = self.num_slots - self.free_slots
-            self.metrics.queue(running, max(len(self._sinks) - running, 0), self.num_slots)
+            self.metrics.queue(self.num_slots - self.free_slots, self.engine.num_waiting(), self.num_slots)
