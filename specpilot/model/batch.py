@@ -51,6 +51,8 @@ class Prepared:
         slot, pos: ``[R] long``: the pool slot and position its K/V are written to.
         slots: ``[B] long``; span: the longest ``start + count`` (keys gathered per request); r_max: most rows.
         mask: ``[B, r_max, span] bool``: what each (padded) row may attend to; a padding row sees slot 0 only.
+        starts, counts, row_off: ``[B] int32`` (with ``slots``, the batched kernel's per-request arguments);
+        words: ``[B, r_max, ceil(r_max / 32)] int32``, each request's mask among its rows, bit-packed.
     """
 
     req: torch.Tensor
@@ -61,6 +63,10 @@ class Prepared:
     span: int
     r_max: int
     mask: torch.Tensor
+    starts: torch.Tensor
+    counts: torch.Tensor
+    row_off: torch.Tensor
+    words: torch.Tensor
 
     @classmethod
     def of(cls, rows: BatchRows, device: torch.device) -> "Prepared":
@@ -77,5 +83,13 @@ class Prepared:
         for i, (s, c, m) in enumerate(zip(rows.starts, rows.counts, rows.masks)):
             mask[i, :c, :s] = True
             mask[i, :c, s:s + c] = torch.ones(c, c, dtype=torch.bool).tril() if m is None else m.cpu()
+        own = torch.zeros(b, r_max, r_max, dtype=torch.bool)  # each request's mask among its rows, padded
+        for i, (s, c) in enumerate(zip(rows.starts, rows.counts)):
+            own[i, :c, :c] = mask[i, :c, s:s + c]
+        counts = torch.tensor(rows.counts)
+        i32 = {"dtype": torch.int32, "device": device}
+        from specpilot.kernels.batch_attention import pack_batch_masks
+
         return cls(req.to(device), j.to(device), torch.tensor(rows.slots)[req].to(device), (starts[req] + j).to(device),
-                   torch.tensor(rows.slots, device=device), span, r_max, mask.to(device))
+                   torch.tensor(rows.slots, device=device), span, r_max, mask.to(device), starts.to(**i32),
+                   counts.to(**i32), (counts.cumsum(0) - counts).to(**i32), pack_batch_masks(own).to(device))

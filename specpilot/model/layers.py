@@ -171,16 +171,24 @@ class Attention(nn.Module):
             return self.o_proj(o)
 
 
-    def forward_batch(self, x, cos, sin, pool: KVPool, layer: int, p: Prepared, prof=None):
+    def forward_batch(self, x, cos, sin, pool: KVPool, layer: int, p: Prepared, prof=None, kernel: bool = False):
         """Batched exact pass (:mod:`specpilot.model.batch`): ``x [R, hidden]`` rows of several requests; each row's
         K/V is written to its request's pool slot, then every request's rows attend to that slot's committed
         prefix and, among its own rows, to what its mask allows: rows padded to ``[B, R_max]``, keys gathered to
-        ``[B, span]``, one masked SDPA (the reference). Returns ``[R, hidden]``."""
+        ``[B, span]``, one masked SDPA (the reference); with ``kernel`` the Triton batched tree attention
+        (:mod:`specpilot.kernels.batch_attention`). Returns ``[R, hidden]``."""
         a = self.args
         q, k, v = self._qkv(x, cos, sin, prof)
         with region(prof, "attention"):
             pool.k[p.slot, layer, p.pos] = k.to(pool.k.dtype)
             pool.v[p.slot, layer, p.pos] = v.to(pool.v.dtype)
+            if kernel:
+                from specpilot.kernels.batch_attention import batch_tree_attention
+
+                o = batch_tree_attention(q.to(pool.k.dtype), pool.k[:, layer], pool.v[:, layer], p.slots, p.starts,
+                                         p.counts, p.row_off, p.words, p.r_max, a.head_dim**-0.5)
+                with region(prof, "projections"):
+                    return self.o_proj(o.reshape(x.shape[0], a.n_heads * a.head_dim).to(x.dtype))
             keys = pool.k[p.slots, layer, : p.span].transpose(1, 2)  # [B, KVH, span, D]
             vals = pool.v[p.slots, layer, : p.span].transpose(1, 2)
             rep = a.n_heads // a.n_kv_heads
@@ -254,11 +262,11 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h, prof)
 
 
-    def forward_batch(self, x, cos, sin, pool, layer, p, prof=None):
+    def forward_batch(self, x, cos, sin, pool, layer, p, prof=None, kernel: bool = False):
         """Batched exact pass (see :meth:`Attention.forward_batch`): ``x [R, hidden]`` -> ``[R, hidden]``."""
         with region(prof, "norms_elementwise"):
             h = self.input_layernorm(x)
-        x = x + self.self_attn.forward_batch(h, cos, sin, pool, layer, p, prof)
+        x = x + self.self_attn.forward_batch(h, cos, sin, pool, layer, p, prof, kernel)
         with region(prof, "norms_elementwise"):
             h = self.post_attention_layernorm(x)
         return x + self.mlp(h, prof)

@@ -39,12 +39,16 @@ class KernelConfig:
             bits, one launch a layer fewer).
         fuse_norm: one row, W12 projections on the one-row GEMV: the residual add and RMSNorm split across the
             GEMVs around them (no ``add_rmsnorm`` launches but the first and the final norm).
+        batch_kernel: batched passes (:meth:`Transformer.forward_batch`) attend through the Triton batched tree
+            attention (:mod:`specpilot.kernels.batch_attention`) instead of the masked-SDPA reference. Off: tested
+            against the reference in the Triton interpreter, not yet run and timed on a GPU.
     """
 
     fused: bool | None = None
     skinny_gemm: bool = False
     fuse_swiglu: bool = True
     fuse_norm: bool = True
+    batch_kernel: bool = False
 
 
 class Transformer(nn.Module):
@@ -186,8 +190,9 @@ class Transformer(nn.Module):
             raise ValueError(f"rows past a slot's {pool.slot_len} positions")
         p = rows.prepared(tokens.device)
         x, cos, sin = self._embed(tokens, positions, prof)
-        return self._layers(x, lambda i, layer, h: layer.forward_batch(h, cos, sin, pool, i, p, prof), prof, features,
-                            feature_layers)
+        kern = self.kernels.batch_kernel
+        return self._layers(x, lambda i, layer, h: layer.forward_batch(h, cos, sin, pool, i, p, prof, kern), prof,
+                            features, feature_layers)
 
     def _layers(self, x, call, prof, features, feature_layers) -> torch.Tensor:
         """``call(i, layer, x)`` through every decoder layer, the outputs of ``feature_layers`` appended to

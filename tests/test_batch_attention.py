@@ -1,0 +1,124 @@
+"""Batched tree attention (one launch for every request's rows over its own pool slot) against its reference, and the
+reference against the model's batched pass; the Triton interpreter on the CPU, compiled on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .tritonutil import CUDA, DEV, triton  # noqa: F401  (sets up the interpreter on the CPU)
+
+from specpilot.kernels.batch_attention import (batch_tree_attention, batch_tree_attention_reference,  # noqa: E402
+                                               pack_batch_masks)
+from specpilot.spec.trees import ancestor_mask_of  # noqa: E402
+
+
+def random_batch(gen, b, n_slots, s, kvh, g, d, dtype, r_max=None):
+    """Requests in random distinct slots, random prefixes, rows and trees (some causal); pools full of noise
+    beyond each request's span (never to be read)."""
+    slots = torch.randperm(n_slots, generator=gen)[:b]
+    counts = torch.randint(1, 12, (b,), generator=gen)
+    r_max = r_max or int(counts.max())
+    starts = torch.stack([torch.randint(0, s - int(c), (1,), generator=gen)[0] for c in counts])
+    masks = torch.zeros(b, r_max, r_max, dtype=torch.bool)
+    for i, c in enumerate(counts.tolist()):
+        if i % 3 == 0:
+            masks[i, :c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
+        else:
+            parents = [-1] + [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, c)]
+            masks[i, :c, :c] = ancestor_mask_of(parents)
+        masks[i, range(c, r_max), range(c, r_max)] = True
+    row_off = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)[:-1]])
+    r = int(counts.sum())
+    q = torch.randn(r, kvh * g, d, generator=gen).to(dtype)
+    k = torch.randn(n_slots, s, kvh, d, generator=gen).to(dtype)
+    v = torch.randn(n_slots, s, kvh, d, generator=gen).to(dtype)
+    return q, k, v, slots, starts, counts, row_off, masks, r_max
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("g,d", [(1, 16), (4, 32)])
+def test_kernel_matches_reference(seed, g, d):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    q, k, v, slots, starts, counts, row_off, masks, r_max = random_batch(gen, 1 + seed * 2, 9, 80, 2, g, d, dtype)
+    scale = d ** -0.5
+    ref = batch_tree_attention_reference(q, k, v, slots, starts, counts, row_off, masks, scale)
+    i32 = lambda t: t.to(torch.int32).to(DEV)  # noqa: E731
+    out = batch_tree_attention(q.to(DEV), k.to(DEV), v.to(DEV), i32(slots), i32(starts), i32(counts), i32(row_off),
+                               pack_batch_masks(masks).to(DEV), r_max, scale, block_n=32)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
+    again = batch_tree_attention(q.to(DEV), k.to(DEV), v.to(DEV), i32(slots), i32(starts), i32(counts), i32(row_off),
+                                 pack_batch_masks(masks).to(DEV), r_max, scale, block_n=32)
+    assert torch.equal(out, again)  # deterministic
+
+
+def test_reference_is_the_models_batched_attention(tiny_models):
+    """The kernel's reference equals the attention inside ``Transformer.forward_batch`` (masked SDPA over padded rows)
+    on a real layer's K/V."""
+    from specpilot.model.batch import BatchRows
+    from specpilot.model.cache import KVPool
+
+    m = tiny_models[0]
+    pool = KVPool(m.args, 3, 40, m.dtype, "cpu")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 64, (n,), generator=g) for n in (7, 4)]
+    rows = BatchRows([2, 0], [0, 0], [7, 4], [None, None])
+    m.forward_batch(torch.cat(prompts), torch.cat([torch.arange(7), torch.arange(4)]), pool, rows)
+    a = m.args
+    q = torch.randn(3 + 2, a.n_heads, a.head_dim, generator=g)
+    masks = torch.zeros(2, 3, 3, dtype=torch.bool)
+    masks[0] = ancestor_mask_of([-1, 0, 0])
+    masks[1, :2, :2] = torch.ones(2, 2, dtype=torch.bool).tril()
+    masks[1, 2, 2] = True
+    k_new = torch.randn(5, a.n_kv_heads, a.head_dim, generator=g)
+    k, v = pool.k[:, 0].clone(), pool.v[:, 0].clone()
+    k[2, 7:10], k[0, 4:6] = k_new[:3], k_new[3:]
+    v[2, 7:10], v[0, 4:6] = k_new[:3] * 2, k_new[3:] * 2
+    ref = batch_tree_attention_reference(q, k, v, [2, 0], [7, 4], [3, 2], [0, 3], masks, a.head_dim ** -0.5)
+    # the same attention through the model's padded masked-SDPA path
+    import torch.nn.functional as F
+
+    keys = torch.stack([k[2, :10], torch.cat([k[0, :6], k[0, :4]])]).transpose(1, 2).repeat_interleave(
+        a.n_heads // a.n_kv_heads, 1)
+    vals = torch.stack([v[2, :10], torch.cat([v[0, :6], v[0, :4]])]).transpose(1, 2).repeat_interleave(
+        a.n_heads // a.n_kv_heads, 1)
+    mask = torch.zeros(2, 3, 10, dtype=torch.bool)
+    mask[0, :, :7], mask[0, :, 7:10] = True, masks[0]
+    mask[1, :2, :4], mask[1, :2, 4:6], mask[1, 2, 0] = True, masks[1, :2, :2], True
+    qp = torch.zeros(2, 3, a.n_heads, a.head_dim)
+    qp[0], qp[1, :2] = q[:3], q[3:]
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, vals, attn_mask=mask[:, None]).transpose(1, 2)
+    torch.testing.assert_close(torch.cat([o[0], o[1, :2]]), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_pack_batch_masks_is_pack_tree_mask_per_request():
+    from specpilot.kernels.tree_attention import pack_tree_mask
+
+    gen = torch.Generator().manual_seed(0)
+    masks = torch.rand(3, 40, 40, generator=gen) > 0.5
+    words = pack_batch_masks(masks)
+    assert words.shape == (3, 40, 2) and all(torch.equal(words[i], pack_tree_mask(masks[i])) for i in range(3))
+
+
+def test_batched_engine_through_the_kernel_equals_ar(tiny_dirs):
+    """``KernelConfig(batch_kernel=True)``: the batched engine's passes attend through the Triton kernel (the
+    interpreter here) and every request's output is still AR greedy's."""
+    import dataclasses
+
+    from specpilot.config import SystemConfig
+    from specpilot.engine.batch import BatchEngine
+    from specpilot.engine.engine import Engine
+    from specpilot.model.checkpoint import load_model
+    from specpilot.spec.ngram import NgramDrafter
+
+    target = load_model(tiny_dirs[0]).to(DEV)
+    target.kernels = dataclasses.replace(target.kernels, batch_kernel=True)
+    cfg = SystemConfig(drafter="ngram", tree="best_first", nodes=5, depth=4, top_k=2)
+    prompts = [[3, 4, 5, 3, 4, 5, 3], [9, 8, 7, 9, 8], [1, 2, 3, 4, 5, 6, 1, 2, 3]]
+    eng = BatchEngine(target, cfg, NgramDrafter(4, 1, 2, max_slots=3), eos_ids=[], max_num_seqs=3)
+    gens = eng.generate_all(prompts, [6, 9, 7])
+    plain = load_model(tiny_dirs[0]).to(DEV)
+    for g, p, n in zip(gens, prompts, [6, 9, 7]):
+        assert g.tokens == Engine(plain, SystemConfig.ar(), None, eos_ids=[]).generate(p, n).tokens
