@@ -66,20 +66,27 @@ CASES = [("none", "chain")] + [("ngram", b) for b in sorted(BUILDERS)] + [("draf
                                                                           ("block", "eagle2_topk")]
 
 
-@pytest.mark.parametrize("kind,tree", CASES)
-def test_batched_output_equals_ar_whatever_the_batch(tiny_models, kind, tree):
+PADDED = [("none", "chain"), ("ngram", "best_first"), ("draft_model", "chain"), ("block", "eagle2_topk")]
+
+
+@pytest.mark.parametrize("kind,tree,padded", [(k, t, False) for k, t in CASES] + [(k, t, True) for k, t in PADDED])
+def test_batched_output_equals_ar_whatever_the_batch(tiny_models, kind, tree, padded):
+    """``padded``: decode passes through the BatchRunner's (requests, rows) buckets and the Triton batched tree
+    attention (in the interpreter here), padding rows writing to the scratch slot: the CUDA-graph path, eagerly."""
     target, small = tiny_models
     rng = random.Random(hash((kind, tree)) % 1000)
     cfg = (SystemConfig.ar() if kind == "none" else
            SystemConfig(drafter=kind, tree=tree, nodes=rng.choice([3, 6, 10]), depth=rng.choice([3, 5]),
                         top_k=1 if tree == "chain" else 3))
     slots = rng.choice([2, 3, 5])
-    eng = BatchEngine(target, cfg, drafter_of(kind, target, small, slots, cfg), eos_ids=[], max_num_seqs=slots)
+    eng = BatchEngine(target, cfg, drafter_of(kind, target, small, slots, cfg), eos_ids=[], max_num_seqs=slots,
+                      padded=padded)
+    assert (eng.runner is not None) == padded
     eng.step_hook = cache_matches_prefill
     reqs = random_requests(rng, 9)  # more requests than slots: they queue, join and leave
     passes = []
-    real = target.forward_batch
-    target.forward_batch = lambda *a, **k: passes.append(1) or real(*a, **k)
+    real = target.forward_prepared
+    target.forward_prepared = lambda *a, **k: passes.append(1) or real(*a, **k)
     try:
         for i, (p, n, stops) in enumerate(reqs):
             eng.add_request(Request(f"r{i}", p, n, stops))
@@ -92,8 +99,10 @@ def test_batched_output_equals_ar_whatever_the_batch(tiny_models, kind, tree):
             assert eng.exact_passes - before <= 1  # one exact pass per step, whatever the batch size
             steps += 1
     finally:
-        del target.forward_batch
+        del target.forward_prepared
     assert len(passes) == eng.exact_passes + eng.prefill_passes
+    if padded:  # every decode step fits a bucket here (rows per request <= 1 + nodes)
+        assert eng.runner.passes == eng.exact_passes > 0
     for i, (p, n, stops) in enumerate(reqs):
         assert got[f"r{i}"] == ar(target, p, n, stops), (i, p, n, sorted(stops))
     assert eng.free_slots() == slots and not eng.has_work()

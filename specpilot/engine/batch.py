@@ -8,8 +8,10 @@ per request, exactly as in :class:`~specpilot.engine.engine.Engine`, so a reques
 shares its batch (R12, R18): in float32 it equals its batch-1 output and AR greedy. A request that ends (stop,
 length, abort) frees its slot at once (R14). This module alone commits the lengths of the pool's caches.
 
-Not yet here: CUDA graphs and a Triton kernel for the batched pass (the eager masked-SDPA reference runs on
-every device), and the paper's row-selection rules (shared node budget, per-request block, prompt admission).
+Decode passes run padded to (requests, rows) buckets through :class:`~specpilot.engine.batch_runner.BatchRunner`
+(one CUDA graph per bucket, the Triton batched tree attention) on CUDA; prefill passes, steps past the largest
+bucket and the CPU (unless ``padded``) run the eager pass, masked SDPA unless the target's ``batch_kernel``.
+Not yet here: the paper's row-selection rules (shared node budget, per-request block, prompt admission).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specpilot.config import SystemConfig
+from specpilot.engine.batch_runner import BatchRunner
 from specpilot.engine.requests import check_prompt, keep, stop_id_set
 from specpilot.engine.types import Generation
 from specpilot.errors import DrafterError, PromptError
@@ -91,6 +94,8 @@ class BatchEngine:
         max_len: context in tokens (default: ``max_position_embeddings``, at most 4096).
         max_num_seqs: requests running at once (KV slots); more wait.
         max_prefill_rows: prompt rows prefilled in one pass (at least one whole prompt is always admitted).
+        padded: decode passes padded to buckets through a :class:`BatchRunner` (CUDA graphs on CUDA); default:
+            on CUDA with Triton, without the certified INT8 head (which settles rows on the host).
     Raises:
         DrafterError: the drafter does not fit the target or holds fewer slots than ``max_num_seqs``.
         ValueError: ``max_num_seqs < 1``.
@@ -102,7 +107,7 @@ class BatchEngine:
 
     def __init__(self, target: Transformer, config: SystemConfig, drafter: Drafter | None = None,
                  eos_ids: list[int] | None = None, max_len: int | None = None, max_num_seqs: int = 8,
-                 max_prefill_rows: int = 2048):
+                 max_prefill_rows: int = 2048, padded: bool | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if drafter is not None:
@@ -114,8 +119,16 @@ class BatchEngine:
         self.eos_ids = set(target.args.eos_token_ids if eos_ids is None else eos_ids)
         self.max_len = max_len or min(target.args.max_position_embeddings, 4096)
         self.num_slots, self.max_prefill_rows = max_num_seqs, max_prefill_rows
-        self.pool = KVPool(target.args, max_num_seqs, self.max_len + config.nodes + 1, target.dtype, target.device)
+        # one slot more than requests: the scratch slot, where padding rows of a bucketed pass write their K/V
+        self.pool = KVPool(target.args, max_num_seqs + 1, self.max_len + config.nodes + 1, target.dtype,
+                           target.device)
         self.feature_layers = tuple(drafter.target_layers) if drafter is not None else ()
+        if padded is None:
+            from specpilot.kernels.tree_attention import triton
+
+            padded = target.device.type == "cuda" and triton is not None and target.int8_head is None
+        self.runner = BatchRunner(target, self.pool, max_num_seqs, 1 + (config.nodes if drafter is not None else 0),
+                                  self.feature_layers) if padded else None
         self._free = list(range(max_num_seqs - 1, -1, -1))
         self._waiting: deque[Request] = deque()
         self._running: dict[str, _Running] = {}
@@ -160,6 +173,11 @@ class BatchEngine:
                 self.drafter.reset(s)
         self._free = list(range(self.num_slots - 1, -1, -1))
 
+    def capture_graphs(self) -> int:
+        """Capture the CUDA graphs of every (requests, rows) bucket a step of this engine can meet, now rather than
+        inside a timed or served step. Returns how many the runner holds (0 on the CPU or without a runner)."""
+        return len(self.runner.capture_all(self.num_slots)) if self.runner is not None else 0
+
     def _release(self, r: _Running) -> None:
         self.pool.cache(r.slot).commit(0)
         if self.drafter is not None:
@@ -191,10 +209,17 @@ class BatchEngine:
         return admitted
 
     def _pass(self, rs: list[_Running], tokens: list[list[int]], positions: list[list[int]], starts: list[int],
-              masks: list, read: list[int] | None = None) -> tuple[list[int], torch.Tensor | None]:
+              masks: list, read: list[int] | None = None,
+              bucketed: bool = False) -> tuple[list[int], torch.Tensor | None]:
         """One exact pass over the requests' rows; returns the argmax of the rows ``read`` (None: every row; one
-        host read) and the target features of every row (None without a feature-reading drafter)."""
+        host read) and the target features of every row (None without a feature-reading drafter). ``bucketed``:
+        through the :class:`BatchRunner` when there is one and the step fits a bucket (a decode step)."""
         dev = self.target.device
+        if bucketed and self.runner is not None:
+            got = self.runner.run([r.slot for r in rs], starts, tokens, positions, masks)
+            if got is not None:
+                ids, feats = got
+                return ids.tolist(), (feats.clone() if feats is not None else None)
         rows = BatchRows([r.slot for r in rs], starts, [len(t) for t in tokens], masks)
         feats: list = []
         hidden = self.target.forward_batch(torch.tensor(sum(tokens, []), device=dev),
@@ -242,7 +267,7 @@ class BatchEngine:
         tokens = [[r.committed[-1]] + t.tokens for r, t in zip(rs, trees)]
         positions = [[s] + [s + d for d in t.depths] for s, t in zip(starts, trees)]
         masks = [t.ancestor_mask() if len(t) else None for t in trees]
-        argmax, feats = self._pass(rs, tokens, positions, starts, masks)
+        argmax, feats = self._pass(rs, tokens, positions, starts, masks, bucketed=True)
         self.exact_passes += 1
         out, end = [], 0
         for r, t, s in zip(rs, trees, starts):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from specpilot.model.args import ModelArgs, rope_inv_freq
-from specpilot.model.batch import BatchRows
+from specpilot.model.batch import BatchRows, Prepared
 from specpilot.model.cache import KVCache, KVPool, PassKind
 from specpilot.model.layers import Backbone, region
 
@@ -188,10 +188,23 @@ class Transformer(nn.Module):
             raise ValueError(f"{tokens.shape[0]} tokens for {sum(rows.counts)} rows")
         if max(s + c for s, c in zip(rows.starts, rows.counts)) > pool.slot_len:
             raise ValueError(f"rows past a slot's {pool.slot_len} positions")
-        p = rows.prepared(tokens.device)
+        return self.forward_prepared(tokens, positions, pool, rows.prepared(tokens.device), self.kernels.batch_kernel,
+                                     prof, features, feature_layers)
+
+    def forward_prepared(self, tokens: torch.Tensor, positions: torch.Tensor, pool: KVPool, p: Prepared, kernel: bool,
+                         prof=None, features: list | None = None, feature_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """:meth:`forward_batch` on index tensors already on the device (no validation, no host sync with
+        ``kernel``: the CUDA-graph capturable form, :class:`~specpilot.engine.batch_runner.BatchRunner`'s).
+
+        Args:
+            tokens / positions: ``[R] long``; p: the :class:`~specpilot.model.batch.Prepared` rows (with ``kernel``
+                only ``slot``, ``pos``, ``slots``, ``starts``, ``counts``, ``row_off``, ``words`` and ``r_max``
+                are read); kernel: attend through the Triton batched tree attention, else the masked-SDPA reference.
+        Returns:
+            ``[R, hidden_size]``.
+        """
         x, cos, sin = self._embed(tokens, positions, prof)
-        kern = self.kernels.batch_kernel
-        return self._layers(x, lambda i, layer, h: layer.forward_batch(h, cos, sin, pool, i, p, prof, kern), prof,
+        return self._layers(x, lambda i, layer, h: layer.forward_batch(h, cos, sin, pool, i, p, prof, kernel), prof,
                             features, feature_layers)
 
     def _layers(self, x, call, prof, features, feature_layers) -> torch.Tensor:

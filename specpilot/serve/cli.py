@@ -174,9 +174,8 @@ def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_
     if dep.tokenizer is None:
         raise SpecPilotError(f"{tdir} has no tokenizer files: the server needs one to read and write text")
     template, source = choose_template(dep.tokenizer, chat_template)
-    if not hasattr(dep, "batch_system"):
-        raise SpecPilotError("this build has no batched engine (Deployment.batch_system): serving needs it")
     engine = dep.batch_system(cfg, max_num_seqs)
+    engine.capture_graphs()  # CUDA graphs of every bucket before the first request, not inside it
     metrics = ServerMetrics(name)
     ctx = ServeContext(driver=EngineDriver(engine, metrics), tokenizer=dep.tokenizer, model_name=name,
                        max_len=int(engine.max_len), vocab_size=int(dep.target.args.vocab_size),

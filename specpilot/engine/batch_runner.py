@@ -1,0 +1,196 @@
+"""Padded batched passes and their CUDA graphs: one graph per (requests, rows) bucket (§2.2).
+
+A decode step of B requests and R rows (each request's ``[root] + tree``) is padded to a bucket: b ≥ B requests
+from :data:`REQUEST_BUCKETS` and r ≥ R rows from :data:`~specpilot.engine.runner.BUCKETS`, with at most
+``max_rows`` rows per request. Every input of the pass (tokens, positions, each row's pool slot and position, each
+request's slot, start, count and first row, each request's mask among its rows) sits in one int64 device buffer
+filled by one copy from a pinned host twin, and the Triton batched tree attention
+(:mod:`specpilot.kernels.batch_attention`) reads them on the device: the shapes depend only on the bucket, so one
+CUDA graph replays any step of it (gpt-fast / vLLM-style replay, per bucket pair as vLLM's batch-size graphs).
+
+Padding never changes a token: padding rows write their K/V to the pool's scratch slot, which no request owns, and
+belong to no request (the kernel gives them zeros; their outputs are dropped); padding requests have no rows. On
+the CPU the same padded path runs without graphs (in the Triton interpreter), which is how CI tests it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specpilot.engine.runner import BUCKETS, bucket_for
+from specpilot.kernels.batch_attention import pack_batch_masks
+from specpilot.model.batch import Prepared
+from specpilot.model.cache import KVPool
+from specpilot.model.transformer import Transformer
+
+#: Default request buckets (requests of one batched pass).
+REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: Default row buckets of a batched pass: the single-request buckets, then up to 32 requests of 16 rows.
+ROW_BUCKETS = BUCKETS + (320, 384, 448, 512)
+
+
+class BatchRunner:
+    """Runs batched decode passes padded to (requests, rows) buckets, replaying one CUDA graph per bucket on CUDA.
+
+    Args:
+        model: the target :class:`Transformer`.
+        pool: its :class:`KVPool`; ``scratch`` is a slot of it that no request ever owns (padding rows write there).
+        max_rows: most rows of one request in a pass (``1 + nodes`` of the tree budget).
+        feature_layers: target layers whose outputs a drafter reads (their concatenation is returned per row).
+        graphs: capture CUDA graphs (CUDA only; the CPU runs the padded pass eagerly).
+        row_buckets / request_buckets: the buckets (increasing).
+    Raises:
+        ValueError: ``scratch`` outside the pool, ``max_rows < 1``, or a model with the certified INT8 head (its
+            fallback reads the host; batched passes with it run eagerly).
+    """
+
+    def __init__(self, model: Transformer, pool: KVPool, scratch: int, max_rows: int,
+                 feature_layers: tuple[int, ...] = (), graphs: bool = True, row_buckets=ROW_BUCKETS,
+                 request_buckets=REQUEST_BUCKETS):
+        if not 0 <= scratch < pool.num_slots or max_rows < 1:
+            raise ValueError(f"scratch slot {scratch} of {pool.num_slots}, max_rows {max_rows}")
+        if model.int8_head is not None:
+            raise ValueError("the certified INT8 head settles flagged rows on the host: no padded batched pass")
+        self.model, self.pool, self.scratch, self.max_rows = model, pool, scratch, max_rows
+        self.feature_layers = tuple(feature_layers)
+        self.row_buckets, self.request_buckets = tuple(row_buckets), tuple(request_buckets)
+        self.dev = model.device
+        self.graphs = graphs and self.dev.type == "cuda"
+        self._static: dict[tuple[int, int], dict] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self.passes = self.replays = 0  # padded passes run, and those of them replayed from a graph
+
+    def bucket(self, counts: list[int]) -> tuple[int, int] | None:
+        """The (requests, rows) bucket of a step whose requests have ``counts`` rows; None when it fits none (a
+        request over ``max_rows`` rows, or more requests or rows than the largest bucket: the eager path)."""
+        if not counts or max(counts) > self.max_rows:
+            return None
+        b, r = bucket_for(len(counts), self.request_buckets), bucket_for(sum(counts), self.row_buckets)
+        return None if b is None or r is None else (b, r)
+
+    def _buffers(self, key: tuple[int, int]) -> dict:
+        """Static inputs of bucket ``key = (b, r)``, views of one int64 device buffer and its pinned host twin."""
+        if key not in self._static:
+            b, r = key
+            m = self.max_rows
+            n = 4 * r + 4 * b + b * m * m
+            io = torch.zeros(n, dtype=torch.long, device=self.dev)
+            host = torch.zeros(n, dtype=torch.long, pin_memory=self.dev.type == "cuda")
+            self._static[key] = {"io": io, "host": host, "np": host.numpy(), "out": None, "copied": None}
+        return self._static[key]
+
+    def _body(self, key: tuple[int, int], io: torch.Tensor):
+        b, r = key
+        m = self.max_rows
+        tokens, positions, row_slot, row_pos = io[:4 * r].view(4, r)
+        slots, starts, counts, row_off = io[4 * r:4 * r + 4 * b].view(4, b)
+        words = pack_batch_masks(io[4 * r + 4 * b:].view(b, m, m) != 0)
+        i32 = torch.int32
+        p = Prepared(None, None, row_slot, row_pos, slots, 0, m, None, starts.to(i32), counts.to(i32),
+                     row_off.to(i32), words)
+        feats: list = []
+        hidden = self.model.forward_prepared(tokens, positions, self.pool, p, True, None, feats, self.feature_layers)
+        return self.model.greedy(hidden), (torch.cat(feats, dim=-1) if feats else None)
+
+    def _capture(self, key: tuple[int, int]) -> None:
+        from specpilot.w12.gemm import reserve_split_locks
+
+        s = self._buffers(key)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm up (Triton compiles, cuBLAS handles) outside the capture
+                self._body(key, s["io"])
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        capture = torch.cuda.graph(g, pool=self._pool)
+        reserve_split_locks(self.dev, capture.capture_stream)  # W12's split-K sums stay in the kernel
+        with capture:
+            s["out"] = self._body(key, s["io"])
+        self._pool = g.pool()
+        self._graphs[key] = g
+
+    def _fill(self, key, slots, starts, tokens, positions, masks) -> None:
+        """Write one step's inputs to bucket ``key``'s pinned host buffer (numpy: cheap per request)."""
+        b, r = key
+        m = self.max_rows
+        s = self._static[key]
+        if s["copied"] is not None:  # the device has not read the last upload yet
+            s["copied"].synchronize()
+            s["copied"] = None
+        h = s["np"]
+        h[:] = 0
+        row_tok, row_pos_, row_slot, row_at = (h[i * r:(i + 1) * r] for i in range(4))
+        req = h[4 * r:4 * r + 4 * b].reshape(4, b)
+        mask = h[4 * r + 4 * b:].reshape(b, m, m)
+        row_slot[:] = self.scratch  # padding rows: the scratch slot, position 0
+        req[0, :] = self.scratch  # padding requests: no rows
+        at = 0
+        for i, (slot, start, tok, pos, mk) in enumerate(zip(slots, starts, tokens, positions, masks)):
+            c = len(tok)
+            row_tok[at:at + c] = tok
+            row_pos_[at:at + c] = pos
+            row_slot[at:at + c] = slot
+            row_at[at:at + c] = np.arange(start, start + c)
+            req[:, i] = (slot, start, c, at)
+            mask[i, :c, :c] = np.tri(c, dtype=np.int64) if mk is None else mk.numpy()
+            at += c
+        req[3, len(slots):] = at
+
+    @torch.inference_mode()
+    def capture_all(self, max_requests: int) -> list[tuple[int, int]]:
+        """Capture now every bucket a step of at most ``max_requests`` requests can meet (b requests, r rows with
+        b/2 < B ≤ b and B ≤ R ≤ B · max_rows), so no capture or Triton compile happens inside a timed or served
+        step. Captured on all-padding inputs: K/V go to the scratch slot only. Returns the buckets captured so far
+        (``[]`` without graphs)."""
+        if not self.graphs:
+            return []
+        top = bucket_for(max_requests, self.request_buckets) or self.request_buckets[-1]
+        for b in self.request_buckets:
+            if b > top:
+                break
+            lo = bucket_for(b // 2 + 1, self.row_buckets)
+            hi = bucket_for(b * self.max_rows, self.row_buckets) or self.row_buckets[-1]
+            for r in self.row_buckets:
+                if lo is not None and lo <= r <= hi and (b, r) not in self._graphs:
+                    self._buffers((b, r))
+                    self._fill((b, r), [], [], [], [], [])
+                    self._static[(b, r)]["io"].copy_(self._static[(b, r)]["host"])
+                    self._capture((b, r))
+        torch.cuda.synchronize(self.dev)
+        return sorted(self._graphs)
+
+    @torch.inference_mode()
+    def run(self, slots: list[int], starts: list[int], tokens: list[list[int]], positions: list[list[int]],
+            masks: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """One batched decode pass, request ``i`` with rows ``tokens[i]`` at ``positions[i]``, K/V written to
+        ``[starts[i], starts[i] + len(tokens[i]))`` of slot ``slots[i]``, its mask among its rows ``masks[i]``
+        (``[c, c]`` bool host tensor, or None for causal rows).
+
+        Returns:
+            the argmax ``[R] long`` of every real row (on the device) and the drafter's features ``[R, k·hidden]``
+            (None without feature layers), or None when the step fits no bucket (the caller runs the eager pass).
+        """
+        key = self.bucket([len(t) for t in tokens])
+        if key is None:
+            return None
+        s = self._buffers(key)
+        self._fill(key, slots, starts, tokens, positions, masks)
+        s["io"].copy_(s["host"], non_blocking=True)
+        if self.dev.type == "cuda":
+            s.setdefault("event", torch.cuda.Event())
+            s["event"].record()
+            s["copied"] = s["event"]
+        self.passes += 1
+        if self.graphs:
+            if key not in self._graphs:
+                self._capture(key)
+            self._graphs[key].replay()
+            self.replays += 1
+            ids, feats = s["out"]
+        else:
+            ids, feats = self._body(key, s["io"])
+        n = sum(len(t) for t in tokens)
+        return ids[:n], (feats[:n] if feats is not None else None)
