@@ -102,10 +102,19 @@ def test_pack_batch_masks_is_pack_tree_mask_per_request():
     assert words.shape == (3, 40, 2) and all(torch.equal(words[i], pack_tree_mask(masks[i])) for i in range(3))
 
 
-def test_batched_engine_through_the_kernel_equals_ar(tiny_dirs):
+@pytest.mark.parametrize("fused,padded", [(False, False), (True, True)], ids=["kernel", "fused_padded"])
+def test_batched_engine_through_the_kernel_equals_ar(tiny_dirs, fused, padded, monkeypatch):
     """``KernelConfig(batch_kernel=True)``: the batched engine's passes attend through the Triton kernel (the
-    interpreter here) and every request's output is still AR greedy's."""
+    interpreter here) and every request's output is still AR greedy's. ``fused_padded``: decode steps padded to
+    buckets (the CUDA-graph path) with each layer in the fused kernels, K/V stored at each row's pool slot by the
+    fused q/k kernel (the GPU's default path)."""
     import dataclasses
+
+    from specpilot.model import fused as fused_path
+
+    calls = []
+    real = fused_path.forward_batch_fused
+    monkeypatch.setattr(fused_path, "forward_batch_fused", lambda *a: calls.append(1) or real(*a))
 
     from specpilot.config import SystemConfig
     from specpilot.engine.batch import BatchEngine
@@ -114,11 +123,14 @@ def test_batched_engine_through_the_kernel_equals_ar(tiny_dirs):
     from specpilot.spec.ngram import NgramDrafter
 
     target = load_model(tiny_dirs[0]).to(DEV)
-    target.kernels = dataclasses.replace(target.kernels, batch_kernel=True)
+    target.kernels = dataclasses.replace(target.kernels, batch_kernel=True, fused=fused or None)
     cfg = SystemConfig(drafter="ngram", tree="best_first", nodes=5, depth=4, top_k=2)
     prompts = [[3, 4, 5, 3, 4, 5, 3], [9, 8, 7, 9, 8], [1, 2, 3, 4, 5, 6, 1, 2, 3]]
-    eng = BatchEngine(target, cfg, NgramDrafter(4, 1, 2, max_slots=3), eos_ids=[], max_num_seqs=3)
+    eng = BatchEngine(target, cfg, NgramDrafter(4, 1, 2, max_slots=3), eos_ids=[], max_num_seqs=3,
+                      padded=padded or None)
     gens = eng.generate_all(prompts, [6, 9, 7])
+    if fused:
+        assert calls and eng.runner.passes == eng.exact_passes > 0
     plain = load_model(tiny_dirs[0]).to(DEV)
     for g, p, n in zip(gens, prompts, [6, 9, 7]):
         assert g.tokens == Engine(plain, SystemConfig.ar(), None, eos_ids=[]).generate(p, n).tokens

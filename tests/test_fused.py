@@ -60,6 +60,33 @@ def test_qk_norm_rope_store_matches_reference(dtype, rows, h, kvh, d, norm):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,h,kvh,d,norm", [(1, 4, 2, 16, True), (5, 8, 2, 32, True), (3, 4, 4, 16, False)])
+def test_qk_norm_rope_store_at_pool_rows_matches_reference(dtype, rows, h, kvh, d, norm):
+    """The batched form: each row's K/V to its own (pool slot, position) of one pool layer ``[N, S, KVH, D]`` (a
+    strided view, as ``pool.k[:, layer]``); nothing else of the pool is written."""
+    g = torch.Generator().manual_seed(rows * h + d + norm)
+    n, layers, s = 4, 3, 20
+    qkv = torch.randn(rows, (h + 2 * kvh) * d, generator=g).to(DEV, dtype)
+    qw, kw = (torch.randn(d, generator=g).to(DEV, dtype) for _ in range(2)) if norm else (None, None)
+    cos, sin = (torch.randn(rows, d, generator=g).to(DEV, dtype) for _ in range(2))
+    pool_k = torch.full((n, layers, s, kvh, d), float("nan"), dtype=dtype, device=DEV)
+    pool_v = pool_k.clone()
+    ref_k, ref_v = pool_k.clone(), pool_v.clone()
+    slot = torch.randint(0, n, (rows,), generator=g)
+    pos = torch.randperm(s, generator=g)[:rows]  # distinct positions: no two rows share a destination
+    dest = (slot.to(DEV), pos.to(DEV))
+    q = fused.qk_norm_rope_store(qkv, qw, kw, cos, sin, pool_k[:, 1], pool_v[:, 1], None, h, kvh, 1e-6, rows=dest)
+    q_ref = fused.qk_norm_rope_store_reference(qkv, qw, kw, cos, sin, ref_k[:, 1], ref_v[:, 1], None, h, kvh, 1e-6,
+                                               rows=dest)
+    torch.testing.assert_close(q, q_ref, **_tol(dtype))
+    torch.testing.assert_close(pool_k, ref_k, equal_nan=True, **_tol(dtype))
+    torch.testing.assert_close(pool_v, ref_v, equal_nan=True, atol=0, rtol=0)
+    written = torch.zeros(n, layers, s, dtype=torch.bool)
+    written[slot, 1, pos] = True
+    assert not torch.isnan(pool_k.cpu()[written]).any() and torch.isnan(pool_k.cpu()[~written]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,i", [(1, 48), (4, 1500)])
 def test_silu_mul_matches_reference(dtype, rows, i):
     g = torch.Generator().manual_seed(rows + i)

@@ -135,9 +135,12 @@ def _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, draft
     for name, label in res["systems"].items():
         for b in sizes:
             r = res["runs"][f"{name}@{b}"]
-            print(f"{label:32s} batch {b:3d}: {r['open']['aggregate_tokens_per_s']:9.1f} tok/s "
-                  f"({res['speedup_vs_batch1_ar'][f'{name}@{b}']:.2f}x AR at batch {min(sizes)}), closed loop "
-                  f"{r['closed']['aggregate_tokens_per_s']:9.1f} tok/s, outputs equal batch 1: {r['outputs_equal_batch1']:.2f}")
+            x = res["speedup_vs_single_engine_ar"][f"{name}@{b}"]
+            print(f"{label:32s} batch {b:3d}: {r['open']['aggregate_tokens_per_s']:8.1f} tok/s "
+                  f"({x['aggregate']:5.2f}x single-request AR), decode {r['open']['decode_tokens_per_s'] or 0:8.1f} "
+                  f"tok/s ({x['decode']:5.2f}x), closed loop {r['closed']['aggregate_tokens_per_s']:8.1f} tok/s, "
+                  f"outputs equal batch 1: {r['outputs_equal_batch1']:.2f}")
+    print(f"single-request engine AR: {res['single_engine']['ar']['tokens_per_s_median']:.1f} tok/s")
     print(f"wrote {res['path']}")
 
 

@@ -6,7 +6,8 @@ stores), about 3 ms of a 9 ms step on an H200. Three kernels replace them:
 
 - :func:`add_rmsnorm`: ``x += delta`` (the residual add) then RMSNorm, one program per row.
 - :func:`qk_norm_rope_store`: split the fused qkv output, Qwen3's per-head q/k RMSNorm, RoPE on q and k,
-  K and V stored into the cache at slots ``start + r`` (``start`` read on the device, graph-replayable).
+  K and V stored into the cache at slots ``start + r`` (``start`` read on the device, graph-replayable), or
+  for a batched pass at each row's own (pool slot, position), read on the device too.
 - :func:`silu_mul`: ``silu(gate) * up`` of the fused gate_up output.
 
 Each rounds where Hugging Face's op-by-op bf16 code rounds (the normalised value before the weight
@@ -51,15 +52,18 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def qk_norm_rope_store_reference(qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, start, n_heads,
-                                 n_kv_heads, eps):
-    """Reference of :func:`qk_norm_rope_store`; writes ``k_cache / v_cache [start : start + R]``.
+                                 n_kv_heads, eps, rows=None):
+    """Reference of :func:`qk_norm_rope_store`; writes ``k_cache / v_cache [start : start + R]``, or with ``rows``
+    each row ``r`` at ``[rows[0][r], rows[1][r]]`` of a pool layer.
 
     Args:
         qkv: ``[R, (H + 2 KVH) D]``, the fused projection's output (q heads, then k heads, then v heads).
         q_norm_w, k_norm_w: ``[D]`` per-head RMSNorm weights (Qwen3), or None (llama / qwen2).
         cos, sin: ``[R, D]`` in qkv's dtype (see ``Transformer.rope``).
-        k_cache, v_cache: ``[S, KVH, D]``, one layer of the cache.
-        start: int or 0-d long tensor, the first slot of the rows.
+        k_cache, v_cache: ``[S, KVH, D]``, one layer of the cache; with ``rows`` ``[N, S, KVH, D]``, one layer of
+            a :class:`~specpilot.model.cache.KVPool` (``pool.k[:, layer]``).
+        start: int or 0-d long tensor, the first slot of the rows (ignored with ``rows``).
+        rows: None, or ``(slot, pos)``, ``[R] long`` each: the pool slot and position of each row's K/V.
     Returns: ``q [R, H, D]`` (normed, rotated).
     """
     r = qkv.shape[0]
@@ -69,6 +73,10 @@ def qk_norm_rope_store_reference(qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_c
     if q_norm_w is not None:
         q, k = rmsnorm_reference(q, q_norm_w, eps), rmsnorm_reference(k, k_norm_w, eps)
     q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+    if rows is not None:
+        k_cache[rows[0], rows[1]] = k
+        v_cache[rows[0], rows[1]] = v
+        return q
     slots = start + torch.arange(r, device=qkv.device)
     k_cache.index_copy_(0, slots, k)
     v_cache.index_copy_(0, slots, v)
@@ -108,28 +116,39 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     return normed, new_x
 
 
-def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, start, n_heads, n_kv_heads, eps):
+def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, start, n_heads, n_kv_heads, eps,
+                       rows=None):
     """Triton version of :func:`qk_norm_rope_store_reference` (same arguments; ``start`` must be a 0-d
-    integer tensor on qkv's device). One program per (row, head) of q, k and v. The caller guarantees
-    ``start + R <= S`` (not checked: checking would synchronise).
+    integer tensor on qkv's device, or ``rows`` long tensors there). One program per (row, head) of q, k and v.
+    The caller guarantees ``start + R <= S`` or valid ``rows`` (not checked: checking would synchronise).
 
     Returns: ``q [R, H, D]`` contiguous. Raises: ValueError on shape / dtype / layout mismatch.
     """
     r = qkv.shape[0]
+    if rows is not None:
+        if k_cache.dim() != 4 or len(rows) != 2 or any(t.shape != (r,) or t.device != qkv.device for t in rows):
+            raise ValueError(f"rows want a pool layer [N, S, KVH, D] and two [{r}] tensors on qkv's device")
+        row_slot, row_pos = rows
+        stride_cn = k_cache.stride(0)
+        k_cache, v_cache = k_cache[0], v_cache[0]  # base pointers; each row adds slot * stride_cn
+        start = row_slot
+    else:
+        row_pos, stride_cn = qkv, 0
     s, kvh, d = k_cache.shape
     if (qkv.dim() != 2 or qkv.shape[1] != (n_heads + 2 * n_kv_heads) * d or kvh != n_kv_heads
             or not qkv.is_contiguous() or cos.shape != (r, d) or sin.shape != (r, d)
-            or v_cache.shape != k_cache.shape or k_cache.dtype != qkv.dtype or d & (d - 1)):
+            or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.dtype != qkv.dtype
+            or d & (d - 1)):
         raise ValueError(f"qk_norm_rope_store: bad shapes qkv {tuple(qkv.shape)}, cache {tuple(k_cache.shape)}, "
                          f"cos {tuple(cos.shape)}, heads {n_heads}/{n_kv_heads}")
-    if not torch.is_tensor(start) or start.numel() != 1 or start.device != qkv.device:
+    if rows is None and (not torch.is_tensor(start) or start.numel() != 1 or start.device != qkv.device):
         raise ValueError("start must be a 0-d integer tensor on qkv's device")
     q = torch.empty((r, n_heads, d), dtype=qkv.dtype, device=qkv.device)
     norm = q_norm_w is not None
     _qk_norm_rope_store_kernel[(r, n_heads + 2 * n_kv_heads)](
         qkv, q_norm_w if norm else qkv, k_norm_w if norm else qkv, cos.contiguous(), sin.contiguous(),
-        k_cache, v_cache, start.reshape(()), q, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), eps,
-        H=n_heads, KVH=n_kv_heads, D=d, NORM=norm, num_warps=1 if d <= 64 else 2)
+        k_cache, v_cache, start.reshape(-1), row_pos, q, qkv.stride(0), stride_cn, k_cache.stride(0), k_cache.stride(1),
+        eps, H=n_heads, KVH=n_kv_heads, D=d, NORM=norm, ROWS=rows is not None, num_warps=1 if d <= 64 else 2)
     return q
 
 
@@ -186,15 +205,21 @@ if triton is not None:
         return ((x * cos).to(x.dtype) + (rot * sin).to(x.dtype)).to(x.dtype)
 
     @triton.jit
-    def _qk_norm_rope_store_kernel(QKV, QW, KW, Cos, Sin, KC, VC, Start, Q, stride_qkv, stride_cs, stride_ch,
-                                   eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+    def _qk_norm_rope_store_kernel(QKV, QW, KW, Cos, Sin, KC, VC, Start, Pos, Q, stride_qkv, stride_cn, stride_cs,
+                                   stride_ch, eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+                                   NORM: tl.constexpr, ROWS: tl.constexpr):
+        """``ROWS``: ``Start`` holds each row's pool slot and ``Pos`` its position; else the rows go to
+        ``Start[0] + row`` of one cache layer."""
         row = tl.program_id(0)
         head = tl.program_id(1)  # q heads [0, H), k heads [H, H + KVH), v heads after
         offs = tl.arange(0, D)
         half = (offs + D // 2) % D  # partner lane of rotate-half
         base = QKV + row * stride_qkv + head * D
         x = tl.load(base + offs)
-        slot = tl.load(Start).to(tl.int64) + row
+        if ROWS:
+            dest = tl.load(Start + row).to(tl.int64) * stride_cn + tl.load(Pos + row).to(tl.int64) * stride_cs
+        else:
+            dest = (tl.load(Start).to(tl.int64) + row) * stride_cs
         if head < H + KVH:
             xr = tl.load(base + half)
             if NORM:  # xr is the same head, permuted: same rstd
@@ -208,9 +233,9 @@ if triton is not None:
             if head < H:
                 tl.store(Q + (row * H + head) * D + offs, y)
             else:
-                tl.store(KC + slot * stride_cs + (head - H) * stride_ch + offs, y)
+                tl.store(KC + dest + (head - H) * stride_ch + offs, y)
         else:
-            tl.store(VC + slot * stride_cs + (head - H - KVH) * stride_ch + offs, x)
+            tl.store(VC + dest + (head - H - KVH) * stride_ch + offs, x)
 
     @triton.jit
     def _silu_mul_kernel(GU, Out, I, BLOCK: tl.constexpr):

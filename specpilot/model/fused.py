@@ -21,15 +21,15 @@ from specpilot.w12 import norm as w12_norm
 from specpilot.w12 import swiglu as w12_swiglu
 
 
-def fused_layer(layer, x, delta, cos, sin, cache, i: int, start, tree_words, lin, fuse_swiglu: bool, sq,
-                fuse_norm: bool, next_norm):
+def fused_layer(layer, x, delta, attend, lin, fuse_swiglu: bool, sq, fuse_norm: bool, next_norm):
     """One decoder layer on the fused path.
 
     Args:
         layer: the :class:`~specpilot.model.layers.DecoderLayer` (fused projections).
         x: ``[R, hidden]`` the residual stream; ``delta``: the previous layer's pending output (None first).
-        cos / sin: ``[R, head_dim]``; cache, i: the cache and this layer's index; start: 0-d long prefix length.
-        tree_words: the packed ``[R, ceil(R/32)]`` int32 tree mask; lin: ``lin(x, nn.Linear)`` the projection
+        attend: ``attend(qkv, q_norm_w, k_norm_w) -> [R, H, D]``: q/k norm, RoPE and this layer's K/V store, then
+            attention (:func:`forward_fused`'s one cache, or :func:`forward_batch_fused`'s pool slots).
+        lin: ``lin(x, nn.Linear)`` the projection
             (:func:`~specpilot.kernels.gemm.cublas_linear` or the skinny :func:`~specpilot.kernels.gemm.linear`).
         fuse_swiglu: a W12 down projection computes ``silu(gate) · up`` in its load where
             :func:`~specpilot.w12.swiglu.swiglu_fusable` holds (one launch fewer, the same bits).
@@ -48,10 +48,7 @@ def fused_layer(layer, x, delta, cos, sin, cache, i: int, start, tree_words, lin
         h, x = fused.add_rmsnorm(x, delta, ln1.weight, ln1.eps)
         qkv = lin(h, attn.qkv_proj)
     qn = (attn.q_norm.weight, attn.k_norm.weight) if a.qk_norm else (None, None)
-    q = fused.qk_norm_rope_store(qkv, *qn, cos, sin, cache.k[i], cache.v[i], start, a.n_heads, a.n_kv_heads,
-                                 a.rms_norm_eps)
-    o = tree_attention(q, cache.k[i], cache.v[i], start, tree_words, a.head_dim**-0.5)
-    o = o.reshape(x.shape[0], a.n_heads * a.head_dim)
+    o = attend(qkv, *qn).reshape(x.shape[0], a.n_heads * a.head_dim)
     gate_up_proj, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
     if fuse_norm and w12_norm.add_fusable(o, attn.o_proj, x) and w12_norm.norm_fusable(x, gate_up_proj, ln2.weight):
         x, sq = w12_norm.w12_add_residual(o, attn.o_proj, x)
@@ -73,8 +70,44 @@ def forward_fused(model, x, cos, sin, cache, start: torch.Tensor, tree_mask, fea
     """The static pass of ``model`` (a :class:`~specpilot.model.transformer.Transformer`) through
     :func:`fused_layer`; the tree mask is packed once per pass. ``x [R, hidden]`` embeddings -> final-norm
     hidden states ``[R, hidden]``; the outputs of ``feature_layers`` are appended to ``features``."""
-    kc = model.kernels
+    a = model.args
     words = pack_tree_mask(tree_mask)
+
+    def attend(i):
+        def run(qkv, qw, kw):
+            q = fused.qk_norm_rope_store(qkv, qw, kw, cos, sin, cache.k[i], cache.v[i], start, a.n_heads,
+                                         a.n_kv_heads, a.rms_norm_eps)
+            return tree_attention(q, cache.k[i], cache.v[i], start, words, a.head_dim**-0.5)
+        return run
+
+    return _fused_layers(model, x, attend, features, feature_layers)
+
+
+def forward_batch_fused(model, x, cos, sin, pool, p, features: list | None, feature_layers: tuple[int, ...]):
+    """A batched pass (:meth:`~specpilot.model.transformer.Transformer.forward_prepared`) through
+    :func:`fused_layer`: each row's K/V stored at its own (pool slot, position) by the fused q/k kernel, then the
+    Triton batched tree attention over every request's slot (:mod:`specpilot.kernels.batch_attention`).
+    ``x [R, hidden]`` -> ``[R, hidden]``; ``p`` a :class:`~specpilot.model.batch.Prepared` on the device."""
+    from specpilot.kernels.batch_attention import batch_tree_attention
+
+    a = model.args
+
+    def attend(i):
+        k, v = pool.k[:, i], pool.v[:, i]
+
+        def run(qkv, qw, kw):
+            q = fused.qk_norm_rope_store(qkv, qw, kw, cos, sin, k, v, None, a.n_heads, a.n_kv_heads, a.rms_norm_eps,
+                                         rows=(p.slot, p.pos))
+            return batch_tree_attention(q, k, v, p.slots, p.starts, p.counts, p.row_off, p.words, p.r_max,
+                                        a.head_dim**-0.5)
+        return run
+
+    return _fused_layers(model, x, attend, features, feature_layers)
+
+
+def _fused_layers(model, x, attend, features, feature_layers) -> torch.Tensor:
+    """Every decoder layer through :func:`fused_layer` with ``attend(i)``'s attention, then the final norm."""
+    kc = model.kernels
     lin = linear if kc.skinny_gemm else cublas_linear
     delta = sq = None
     layers = model.model.layers
@@ -82,8 +115,7 @@ def forward_fused(model, x, cos, sin, cache, start: torch.Tensor, tree_mask, fea
     for i, layer in enumerate(layers):
         nxt = layers[i + 1] if i + 1 < len(layers) else None
         next_norm = None if nxt is None else (nxt.self_attn.qkv_proj, nxt.input_layernorm)
-        x, delta, sq = fused_layer(layer, x, delta, cos, sin, cache, i, start, words, lin, kc.fuse_swiglu, sq,
-                                   kc.fuse_norm, next_norm)
+        x, delta, sq = fused_layer(layer, x, delta, attend(i), lin, kc.fuse_swiglu, sq, kc.fuse_norm, next_norm)
         if i in feature_layers:
             captured[i] = x if delta is None else x + delta
     if feature_layers:

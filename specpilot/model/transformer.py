@@ -199,11 +199,17 @@ class Transformer(nn.Module):
         Args:
             tokens / positions: ``[R] long``; p: the :class:`~specpilot.model.batch.Prepared` rows (with ``kernel``
                 only ``slot``, ``pos``, ``slots``, ``starts``, ``counts``, ``row_off``, ``words`` and ``r_max``
-                are read); kernel: attend through the Triton batched tree attention, else the masked-SDPA reference.
+                are read); kernel: attend through the Triton batched tree attention, else the masked-SDPA reference;
+                with ``kernel`` and :meth:`fused_on`, each layer in the fused Triton kernels
+                (:func:`~specpilot.model.fused.forward_batch_fused`).
         Returns:
             ``[R, hidden_size]``.
         """
         x, cos, sin = self._embed(tokens, positions, prof)
+        if kernel and self.fused_on(x):
+            from specpilot.model.fused import forward_batch_fused
+
+            return forward_batch_fused(self, x, cos, sin, pool, p, features, feature_layers)
         return self._layers(x, lambda i, layer, h: layer.forward_batch(h, cos, sin, pool, i, p, prof, kernel), prof,
                             features, feature_layers)
 
