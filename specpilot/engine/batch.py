@@ -10,7 +10,8 @@ length, abort) frees its slot at once (R14). This module alone commits the lengt
 
 Decode passes run padded to (requests, rows) buckets through :class:`~specpilot.engine.batch_runner.BatchRunner`
 (one CUDA graph per bucket, the Triton batched tree attention) on CUDA; prefill passes, steps past the largest
-bucket and the CPU (unless ``padded``) run the eager pass, masked SDPA unless the target's ``batch_kernel``.
+bucket run the eager pass through the same kernels (prefills round as decode steps do); the CPU (unless
+``padded``) runs masked SDPA unless the target's ``batch_kernel``.
 Not yet here: the paper's row-selection rules (shared node budget, per-request block, prompt admission).
 """
 
@@ -224,7 +225,8 @@ class BatchEngine:
         feats: list = []
         hidden = self.target.forward_batch(torch.tensor(sum(tokens, []), device=dev),
                                            torch.tensor(sum(positions, []), device=dev), self.pool, rows,
-                                           features=feats, feature_layers=self.feature_layers)
+                                           features=feats, feature_layers=self.feature_layers,
+                                           kernel=True if self.runner is not None else None)
         if read is not None:
             hidden = hidden[torch.tensor(read, device=hidden.device)]
         return self.target.greedy(hidden).tolist(), (torch.cat(feats, dim=-1) if feats else None)

@@ -171,7 +171,8 @@ class Transformer(nn.Module):
                             prof, features, feature_layers)
 
     def forward_batch(self, tokens: torch.Tensor, positions: torch.Tensor, pool: KVPool, rows: BatchRows, prof=None,
-                      features: list | None = None, feature_layers: tuple[int, ...] = ()) -> torch.Tensor:
+                      features: list | None = None, feature_layers: tuple[int, ...] = (),
+                      kernel: bool | None = None) -> torch.Tensor:
         """Final-norm hidden states of one exact pass over the rows of several requests (§2.2, §4.4).
 
         Args:
@@ -179,6 +180,7 @@ class Transformer(nn.Module):
             pool: the :class:`KVPool`; rows: the :class:`~specpilot.model.batch.BatchRows` (slots, starts, counts,
                 masks); each request's rows' K/V go to ``[start, start + count)`` of its slot.
             prof / features / feature_layers: as :meth:`forward` (features ``[R, hidden]`` over all rows).
+            kernel: attend through the Triton batched tree attention (None: :attr:`kernels`' ``batch_kernel``).
         Returns:
             ``[R, hidden_size]``.
         Raises:
@@ -188,8 +190,9 @@ class Transformer(nn.Module):
             raise ValueError(f"{tokens.shape[0]} tokens for {sum(rows.counts)} rows")
         if max(s + c for s, c in zip(rows.starts, rows.counts)) > pool.slot_len:
             raise ValueError(f"rows past a slot's {pool.slot_len} positions")
-        return self.forward_prepared(tokens, positions, pool, rows.prepared(tokens.device), self.kernels.batch_kernel,
-                                     prof, features, feature_layers)
+        kernel = self.kernels.batch_kernel if kernel is None else kernel
+        return self.forward_prepared(tokens, positions, pool, rows.prepared(tokens.device), kernel, prof, features,
+                                     feature_layers)
 
     def forward_prepared(self, tokens: torch.Tensor, positions: torch.Tensor, pool: KVPool, p: Prepared, kernel: bool,
                          prof=None, features: list | None = None, feature_layers: tuple[int, ...] = ()) -> torch.Tensor:
