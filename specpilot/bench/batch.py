@@ -11,10 +11,12 @@ For every batch size B and both systems, on one checkpoint:
   all (requests join a running batch and queue for slots).
 
 The single-request engine's tokens/s (pipelined AR, graphed on CUDA) is recorded beside batch 1 of the batched
-engine, and every size's aggregate is quoted against both. Correctness beside speed: each batched output is compared with the same prompt's output from the single-request
-engine (batch 1) of the same system, and the outputs at the largest B are token-forced (§3.4) against batch-1 AR,
-as the pilot judges a candidate against stock: in float32 they are equal; in bf16 on a GPU a batch may round
-differently, and token forcing says whether that is more than rounding.
+engine, and every size's aggregate is quoted against both. Correctness beside speed: each batched output is
+compared with the same prompt's output from the single-request engine (batch 1) of the same system, and the outputs at the largest B are token-forced (§3.4) against batch-1 AR,
+as the pilot judges a candidate against stock, with Phase 0's δ (the largest scorer margin where the batch-1
+speculative system first parts from batch-1 AR, rounded up to 1/8; fixed before any batched output is seen): in
+float32 they are equal; in bf16 on a GPU a batch may round differently, and token forcing says whether that is
+more than rounding.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from specpilot.config import SystemConfig
 from specpilot.engine.batch import Request
 from specpilot.engine.deployment import Deployment
-from specpilot.pilot.forcing import Scorer, audit, forcing_verdict
+from specpilot.pilot.forcing import Scorer, audit, delta_from_phase0, forcing_verdict
 from specpilot.provenance import git_commit, versions
 
 
@@ -104,7 +106,8 @@ def run_load(engine, prompts: list[list[int]], new_tokens: int, clients: int | N
 
 
 def run_batch_bench(target, sizes: list[int], spec: SystemConfig, device: str = "cuda", dtype: str = "bfloat16",
-                    prefix: int = 512, new_tokens: int = 128, out_dir: str | Path = "results", delta: float = 0.125,
+                    prefix: int = 512, new_tokens: int = 128, out_dir: str | Path = "results",
+                    delta: float | None = None,
                     drafter: str | Path | None = None) -> dict:
     """Run the batch bench (module doc) for AR and ``spec`` at every size of ``sizes``; write
     ``out_dir/batch_bench_<target name>_<device type>_<date>.json`` (+ PNG). Returns the result dict.
@@ -148,6 +151,12 @@ def run_batch_bench(target, sizes: list[int], spec: SystemConfig, device: str = 
                   f"{closed['aggregate_tokens_per_s']:.1f} closed; outputs equal to batch 1: {same:.2f}", flush=True)
             del eng
     scorer = Scorer(dep.target)
+    if delta is None:  # Phase 0's near-tie threshold (§3.4): where batch-1 speculation first parts from batch-1 AR
+        delta = delta_from_phase0(scorer, prompts[:n], batch1["ar"], batch1["spec"])
+        res["delta_source"] = "Phase 0: first divergences of the batch-1 speculative system from batch-1 AR"
+    else:
+        res["delta_source"] = "given"
+    res["delta"] = delta
     ref = audit(scorer, [(p, o, "batch") for p, o in zip(prompts[:n], batch1["ar"])], delta)
     res["forcing_reference"] = f"AR at batch 1 ({len(batch1['ar'])} requests, the single-request engine)"
     for name in systems:
