@@ -189,12 +189,18 @@ def _plot(res: dict, path: Path) -> None:
 
     fig = Figure(figsize=(6, 3.5))
     ax = fig.add_subplot(1, 1, 1)
-    for name, label in res["systems"].items():
+    for (name, label), color in zip(res["systems"].items(), ("C0", "C1")):
         xs = res["sizes"]
-        ax.plot(xs, [res["runs"][f"{name}@{b}"]["open"]["aggregate_tokens_per_s"] for b in xs], "o-", label=label)
+        opened = [res["runs"][f"{name}@{b}"]["open"] for b in xs]
+        ax.plot(xs, [o["aggregate_tokens_per_s"] for o in opened], "o-", color=color, label=f"{label}, whole run")
+        ax.plot(xs, [o.get("decode_tokens_per_s") or 0.0 for o in opened], "s--", color=color,
+                label=f"{label}, decode steps")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("requests in the batch")
     ax.set_ylabel("aggregate tokens/s (open loop)")
+    if "single_engine" in res:
+        ax.axhline(res["single_engine"]["ar"]["tokens_per_s_median"], color="gray", lw=0.8, ls=":",
+                   label="single-request engine, AR")
     ax.set_title(f"{Path(res['target']).name}, {res['device']}, {res['dtype']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
