@@ -34,3 +34,14 @@ def test_every_module_imports_first():
     proc = subprocess.run([sys.executable, "-c", SCRIPT, *names], capture_output=True, text=True, timeout=600,
                           cwd=PKG.parent)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+def test_every_module_imports_without_triton():
+    """A CPU install without triton (the README's) imports every module: kernels fall back to their references
+    (a module importing a Triton-only helper at import time broke the CLI there)."""
+    names = sorted("specpilot." + ".".join(p.relative_to(PKG).with_suffix("").parts)
+                   for p in PKG.rglob("*.py") if p.name != "__init__.py" and p.name != "__main__.py")
+    blocked = "import sys\nsys.modules['triton'] = None\nsys.modules['triton.language'] = None\n"
+    proc = subprocess.run([sys.executable, "-c", blocked + SCRIPT, *names], capture_output=True, text=True,
+                          timeout=600, cwd=PKG.parent)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]

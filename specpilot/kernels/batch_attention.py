@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from specpilot.kernels.tree_attention import _attend, tree_attention_reference, triton
+from specpilot.kernels.tree_attention import tree_attention_reference, triton
 
-if triton is not None:
+if triton is not None:  # CPU installs without triton: the reference and the mask packing still work
     import triton.language as tl
+
+    from specpilot.kernels.tree_attention import _attend
 
 
 def pack_batch_masks(masks: torch.Tensor) -> torch.Tensor:

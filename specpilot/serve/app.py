@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specpilot.errors import PromptError
 from specpilot.serve.chat import render_chat
@@ -46,11 +47,15 @@ async def read_json(request: Request, limit: int):
         raise APIError(413, f"the request body is {int(length)} bytes, over the server's limit of {limit} bytes",
                        code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"the request body is over the server's limit of {limit} bytes",
-                           code="request_too_large")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"the request body is over the server's limit of {limit} bytes",
+                               code="request_too_large")
+    except ClientDisconnect:  # the client went away mid-body: nobody to answer, nothing was run
+        raise APIError(400, "the client disconnected before the request body was complete",
+                       code="client_disconnected") from None
     try:
         return json.loads(check_text(bytes(body), "the request body"))
     except PromptError as e:

@@ -130,12 +130,12 @@ def _greedy_rules(req) -> list[tuple[str, bool, str]]:
     """``(field, refused, why)`` for every field a greedy engine cannot honour."""
     g = getattr
     return [
-        ("temperature", req.temperature not in (None, 0), "only greedy decoding (temperature 0 or omitted)"),
-        ("top_p", req.top_p not in (None, 1), "top-p sampling (greedy only: omit it or send 1)"),
-        ("top_k", req.top_k not in (None, -1, 0, 1), "top-k sampling (greedy only: omit it, or -1 / 0 for off)"),
-        ("min_p", req.min_p not in (None, 0), "min-p sampling (greedy only)"),
-        ("n", req.n not in (None, 1), "several choices (n > 1): a greedy output is one text; send one request"),
-        ("best_of", g(req, "best_of", None) not in (None, 1), "best_of > 1 (greedy decoding has one best)"),
+        ("temperature", req.temperature not in (None, 0), "sampling (send temperature 0 or omit it)"),
+        ("top_p", req.top_p not in (None, 1), "top-p sampling (omit it or send 1)"),
+        ("top_k", req.top_k not in (None, -1, 0, 1), "top-k sampling (omit it, or send -1 / 0 for off)"),
+        ("min_p", req.min_p not in (None, 0), "min-p sampling"),
+        ("n", req.n not in (None, 1), "several choices (a greedy output is one text: send n=1 or omit it)"),
+        ("best_of", g(req, "best_of", None) not in (None, 1), "best_of (greedy decoding has one best)"),
         ("presence_penalty", req.presence_penalty not in (None, 0), "presence penalties (the output is the argmax)"),
         ("frequency_penalty", req.frequency_penalty not in (None, 0), "frequency penalties (the output is the argmax)"),
         ("repetition_penalty", req.repetition_penalty not in (None, 1),
@@ -162,7 +162,7 @@ def check_greedy(req) -> None:
     """
     for field, refused, why in _greedy_rules(req):
         if refused:
-            raise APIError(400, f"{field}={getattr(req, field)!r} is not supported: SpecPilot serves {why}; "
+            raise APIError(400, f"{field}={getattr(req, field)!r} is not supported: SpecPilot serves greedy decoding only, without {why}; "
                            "the request was not run", param=field, code="unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")

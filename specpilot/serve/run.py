@@ -69,9 +69,10 @@ def make_spec(ctx: ServeContext, prompt_ids: list[int], max_tokens: int | None, 
         raise APIError(400, f"prompt token ids must lie in [0, {ctx.vocab_size})", param="prompt", code="invalid_value")
     if n >= ctx.max_len or (max_tokens is not None and n + max_tokens > ctx.max_len):
         asked = "" if max_tokens is None else f" + {max_tokens} in the completion = {n + max_tokens}"
+        fix = (f"shorten the prompt or lower max_tokens (at most {ctx.max_len - n} here)" if n < ctx.max_len
+               else f"shorten the prompt to at most {ctx.max_len - 1} tokens")
         raise APIError(400, f"this model's maximum context length is {ctx.max_len} tokens; the request has {n} "
-                       f"prompt tokens{asked}: shorten the prompt or lower max_tokens (at most "
-                       f"{max(ctx.max_len - n, 0)} here)", param="max_tokens" if n < ctx.max_len else "prompt",
+                       f"prompt tokens{asked}: {fix}", param="max_tokens" if n < ctx.max_len else "prompt",
                        code="context_length_exceeded")
     stop_ids = list(req.stop_token_ids or [])
     if any(not 0 <= t < ctx.vocab_size for t in stop_ids):
