@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from specpilot.engine.runner import BUCKETS, bucket_for
-from specpilot.kernels.batch_attention import pack_batch_masks
 from specpilot.model.batch import Prepared
 from specpilot.model.cache import KVPool
 from specpilot.model.transformer import Transformer
@@ -82,6 +81,8 @@ class BatchRunner:
         return self._static[key]
 
     def _body(self, key: tuple[int, int], io: torch.Tensor):
+        from specpilot.kernels.batch_attention import pack_batch_masks  # here: importing it imports Triton
+
         b, r = key
         m = self.max_rows
         tokens, positions, row_slot, row_pos = io[:4 * r].view(4, r)
