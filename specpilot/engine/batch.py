@@ -124,10 +124,12 @@ class BatchEngine:
         self.pool = KVPool(target.args, max_num_seqs + 1, self.max_len + config.nodes + 1, target.dtype,
                            target.device)
         self.feature_layers = tuple(drafter.target_layers) if drafter is not None else ()
-        if padded is None:
-            from specpilot.kernels.tree_attention import triton
+        if padded is None:  # Triton is imported only for a CUDA target (a CPU run may set its interpreter later)
+            padded = target.device.type == "cuda" and target.int8_head is None
+            if padded:
+                from specpilot.kernels.tree_attention import triton
 
-            padded = target.device.type == "cuda" and triton is not None and target.int8_head is None
+                padded = triton is not None
         self.runner = BatchRunner(target, self.pool, max_num_seqs, 1 + (config.nodes if drafter is not None else 0),
                                   self.feature_layers) if padded else None
         self._free = list(range(max_num_seqs - 1, -1, -1))

@@ -245,28 +245,23 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache, layer, start: int, mask, kind: PassKind, prof=None):
         """Eager path (see :meth:`Attention.forward`): ``x [R, hidden]`` -> ``[R, hidden]``."""
-        with region(prof, "norms_elementwise"):
-            h = self.input_layernorm(x)
-        x = x + self.self_attn(h, cos, sin, cache, layer, start, mask, kind, prof)
-        with region(prof, "norms_elementwise"):
-            h = self.post_attention_layernorm(x)
-        return x + self.mlp(h, prof)
+        return self._residual(x, lambda h: self.self_attn(h, cos, sin, cache, layer, start, mask, kind, prof), prof)
 
     def forward_static(self, x, cos, sin, cache, layer, start: torch.Tensor, tree_mask, prof=None):
         """Static path (see :meth:`Attention.forward_static`): ``x [R, hidden]`` -> ``[R, hidden]``."""
-        with region(prof, "norms_elementwise"):
-            h = self.input_layernorm(x)
-        x = x + self.self_attn.forward_static(h, cos, sin, cache, layer, start, tree_mask, prof)
-        with region(prof, "norms_elementwise"):
-            h = self.post_attention_layernorm(x)
-        return x + self.mlp(h, prof)
-
+        return self._residual(
+            x, lambda h: self.self_attn.forward_static(h, cos, sin, cache, layer, start, tree_mask, prof), prof)
 
     def forward_batch(self, x, cos, sin, pool, layer, p, prof=None, kernel: bool = False):
         """Batched exact pass (see :meth:`Attention.forward_batch`): ``x [R, hidden]`` -> ``[R, hidden]``."""
+        return self._residual(
+            x, lambda h: self.self_attn.forward_batch(h, cos, sin, pool, layer, p, prof, kernel), prof)
+
+    def _residual(self, x, attend, prof):
+        """The pre-norm layer around ``attend(normed x)`` (one of the attention paths): two residual adds."""
         with region(prof, "norms_elementwise"):
             h = self.input_layernorm(x)
-        x = x + self.self_attn.forward_batch(h, cos, sin, pool, layer, p, prof, kernel)
+        x = x + attend(h)
         with region(prof, "norms_elementwise"):
             h = self.post_attention_layernorm(x)
         return x + self.mlp(h, prof)

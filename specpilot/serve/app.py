@@ -179,25 +179,26 @@ def create_app(ctx: ServeContext) -> FastAPI:
             return Response(status_code=499)
         return JSONResponse((chat_object if chat else completion_object)(ctx, run, text))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def checked(request: Request, kind):
+        """The request body as ``kind`` once the key, the model, the greedy-only fields and the stops are checked
+        (raises APIError: 401, 404 or 4xx)."""
         check_auth(request)
-        req = parse(CompletionRequest, await read_json(request, ctx.max_body_bytes))
+        req = parse(kind, await read_json(request, ctx.max_body_bytes))
         check_model(req.model)
         check_greedy(req)
         for i, s in enumerate(req.stop_list()):
             _text(s, f"stop[{i}]")
+        return req
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await checked(request, CompletionRequest)
         spec = make_spec(ctx, completion_prompt(ctx, req.prompt), req.max_tokens, req)
         return await respond(request, req, spec, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        check_auth(request)
-        req = parse(ChatRequest, await read_json(request, ctx.max_body_bytes))
-        check_model(req.model)
-        check_greedy(req)
-        for i, s in enumerate(req.stop_list()):
-            _text(s, f"stop[{i}]")
+        req = await checked(request, ChatRequest)
         ids = render_chat(ctx.tokenizer, ctx.chat_template, req.messages, req.add_generation_prompt)
         spec = make_spec(ctx, ids, req.max_new(), req)
         return await respond(request, req, spec, chat=True)
