@@ -206,9 +206,11 @@ def test_bench_batch_writes_json_with_equal_outputs(monkeypatch, capsys, tmp_pat
     res = json.loads(path.read_text())
     assert set(res["runs"]) == {"ar@1", "ar@3", "spec@1", "spec@3"}
     for r in res["runs"].values():
-        assert r["outputs_equal_batch1"] == 1.0 and r["open"]["tokens"] > 0 and r["closed"]["requests"] >= 2
+        assert r["outputs_equal_batch1"] == r["outputs_equal_single_engine"] == 1.0
+        assert r["open"]["tokens"] > 0 and r["closed"]["requests"] >= 2
         assert r["open"]["steps"] and all(s["rows"] >= s["requests"] >= 1 for s in r["open"]["steps"])
     assert res["forcing_ar_at_3"]["passed"] and res["forcing_spec_at_3"]["passed"]
+    assert res["forcing_batch1_ar_vs_single_engine_ar"]["passed"] and "passed" not in res["forcing_single_engine_ar"]
     assert (tmp_path / path.name.replace(".json", ".png")).is_file()
     code, _, err = run_cli(monkeypatch, capsys, "bench", "--target", str(bundled_target_dir()), "--batch", "1,x")
     assert code == 2 and err.strip().startswith("error: --batch takes")

@@ -134,3 +134,54 @@ def test_batched_engine_through_the_kernel_equals_ar(tiny_dirs, fused, padded, m
     plain = load_model(tiny_dirs[0]).to(DEV)
     for g, p, n in zip(gens, prompts, [6, 9, 7]):
         assert g.tokens == Engine(plain, SystemConfig.ar(), None, eos_ids=[]).generate(p, n).tokens
+
+
+def test_a_requests_rows_do_not_depend_on_its_batch(tiny_dirs):
+    """The fused batched pass with ``batch_invariant`` (the GPU's default): a request's hidden states, argmax and
+    stored K/V are bitwise the same alone and beside other requests of other lengths (a prompt, then a tree step),
+    which is why a batched bf16 output equals its batch-1 output. Interpreter, float32 here; bf16 on CUDA."""
+    import dataclasses
+
+    from specpilot.model.batch import BatchRows
+    from specpilot.model.cache import KVPool
+    from specpilot.model.checkpoint import load_model
+    from specpilot.spec.trees import ancestor_mask_of
+
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    m = load_model(tiny_dirs[0]).to(DEV, dtype)
+    m.kernels = dataclasses.replace(m.kernels, fused=True, batch_kernel=True, batch_invariant=True)
+    g = torch.Generator().manual_seed(5)
+    a, b, c = (torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 5, 13))
+    tree = torch.randint(0, 64, (4,), generator=g).tolist()
+    tree_mask = ancestor_mask_of([-1, 0, 0, 1])
+
+    def run(batch):  # batch: (slot, prompt) pairs; returns per slot (prefill hidden, tree hidden, argmax, K)
+        pool = KVPool(m.args, 4, 40, dtype, DEV)
+        outs = {}
+        for step in ("prompt", "tree"):
+            toks, pos, rows = [], [], BatchRows([], [], [], [])
+            for slot, p in batch:
+                t = p if step == "prompt" else tree
+                start = 0 if step == "prompt" else len(p)
+                toks += t
+                pos += list(range(start, start + len(t))) if step == "prompt" else [start + d for d in (0, 1, 1, 2)]
+                rows.slots.append(slot), rows.starts.append(start), rows.counts.append(len(t))
+                rows.masks.append(None if step == "prompt" else tree_mask)
+            h = m.forward_batch(torch.tensor(toks, device=DEV), torch.tensor(pos, device=DEV), pool, rows,
+                                kernel=True)
+            ids = m.batch_greedy(h, True)
+            off = 0
+            for slot, p in batch:
+                n = len(p) if step == "prompt" else len(tree)
+                outs[(slot, step)] = (h[off:off + n], ids[off:off + n])
+                off += n
+        return outs, pool
+
+    alone, pool_alone = run([(1, a)])
+    together, pool_together = run([(0, b), (1, a), (3, c)])
+    for step in ("prompt", "tree"):
+        assert torch.equal(alone[(1, step)][0], together[(1, step)][0]), step
+        assert torch.equal(alone[(1, step)][1], together[(1, step)][1]), step
+    span = len(a) + len(tree)
+    assert torch.equal(pool_alone.k[1, :, :span], pool_together.k[1, :, :span])
+    assert torch.equal(pool_alone.v[1, :, :span], pool_together.v[1, :, :span])

@@ -63,3 +63,27 @@ def test_linear_falls_back_off_cuda():
     lin = torch.nn.Linear(8, 4)
     x = torch.randn(3, 8)
     assert torch.equal(gemm.linear(x, lin), lin(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,bias", [(96, 300, False), (64, 1024, True)])
+def test_invariant_gemm_rows_do_not_depend_on_the_other_rows(dtype, n, k, bias):
+    """Batch invariance: each row of a 150-row product is bitwise the row computed alone, or among any other
+    rows at any offset (split-K 1 and > 1), and matches the float32 reference."""
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(150, k, generator=g).to(DEV, dtype)
+    w = torch.randn(n, k, generator=g).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype) if bias else None
+    full = gemm.invariant_gemm(x, w, b)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=1e-2)
+    torch.testing.assert_close(full, gemm.skinny_gemm_reference(x, w, b), **tol)
+    for lo, hi in [(0, 1), (7, 8), (3, 70), (60, 150), (149, 150)]:
+        assert torch.equal(gemm.invariant_gemm(x[lo:hi], w, b), full[lo:hi]), (lo, hi)
+    shuffled = torch.randperm(150, generator=g)
+    assert torch.equal(gemm.invariant_gemm(x[shuffled], w, b), full[shuffled])
+
+
+def test_invariant_config_depends_on_the_weight_alone():
+    for n, k in [(6144, 4096), (4096, 12288), (151936, 4096)]:
+        c = gemm.invariant_config(n, k)
+        assert c["block_m"] == gemm.INVARIANT_BLOCK_M and c == gemm.default_config(gemm.INVARIANT_BLOCK_M, n, k)

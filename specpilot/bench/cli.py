@@ -139,8 +139,13 @@ def _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, draft
             print(f"{label:32s} batch {b:3d}: {r['open']['aggregate_tokens_per_s']:8.1f} tok/s "
                   f"({x['aggregate']:5.2f}x single-request AR), decode {r['open']['decode_tokens_per_s'] or 0:8.1f} "
                   f"tok/s ({x['decode']:5.2f}x), closed loop {r['closed']['aggregate_tokens_per_s']:8.1f} tok/s, "
-                  f"outputs equal batch 1: {r['outputs_equal_batch1']:.2f}")
+                  f"outputs equal batch 1: {r['outputs_equal_batch1']:.2f} "
+                  f"(the single-request engine's: {r['outputs_equal_single_engine']:.2f})")
     print(f"single-request engine AR: {res['single_engine']['ar']['tokens_per_s_median']:.1f} tok/s")
+    for key in (k for k in res if k.startswith("forcing_") and isinstance(res[k], dict) and "passed" in res[k]):
+        f = res[key]
+        print(f"{key}: {'passed' if f['passed'] else 'FAILED'} ({f['mismatches']} mismatches, {f['events']} events "
+              f"in {f['tokens']} tokens, δ {f['delta']:g}){'; ' + '; '.join(f['reasons']) if f['reasons'] else ''}")
     print(f"wrote {res['path']}")
 
 

@@ -11,7 +11,10 @@ length, abort) frees its slot at once (R14). This module alone commits the lengt
 Decode passes run padded to (requests, rows) buckets through :class:`~specpilot.engine.batch_runner.BatchRunner`
 (one CUDA graph per bucket, the Triton batched tree attention) on CUDA; prefill passes, steps past the largest
 bucket run the eager pass through the same kernels (prefills round as decode steps do); the CPU (unless
-``padded``) runs masked SDPA unless the target's ``batch_kernel``.
+``padded``) runs masked SDPA unless the target's ``batch_kernel``. On the fused path every GEMM is batch-invariant
+(the target's ``KernelConfig.batch_invariant``) and the attention is per request, so in bf16 too a request's output
+is bit for bit its batch-1 output from this engine, whatever shares its steps (given a drafter whose proposals do
+not depend on the batch: n-gram always).
 Not yet here: the paper's row-selection rules (shared node budget, per-request block, prompt admission).
 """
 
@@ -225,13 +228,13 @@ class BatchEngine:
                 return ids.tolist(), (feats.clone() if feats is not None else None)
         rows = BatchRows([r.slot for r in rs], starts, [len(t) for t in tokens], masks)
         feats: list = []
+        kernel = True if self.runner is not None else self.target.kernels.batch_kernel
         hidden = self.target.forward_batch(torch.tensor(sum(tokens, []), device=dev),
                                            torch.tensor(sum(positions, []), device=dev), self.pool, rows,
-                                           features=feats, feature_layers=self.feature_layers,
-                                           kernel=True if self.runner is not None else None)
+                                           features=feats, feature_layers=self.feature_layers, kernel=kernel)
         if read is not None:
             hidden = hidden[torch.tensor(read, device=hidden.device)]
-        return self.target.greedy(hidden).tolist(), (torch.cat(feats, dim=-1) if feats else None)
+        return self.target.batch_greedy(hidden, kernel).tolist(), (torch.cat(feats, dim=-1) if feats else None)
 
     def _prefill(self, rs: list[_Running]) -> list[StepOutput]:
         if not rs:

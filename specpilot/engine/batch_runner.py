@@ -93,7 +93,7 @@ class BatchRunner:
                      row_off.to(i32), words)
         feats: list = []
         hidden = self.model.forward_prepared(tokens, positions, self.pool, p, True, None, feats, self.feature_layers)
-        return self.model.greedy(hidden), (torch.cat(feats, dim=-1) if feats else None)
+        return self.model.batch_greedy(hidden, True), (torch.cat(feats, dim=-1) if feats else None)
 
     def _capture(self, key: tuple[int, int]) -> None:
         from specpilot.w12.gemm import reserve_split_locks

@@ -10,9 +10,16 @@ Split-K partials go to an fp32 workspace ``[SPLIT_K, M, N]`` and a second kernel
 order (no atomics): bitwise deterministic for fixed shapes. The launch configuration depends only on
 static shapes (:func:`default_config`), so a captured CUDA graph and an eager call agree bit for bit.
 
+The same kernel, tiled over M as well, is the batch-invariant GEMM of batched passes: with BLOCK_M, BLOCK_N,
+BLOCK_K and SPLIT_K chosen from the weight's shape alone (:func:`invariant_config`), every row is computed by
+the same instructions in the same order whatever the number of rows, so a row's output does not depend on the
+other rows of the pass. cuBLAS picks its algorithm by M, so under it a request's logits change in the last bits
+with the batch it shares a step with, and near ties flip its tokens.
+
 - :func:`skinny_gemm_reference`: float32 matmul, the oracle.
 - :func:`skinny_gemm`: the Triton kernel (interpreter on the CPU in tests).
 - :func:`linear`: the kernel on CUDA for M ≤ 64 and 16-bit weights, ``F.linear`` otherwise.
+- :func:`invariant_gemm` / :func:`invariant_linear`: the batch-invariant form, any M.
 """
 
 from __future__ import annotations
@@ -64,6 +71,30 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=5)
 
 
+INVARIANT_BLOCK_M = 64  # every row tile of the batch-invariant GEMM, whatever M
+
+
+def invariant_config(n: int, k: int, num_sms: int = 132) -> dict:
+    """Launch parameters of the batch-invariant GEMM for ``[m, k] @ [n, k]ᵀ``: :func:`default_config` at
+    BLOCK_M = 64, a function of ``(n, k)`` only (SPLIT_K never depends on m there)."""
+    return default_config(INVARIANT_BLOCK_M, n, k, num_sms)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"want x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    n = weight.shape[0]
+    if x.shape[0] < 1:
+        raise ValueError("the GEMM needs at least one row")
+    if x.dtype != weight.dtype or (bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype)):
+        raise ValueError(f"dtype/shape mismatch: x {x.dtype}, weight {weight.dtype}, bias "
+                         f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("x needs a contiguous last dim and weight must be contiguous")
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **overrides) -> torch.Tensor:
     """Triton ``x @ weight.T (+ bias)``; fp32 accumulation, output in x's dtype.
 
@@ -75,27 +106,36 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     Returns: ``[M, N]``.
     Raises: ValueError on shape / dtype / layout mismatch or M > 64; RuntimeError without triton.
     """
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"want x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    m, k = x.shape
-    n = weight.shape[0]
-    if m > MAX_ROWS or m < 1:
+    _check(x, weight, bias)
+    (m, k), n = x.shape, weight.shape[0]
+    if m > MAX_ROWS:
         raise ValueError(f"skinny_gemm takes 1..{MAX_ROWS} rows, got {m}")
-    if x.dtype != weight.dtype or (bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype)):
-        raise ValueError(f"dtype/shape mismatch: x {x.dtype}, weight {weight.dtype}, bias "
-                         f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
-    if x.stride(1) != 1 or not weight.is_contiguous():
-        raise ValueError("x needs a contiguous last dim and weight must be contiguous")
     cfg = default_config(m, n, k, _num_sms(x.device.index if x.is_cuda else None))
     cfg.update({key: v for key, v in overrides.items() if v is not None})
+    return _launch(x, weight, bias, cfg)
+
+
+def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Batch-invariant Triton ``x @ weight.T (+ bias)`` for any number of rows (module doc): row i of the result
+    is bitwise the same whether x has 1 row or 2048, and wherever row i sits among them. fp32 accumulation.
+
+    Args / Returns: as :func:`skinny_gemm`, with ``x [M, K]`` for any M ≥ 1.
+    Raises: ValueError on shape / dtype / layout mismatch; RuntimeError without triton.
+    """
+    _check(x, weight, bias)
+    return _launch(x, weight, bias, invariant_config(weight.shape[0], x.shape[1],
+                                                     _num_sms(x.device.index if x.is_cuda else None)))
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: dict) -> torch.Tensor:
+    """Run the kernel with launch parameters ``cfg``: grid ``(N tiles, SPLIT_K, M tiles)``, then the split sum."""
+    (m, k), n = x.shape, weight.shape[0]
     bm, bn, bk, split = cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["split_k"]
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     even = n % bn == 0 and k % k_per_split == 0 and k == k_per_split * split
-    _skinny_gemm_kernel[(triton.cdiv(n, bn), split)](
+    _skinny_gemm_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, bm))](
         x, weight, bias if bias is not None else out, out, part, m, n, k, x.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_PER_SPLIT=k_per_split, SPLIT_K=split, EVEN=even,
         HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32,
@@ -129,6 +169,15 @@ def linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     return F.linear(x, w, layer.bias)
 
 
+def invariant_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """``layer(x)`` for ``x [M, K]`` through :func:`invariant_gemm` (batched passes); same signature as
+    :func:`linear`. A layer that is not an ``nn.Linear`` (a W12Linear) runs its own forward, which makes no
+    batch-invariance promise. Raises RuntimeError without triton."""
+    if not isinstance(layer, torch.nn.Linear):
+        return layer(x)
+    return invariant_gemm(x, layer.weight, layer.bias)
+
+
 if triton is not None:
 
     @triton.jit
@@ -136,11 +185,12 @@ if triton is not None:
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT,
                             SPLIT_K: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
                             FP32: tl.constexpr):
-        """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: one N tile, one K chunk (K_PER_SPLIT, a multiple of BLOCK_K),
-        all M rows. Only block sizes are compile-time constants, so one compile serves every projection."""
+        """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: one N tile, one K chunk (K_PER_SPLIT, a
+        multiple of BLOCK_K), one M tile. Only block sizes are compile-time constants, so one compile serves
+        every projection."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        offs_m = tl.arange(0, BLOCK_M)
+        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = offs_m < M
         n_ok = offs_n < N

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from specpilot.kernels import fused
-from specpilot.kernels.gemm import cublas_linear, linear
+from specpilot.kernels.gemm import cublas_linear, invariant_linear, linear
 from specpilot.kernels.tree_attention import pack_tree_mask, tree_attention
 from specpilot.w12 import norm as w12_norm
 from specpilot.w12 import swiglu as w12_swiglu
@@ -86,7 +86,8 @@ def forward_fused(model, x, cos, sin, cache, start: torch.Tensor, tree_mask, fea
 def forward_batch_fused(model, x, cos, sin, pool, p, features: list | None, feature_layers: tuple[int, ...]):
     """A batched pass (:meth:`~specpilot.model.transformer.Transformer.forward_prepared`) through
     :func:`fused_layer`: each row's K/V stored at its own (pool slot, position) by the fused q/k kernel, then the
-    Triton batched tree attention over every request's slot (:mod:`specpilot.kernels.batch_attention`).
+    Triton batched tree attention over every request's slot (:mod:`specpilot.kernels.batch_attention`); the
+    projections through the batch-invariant GEMM where the model's kernels say ``batch_invariant``.
     ``x [R, hidden]`` -> ``[R, hidden]``; ``p`` a :class:`~specpilot.model.batch.Prepared` on the device."""
     from specpilot.kernels.batch_attention import batch_tree_attention
 
@@ -102,13 +103,15 @@ def forward_batch_fused(model, x, cos, sin, pool, p, features: list | None, feat
                                         a.head_dim**-0.5)
         return run
 
-    return _fused_layers(model, x, attend, features, feature_layers)
+    return _fused_layers(model, x, attend, features, feature_layers,
+                         invariant_linear if model.kernels.batch_invariant else None)
 
 
-def _fused_layers(model, x, attend, features, feature_layers) -> torch.Tensor:
-    """Every decoder layer through :func:`fused_layer` with ``attend(i)``'s attention, then the final norm."""
+def _fused_layers(model, x, attend, features, feature_layers, lin=None) -> torch.Tensor:
+    """Every decoder layer through :func:`fused_layer` with ``attend(i)``'s attention and ``lin``'s projections
+    (None: the model's kernel choice), then the final norm."""
     kc = model.kernels
-    lin = linear if kc.skinny_gemm else cublas_linear
+    lin = lin or (linear if kc.skinny_gemm else cublas_linear)
     delta = sq = None
     layers = model.model.layers
     captured = {}

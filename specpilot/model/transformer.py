@@ -42,6 +42,10 @@ class KernelConfig:
         batch_kernel: batched passes (:meth:`Transformer.forward_batch`) attend through the Triton batched tree
             attention (:mod:`specpilot.kernels.batch_attention`) instead of the masked-SDPA reference. Off: tested
             against the reference in the Triton interpreter, not yet run and timed on a GPU.
+        batch_invariant: batched passes on the fused path run every projection and the LM head through the
+            batch-invariant GEMM (:func:`~specpilot.kernels.gemm.invariant_linear`: tiles and split-K from the
+            weight's shape alone), so a request's output does not depend on the requests it shares steps with.
+            Off: cuBLAS, which picks its algorithm by the step's rows (outputs then vary with the batch in bf16).
     """
 
     fused: bool | None = None
@@ -49,6 +53,7 @@ class KernelConfig:
     fuse_swiglu: bool = True
     fuse_norm: bool = True
     batch_kernel: bool = False
+    batch_invariant: bool = True
 
 
 class Transformer(nn.Module):
@@ -237,6 +242,21 @@ class Transformer(nn.Module):
         if self.int8_head is not None:
             return self.int8_head.argmax(hidden)
         return self.full_greedy(hidden)
+
+    def batch_invariant_on(self, x: torch.Tensor, kernel: bool) -> bool:
+        """Whether a batched pass over ``x`` (through the batched kernels when ``kernel``) runs its projections and
+        LM head through the batch-invariant GEMM (:attr:`kernels`' ``batch_invariant``, fused path only)."""
+        return bool(kernel) and self.kernels.batch_invariant and self.fused_on(x)
+
+    def batch_greedy(self, hidden: torch.Tensor, kernel: bool) -> torch.Tensor:
+        """:meth:`greedy` for the rows of a batched pass (:meth:`forward_prepared` with the same ``kernel``):
+        the LM head through the batch-invariant GEMM where :meth:`batch_invariant_on`. ``hidden [R, hidden]``
+        -> ``[R] long``."""
+        if self.int8_head is None and self.batch_invariant_on(hidden, kernel):
+            from specpilot.kernels.gemm import invariant_linear
+
+            return invariant_linear(hidden, self.lm_head).argmax(dim=-1)
+        return self.greedy(hidden)
 
     def full_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """:meth:`greedy` through the full head always (``[R] long``; the int8 head's fallback)."""
