@@ -74,10 +74,14 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
 INVARIANT_BLOCK_M = 64  # every row tile of the batch-invariant GEMM, whatever M
 
 
-def invariant_config(n: int, k: int, num_sms: int = 132) -> dict:
+def invariant_config(n: int, k: int, num_sms: int = 132, element_size: int = 2) -> dict:
     """Launch parameters of the batch-invariant GEMM for ``[m, k] @ [n, k]ᵀ``: :func:`default_config` at
-    BLOCK_M = 64, a function of ``(n, k)`` only (SPLIT_K never depends on m there)."""
-    return default_config(INVARIANT_BLOCK_M, n, k, num_sms)
+    BLOCK_M = 64, a function of ``(n, k)`` and the dtype only (SPLIT_K never depends on m there); 3 stages for
+    float32 (5 overflow the H200's shared memory)."""
+    cfg = default_config(INVARIANT_BLOCK_M, n, k, num_sms)
+    if element_size > 2:
+        cfg["num_stages"] = 3
+    return cfg
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -124,7 +128,8 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """
     _check(x, weight, bias)
     return _launch(x, weight, bias, invariant_config(weight.shape[0], x.shape[1],
-                                                     _num_sms(x.device.index if x.is_cuda else None)))
+                                                     _num_sms(x.device.index if x.is_cuda else None),
+                                                     x.element_size()))
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: dict) -> torch.Tensor:
