@@ -29,7 +29,7 @@ def main(out):
     res = {"device": torch.cuda.get_device_name(), "versions": versions(), "commit": git_commit(), "shapes": {}}
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16) * torch.rand(2048, 1, device="cuda") * 4
+        x = (torch.randn(2048, k, device="cuda") * torch.rand(2048, 1, device="cuda") * 4).bfloat16()
         base = invariant_config(n, k)
         ref = _launch(x, w, None, base)
         r = {"split_k": base["split_k"], "cublas_ms": {}, "configs": {}}
