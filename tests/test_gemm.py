@@ -83,7 +83,14 @@ def test_invariant_gemm_rows_do_not_depend_on_the_other_rows(dtype, n, k, bias):
     assert torch.equal(gemm.invariant_gemm(x[shuffled], w, b), full[shuffled])
 
 
-def test_invariant_config_depends_on_the_weight_alone():
-    for n, k in [(6144, 4096), (4096, 12288), (151936, 4096)]:
-        c = gemm.invariant_config(n, k)
-        assert c["block_m"] == gemm.INVARIANT_BLOCK_M and c == gemm.default_config(gemm.INVARIANT_BLOCK_M, n, k)
+def test_invariant_configs_share_one_k_order_per_weight():
+    """Whatever the rows, one weight shape gets one K order (BLOCK_K, SPLIT_K): the bits of a row; tiles vary."""
+    for n, k in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)]:
+        cs = [gemm.invariant_config(m, n, k) for m in (1, 16, 17, 64, 128, 129, 2048)]
+        assert len({(c["block_k"], c["split_k"]) for c in cs}) == 1
+        kb = -(-k // cs[0]["block_k"])
+        assert kb % cs[0]["split_k"] == 0 and kb // cs[0]["split_k"] >= 4
+        assert len({c["block_m"] for c in cs}) == 3
+        assert len({str(gemm.invariant_config(m, n, k, tile_by_rows=False)) for m in (1, 17, 2048)}) == 1
+    fp32 = gemm.invariant_config(2048, 4096, 4096, element_size=4)
+    assert (fp32["block_m"] + fp32["block_n"]) * fp32["block_k"] * 4 * fp32["num_stages"] <= gemm.SMEM_BYTES

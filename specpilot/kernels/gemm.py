@@ -10,10 +10,10 @@ Split-K partials go to an fp32 workspace ``[SPLIT_K, M, N]`` and a second kernel
 order (no atomics): bitwise deterministic for fixed shapes. The launch configuration depends only on
 static shapes (:func:`default_config`), so a captured CUDA graph and an eager call agree bit for bit.
 
-The same kernel, tiled over M as well, is the batch-invariant GEMM of batched passes: with BLOCK_M, BLOCK_N,
-BLOCK_K and SPLIT_K chosen from the weight's shape alone (:func:`invariant_config`), every row is computed by
-the same instructions in the same order whatever the number of rows, so a row's output does not depend on the
-other rows of the pass. cuBLAS picks its algorithm by M, so under it a request's logits change in the last bits
+The same kernel, tiled over M as well, is the batch-invariant GEMM of batched passes: with the K order (BLOCK_K,
+SPLIT_K) chosen from the weight's shape alone (:func:`invariant_config`), every row's products are summed in the
+same order whatever the number of rows (the tile may follow the rows: on the H200 it does not change a row's
+bits), so a row's output does not depend on the other rows of the pass. cuBLAS picks its algorithm by M, so under it a request's logits change in the last bits
 with the batch it shares a step with, and near ties flip its tokens.
 
 - :func:`skinny_gemm_reference`: float32 matmul, the oracle.
@@ -71,17 +71,31 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=5)
 
 
-INVARIANT_BLOCK_M = 64  # every row tile of the batch-invariant GEMM, whatever M
+# Tiles of the batch-invariant GEMM by rows: (max rows, BLOCK_M, BLOCK_N, warps, stages). A row's bits depend only
+# on the K order (SPLIT_K, BLOCK_K), not on the tile: every tile shape gave bitwise-equal rows on the H200
+# (results/batch_invariant_h200_2026-12-04/invariant_tiles.json); these were the fastest inside CUDA graphs at
+# 8 / 32 / 128 / 256 rows (invariant_split.json there).
+INVARIANT_TILES = ((16, 16, 64, 4, 5), (128, 64, 128, 4, 4), (None, 128, 128, 8, 3))
+SMEM_BYTES = 200 * 1024  # the stages of a float32 tile are cut to fit this
 
 
-def invariant_config(n: int, k: int, num_sms: int = 132, element_size: int = 2) -> dict:
-    """Launch parameters of the batch-invariant GEMM for ``[m, k] @ [n, k]ᵀ``: :func:`default_config` at
-    BLOCK_M = 64, a function of ``(n, k)`` and the dtype only (SPLIT_K never depends on m there); 3 stages for
-    float32 (5 overflow the H200's shared memory)."""
-    cfg = default_config(INVARIANT_BLOCK_M, n, k, num_sms)
-    if element_size > 2:
-        cfg["num_stages"] = 3
-    return cfg
+def invariant_config(m: int, n: int, k: int, num_sms: int = 132, element_size: int = 2,
+                     tile_by_rows: bool = True) -> dict:
+    """Launch parameters of the batch-invariant GEMM for ``[m, k] @ [n, k]ᵀ``.
+
+    The K order, which alone decides a row's bits on a GPU, is a function of ``(n, k)`` and the device's SM count
+    only: BLOCK_K 128 and the smallest power-of-two SPLIT_K that puts ``(n / 64) · SPLIT_K`` programs on half the
+    SMs (keeping ≥ 4 K-blocks per split and whole blocks). With ``tile_by_rows`` the tile follows ``m``
+    (:data:`INVARIANT_TILES`), else it is the largest whatever ``m`` (the Triton interpreter: its ``tl.dot`` is a
+    numpy matmul whose bits change with the tile's shape). In float32 the stages are cut to fit
+    :data:`SMEM_BYTES` of shared memory.
+    """
+    block_k, k_blocks, split = 128, -(-k // 128), 1
+    while -(-n // 64) * split < num_sms // 2 and k_blocks % (2 * split) == 0 and k_blocks // (2 * split) >= 4:
+        split *= 2
+    bm, bn, warps, stages = next(t[1:] for t in INVARIANT_TILES if t[0] is None or (tile_by_rows and m <= t[0]))
+    stages = max(1, min(stages, SMEM_BYTES // ((bm + bn) * block_k * element_size)))
+    return dict(block_m=bm, block_n=bn, block_k=block_k, split_k=split, num_warps=warps, num_stages=stages)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -127,9 +141,9 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     Raises: ValueError on shape / dtype / layout mismatch; RuntimeError without triton.
     """
     _check(x, weight, bias)
-    return _launch(x, weight, bias, invariant_config(weight.shape[0], x.shape[1],
+    return _launch(x, weight, bias, invariant_config(x.shape[0], weight.shape[0], x.shape[1],
                                                      _num_sms(x.device.index if x.is_cuda else None),
-                                                     x.element_size()))
+                                                     x.element_size(), tile_by_rows=x.is_cuda))
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: dict) -> torch.Tensor:
