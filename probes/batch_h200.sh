@@ -7,7 +7,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 sp() { python3 -m specpilot "$@"; }
 nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv > "$out/nvidia_smi.txt"
 if [ "$tests" = tests ]; then
-  timeout "${TEST_S:-240}" python3 -m pytest -q -x ${TESTS:-tests/test_batch_gpu.py tests/test_batch_attention.py tests/test_fused.py} \
+  timeout "${TEST_S:-240}" python3 -m pytest -q -x ${TESTS:-tests/test_gemm.py tests/test_batch_gpu.py tests/test_batch_attention.py tests/test_fused.py} \
     > "$out/gpu_tests.log" 2>&1 || { tail -30 "$out/gpu_tests.log"; exit 1; }
   tail -2 "$out/gpu_tests.log"
 fi
