@@ -60,16 +60,17 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
         bdr = dep.system(SystemConfig(drafter="block", drafter_path=str(bd), top_k=16)).drafter
         recs[(f"block:{bd}", 16)] = record(bdr, prompts, ar_out, bdr.cfg.block_size, 16, target=dep.target)
         recs[(f"block:{bd}", 16)].drafter_path = str(bd)
-    pilot.planner = Planner(recs, verify_ms, base_m["ar_step_ms"], device=pilot.o.device)
+    pilot.planner = Planner(recs, verify_ms, base_m["ar_step_ms"], device=pilot.o.device,
+                            spec_step=(pilot.stock, base_m["step_ms"], base_m["rows"]))
+    report["spec_overhead_ms"] = pilot.planner.overhead_ms
+    report["spec_overhead_source"] = pilot.planner.spec_overhead_source
     return CostInputs(report, c_model_curve(pilot.planner, verify_ms), tau_curves(pilot))
 
 
 def c_model_curve(planner: Planner, verify_ms: dict) -> dict:
-    """c(N) of the cost model without drafting: (T_AR − T_pass(1) + T_pass(N+1)) / T_AR, i.e. an AR step
-    with its one-row pass replaced by an (N+1)-row pass; c(0) = 1 by construction (same T_AR as the
-    planner)."""
-    ar = planner.ar_ms
-    return {0: 1.0, **{r - 1: (planner.overhead_ms + ms) / ar for r, ms in sorted(verify_ms.items()) if r > 1}}
+    """c(N) of the cost model without drafting: ``(T_spec + T_pass(N+1)) / T_AR`` for N ≥ 1 (the planner's
+    step cost, monotone in N), c(0) = 1 (AR itself)."""
+    return {0: 1.0, **{r - 1: planner.step_c(r) for r in sorted(verify_ms) if r > 1}}
 
 
 def tau_curves(pilot: Pilot) -> dict:

@@ -15,6 +15,7 @@ llama / qwen decoder (:class:`specpilot.model.transformer.ModelArgs`), plus the 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 from specpilot.model.args import ModelArgs
@@ -364,3 +365,37 @@ def build_ceiling(
         classes[k] = ClassCost(totals_ms.get(k, 0.0) / steps, byte_floor_ms(f, nb, peaks), f, nb)
     cost = None if ar_ms is None else CostModel(tau_current, step_ms, ar_ms, rows)
     return Ceiling(tau_current, tau_best, step_ms, classes, cost, peaks)
+
+
+#: The bar predictions must clear (§3.2): median |c_predicted / c_live − 1| and rank correlation, over at least
+#: this many screened candidates.
+PREDICTION_MAX_ERROR, PREDICTION_MIN_SPEARMAN, PREDICTION_MIN_CANDIDATES = 0.10, 0.8, 5
+
+
+def prediction_check(predictions: list[dict]) -> dict:
+    """How well the planner's c held against the live c of every candidate it had screened (§3.2).
+
+    Args:
+        predictions: ``[{name, c_predicted, c_live, tau_replay, tau_live}]``, one per screened candidate
+            (:attr:`~specpilot.pilot.state.Pilot.predictions`).
+    Returns:
+        ``{candidates, median_abs_error, spearman, tau_median_abs_error, holds, bar}``: the median of
+        ``|c_predicted / c_live − 1|`` (a fraction), Spearman's ρ between predicted and live c (None under 3
+        candidates or when either side is constant), the same median error for replay τ against live τ, and
+        whether the bar (:data:`PREDICTION_MAX_ERROR`, :data:`PREDICTION_MIN_SPEARMAN`,
+        :data:`PREDICTION_MIN_CANDIDATES`) holds.
+    """
+    from scipy.stats import spearmanr
+
+    pairs = [(p["c_predicted"], p["c_live"]) for p in predictions if p.get("c_live")]
+    err = statistics.median(abs(a / b - 1) for a, b in pairs) if pairs else None
+    taus = [abs(p["tau_replay"] / p["tau_live"] - 1) for p in predictions if p.get("tau_live")]
+    rho = None
+    if len(pairs) >= 3 and len({a for a, _ in pairs}) > 1 and len({b for _, b in pairs}) > 1:
+        rho = float(spearmanr([a for a, _ in pairs], [b for _, b in pairs]).statistic)
+    holds = (len(pairs) >= PREDICTION_MIN_CANDIDATES and err is not None and err <= PREDICTION_MAX_ERROR
+             and rho is not None and rho >= PREDICTION_MIN_SPEARMAN)
+    return {"candidates": len(pairs), "median_abs_error": err, "spearman": rho,
+            "tau_median_abs_error": statistics.median(taus) if taus else None, "holds": holds,
+            "bar": f"median |c_predicted / c_live - 1| <= {PREDICTION_MAX_ERROR:.0%} and Spearman >= "
+                   f"{PREDICTION_MIN_SPEARMAN} over >= {PREDICTION_MIN_CANDIDATES} screened candidates"}

@@ -48,8 +48,26 @@ class Prediction:
                 "speedup_screened": self.speedup_screened}
 
 
+def monotone(values) -> np.ndarray:
+    """The non-decreasing sequence nearest to ``values`` in least squares (pool adjacent violators): a pass
+    over more rows never costs less, so a measured dip (noise, a faster kernel bucket) is averaged with its
+    neighbours instead of making c(N) fall as N grows. ``values [n]`` -> ``[n] float64``."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for v in map(float, values):
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, w1), (m2, w2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    return np.array([m for m, w in blocks for _ in range(int(w))], dtype=float)
+
+
 class Planner:
     """Predicts τ, c and speedup of configs and proposes candidates for a direction.
+
+    A speculative step's time is predicted as ``T_spec + T_pass(rows) + T_draft`` (§3.2): the exact pass
+    by rows (measured, made monotone in rows), the drafter's measured propose time, and ``T_spec`` the
+    step's work outside both (tree, acceptance, commits, the host read AR's pipelined loop hides),
+    calibrated on one speculative step measured live (``spec_step``). c = that time / T_AR.
 
     Args:
         recordings: ``{(drafter, top_k_recorded): Recording}`` from :func:`specpilot.pilot.replay.record`.
@@ -59,18 +77,41 @@ class Planner:
         ar_ms: measured AR step time, ms (the unit of c).
         device: the deployment's torch device (``cpu``, ``cuda``, ``cuda:1``): kernel mechanisms are
             proposed on CUDA only.
+        spec_step: ``(config, step_ms, rows)`` of a speculative system measured live beside ``ar_ms`` (stock,
+            in the pilot): ``T_spec = step_ms − T_pass(rows) − T_draft(config)``, at least 0. None (or a
+            config with no recording): ``T_spec = T_AR − T_pass(1)``, AR's own work outside its pass.
     """
 
     def __init__(self, recordings: dict[tuple[str, int], Recording], verify_ms: dict[int, float], ar_ms: float,
-                 device: str = "cpu"):
+                 device: str = "cpu", spec_step: tuple[SystemConfig, float, float] | None = None):
         self.recordings, self.ar_ms, self.device = recordings, ar_ms, str(device)
         self.rows = np.array(sorted(verify_ms), dtype=float)
-        self.ms = np.array([verify_ms[r] for r in sorted(verify_ms)], dtype=float)
+        self.measured_ms = np.array([verify_ms[r] for r in sorted(verify_ms)], dtype=float)
+        self.ms = monotone(self.measured_ms)
         self.overhead_ms = max(ar_ms - float(self.ms[0]), 0.0)  # per-step work outside the pass
+        self.spec_overhead_source = "AR's step less its one-row pass"
+        if spec_step is not None and spec_step[0].drafter != "none" and self.recording(spec_step[0]) is not None:
+            cfg, step_ms, rows = spec_step
+            self.overhead_ms = max(step_ms - self.verify_time(rows) - self.draft_time(cfg), 0.0)
+            self.spec_overhead_source = (f"{cfg.label()} measured live: {step_ms:.3f} ms a step less its "
+                                         f"{rows:.1f}-row pass and its drafting")
 
-    def verify_time(self, rows: int) -> float:
-        """Interpolated exact-pass time for ``rows`` rows, ms."""
+    def verify_time(self, rows: float) -> float:
+        """Exact-pass time for ``rows`` rows, ms: the monotone fit of the measured times, interpolated."""
         return float(np.interp(rows, self.rows, self.ms))
+
+    def draft_time(self, cfg: SystemConfig) -> float:
+        """The drafter's time per step for ``cfg``, ms: its recording's measured propose time (a draft model's
+        scaled to ``cfg``'s depth: one pass per position); 0 without a recording or a drafter."""
+        rec = None if cfg.drafter == "none" else self.recording(cfg)
+        if rec is None:
+            return 0.0
+        return rec.draft_ms * (cfg.depth / rec.depth if cfg.drafter == "draft_model" else 1.0)
+
+    def step_c(self, rows: float, draft_ms: float = 0.0) -> float:
+        """Predicted c of a speculative step verifying ``rows`` rows with ``draft_ms`` of drafting:
+        ``(T_spec + T_pass(rows) + draft_ms) / T_AR``."""
+        return (self.overhead_ms + self.verify_time(rows) + draft_ms) / self.ar_ms
 
     def recording(self, cfg: SystemConfig) -> Recording | None:
         """The recording that replays ``cfg`` exactly, or None."""
@@ -98,9 +139,8 @@ class Planner:
         if rec is None:
             return None
         tau, _ = replay(rec, cfg)
-        draft = rec.draft_ms * (cfg.depth / rec.depth if cfg.drafter == "draft_model" else 1.0)
         rows = 1 + min(cfg.nodes, cfg.depth if cfg.tree == "chain" else cfg.nodes)
-        c = (self.overhead_ms + self.verify_time(rows) + draft) / self.ar_ms
+        c = self.step_c(rows, self.draft_time(cfg))
         return Prediction(tau, c, tau / c)
 
     def oracle_tau(self, cfg: SystemConfig) -> float:

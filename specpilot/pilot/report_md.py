@@ -180,6 +180,23 @@ def _device_value(v) -> str:
     return str(v)
 
 
+def _predictions(p: dict, inputs: dict) -> list[str]:
+    """How the cost model's predictions held against every screened candidate's live step (§3.2)."""
+    if not p.get("candidates"):
+        return []
+    verdict = "held" if p.get("holds") else "did not hold"
+    md = ["## Predictions (§3.2)", "",
+          f"Over {p['candidates']} screened candidates the cost model's c {verdict} ({p.get('bar', '')}): median "
+          f"|error| {_pct(p.get('median_abs_error'))}, Spearman {_num(p.get('spearman'), '{:.2f}')}; replay τ "
+          f"against live τ: median |error| {_pct(p.get('tau_median_abs_error'))}. "
+          f"T_spec {_num(inputs.get('spec_overhead_ms'))} ms: {inputs.get('spec_overhead_source', '—')}.", "",
+          "| candidate | replay τ | live τ | model c | live c |", "|---|---:|---:|---:|---:|"]
+    for row in p.get("screened") or []:
+        md.append(f"| {row.get('name', '—')} | {_num(row.get('tau_replay'))} | {_num(row.get('tau_live'))} | "
+                  f"{_num(row.get('c_predicted'))} | {_num(row.get('c_live'))} |")
+    return md + [""]
+
+
 def render_markdown(r: dict, images: list[str]) -> str:
     """The text of ``report.md`` for report dict ``r`` (every key optional; missing parts show "—" or are
     skipped), with ``images`` (file names relative to the report directory) under "Plots"."""
@@ -233,6 +250,7 @@ def render_markdown(r: dict, images: list[str]) -> str:
         if tf.get("reaudit_command"):
             md.append(f"- re-audit: `{tf['reaudit_command']}`")
         md.append("")
+    md += _predictions(r.get("predictions") or {}, r.get("cost_inputs") or {})
     cands = r.get("candidates") or []
     if cands:
         md += _candidates(cands)

@@ -149,6 +149,8 @@ def screen(pilot: Pilot, proposals, inc_m: dict, k: int):
     kept = []
     for cfg, pred in proposals:
         m = pilot.measure(cfg, n=3)
+        pilot.predictions.append({"name": cfg.label(), "tau_replay": pred.tau, "tau_live": m["tau"],
+                                  "c_predicted": pred.c, "c_live": m["c"]})
         pred.c_screened = m["c"]
         pred.speedup_screened = pred.tau / pred.c_screened
         if pred.speedup_screened > inc:

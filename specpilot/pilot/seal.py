@@ -22,6 +22,7 @@ from specpilot.pilot.bootstrap import gain_and_bound
 from specpilot.pilot.budget import finish
 from specpilot.pilot.ceiling import ceiling
 from specpilot.pilot.costinputs import CostInputs
+from specpilot.pilot.costmodel import prediction_check
 from specpilot.pilot.forcing import audit, forcing_verdict, mismatch_allowance
 from specpilot.pilot.phase0 import Phase0Result
 from specpilot.pilot.report import write_report
@@ -134,9 +135,11 @@ def seal(pilot: Pilot, p0: Phase0Result, inputs: CostInputs, search: Search, adv
         "c_curve": inputs.c_curve, "adversarial": adversarial,
         "execution": {"mode": pilot.dispatch.mode, "slots": [list(sl) for sl in pilot.dispatch.slots],
                       "paired_devices": any(len(sl) == 2 for sl in pilot.dispatch.slots), "agent": o.agent},
-        "c_curve_method": "cost model without drafting: (T_AR − T_pass(1) + T_pass(N+1)) / T_AR, T_AR and "
-                          "pass times from the cost-model inputs",
+        "c_curve_method": "cost model without drafting: (T_spec + T_pass(N+1)) / T_AR, the pass times made "
+                          "monotone in rows, T_spec calibrated on stock's measured step (cost_inputs."
+                          "spec_overhead_source), T_AR and pass times from the cost-model inputs",
         "c_measured": pilot.c_measured,
+        "predictions": {**prediction_check(pilot.predictions), "screened": pilot.predictions},
         "duration": finish(pilot),
     }
     write_report(o.out, report)

@@ -81,7 +81,8 @@ class Pilot:
     (:class:`Deployment`), ``stock`` / ``ar`` configs, ``dispatch``, ``source`` (``--memory``), ``threads``;
     ``plan`` (the options' plan until :func:`.phase0.prepare` sizes it). Filled later: ``peaks``, ``reqs``,
     ``duration`` (setup), ``scorer`` and ``controller`` (Phase 0), ``planner`` (cost-model inputs),
-    ``c_measured`` (every c measured along the run), ``code_tree`` / ``code_entries`` (the incumbent's
+    ``c_measured`` (every c measured along the run), ``predictions`` (every screened candidate's predicted and
+    live τ and c), ``code_tree`` / ``code_entries`` (the incumbent's
     approved agent patches).
 
     Raises:
@@ -124,6 +125,7 @@ class Pilot:
         self.peaks, self.reqs, self.duration = None, [], {}
         self.scorer, self.controller, self.planner = None, None, None
         self.c_measured: list[dict] = []
+        self.predictions: list[dict] = []
         self.tau_best_source = ""  # where the last ceiling's τ_best came from (:func:`.ceiling.ceiling`)
 
     # -- Phase 0's facts (§3.3, §3.4) -------------------------------------------------------------

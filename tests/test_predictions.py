@@ -1,0 +1,89 @@
+"""The cost model's predictions (§3.2): pass times made monotone in rows, the speculative step's own work
+calibrated on a measured step, and the self-check against the live c of screened candidates."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from specpilot.config import SystemConfig
+from specpilot.pilot.costinputs import c_model_curve
+from specpilot.pilot.costmodel import prediction_check
+from specpilot.pilot.planner import Planner, monotone
+from specpilot.pilot.replay import record
+from specpilot.pilot.report_md import render_markdown
+from specpilot.spec.ngram import NgramDrafter
+
+
+def test_monotone_is_the_least_squares_non_decreasing_fit():
+    assert monotone([1, 3, 2, 4]).tolist() == [1, 2.5, 2.5, 4]
+    assert monotone([5.46, 7.0, 6.54, 7.02, 8.42]).tolist() == pytest.approx([5.46, 6.77, 6.77, 7.02, 8.42])
+    rng = random.Random(0)
+    for _ in range(200):
+        v = [rng.uniform(0, 10) for _ in range(rng.randint(1, 9))]
+        m = monotone(v)
+        assert np.all(np.diff(m) >= -1e-12) and m.sum() == pytest.approx(sum(v))  # blocks keep their mean
+        if all(a <= b for a, b in zip(v, v[1:])):
+            assert m.tolist() == pytest.approx(v)
+
+
+def _planner(spec_step=None, verify=None):
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1], [5, 6, 7, 5, 6, 7, 5]]
+    ar = [[2, 3, 4, 1, 2, 3, 4], [6, 7, 5, 6, 7, 5, 6]]
+    rec = record(NgramDrafter(4, 1, max_matches=1), prompts, ar, 6, 1)
+    rec.draft_ms = 0.25
+    verify = verify or {1: 4.0, 2: 4.6, 4: 4.3, 8: 5.0, 16: 6.0}  # a dip at 4 rows: measurement noise
+    return Planner({("ngram", 1): rec}, verify, 3.5, spec_step=spec_step)
+
+
+def test_c_curve_is_monotone_even_when_the_measured_passes_dip():
+    p = _planner()
+    curve = c_model_curve(p, {1: 4.0, 2: 4.6, 4: 4.3, 8: 5.0, 16: 6.0})
+    ns = sorted(curve)
+    assert curve[0] == 1.0 and all(curve[a] <= curve[b] for a, b in zip(ns[1:], ns[2:]))
+    assert p.verify_time(3) == pytest.approx(4.45)  # 2 and 4 rows pooled to their mean
+
+
+def test_spec_overhead_is_calibrated_on_the_measured_step():
+    stock = SystemConfig(drafter="ngram", tree="chain", nodes=4, depth=4, top_k=1)
+    plain = _planner()
+    assert plain.overhead_ms == 0.0  # AR's step (3.5 ms) is shorter than the one-row pass: nothing outside
+    p = _planner(spec_step=(stock, 6.0, 5.0))
+    assert p.overhead_ms == pytest.approx(6.0 - p.verify_time(5.0) - 0.25)
+    assert "measured live" in p.spec_overhead_source
+    # the calibration step itself is predicted at its measured cost
+    assert p.predict(stock).c == pytest.approx(6.0 / 3.5)
+    bigger = p.predict(SystemConfig(drafter="ngram", tree="chain", nodes=6, depth=6, top_k=1))
+    assert bigger.c > p.predict(stock).c
+    # a config with no recording cannot calibrate: AR's own overhead is kept
+    unknown = _planner(spec_step=(SystemConfig(drafter="draft_model", tree="chain", nodes=4, depth=4), 9.0, 5.0))
+    assert unknown.overhead_ms == 0.0 and "AR" in unknown.spec_overhead_source
+
+
+def test_prediction_check_figures_and_bar():
+    live = [1.0, 1.2, 1.4, 1.6, 1.8, 2.0]
+    good = [{"name": f"c{i}", "c_predicted": c * 1.05, "c_live": c, "tau_replay": 2.0, "tau_live": 2.1}
+            for i, c in enumerate(live)]
+    r = prediction_check(good)
+    assert r["candidates"] == 6 and r["median_abs_error"] == pytest.approx(0.05) and r["spearman"] == pytest.approx(1)
+    assert r["tau_median_abs_error"] == pytest.approx(1 - 2.0 / 2.1) and r["holds"]
+    off = [{**g, "c_predicted": g["c_live"] * 1.3} for g in good]
+    assert not prediction_check(off)["holds"]  # 30% off, however well ranked
+    shuffled = [{**g, "c_predicted": c} for g, c in zip(good, [1.9, 1.05, 1.7, 1.2, 2.0, 1.3])]
+    s = prediction_check(shuffled)
+    assert s["spearman"] < 0.8 and not s["holds"]
+    few = prediction_check(good[:4])
+    assert few["candidates"] == 4 and not few["holds"]  # under five candidates nothing is established
+    flat = prediction_check([{**g, "c_predicted": 1.0} for g in good])
+    assert flat["spearman"] is None and not flat["holds"]
+    assert prediction_check([])["candidates"] == 0
+
+
+def test_report_shows_the_predictions():
+    rows = [{"name": "ngram/chain N=4", "c_predicted": 1.3, "c_live": 1.2, "tau_replay": 1.5, "tau_live": 1.45}]
+    r = {"predictions": {**prediction_check(rows), "screened": rows},
+         "cost_inputs": {"spec_overhead_ms": 0.4, "spec_overhead_source": "stock measured live"}}
+    md = render_markdown(r, [])
+    assert "## Predictions" in md and "did not hold" in md and "| ngram/chain N=4 | 1.500 | 1.450 | 1.300 | 1.200 |" in md
