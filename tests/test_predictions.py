@@ -87,3 +87,13 @@ def test_report_shows_the_predictions():
          "cost_inputs": {"spec_overhead_ms": 0.4, "spec_overhead_source": "stock measured live"}}
     md = render_markdown(r, [])
     assert "## Predictions" in md and "did not hold" in md and "| ngram/chain N=4 | 1.500 | 1.450 | 1.300 | 1.200 |" in md
+
+
+def test_rechecked_peaks_keep_the_higher_and_say_when_setup_was_busy():
+    from specpilot.pilot.profiler import DevicePeaks
+
+    setup = DevicePeaks(1e12, 50e9, "cpu", "first")
+    same, warn = setup.rechecked(DevicePeaks(1.1e12, 48e9, "cpu", "again"))
+    assert warn is None and same.flops_per_s == 1.1e12 and same.bytes_per_s == 50e9
+    busy, warn = setup.rechecked(DevicePeaks(0.9e12, 90e9, "cpu", "again"))
+    assert busy.bytes_per_s == 90e9 and busy.flops_per_s == 1e12 and "bandwidth +80%" in warn and "busy" in warn

@@ -45,8 +45,13 @@ def test_writes_everything(tmp_path):
         assert s in md, s
     assert "| 1.800 | 1.300 | 1.100 | 2.574 |" in md  # ceiling factors and their product
     assert "< 1: the profiled run" not in md
-    write_report(tmp_path / "low", {**REPORT, "ceiling": {"tree": 1.0, "kernel": 1.3, "outside": 0.964}}, {})
-    assert "outside = measured step ms / profiled ms = 0.964 < 1: the profiled run" in (tmp_path / "low" / "report.md").read_text()
+    from specpilot.pilot.costmodel import Ceiling, ClassCost
+
+    low = Ceiling(1.0, 1.0, 0.964, {"projections": ClassCost(1.0, 1.25, 1, 1)})  # outside 0.964, kernel 0.8
+    write_report(tmp_path / "low", {**REPORT, "ceiling": {**low.factors(), "detail": low.to_dict()}}, {})
+    low_md = (tmp_path / "low" / "report.md").read_text()
+    assert "outside 0.96 < 1: the profiled run's region times sum to more" in low_md
+    assert "kernel 0.80 < 1: the profiled kernels ran faster than the byte floor" in low_md
     assert "Commit: 0123abc; versions: torch 2.13.0" in md
     assert "| stock (`draft_model/chain N=6`) | 63.2 |" in md and "| sealed (`ngram/best_first N=6`) | 97.8 |" in md
 

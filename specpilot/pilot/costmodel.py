@@ -299,6 +299,20 @@ class Ceiling:
         """``{"tree", "kernel", "outside"}`` factor values."""
         return {"tree": self.tree, "kernel": self.kernel, "outside": self.outside}
 
+    def explanations(self) -> dict[str, str]:
+        """Why a factor is below 1 (headroom cannot be negative), per factor name; empty when none is."""
+        out = {}
+        if self.kernel < 1:
+            out["kernel"] = (f"kernel {self.kernel:.2f} < 1: the profiled kernels ran faster than the byte floor at "
+                             "the measured peaks allows, so the peaks understate this device for these kernels "
+                             "(weights small enough to stay in cache, or peaks taken while the machine was busy); "
+                             "read it as no kernel headroom")
+        if self.outside < 1:
+            out["outside"] = (f"outside {self.outside:.2f} < 1: the profiled run's region times sum to more than the "
+                              "timed run's step (the profiler synchronises at every region, which costs most on a "
+                              "launch-bound target); read it as no time outside the profiled regions")
+        return out
+
     def largest_factor(self) -> str:
         """Name of the largest factor (``tree``, ``kernel`` or ``outside``): what the next round attacks."""
         f = self.factors()
@@ -316,6 +330,7 @@ class Ceiling:
             "factors": self.factors(),
             "ceiling": self.ceiling,
             "largest_factor": self.largest_factor(),
+            "explanations": self.explanations(),
             "ceiling_speedup": self.ceiling_speedup,
             "cost": None if self.cost is None else self.cost.to_dict(),
             "peaks": None if self.peaks is None else self.peaks.to_dict(),

@@ -139,6 +139,20 @@ class DevicePeaks:
         """Plain dict of the fields (for reports / JSON)."""
         return asdict(self)
 
+    def rechecked(self, again: "DevicePeaks", slack: float = 0.2) -> tuple["DevicePeaks", str | None]:
+        """These peaks against a later measurement ``again`` of the same device: the higher of each (a busy
+        machine only ever lowers a peak), and a warning when either rose by more than ``slack`` (a fraction),
+        i.e. the first measurement was taken while something else ran. Returns ``(peaks, warning or None)``."""
+        best = DevicePeaks(max(self.flops_per_s, again.flops_per_s), max(self.bytes_per_s, again.bytes_per_s),
+                           self.device_name, f"{self.method}; re-checked: {again.method}; the higher of each kept")
+        rose = [f"{name} {new / old - 1:+.0%}" for name, old, new in
+                (("matmul", self.flops_per_s, again.flops_per_s), ("bandwidth", self.bytes_per_s, again.bytes_per_s))
+                if new > (1 + slack) * old]
+        if not rose:
+            return best, None
+        return best, ("peaks re-measured higher than before (" + ", ".join(rose) + "): the machine was busy when "
+                      "they were first taken; the byte floor now uses the higher")
+
 
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":

@@ -226,11 +226,8 @@ def render_markdown(r: dict, images: list[str]) -> str:
             prod *= float(ceil.get(f) or 1.0)
         md += ["## Ceiling (§3.2)", "", "| tree | kernel | outside | product |", "|---:|---:|---:|---:|",
                f"| {' | '.join(_num(ceil.get(f)) for f in FACTORS)} | {_num(prod)} |", ""]
-        out_f = ceil.get("outside")
-        if isinstance(out_f, (int, float)) and out_f < 1:
-            md += [f"outside = measured step ms / profiled ms = {_num(out_f)} < 1: the profiled run's summed region "
-                   "times exceed the timed run's step time. The two are separate runs and the profiler lengthens "
-                   "what it records; read it as no time left outside the profiled regions, i.e. a factor of 1.", ""]
+        for why in ((ceil.get("detail") or {}).get("explanations") or {}).values():
+            md += [why + ".", ""]
     tf = r.get("token_forcing") or {}
     if tf:
         md += ["## Token forcing (§3.4)", "",
