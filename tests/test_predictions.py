@@ -97,3 +97,11 @@ def test_rechecked_peaks_keep_the_higher_and_say_when_setup_was_busy():
     assert warn is None and same.flops_per_s == 1.1e12 and same.bytes_per_s == 50e9
     busy, warn = setup.rechecked(DevicePeaks(0.9e12, 90e9, "cpu", "again"))
     assert busy.bytes_per_s == 90e9 and busy.flops_per_s == 1e12 and "bandwidth +80%" in warn and "busy" in warn
+
+
+def test_report_says_when_phase0_and_the_headline_disagree():
+    base = {"ar_tokens_per_s": 100.0, "phase0": {"stock_vs_ar_gain": 0.994, "stock_vs_ar_lower_bound": 0.95}}
+    agree = render_markdown({**base, "stock_tokens_per_s": 97.0}, [])
+    assert "outside Phase 0's interval" not in agree
+    apart = render_markdown({**base, "stock_tokens_per_s": 87.2}, [])
+    assert "Phase 0 measured stock at 0.994x AR (95% interval ±0.044) and the headline at 0.872x" in apart

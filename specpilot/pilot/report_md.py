@@ -90,7 +90,26 @@ def _headline_warnings(r: dict) -> list[str]:
                    "throughput ratios (prefill included, each request's faster run: the controller's statistic), "
                    "τ / c sums decode steps over all requests (long requests weigh more). Neither is wrong; they "
                    "answer different questions.")
+    out += _phase0_vs_headline(r)
     return out
+
+
+def _phase0_vs_headline(r: dict) -> list[str]:
+    """A note when Phase 0's stock-vs-AR gain and the headline's stock / AR throughput disagree by more than Phase
+    0's own two-sided interval (gain ± (gain − 95% lower bound)), with why two measurements of one ratio can."""
+    p0 = r.get("phase0") or {}
+    g, low = p0.get("stock_vs_ar_gain"), p0.get("stock_vs_ar_lower_bound")
+    ar, st = r.get("ar_tokens_per_s"), r.get("stock_tokens_per_s")
+    if not all(isinstance(x, (int, float)) for x in (g, low, ar, st)) or not ar:
+        return []
+    head, half = st / ar, max(g - low, 0.0)
+    if abs(head - g) <= half:
+        return []
+    return [f"- Note: Phase 0 measured stock at {_num(g)}x AR (95% interval ±{_num(half)}) and the headline at "
+            f"{_num(head)}x: outside Phase 0's interval. They are two measurements of one ratio, on different salted "
+            "prompt variants at the start and the end of the run (the headline also keeps each request's faster of "
+            "two runs); a gap beyond the interval means the machine's speed changed between them (another process, "
+            "clocks, thermal state): compare Phase 0's σ with a quiet run, and trust neither to better than the gap."]
 
 
 def _ratio(a, b):
