@@ -105,3 +105,17 @@ def test_report_says_when_phase0_and_the_headline_disagree():
     assert "outside Phase 0's interval" not in agree
     apart = render_markdown({**base, "stock_tokens_per_s": 87.2}, [])
     assert "Phase 0 measured stock at 0.994x AR (95% interval ±0.044) and the headline at 0.872x" in apart
+
+
+def test_tau_plot_gets_the_sealed_systems_own_drafter():
+    from types import SimpleNamespace
+
+    from specpilot.pilot.seal import sealed_tau_curves
+
+    pilot = SimpleNamespace(planner=_planner(), plan={"depth_max": 6}, drafter_kind="draft_model")
+    sealed = SystemConfig(drafter="ngram", tree="best_first", nodes=4, depth=4, top_k=2)
+    curves = sealed_tau_curves(pilot, sealed)
+    assert set(curves) == {"ngram/chain", "ngram/best_first", "ngram/oracle"}
+    assert curves["ngram/chain"][1] >= 1.0 and curves["ngram/oracle"][4] >= curves["ngram/chain"][4]
+    assert sealed_tau_curves(pilot, SystemConfig.ar()) == {}
+    assert sealed_tau_curves(SimpleNamespace(**{**vars(pilot), "drafter_kind": "ngram"}), sealed) == {}

@@ -73,10 +73,11 @@ def c_model_curve(planner: Planner, verify_ms: dict) -> dict:
     return {0: 1.0, **{r - 1: planner.step_c(r) for r in sorted(verify_ms) if r > 1}}
 
 
-def tau_curves(pilot: Pilot) -> dict:
-    """τ vs N by exact replay, per tree builder, for the deployment's drafter (report plot)."""
+def tau_curves(pilot: Pilot, kind: str | None = None) -> dict:
+    """τ vs N by exact replay, per tree builder, for drafter ``kind`` (``ngram`` or ``draft_model``; default the
+    deployment's; the seal adds the sealed system's when it differs) for the report plot."""
     out = {}
-    kind = pilot.drafter_kind
+    kind = kind or pilot.drafter_kind
     k = 8 if kind == "draft_model" else 4
     depth = pilot.plan["depth_max"]
     for builder in ("chain", "best_first", "oracle"):

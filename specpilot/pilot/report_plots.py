@@ -26,7 +26,7 @@ def _plot_tau(path: Path, data: dict) -> bool:
             drew = True
     if not drew:
         return False
-    ax.set(xlabel="tree budget N (nodes)", ylabel="τ (tokens / exact pass)", title="τ vs N per tree builder")
+    ax.set(xlabel="tree budget N (nodes)", ylabel="τ (tokens / exact pass)", title="τ vs N per drafter / tree builder")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=100, bbox_inches="tight")

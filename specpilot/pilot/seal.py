@@ -21,7 +21,7 @@ from specpilot.pilot.audit import write_outputs
 from specpilot.pilot.bootstrap import gain_and_bound
 from specpilot.pilot.budget import finish
 from specpilot.pilot.ceiling import ceiling
-from specpilot.pilot.costinputs import CostInputs
+from specpilot.pilot.costinputs import CostInputs, tau_curves
 from specpilot.pilot.costmodel import prediction_check
 from specpilot.pilot.forcing import audit, forcing_verdict, mismatch_allowance
 from specpilot.pilot.phase0 import Phase0Result
@@ -131,7 +131,7 @@ def seal(pilot: Pilot, p0: Phase0Result, inputs: CostInputs, search: Search, adv
         "entries": [{"id": e.id, "title": e.title, "gain": e.evidence.gain, "lower_bound": e.evidence.lower_bound,
                      "requires": e.requires, "delta": e.delta, "reused_from": e.reused_from} for e in entries],
         "memory_source": str(pilot.source.root) if pilot.source is not None else None, "reused": search.reused,
-        "candidates": search.candidates, "rounds": search.rounds, "tau_curve": inputs.tau_curve,
+        "candidates": search.candidates, "rounds": search.rounds, "tau_curve": {**inputs.tau_curve, **sealed_tau_curves(pilot, sealed)},
         "c_curve": inputs.c_curve, "adversarial": adversarial,
         "execution": {"mode": pilot.dispatch.mode, "slots": [list(sl) for sl in pilot.dispatch.slots],
                       "paired_devices": any(len(sl) == 2 for sl in pilot.dispatch.slots), "agent": o.agent},
@@ -183,3 +183,11 @@ def benchmark_table(final) -> dict:
             row[f"vs_{base}_method"] = method
         out[b] = row
     return out
+
+
+def sealed_tau_curves(pilot: Pilot, sealed) -> dict:
+    """The τ-vs-N curves of the sealed system's own drafter when it is not the deployment's (a run with a draft
+    model that seals n-gram plots both); none for AR or a block drafter (its curves need its checkpoint)."""
+    if sealed.drafter in ("none", "block", pilot.drafter_kind):
+        return {}
+    return tau_curves(pilot, sealed.drafter)
