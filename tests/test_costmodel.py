@@ -17,6 +17,7 @@ from specpilot.pilot.costmodel import (
     byte_floor_ms,
     floors_ms,
     pass_counts,
+    pass_launches,
     step_counts,
 )
 from specpilot.pilot.profiler import DevicePeaks, StepProfiler, measure_peaks
@@ -137,7 +138,22 @@ def test_measure_peaks_small():
     pk = measure_peaks("cpu", seconds_budget=0.05, matmul_n=128, copy_bytes=4 << 20)
     assert pk.flops_per_s > 1e6 and pk.bytes_per_s > 1e6
     assert "128x128x128" in pk.method and pk.device_name
-    assert set(pk.to_dict()) == {"flops_per_s", "bytes_per_s", "device_name", "method"}
+    assert set(pk.to_dict()) == {"flops_per_s", "bytes_per_s", "device_name", "method", "launch_s"}
+    assert 1e-8 < pk.launch_s < 1e-3 and "one-element adds" in pk.method
+
+
+def test_launch_floor_binds_a_launch_bound_pass():
+    """A small target's pass is bound by its launches, not its bytes: the floor takes the larger."""
+    args = tiny_args()
+    fused, eager = pass_launches(args, True), pass_launches(args, False)
+    assert fused == {"projections": 8, "attention": 2, "norms_elementwise": 9, "other": 1, "lm_head": 2}
+    assert all(eager[k] >= fused[k] for k in fused) and "lm_head" not in pass_launches(args, True, lm_head=False)
+    peaks = DevicePeaks(1e15, 4e12, "fake", "test", launch_s=2e-6)
+    counts = pass_counts(args, 1, 100, 2)
+    plain, floored = floors_ms(counts, peaks), floors_ms(counts, peaks, fused)
+    assert floored["projections"] == pytest.approx(8 * 2e-3) and floored["projections"] > plain["projections"]
+    assert all(floored[k] >= plain[k] for k in counts)
+    assert byte_floor_ms(1e12, 0, peaks, launches=3) == byte_floor_ms(1e12, 0, peaks)  # compute-bound: unchanged
 
 
 def _ceiling(**kw):

@@ -8,7 +8,7 @@ class, counts each class's FLOPs and bytes for the byte floor, and takes τ_best
 from __future__ import annotations
 
 from specpilot.config import SystemConfig
-from specpilot.pilot.costmodel import Ceiling, build_ceiling, step_counts
+from specpilot.pilot.costmodel import Ceiling, build_ceiling, pass_launches, step_counts
 from specpilot.pilot.profiler import StepProfiler, measure_peaks
 from specpilot.pilot.replay import replay
 from specpilot.pilot.state import Pilot
@@ -49,9 +49,12 @@ def ceiling(pilot: Pilot, cfg: SystemConfig) -> tuple[Ceiling, dict]:
     d_args = pilot.dep.draft_model.args if cfg.drafter == "draft_model" else None
     counts = step_counts(target.args, max(1, round(m["rows"])), int(sum(prefix) / len(prefix)),
                          target.dtype.itemsize, drafter_args=d_args, drafter_passes=cfg.depth)
+    launches = pass_launches(target.args, target.fused_on(target.model.embed_tokens.weight))
+    if d_args is not None:  # the draft model's passes, op by op, under "drafter"
+        launches["drafter"] = cfg.depth * sum(pass_launches(d_args, False).values())
     tau_best, pilot.tau_best_source = tree_tau_best(pilot.planner, cfg, m["tau"], pilot.stock.nodes)
     ceil = build_ceiling(totals, counts, pilot.peaks, m["step_ms"], m["tau"], tau_best, steps=max(steps, 1),
-                         ar_ms=m["ar_step_ms"], rows=round(m["rows"]))
+                         ar_ms=m["ar_step_ms"], rows=round(m["rows"]), launches=launches)
     return ceil, m
 
 

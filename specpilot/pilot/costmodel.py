@@ -5,7 +5,7 @@ the headroom left, as a product of three factors, each attacked in turn by a rou
 
 - tree = τ_best(N) / τ_current: what a better tree of N nodes could accept (τ_best from an oracle);
 - kernel = profiled step time / byte floor, where the byte floor of each kernel class is
-  ``max(FLOPs / (0.6 · peak FLOP/s), bytes / (0.9 · peak bytes/s))``;
+  ``max(FLOPs / (0.6 · peak FLOP/s), bytes / (0.9 · peak bytes/s), launches · launch latency)``;
 - outside = measured step time / profiled time (time no region accounts for).
 
 FLOP and byte counts are analytic, for one target pass of R rows at cache prefix length L of a dense
@@ -146,24 +146,45 @@ def step_counts(
     return {k: counts[k] for k in KERNEL_CLASSES if k in counts}
 
 
-def byte_floor_ms(flops: float, nbytes: float, peaks: DevicePeaks) -> float:
-    """Byte floor of one kernel class in ms: ``max(FLOPs / (0.6·peak FLOP/s), bytes / (0.9·peak bytes/s))``.
+def pass_launches(args: ModelArgs, fused: bool, lm_head: bool = True) -> dict[str, int]:
+    """Kernel launches per class of one pass, a lower bound (§3.2's launch floor). ``fused``: the fused Triton
+    path (:mod:`specpilot.model.fused`: per layer 4 GEMMs, 1 attention, 2 add+RMSNorms, the q/k norm + RoPE +
+    K/V store, SwiGLU); else op by op (per layer 4 GEMMs, SDPA and 2 K/V writes, 8 ops per float32 RMSNorm
+    times 2 (4 with q/k norm), 6 for RoPE, 2 for SwiGLU, 2 residual adds). Plus the final norm, the embedding
+    and, with ``lm_head``, the head GEMM and its argmax."""
+    nl, norm = args.num_layers, 1 if fused else 8
+    per_norms = 4 if fused else norm * (4 if args.qk_norm else 2) + 6 + 2 + 2
+    out = {"projections": 4 * nl, "attention": nl * (1 if fused else 3), "norms_elementwise": nl * per_norms + norm,
+           "other": 1}
+    if lm_head:
+        out["lm_head"] = 2
+    return out
+
+
+def byte_floor_ms(flops: float, nbytes: float, peaks: DevicePeaks, launches: int = 0) -> float:
+    """Byte floor of one kernel class in ms:
+    ``max(FLOPs / (0.6·peak FLOP/s), bytes / (0.9·peak bytes/s), launches · launch latency)``.
 
     §3.2's floor: the time the work would take at 60% of peak dense throughput or 90% of peak bandwidth,
-    whichever is larger. Raises ValueError when a peak is not positive or a count is negative.
+    whichever is larger; a class of many tiny kernels is bound by their launches instead (a small target is
+    launch-bound: its byte floor alone put the H200's kernel factor at 70–96). Raises ValueError when a peak is
+    not positive or a count is negative.
     """
     if peaks.flops_per_s <= 0 or peaks.bytes_per_s <= 0:
         raise ValueError(f"peaks must be positive, got {peaks.flops_per_s} FLOP/s, {peaks.bytes_per_s} B/s")
-    if flops < 0 or nbytes < 0:
-        raise ValueError(f"counts must be >= 0, got {flops} FLOPs, {nbytes} bytes")
+    if flops < 0 or nbytes < 0 or launches < 0:
+        raise ValueError(f"counts must be >= 0, got {flops} FLOPs, {nbytes} bytes, {launches} launches")
     t_compute = flops / (FLOPS_EFFICIENCY * peaks.flops_per_s)
     t_memory = nbytes / (BANDWIDTH_EFFICIENCY * peaks.bytes_per_s)
-    return max(t_compute, t_memory) * 1e3
+    return max(t_compute, t_memory, launches * peaks.launch_s) * 1e3
 
 
-def floors_ms(counts: dict[str, tuple[float, float]], peaks: DevicePeaks) -> dict[str, float]:
-    """Byte floor in ms of each class of ``counts`` (from :func:`step_counts`); sum them for the step's."""
-    return {k: byte_floor_ms(f, nb, peaks) for k, (f, nb) in counts.items()}
+def floors_ms(counts: dict[str, tuple[float, float]], peaks: DevicePeaks,
+              launches: dict[str, int] | None = None) -> dict[str, float]:
+    """Byte floor in ms of each class of ``counts`` (from :func:`step_counts`), with each class's launches
+    (:func:`pass_launches`) when given; sum them for the step's."""
+    launches = launches or {}
+    return {k: byte_floor_ms(f, nb, peaks, launches.get(k, 0)) for k, (f, nb) in counts.items()}
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -352,6 +373,7 @@ def build_ceiling(
     steps: int = 1,
     ar_ms: float | None = None,
     rows: int = 0,
+    launches: dict[str, int] | None = None,
 ) -> Ceiling:
     """Assemble the §3.2 ceiling from a profile, per-step counts and device peaks.
 
@@ -364,6 +386,7 @@ def build_ceiling(
         steps: number of steps ``totals_ms`` covers (> 0); times are divided by it.
         ar_ms: T_AR in ms, when known (adds the :class:`CostModel`).
         rows: N, for the report.
+        launches: per-step kernel launches per class (:func:`pass_launches`): the launch floor of each class.
     Returns:
         :class:`Ceiling` over the union of profiled and counted classes, in :data:`KERNEL_CLASSES` order
         (unknown profiled names follow).
@@ -377,7 +400,8 @@ def build_ceiling(
     classes = {}
     for k in names:
         f, nb = counts.get(k, (0, 0))
-        classes[k] = ClassCost(totals_ms.get(k, 0.0) / steps, byte_floor_ms(f, nb, peaks), f, nb)
+        floor = byte_floor_ms(f, nb, peaks, (launches or {}).get(k, 0))
+        classes[k] = ClassCost(totals_ms.get(k, 0.0) / steps, floor, f, nb)
     cost = None if ar_ms is None else CostModel(tau_current, step_ms, ar_ms, rows)
     return Ceiling(tau_current, tau_best, step_ms, classes, cost, peaks)
 

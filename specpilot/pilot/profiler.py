@@ -128,23 +128,28 @@ class DevicePeaks:
         bytes_per_s: best large-copy bandwidth, bytes/s (bytes read + bytes written).
         device_name: human-readable device name.
         method: how the figures were measured (sizes, dtype, repeats).
+        launch_s: seconds per back-to-back launch of a tiny kernel (the per-launch latency floor of a
+            launch-bound pass; 0 when not measured).
     """
 
     flops_per_s: float
     bytes_per_s: float
     device_name: str
     method: str
+    launch_s: float = 0.0
 
     def to_dict(self) -> dict:
         """Plain dict of the fields (for reports / JSON)."""
         return asdict(self)
 
     def rechecked(self, again: "DevicePeaks", slack: float = 0.2) -> tuple["DevicePeaks", str | None]:
-        """These peaks against a later measurement ``again`` of the same device: the higher of each (a busy
-        machine only ever lowers a peak), and a warning when either rose by more than ``slack`` (a fraction),
+        """These peaks against a later measurement ``again`` of the same device: the higher of each peak and the
+        lower launch latency (a busy machine only ever makes them worse), and a warning when either rose by more than ``slack`` (a fraction),
         i.e. the first measurement was taken while something else ran. Returns ``(peaks, warning or None)``."""
+        launch = min((x for x in (self.launch_s, again.launch_s) if x > 0), default=0.0)
         best = DevicePeaks(max(self.flops_per_s, again.flops_per_s), max(self.bytes_per_s, again.bytes_per_s),
-                           self.device_name, f"{self.method}; re-checked: {again.method}; the higher of each kept")
+                           self.device_name, f"{self.method}; re-checked: {again.method}; the better of each kept",
+                           launch)
         rose = [f"{name} {new / old - 1:+.0%}" for name, old, new in
                 (("matmul", self.flops_per_s, again.flops_per_s), ("bandwidth", self.bytes_per_s, again.bytes_per_s))
                 if new > (1 + slack) * old]
@@ -225,6 +230,7 @@ def measure_peaks(
     dst = torch.empty_like(src)
     cp_ms = _best_ms(lambda: dst.copy_(src), device, seconds_budget / 2)
     del src, dst
+    launch_s, how = launch_latency_s(device)
 
     return DevicePeaks(
         flops_per_s=2.0 * n**3 / (mm_ms * 1e-3),
@@ -232,6 +238,31 @@ def measure_peaks(
         device_name=_device_name(device),
         method=(
             f"matmul {n}x{n}x{n} {str(dtype).removeprefix('torch.')} best {mm_ms:.3f} ms; "
-            f"copy_ {nbytes / 2**20:.0f} MiB (read+write) best {cp_ms:.3f} ms"
+            f"copy_ {nbytes / 2**20:.0f} MiB (read+write) best {cp_ms:.3f} ms; {how}"
         ),
+        launch_s=launch_s,
     )
+
+
+def launch_latency_s(device: torch.device | str, launches: int = 200) -> tuple[float, str]:
+    """Seconds per back-to-back launch of a one-element kernel, and how it was measured: on CUDA a graph of
+    ``launches`` adds replayed (the engine replays its steps as graphs), on the CPU ``10 · launches`` eager adds
+    (the per-op dispatch an eager step pays); best of 5. The floor of a pass whose kernels are too small to be
+    bound by FLOPs or bytes (§3.2)."""
+    device = torch.device(device)
+    x = torch.zeros(1, device=device)
+    if device.type == "cuda":
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            x.add_(1)
+        torch.cuda.current_stream(device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(launches):
+                x.add_(1)
+        ms = _best_ms(g.replay, device, 0.2, min_reps=5)
+        return ms * 1e-3 / launches, f"{launches} one-element adds in a CUDA graph best {ms:.3f} ms"
+    n = 10 * launches
+    ms = _best_ms(lambda: [x.add_(1) for _ in range(n)], device, 0.2, min_reps=5)
+    return ms * 1e-3 / n, f"{n} eager one-element adds best {ms:.3f} ms"
