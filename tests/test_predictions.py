@@ -10,7 +10,7 @@ import pytest
 
 from specpilot.config import SystemConfig
 from specpilot.pilot.costinputs import c_model_curve
-from specpilot.pilot.costmodel import prediction_check
+from specpilot.pilot.predictions import prediction_check
 from specpilot.pilot.planner import Planner, monotone
 from specpilot.pilot.replay import record
 from specpilot.pilot.report_md import render_markdown

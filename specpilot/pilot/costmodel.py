@@ -15,7 +15,6 @@ llama / qwen decoder (:class:`specpilot.model.transformer.ModelArgs`), plus the 
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
 
 from specpilot.model.args import ModelArgs
@@ -147,11 +146,9 @@ def step_counts(
 
 
 def pass_launches(args: ModelArgs, fused: bool, lm_head: bool = True) -> dict[str, int]:
-    """Kernel launches per class of one pass, a lower bound (§3.2's launch floor). ``fused``: the fused Triton
-    path (:mod:`specpilot.model.fused`: per layer 4 GEMMs, 1 attention, 2 add+RMSNorms, the q/k norm + RoPE +
-    K/V store, SwiGLU); else op by op (per layer 4 GEMMs, SDPA and 2 K/V writes, 8 ops per float32 RMSNorm
-    times 2 (4 with q/k norm), 6 for RoPE, 2 for SwiGLU, 2 residual adds). Plus the final norm, the embedding
-    and, with ``lm_head``, the head GEMM and its argmax."""
+    """Kernel launches per class of one pass, a lower bound (the launch floor, §3.2). Per layer ``fused``: 4 GEMMs,
+    attention, 2 add+RMSNorms, q/k norm+RoPE+store, SwiGLU; op by op: 4 GEMMs, SDPA + 2 K/V writes, 8 ops per
+    RMSNorm (2, 4 with q/k norm), RoPE 6, SwiGLU 2, adds 2. Plus final norm, embedding, head GEMM + argmax."""
     nl, norm = args.num_layers, 1 if fused else 8
     per_norms = 4 if fused else norm * (4 if args.qk_norm else 2) + 6 + 2 + 2
     out = {"projections": 4 * nl, "attention": nl * (1 if fused else 3), "norms_elementwise": nl * per_norms + norm,
@@ -165,10 +162,9 @@ def byte_floor_ms(flops: float, nbytes: float, peaks: DevicePeaks, launches: int
     """Byte floor of one kernel class in ms:
     ``max(FLOPs / (0.6·peak FLOP/s), bytes / (0.9·peak bytes/s), launches · launch latency)``.
 
-    §3.2's floor: the time the work would take at 60% of peak dense throughput or 90% of peak bandwidth,
-    whichever is larger; a class of many tiny kernels is bound by their launches instead (a small target is
-    launch-bound: its byte floor alone put the H200's kernel factor at 70–96). Raises ValueError when a peak is
-    not positive or a count is negative.
+    §3.2's floor: the work at 60% of peak FLOP/s or 90% of peak bandwidth, whichever is larger, or the
+    launches of a class of tiny kernels (a small target is launch-bound: bytes alone put the H200's kernel factor
+    at 70–96). Raises ValueError when a peak is not positive or a count is negative.
     """
     if peaks.flops_per_s <= 0 or peaks.bytes_per_s <= 0:
         raise ValueError(f"peaks must be positive, got {peaks.flops_per_s} FLOP/s, {peaks.bytes_per_s} B/s")
@@ -179,12 +175,9 @@ def byte_floor_ms(flops: float, nbytes: float, peaks: DevicePeaks, launches: int
     return max(t_compute, t_memory, launches * peaks.launch_s) * 1e3
 
 
-def floors_ms(counts: dict[str, tuple[float, float]], peaks: DevicePeaks,
-              launches: dict[str, int] | None = None) -> dict[str, float]:
-    """Byte floor in ms of each class of ``counts`` (from :func:`step_counts`), with each class's launches
-    (:func:`pass_launches`) when given; sum them for the step's."""
-    launches = launches or {}
-    return {k: byte_floor_ms(f, nb, peaks, launches.get(k, 0)) for k, (f, nb) in counts.items()}
+def floors_ms(counts: dict[str, tuple[float, float]], peaks: DevicePeaks, launches: dict | None = None) -> dict:
+    """Byte floor in ms of each class of ``counts`` (:func:`step_counts`; ``launches``: :func:`pass_launches`)."""
+    return {k: byte_floor_ms(f, nb, peaks, (launches or {}).get(k, 0)) for k, (f, nb) in counts.items()}
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -330,7 +323,7 @@ class Ceiling:
                              "read it as no kernel headroom")
         if self.outside < 1:
             out["outside"] = (f"outside {self.outside:.2f} < 1: the profiled run's region times sum to more than the "
-                              "timed run's step (the profiler synchronises at every region, which costs most on a "
+                              "timed run's step (the profiler synchronises at every region, costliest on a "
                               "launch-bound target); read it as no time outside the profiled regions")
         return out
 
@@ -400,41 +393,8 @@ def build_ceiling(
     classes = {}
     for k in names:
         f, nb = counts.get(k, (0, 0))
-        floor = byte_floor_ms(f, nb, peaks, (launches or {}).get(k, 0))
-        classes[k] = ClassCost(totals_ms.get(k, 0.0) / steps, floor, f, nb)
+        classes[k] = ClassCost(totals_ms.get(k, 0.0) / steps, byte_floor_ms(f, nb, peaks, (launches or {}).get(k, 0)),
+                               f, nb)
     cost = None if ar_ms is None else CostModel(tau_current, step_ms, ar_ms, rows)
     return Ceiling(tau_current, tau_best, step_ms, classes, cost, peaks)
 
-
-#: The bar predictions must clear (§3.2): median |c_predicted / c_live − 1| and rank correlation, over at least
-#: this many screened candidates.
-PREDICTION_MAX_ERROR, PREDICTION_MIN_SPEARMAN, PREDICTION_MIN_CANDIDATES = 0.10, 0.8, 5
-
-
-def prediction_check(predictions: list[dict]) -> dict:
-    """How well the planner's c held against the live c of every candidate it had screened (§3.2).
-
-    Args:
-        predictions: ``[{name, c_predicted, c_live, tau_replay, tau_live}]``, one per screened candidate
-            (:attr:`~specpilot.pilot.state.Pilot.predictions`).
-    Returns:
-        ``{candidates, median_abs_error, spearman, tau_median_abs_error, holds, bar}``: the median of
-        ``|c_predicted / c_live − 1|`` (a fraction), Spearman's ρ between predicted and live c (None under 3
-        candidates or when either side is constant), the same median error for replay τ against live τ, and
-        whether the bar (:data:`PREDICTION_MAX_ERROR`, :data:`PREDICTION_MIN_SPEARMAN`,
-        :data:`PREDICTION_MIN_CANDIDATES`) holds.
-    """
-    from scipy.stats import spearmanr
-
-    pairs = [(p["c_predicted"], p["c_live"]) for p in predictions if p.get("c_live")]
-    err = statistics.median(abs(a / b - 1) for a, b in pairs) if pairs else None
-    taus = [abs(p["tau_replay"] / p["tau_live"] - 1) for p in predictions if p.get("tau_live")]
-    rho = None
-    if len(pairs) >= 3 and len({a for a, _ in pairs}) > 1 and len({b for _, b in pairs}) > 1:
-        rho = float(spearmanr([a for a, _ in pairs], [b for _, b in pairs]).statistic)
-    holds = (len(pairs) >= PREDICTION_MIN_CANDIDATES and err is not None and err <= PREDICTION_MAX_ERROR
-             and rho is not None and rho >= PREDICTION_MIN_SPEARMAN)
-    return {"candidates": len(pairs), "median_abs_error": err, "spearman": rho,
-            "tau_median_abs_error": statistics.median(taus) if taus else None, "holds": holds,
-            "bar": f"median |c_predicted / c_live - 1| <= {PREDICTION_MAX_ERROR:.0%} and Spearman >= "
-                   f"{PREDICTION_MIN_SPEARMAN} over >= {PREDICTION_MIN_CANDIDATES} screened candidates"}

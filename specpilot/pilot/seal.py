@@ -22,7 +22,7 @@ from specpilot.pilot.bootstrap import gain_and_bound
 from specpilot.pilot.budget import finish
 from specpilot.pilot.ceiling import ceiling
 from specpilot.pilot.costinputs import CostInputs, tau_curves
-from specpilot.pilot.costmodel import prediction_check
+from specpilot.pilot.predictions import prediction_check
 from specpilot.pilot.forcing import audit, forcing_verdict, mismatch_allowance
 from specpilot.pilot.phase0 import Phase0Result
 from specpilot.pilot.report import write_report
