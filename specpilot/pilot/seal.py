@@ -29,7 +29,7 @@ from specpilot.pilot.report import write_report
 from specpilot.pilot.rounds import Search
 from specpilot.pilot.state import Pilot
 from specpilot.pilot.steps import StepRecorder, StepStats, c_of
-from specpilot.provenance import git_commit, versions
+from specpilot.provenance import versions
 
 
 def headline_run(pilot: Pilot, sealed):
@@ -91,7 +91,7 @@ def seal(pilot: Pilot, p0: Phase0Result, inputs: CostInputs, search: Search, adv
     sf = pilot.stock_forcing
     system = {"config": sealed.model_dump(), "label": sealed.label(), "seal": sealed.seal(),
               "entries": [e.id for e in entries], "deployment": pilot.deployment(),
-              "commit": git_commit(), "date": _dt.datetime.now().isoformat(timespec="seconds")}
+              "commit": pilot.commit, "date": _dt.datetime.now().isoformat(timespec="seconds")}
     report = {
         "device": {"type": o.device, "name": pilot.peaks.device_name, "threads": torch.get_num_threads(),
                    "threads_reason": pilot.threads_reason, "platform": platform.platform(),

@@ -32,6 +32,7 @@ from specpilot.pilot.reuse import open_source
 from specpilot.pilot.setup import available_cores, choose_threads
 from specpilot.pilot.steps import c_of, interleaved_steps
 from specpilot.pilot.workers import DeploymentSpec
+from specpilot.provenance import git_commit
 
 
 
@@ -77,7 +78,7 @@ class PilotOptions:
 class Pilot:
     """State of one pilot run; the phases fill it in order (module doc).
 
-    Set here: ``t0`` (``time.perf_counter()`` at the start), ``o`` (options), ``con`` (console), ``dep``
+    Set here: ``t0`` (``time.perf_counter()`` at the start), ``commit`` (the checkout's at the start), ``o`` (options), ``con`` (console), ``dep``
     (:class:`Deployment`), ``stock`` / ``ar`` configs, ``dispatch``, ``source`` (``--memory``), ``threads``;
     ``plan`` (the options' plan until :func:`.phase0.prepare` sizes it). Filled later: ``peaks``, ``reqs``,
     ``duration`` (setup), ``scorer`` and ``controller`` (Phase 0), ``planner`` (cost-model inputs),
@@ -92,6 +93,7 @@ class Pilot:
 
     def __init__(self, opts: "PilotOptions", console: Console | None = None):
         self.t0 = time.perf_counter()  # the run's clock starts before the deployment loads
+        self.commit = git_commit()  # the code that runs is the code at the start, whatever is committed later
         self.o, self.con = opts, console or Console(stderr=True, soft_wrap=True)  # piped: no 80-column wrap inside paths
         dev = torch.device(opts.device)
         if dev.type == "cuda" and dev.index is not None and torch.cuda.is_available():
