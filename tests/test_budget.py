@@ -28,7 +28,7 @@ def test_estimate_counts_the_runs_of_every_phase():
     assert set(e) == set(budget.PHASES) and e["setup"] == 7.0
     runs = 2 * R + 2  # two salted variants per request, a warm-up, a determinism re-run
     assert e["phase0"] == pytest.approx(runs * 2 * g + runs * 2 * g)  # AR vs stock, stock A/A
-    verify = budget.VERIFY_PASSES * 9 * 10.0 / 1e3  # nine row counts at T_AR (no prefill cost)
+    verify = budget.VERIFY_PASSES * len(budget.VERIFY_ROWS) * 10.0 / 1e3  # every row count at T_AR (no prefill)
     assert e["cost_inputs"] == pytest.approx(4 * 2 * 2 * g + verify)
     ceiling = 4 * 2 * 2 * g + 4 * g
     per_round = ceiling + 1 * 3 * 3 * 2 * 2 * g + 3 * runs * 2 * g  # one drafter family, 3 screened, 3 judged

@@ -119,3 +119,15 @@ def test_tau_plot_gets_the_sealed_systems_own_drafter():
     assert curves["ngram/chain"][1] >= 1.0 and curves["ngram/oracle"][4] >= curves["ngram/chain"][4]
     assert sealed_tau_curves(pilot, SystemConfig.ar()) == {}
     assert sealed_tau_curves(SimpleNamespace(**{**vars(pilot), "drafter_kind": "ngram"}), sealed) == {}
+
+
+def test_every_candidates_rows_are_measured_not_interpolated():
+    from specpilot.pilot.planner import VERIFY_ROWS
+
+    p = _planner()
+    for inc in (SystemConfig.stock("ngram"), SystemConfig(drafter="ngram", tree="best_first", nodes=32, depth=10,
+                                                          top_k=4)):
+        for direction in ("tree", "outside"):
+            for cfg in p.space(inc, direction):
+                rows = 1 + min(cfg.nodes, cfg.depth if cfg.tree == "chain" else cfg.nodes)
+                assert rows in VERIFY_ROWS, cfg.label()

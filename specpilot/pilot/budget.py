@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 
 from specpilot.errors import SpecPilotError
 from specpilot.pilot.paired import SALT_TOKENS
+from specpilot.pilot.planner import VERIFY_ROWS
 from specpilot.pilot.steps import fastest, step_stats
 
 #: Phases of a run, in order (the keys of :func:`estimate_s` and of the report's per-phase wall times).
@@ -114,7 +115,7 @@ def estimate_s(plan: dict, shape: RunShape, costs: StepCosts) -> dict[str, float
         return measure(4, x) + 4 * x
 
     verify = 200 * c.prefill_ms_per_token + VERIFY_PASSES * sum(
-        c.ar_ms + (r - 1) * c.prefill_ms_per_token for r in (1, 2, 4, 8, 16, 24, 32, 48, 64))
+        c.ar_ms + (r - 1) * c.prefill_ms_per_token for r in VERIFY_ROWS)
     per_position = 4 * c.record_ms.get("ngram", 0.0) + shape.draft_model * c.record_ms.get("draft_model", 0.0) \
         + shape.blocks * c.record_ms.get("block", 0.0)
     record = R * (M - 1) * per_position + shape.blocks * R * (P + M) * c.prefill_ms_per_token

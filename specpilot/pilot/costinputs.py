@@ -15,13 +15,11 @@ import torch
 
 from specpilot.config import SystemConfig
 from specpilot.pilot.phase0 import Phase0Result
-from specpilot.pilot.planner import Planner
+from specpilot.pilot.planner import VERIFY_ROWS, Planner
 from specpilot.pilot.replay import record
 from specpilot.pilot.setup import measure_verify_ms
 from specpilot.pilot.state import Pilot
 
-#: Row counts whose exact-pass time the cost model measures (c(N) curve, planner).
-VERIFY_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
 @dataclass

@@ -28,6 +28,10 @@ KERNEL_MECHANISMS = ("w12", "lm_head_int8")
 #: Block drafters (DFlash-style, ``--block``): block sizes (lattice depth) and builders the planner proposes.
 BLOCK_DEPTH = (8, 12, 16)
 BLOCK_TREES = ("chain", "best_first", "ddtree_marginal", "eagle2_topk")
+#: Row counts whose exact-pass time the cost model measures: one row (AR), two, and every ``[root] + tree`` size
+#: a candidate of the grid verifies, so no prediction interpolates across a step in the pass's cost (on a CPU a
+#: 135M target's pass jumps from 59 to 89 ms between 3 and 4 rows, where the kernel library changes method).
+VERIFY_ROWS = tuple(sorted({1, 2, 48, 64} | {n + 1 for n in NODES + DEPTH + BLOCK_DEPTH}))
 
 
 @dataclass
