@@ -309,6 +309,7 @@ def train_drafter_cmd(
     n_seqs: int = typer.Option(1536, min=1, help="Training-text snippets continued greedily by the target."),
     gen_len: int = typer.Option(80, min=1, help="Greedy tokens generated per snippet."),
     markov_rank: int = typer.Option(16, min=1, help="Rank of the Markov head (block_markov)."),
+    target_layers: Optional[str] = typer.Option(None, help="Comma-separated 0-based target layers the drafter reads (default: 1, L/2 and L-1 of the target's L layers)."),
     data_cache: Optional[Path] = typer.Option(None, help="Cache file for the generated data (.pt)."),
     device: str = typer.Option("cpu", help="torch device (cpu, cuda)."),
     seed: int = typer.Option(0, help="Seed."),
@@ -324,11 +325,17 @@ def train_drafter_cmd(
 
     check_device(device)
     output_dir(out, "--out")
+    layers = None
+    if target_layers is not None:
+        try:
+            layers = tuple(int(x) for x in target_layers.split(","))
+        except ValueError:
+            raise SpecPilotError(f"--target-layers takes comma-separated integers, got {target_layers!r}") from None
     cmd = "specpilot " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     prov = train_drafter(target or bundled_target_dir(), out, kind=kind, block=block, steps=steps,
                          batch_size=batch_size, anchors=anchors, lr=lr, n_seqs=n_seqs, gen_len=gen_len,
-                         markov_rank=markov_rank, seed=seed, tokens_path=tokens, device=device, command=cmd,
-                         quiet=quiet, data_cache=data_cache)
+                         markov_rank=markov_rank, target_layers=layers, seed=seed, tokens_path=tokens, device=device,
+                         command=cmd, quiet=quiet, data_cache=data_cache)
     print(json.dumps({k: prov[k] for k in ("kind", "block_size", "parameters", "initial_heldout_loss",
                                            "final_heldout_loss", "final_heldout_top1_acc_pos0")}))
 

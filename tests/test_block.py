@@ -160,3 +160,19 @@ def test_bundled_block_drafters_sizes_and_provenance():
     for d in dirs + [bundled_target_dir(), bundled_drafter_dir()]:
         total += sum(f.stat().st_size for f in d.iterdir())
     assert total < 30e6
+
+
+def test_default_target_layers_follow_the_targets_depth(monkeypatch, capsys, tmp_path):
+    """Low, middle and high layers of any depth (the bundled drafters' 1, 3, 5 for 6 layers); a bad
+    ``--target-layers`` is one line and exit 2."""
+    from specpilot.spec.train_block import default_target_layers
+
+    from .conftest import run_cli
+
+    assert default_target_layers(6) == (1, 3, 5) and default_target_layers(30) == (1, 15, 29)
+    assert default_target_layers(36) == (1, 18, 35) and default_target_layers(2) == (1,)
+    assert default_target_layers(1) == (0,)
+    for bad, why in (("1,x", "comma-separated integers"), ("1,99", "cannot read layers [1, 99]")):
+        code, _, err = run_cli(monkeypatch, capsys, "train-drafter", "--out", str(tmp_path / bad), "--target-layers",
+                               bad, "--tokens", str(tmp_path / "none.npy"), "--steps", "1", "--quiet")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and why in err, err

@@ -120,14 +120,25 @@ def block_loss(net: BlockNet, target, seqs, feats, anchors) -> tuple[torch.Tenso
     return loss, acc
 
 
+def default_target_layers(num_layers: int) -> tuple[int, ...]:
+    """The target layers a drafter reads by default: a low, a middle and a high one, ``(1, L // 2, L - 1)`` for
+    a target of ``L`` decoder layers (EAGLE-3's low/mid/high fusion; ``(1, 3, 5)`` for the bundled 6-layer
+    target, ``(1, 15, 29)`` for SmolLM2's 30). Fewer layers: each once. Raises ValueError for L < 1."""
+    if num_layers < 1:
+        raise ValueError(f"a target has at least one layer, got {num_layers}")
+    return tuple(sorted({min(1, num_layers - 1), num_layers // 2, num_layers - 1}))
+
+
 def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: int = 600, batch_size: int = 16,
                   anchors: int = 4, lr: float = 2e-3, n_seqs: int = 1536, prompt_len: int = 32, gen_len: int = 80,
-                  markov_rank: int = 16, layers: int = 2, target_layers=(1, 3, 5), seed: int = 0,
+                  markov_rank: int = 16, layers: int = 2, target_layers=None, seed: int = 0,
                   tokens_path="work/zoo/tokens.npy", device: str = "cpu", command: str = "",
                   quiet: bool = False, data_cache: str | Path | None = None) -> dict:
     """Train a ``block`` or ``block_markov`` drafter for the target in ``target_dir``; write it to ``out``.
 
-    Writes ``config.json``, ``model.safetensors`` (bf16), ``provenance.json`` and ``loss.png``.
+    ``target_layers``: the 0-based target layers whose outputs the drafter reads (None:
+    :func:`default_target_layers` of the target's depth). Writes ``config.json``, ``model.safetensors`` (bf16),
+    ``provenance.json`` and ``loss.png``.
     ``data_cache`` (a ``.pt`` path) keeps generated sequences + features for a second run (e.g. the other
     kind). Returns the provenance dict. Raises SpecPilotError on a bad kind / block / missing token file.
     """
@@ -144,8 +155,10 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
     t0 = time.time()
     target = load_model(target_dir, "float32", device).requires_grad_(False)
     ta = target.args
-    if max(target_layers) >= ta.num_layers:
-        raise SpecPilotError(f"target has {ta.num_layers} layers; cannot read layers {list(target_layers)}")
+    target_layers = default_target_layers(ta.num_layers) if target_layers is None else tuple(target_layers)
+    if not target_layers or max(target_layers) >= ta.num_layers or min(target_layers) < 0:
+        raise SpecPilotError(f"target has {ta.num_layers} layers (0-{ta.num_layers - 1}); cannot read layers "
+                             f"{list(target_layers)}")
     cp = Path(data_cache) if data_cache else None
     key = dict(n_seqs=n_seqs, prompt_len=prompt_len, gen_len=gen_len, seed=seed, layers=list(target_layers),
                target=str(Path(target_dir).resolve()))
