@@ -14,6 +14,7 @@ import torch
 from specpilot.config import SystemConfig
 from specpilot.spec.block import TOP_K as BLOCK_TOP_K
 from specpilot.spec.block import BlockDrafter, is_block_dir, load_block
+from specpilot.spec.calibrated import Continuations, build_calibrated
 from specpilot.spec.draft_model import DraftModelDrafter
 from specpilot.spec.drafter import SlotFanout
 from specpilot.spec.ngram import NgramDrafter
@@ -59,6 +60,7 @@ class Deployment:
         self._w12_target = None
         self._int8: dict[int, object] = {}  # id(base target) -> that target with the certified INT8 head
         self._int8_head = None
+        self.continuations = Continuations()  # the target's known greedy outputs, read by 'calibrated' drafters
         if self.drafter_dir is not None:
             check_drafter_fits(self.target_dir, self.drafter_dir, self.tokenizer)
             self.draft_model = load_model(self.drafter_dir, dtype, device)
@@ -177,6 +179,8 @@ class Deployment:
                                    f"{config.top_k} asked for")
             # one network pass drafts every request of a batch; context buffers start small and grow
             return BlockDrafter(net, target, top_k=config.top_k, max_len=4096 if slots == 1 else 512, max_slots=slots)
+        if config.drafter == "calibrated":  # simulated acceptance; feed dep.continuations from an AR run first
+            return build_calibrated(config, target, self.continuations, slots)
         return None
 
 
