@@ -169,3 +169,26 @@ def test_pilot_cli_bad_threads_or_memory_is_one_line(monkeypatch, capsys, tmp_pa
         main()
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err == msg
+
+
+def test_requests_ending_at_their_first_token_are_skipped_not_fatal():
+    """A real model's EOS can end a request at its first token (no decode step): the step statistics skip it
+    (the seal crashed on SmolLM2 before), and still refuse a system with no step at all."""
+
+    class EosOn(FakeSystem):  # requests whose prompt (after any salt) starts with 3 end at the first token
+        def generate(self, prompt_ids, max_new_tokens):
+            if tuple(prompt_ids[-6:]) == (3, 4, 5, 6, 7, 8):
+                self.calls += 1
+                return Generation([2], 0, [], [], "stop", 0.002, 0.002)
+            return super().generate(prompt_ids, max_new_tokens)
+
+    st = interleaved_steps({"ar": EosOn(2.0, 1, 10**6, False), "x": EosOn(5.0, 2, 10**6, False)}, REQS)
+    assert st["x"].runs == st["ar"].runs == 2 and c_of(st["x"], st["ar"]) == pytest.approx(2.5)  # 2 of 4 kept
+    rec = StepRecorder()
+    n = 2 * len(REQS)
+    makers = {"ar": rec.wrap("ar", lambda: EosOn(2.0, 1, n)), "x": rec.wrap("x", lambda: EosOn(3.0, 1, n))}
+    final = ctl.interleaved_run(makers, REQS, vocab_size=100, rng=random.Random(0), progress=rec.progress())
+    x = rec.stats("x", final.prompts)
+    assert x.step_ms == pytest.approx(3.0) and x.runs == 2
+    with pytest.raises(ValueError, match="decode step"):
+        interleaved_steps({"ar": EosOn(2.0, 1, 10**6, False)}, REQS[:1])

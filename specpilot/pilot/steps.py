@@ -106,7 +106,8 @@ def interleaved_steps(engines: dict[str, object], requests: Sequence, repeats: i
             for n in (names if r % 2 == 0 else names[::-1]):
                 runs[n].append(engines[n].generate(list(req.prompt_ids), req.max_new_tokens))
         for n in names:
-            picked[n].append(fastest(runs[n]))
+            if any(g.steps > 0 for g in runs[n]):  # a request that ended at its first token has no step to time
+                picked[n].append(fastest(runs[n]))
     return {n: step_stats(picked[n]) for n in names}
 
 
@@ -158,6 +159,8 @@ class StepRecorder:
         Args:
             prompts: ``[request][variant]`` salted prompts of the run (``InterleavedRun.prompts``), to
                 group the timed runs by request.
+        Requests whose runs all ended at their first token (a real model's EOS) have no step and are skipped.
+
         Raises:
             ValueError: no timed run of ``name``, or none with a decode step.
         """
@@ -168,4 +171,4 @@ class StepRecorder:
                 by_req.setdefault(where.get(p, -1), []).append(g)
         if not by_req:
             raise ValueError(f"no timed run of {name!r} was recorded (progress callback not passed?)")
-        return step_stats([fastest(gs) for gs in by_req.values()])
+        return step_stats([fastest(gs) for gs in by_req.values() if any(g.steps > 0 for g in gs)])
