@@ -59,7 +59,7 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
         recs[(f"block:{bd}", 16)] = record(bdr, prompts, ar_out, bdr.cfg.block_size, 16, target=dep.target)
         recs[(f"block:{bd}", 16)].drafter_path = str(bd)
     pilot.planner = Planner(recs, verify_ms, base_m["ar_step_ms"], device=pilot.o.device,
-                            spec_step=(pilot.stock, base_m["step_ms"], base_m["rows"]))
+                            spec_step=(pilot.stock, base_m["step_ms"]))
     report["spec_overhead_ms"] = pilot.planner.overhead_ms
     report["spec_overhead_source"] = pilot.planner.spec_overhead_source
     return CostInputs(report, c_model_curve(pilot.planner, verify_ms), tau_curves(pilot))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specpilot.config import SystemConfig
-from specpilot.pilot.replay import Recording, replay
+from specpilot.pilot.replay import Recording, replay, replay_steps
 
 #: Option grid the planner searches (kept small: every candidate costs a paired run).
 NODES = (2, 4, 6, 8, 12, 16, 24, 32)
@@ -68,10 +68,11 @@ def monotone(values) -> np.ndarray:
 class Planner:
     """Predicts τ, c and speedup of configs and proposes candidates for a direction.
 
-    A speculative step's time is predicted as ``T_spec + T_pass(rows) + T_draft`` (§3.2): the exact pass
-    by rows (measured, made monotone in rows), the drafter's measured propose time, and ``T_spec`` the
-    step's work outside both (tree, acceptance, commits, the host read AR's pipelined loop hides),
-    calibrated on one speculative step measured live (``spec_step``). c = that time / T_AR.
+    A speculative step's time is predicted as ``T_spec + mean T_pass(rows) + T_draft`` (§3.2): the exact pass
+    priced at each replayed step's own rows (measured by rows, made monotone; a step whose drafter found
+    nothing verifies one row, and a pass's cost is not linear in rows), the drafter's measured propose time,
+    and ``T_spec`` the step's work outside both (tree, acceptance, commits, the host read AR's pipelined loop
+    hides), calibrated on one speculative step measured live (``spec_step``). c = that time / T_AR.
 
     Args:
         recordings: ``{(drafter, top_k_recorded): Recording}`` from :func:`specpilot.pilot.replay.record`.
@@ -81,13 +82,13 @@ class Planner:
         ar_ms: measured AR step time, ms (the unit of c).
         device: the deployment's torch device (``cpu``, ``cuda``, ``cuda:1``): kernel mechanisms are
             proposed on CUDA only.
-        spec_step: ``(config, step_ms, rows)`` of a speculative system measured live beside ``ar_ms`` (stock,
-            in the pilot): ``T_spec = step_ms − T_pass(rows) − T_draft(config)``, at least 0. None (or a
-            config with no recording): ``T_spec = T_AR − T_pass(1)``, AR's own work outside its pass.
+        spec_step: ``(config, step_ms)`` of a speculative system measured live beside ``ar_ms`` (stock, in the
+            pilot): ``T_spec = step_ms − mean T_pass − T_draft(config)`` over its replayed steps, at least 0.
+            None (or a config with no recording): ``T_spec = T_AR − T_pass(1)``, AR's own work outside its pass.
     """
 
     def __init__(self, recordings: dict[tuple[str, int], Recording], verify_ms: dict[int, float], ar_ms: float,
-                 device: str = "cpu", spec_step: tuple[SystemConfig, float, float] | None = None):
+                 device: str = "cpu", spec_step: tuple[SystemConfig, float] | None = None):
         self.recordings, self.ar_ms, self.device = recordings, ar_ms, str(device)
         self.rows = np.array(sorted(verify_ms), dtype=float)
         self.measured_ms = np.array([verify_ms[r] for r in sorted(verify_ms)], dtype=float)
@@ -95,14 +96,21 @@ class Planner:
         self.overhead_ms = max(ar_ms - float(self.ms[0]), 0.0)  # per-step work outside the pass
         self.spec_overhead_source = "AR's step less its one-row pass"
         if spec_step is not None and spec_step[0].drafter != "none" and self.recording(spec_step[0]) is not None:
-            cfg, step_ms, rows = spec_step
-            self.overhead_ms = max(step_ms - self.verify_time(rows) - self.draft_time(cfg), 0.0)
-            self.spec_overhead_source = (f"{cfg.label()} measured live: {step_ms:.3f} ms a step less its "
-                                         f"{rows:.1f}-row pass and its drafting")
+            cfg, step_ms = spec_step
+            steps = replay_steps(self.recording(cfg), cfg)
+            pass_ms = self.pass_time(steps)
+            self.overhead_ms = max(step_ms - pass_ms - self.draft_time(cfg), 0.0)
+            self.spec_overhead_source = (f"{cfg.label()} measured live: {step_ms:.3f} ms a step less its passes "
+                                         f"(mean {pass_ms:.3f} ms over its replayed rows) and its drafting")
 
     def verify_time(self, rows: float) -> float:
         """Exact-pass time for ``rows`` rows, ms: the monotone fit of the measured times, interpolated."""
         return float(np.interp(rows, self.rows, self.ms))
+
+    def pass_time(self, steps: list[tuple[int, int]]) -> float:
+        """Mean exact-pass time of replayed ``steps`` (:func:`~specpilot.pilot.replay.replay_steps`), each at its own
+        rows, ms (T_pass(1) when there are none)."""
+        return float(np.mean([self.verify_time(r) for _, r in steps])) if steps else self.verify_time(1)
 
     def draft_time(self, cfg: SystemConfig) -> float:
         """The drafter's time per step for ``cfg``, ms: its recording's measured propose time (a draft model's
@@ -142,9 +150,11 @@ class Planner:
         rec = self.recording(cfg)
         if rec is None:
             return None
-        tau, _ = replay(rec, cfg)
-        rows = 1 + min(cfg.nodes, cfg.depth if cfg.tree == "chain" else cfg.nodes)
-        c = self.step_c(rows, self.draft_time(cfg))
+        steps = replay_steps(rec, cfg)
+        if not steps:
+            return None
+        tau = sum(k for k, _ in steps) / len(steps)
+        c = (self.overhead_ms + self.pass_time(steps) + self.draft_time(cfg)) / self.ar_ms
         return Prediction(tau, c, tau / c)
 
     def oracle_tau(self, cfg: SystemConfig) -> float:

@@ -115,28 +115,37 @@ def replay(rec: Recording, config: SystemConfig, policy: str | None = None,
     Raises:
         ValueError: when ``config`` asks for more depth or candidates than were recorded.
     """
+    steps = replay_steps(rec, config, policy, sequoia)
+    return (sum(k for k, _ in steps) / len(steps) if steps else 0.0), len(steps)
+
+
+def replay_steps(rec: Recording, config: SystemConfig, policy: str | None = None,
+                 sequoia: SequoiaBuilder | None = None) -> list[tuple[int, int]]:
+    """:func:`replay`'s steps one by one: ``[(tokens kept, rows verified)]``, rows = 1 + the tree's nodes (1 where
+    the drafter proposed nothing; the oracle's ``min(nodes, depth)`` nodes). The cost model prices each step's
+    own row count (a pass's cost is not linear in rows). Raises ValueError as :func:`replay`."""
     if config.depth > rec.depth or config.top_k > rec.top_k:
         raise ValueError(f"recorded depth {rec.depth} / top-K {rec.top_k} cannot replay {config.label()}")
-    total_tokens = total_steps = 0
+    out = []
     for ar, lats in zip(rec.ar, rec.lattices):
         m = 1  # the prefill committed ar[0]
         while m < len(ar):
             remaining = len(ar) - m
             lat = lats.get(m) if remaining > 1 else None
-            n_acc = 0
+            n_acc, rows = 0, 1
             if lat is not None:
                 lat = TruncatedLattice(lat, min(config.depth, remaining - 1), config.top_k)
-                n_acc = _accepted(lat, ar[m:], config, policy, sequoia)
+                n_acc, rows = _accepted(lat, ar[m:], config, policy, sequoia)
             kept = min(n_acc + 1, remaining)
-            total_tokens += kept
-            total_steps += 1
+            out.append((kept, rows))
             m += kept
-    return (total_tokens / total_steps if total_steps else 0.0), total_steps
+    return out
 
 
 def _accepted(lat: Lattice, target: list[int], config: SystemConfig, policy: str | None,
-              sequoia: SequoiaBuilder | None) -> int:
-    """Drafted tokens accepted at one step: the longest tree path equal to ``target``'s prefix."""
+              sequoia: SequoiaBuilder | None) -> tuple[int, int]:
+    """Drafted tokens accepted at one step, the longest tree path equal to ``target``'s prefix, and the rows the
+    step verifies (1 + the tree's nodes)."""
     if policy == "oracle":
         path: tuple[int, ...] = ()
         limit = min(config.nodes, lat.depth)
@@ -144,13 +153,13 @@ def _accepted(lat: Lattice, target: list[int], config: SystemConfig, policy: str
             if target[len(path)] not in {t for t, _ in lat.children(path)}:
                 break
             path += (target[len(path)],)
-        return len(path)
+        return len(path), 1 + limit
     tree = build_tree(config.tree, lat, config.nodes, sequoia)
     kids, row, n = tree.child_maps(), 0, 0
     while n < len(target) and target[n] in kids[row]:
         row = kids[row][target[n]]
         n += 1
-    return n
+    return n, 1 + len(tree)
 
 
 def profile_steps(rec: Recording, depth: int | None = None):
