@@ -236,6 +236,9 @@ def test_engine_failure_is_500_and_the_server_goes_on(srv, client):
                                                                   "stream": True}) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert "planted engine failure" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
+    t0 = time.time()  # the driver resets after failing the step's requests, which the stream may see first
+    while srv.eng.resets < 2 and time.time() - t0 < 10:
+        time.sleep(0.01)
     assert srv.eng.resets == 2  # after each failed step the engine was reset to a known state
     assert client.completions.create(model="fake", prompt="ok", max_tokens=4).usage.completion_tokens == 4
     wait_idle(srv)

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -176,4 +177,17 @@ def test_serve_reads_a_sealed_system(monkeypatch, capsys, tmp_path):
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--device", "cpu", "--port", "0")
     assert code == 0, err
     assert (seen["tdir"], seen["ddir"], seen["cfg"], seen["device"], seen["name"]) == \
-        (bundled_target_dir(), bundled_drafter_dir(), cfg, "cpu", "target")
+        (bundled_target_dir(), bundled_drafter_dir(), cfg, "cpu", "specpilot-bundled")
+    # written by another install (another venv, a reinstall): the bundled models of this one
+    elsewhere = "/gone/venv/lib/python3.11/site-packages/specpilot/zoo/assets"
+    f.write_text(json.dumps({"config": cfg.model_dump(), "deployment": {
+        "target": f"{elsewhere}/target", "drafter": f"{elsewhere}/drafter", "device": "cpu"}}))
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0")
+    assert code == 0, err
+    assert (seen["tdir"], seen["ddir"], seen["name"]) == (bundled_target_dir(), bundled_drafter_dir(),
+                                                          "specpilot-bundled")
+    from specpilot.zoo import resolve_recorded
+
+    assert resolve_recorded("/gone/elsewhere/target") == Path("/gone/elsewhere/target")  # not a bundled model
+    assert resolve_recorded(f"{elsewhere}/no_such_model") == Path(f"{elsewhere}/no_such_model")
+    assert resolve_recorded(tmp_path) == tmp_path  # an existing directory is itself

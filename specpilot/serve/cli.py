@@ -110,12 +110,18 @@ def serve(
         except (TypeError, ValueError) as e:
             raise SpecPilotError(f"--system {system}: its config is not a SystemConfig: "
                                  f"{str(e).splitlines()[0]}") from None
-        tdir = Path(dep.get("target") or "")
-        ddir = cfg.drafter_path or (dep.get("drafter") if dep.get("drafter") not in (None, "ngram") else None)
-        ddir = Path(ddir) if ddir and cfg.drafter in ("draft_model", "block") else None
+        from specpilot.zoo import bundled_target_dir, resolve_recorded
+
         if not dep.get("target"):
             raise SpecPilotError(f"--system {system} names no target (its 'deployment' has no 'target')")
+        tdir = resolve_recorded(dep["target"])  # a bundled model recorded under another install: this one's
+        ddir = cfg.drafter_path or (dep.get("drafter") if dep.get("drafter") not in (None, "ngram") else None)
+        ddir = resolve_recorded(ddir) if ddir and cfg.drafter in ("draft_model", "block") else None
+        if ddir is not None and cfg.drafter_path is not None:
+            cfg = cfg.model_copy(update={"drafter_path": str(ddir)})
         device = device or dep.get("device") or "cpu"
+        if tdir == bundled_target_dir():
+            served_model_name = served_model_name or "specpilot-bundled"
     else:
         from specpilot.cli import _default_dirs, _pydantic_message
 

@@ -32,4 +32,17 @@ def bundled_block_markov_dir() -> Path:
     return ASSETS / "block_markov"
 
 
-__all__ = ["ASSETS", "bundled_target_dir", "bundled_drafter_dir", "bundled_block_dir", "bundled_block_markov_dir"]
+def resolve_recorded(path: str | Path) -> Path:
+    """A checkpoint directory as recorded by an earlier run (``system.json``, a memory entry), found again: the
+    path itself when it exists, else, for a bundled model recorded under another install of SpecPilot (another
+    venv, a reinstall: ``.../specpilot/zoo/assets/<name>``), the same bundled model of this install. Any other
+    path comes back unchanged (the caller's "not found" error then names it)."""
+    p = Path(path)
+    if p.exists() or p.parent.name != "assets" or p.parent.parent.name != "zoo":
+        return p
+    here = ASSETS / p.name
+    return here if here.exists() else p
+
+
+__all__ = ["ASSETS", "bundled_target_dir", "bundled_drafter_dir", "bundled_block_dir", "bundled_block_markov_dir",
+           "resolve_recorded"]
