@@ -102,11 +102,13 @@ def test_prediction_check_figures_and_bar():
 
 
 def test_report_shows_the_predictions():
-    rows = [{"name": "ngram/chain N=4", "c_predicted": 1.3, "c_live": 1.2, "tau_replay": 1.5, "tau_live": 1.45}]
+    rows = [{"round": 2, "name": "ngram/chain N=4", "c_predicted": 1.3, "c_live": 1.2, "tau_replay": 1.5,
+             "tau_live": 1.45}]
     r = {"predictions": {**prediction_check(rows), "screened": rows},
          "cost_inputs": {"spec_overhead_ms": 0.4, "spec_overhead_source": "stock measured live"}}
     md = render_markdown(r, [])
-    assert "## Predictions" in md and "did not hold" in md and "| ngram/chain N=4 | 1.500 | 1.450 | 1.300 | 1.200 |" in md
+    assert "## Predictions" in md and "did not hold" in md
+    assert "| 2 | ngram/chain N=4 | 1.500 | 1.450 | 1.300 | 1.200 |" in md
 
 
 def test_rechecked_peaks_keep_the_higher_and_say_when_setup_was_busy():
@@ -117,6 +119,8 @@ def test_rechecked_peaks_keep_the_higher_and_say_when_setup_was_busy():
     assert warn is None and same.flops_per_s == 1.1e12 and same.bytes_per_s == 50e9
     busy, warn = setup.rechecked(DevicePeaks(0.9e12, 90e9, "cpu", "again"))
     assert busy.bytes_per_s == 90e9 and busy.flops_per_s == 1e12 and "bandwidth +80%" in warn and "busy" in warn
+    twice, _ = busy.rechecked(DevicePeaks(0.9e12, 90e9, "cpu", "third"))
+    assert twice.method.count("re-checked") == 1 and twice.method.startswith("first; re-checked: third")
 
 
 def test_report_says_when_phase0_and_the_headline_disagree():

@@ -148,7 +148,8 @@ class DevicePeaks:
         i.e. the first measurement was taken while something else ran. Returns ``(peaks, warning or None)``."""
         launch = min((x for x in (self.launch_s, again.launch_s) if x > 0), default=0.0)
         best = DevicePeaks(max(self.flops_per_s, again.flops_per_s), max(self.bytes_per_s, again.bytes_per_s),
-                           self.device_name, f"{self.method}; re-checked: {again.method}; the better of each kept",
+                           self.device_name, f"{self.method.split('; re-checked: ')[0]}; re-checked: {again.method}; "
+                           "the better of each kept",
                            launch)
         rose = [f"{name} {new / old - 1:+.0%}" for name, old, new in
                 (("matmul", self.flops_per_s, again.flops_per_s), ("bandwidth", self.bytes_per_s, again.bytes_per_s))

@@ -209,10 +209,12 @@ def _predictions(p: dict, inputs: dict) -> list[str]:
           f"|error| {_pct(p.get('median_abs_error'))}, Spearman {_num(p.get('spearman'), '{:.2f}')}; replay τ "
           f"against live τ: median |error| {_pct(p.get('tau_median_abs_error'))}. "
           f"T_spec {_num(inputs.get('spec_overhead_ms'))} ms: {inputs.get('spec_overhead_source', '—')}.", "",
-          "| candidate | replay τ | live τ | model c | live c |", "|---|---:|---:|---:|---:|"]
+          "Live figures are each screening's few requests (τ varies with them); replay τ is over every Phase 0 prompt.",
+          "", "| round | candidate | replay τ | live τ | model c | live c |", "|---:|---|---:|---:|---:|---:|"]
     for row in p.get("screened") or []:
-        md.append(f"| {row.get('name', '—')} | {_num(row.get('tau_replay'))} | {_num(row.get('tau_live'))} | "
-                  f"{_num(row.get('c_predicted'))} | {_num(row.get('c_live'))} |")
+        md.append(f"| {row.get('round') if row.get('round') is not None else '—'} | {row.get('name', '—')} | "
+                  f"{_num(row.get('tau_replay'))} | {_num(row.get('tau_live'))} | {_num(row.get('c_predicted'))} | "
+                  f"{_num(row.get('c_live'))} |")
     return md + [""]
 
 

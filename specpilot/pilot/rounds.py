@@ -67,7 +67,7 @@ def one_round(pilot: Pilot, s: Search, rnd: int) -> None:
     pilot.say(f"round {rnd}", "ceiling " + ", ".join(f"{n} {v:.2f}" for n, v in f.items()) + f"  (largest: {order[0]})")
     proposals, attacked = [], order[0]
     for direction in order:
-        proposals = screen(pilot, pilot.planner.propose(s.incumbent, direction, s.tried, k), inc_m, k)
+        proposals = screen(pilot, pilot.planner.propose(s.incumbent, direction, s.tried, k), inc_m, k, rnd)
         if proposals:
             attacked = direction
             break
@@ -141,7 +141,7 @@ def round0_ar(pilot: Pilot, s: Search) -> SystemConfig:
     return ar
 
 
-def screen(pilot: Pilot, proposals, inc_m: dict, k: int):
+def screen(pilot: Pilot, proposals, inc_m: dict, k: int, rnd: int | None = None):
     """Time each proposal's decode steps live on a few requests, interleaved with AR (c); keep the ``k``
     whose replay τ / c beats the incumbent's measured τ / c. The cost model's c misses per-step
     overheads that only a live step shows; the controller still decides."""
@@ -149,7 +149,7 @@ def screen(pilot: Pilot, proposals, inc_m: dict, k: int):
     kept = []
     for cfg, pred in proposals:
         m = pilot.measure(cfg, n=3)
-        pilot.predictions.append({"name": cfg.label(), "tau_replay": pred.tau, "tau_live": m["tau"],
+        pilot.predictions.append({"round": rnd, "name": cfg.label(), "tau_replay": pred.tau, "tau_live": m["tau"],
                                   "c_predicted": pred.c, "c_live": m["c"]})
         pred.c_screened = m["c"]
         pred.speedup_screened = pred.tau / pred.c_screened
