@@ -91,13 +91,13 @@ class Planner:
                  device: str = "cpu", spec_step: tuple[SystemConfig, float] | None = None):
         self.recordings, self.ar_ms, self.device = recordings, ar_ms, str(device)
         self.rows = np.array(sorted(verify_ms), dtype=float)
-        self.measured_ms = np.array([verify_ms[r] for r in sorted(verify_ms)], dtype=float)
-        self.ms = monotone(self.measured_ms)
+        self.ms = monotone([verify_ms[r] for r in sorted(verify_ms)])
         self.overhead_ms = max(ar_ms - float(self.ms[0]), 0.0)  # per-step work outside the pass
         self.spec_overhead_source = "AR's step less its one-row pass"
-        if spec_step is not None and spec_step[0].drafter != "none" and self.recording(spec_step[0]) is not None:
+        rec = self.recording(spec_step[0]) if spec_step is not None and spec_step[0].drafter != "none" else None
+        if rec is not None:
             cfg, step_ms = spec_step
-            steps = replay_steps(self.recording(cfg), cfg)
+            steps = replay_steps(rec, cfg)
             pass_ms = self.pass_time(steps)
             self.overhead_ms = max(step_ms - pass_ms - self.draft_time(cfg), 0.0)
             self.spec_overhead_source = (f"{cfg.label()} measured live: {step_ms:.3f} ms a step less its passes "
