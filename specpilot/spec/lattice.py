@@ -3,7 +3,8 @@
 A lattice has ``depth`` draft positions. ``children(path)`` gives the candidate tokens for the position
 after ``path`` (a tuple of already chosen draft tokens, ``()`` for the first position) with their
 log-probs, best first. A positional lattice ignores ``path`` (its candidates at position k are the
-drafter's top-K at k); a trie lattice (n-gram) conditions on the whole path; a Markov lattice (block
+drafter's top-K at k); a trie lattice (n-gram) conditions on the whole path, as does a tree lattice (EAGLE-3's dynamic expansion,
+which scores only the paths it expanded); a Markov lattice (block
 drafter with a Markov head, DSpark-style) conditions on ``path[-1]``. ``marginal(path)`` gives parent-free
 scores (DDTree's, used by ``ddtree_marginal``); it equals ``children`` for lattices without a Markov head.
 Tree builders need nothing else.
@@ -79,6 +80,22 @@ class TrieLattice(Lattice):
 
     def children(self, path: tuple[int, ...]) -> list[tuple[int, float]]:
         return self._kids.get(tuple(path), [])
+
+
+class TreeLattice(Lattice):
+    """Candidates conditioned on the whole path, given as a tree (a sequential drafter's dynamic expansion, §1.1).
+
+    Args:
+        kids: ``{path: [(token, log_prob), ...]}``, best first: the candidates the drafter scored after ``path``
+            (``()``: the first position). A path it did not expand has no candidates (a leaf for every builder).
+        depth: draft positions (no path longer than ``depth - 1`` has candidates).
+    """
+
+    def __init__(self, kids: dict[tuple[int, ...], list[tuple[int, float]]], depth: int):
+        self.depth, self._kids = depth, kids
+
+    def children(self, path: tuple[int, ...]) -> list[tuple[int, float]]:
+        return self._kids.get(tuple(path), []) if len(path) < self.depth else []
 
 
 class MarkovLattice(Lattice):
