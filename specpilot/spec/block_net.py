@@ -8,6 +8,11 @@ and causally to the block rows up to themselves. The network shares the target's
 (frozen, not stored again). The Markov head adds ``markov_v(markov_u[prev])`` (rank r) to a row's logits,
 ``prev`` being the token before the predicted one (the anchor for row 0), so a child's score depends on its
 parent's token. :mod:`specpilot.spec.block` binds a network to a target as a drafter and holds its checkpoints.
+
+Two options reproduce public DFlash checkpoints (:mod:`specpilot.spec.dflash_import`; both off by default, so
+our own checkpoints load unchanged): ``ctx_layer_norm=False`` (context K/V projected from the fused target
+features without each layer's input norm) and ``diffusion_block=True`` (DFlash's block: rows see each other in
+both directions and each row predicts the token at its own position, see :meth:`BlockNet.run`).
 """
 
 from __future__ import annotations
@@ -27,11 +32,17 @@ class BlockConfig:
     """Architecture of a block drafter and the target it fits.
 
     Attributes:
-        block_size: B, positions drafted per pass (trained block length).
+        block_size: B, positions drafted per pass (trained block length; a DFlash checkpoint's ``block_size``
+            counts its anchor row, so B is one less).
         markov_rank: r of the Markov head (0 = no Markov head: kind ``block``; > 0: ``block_markov``).
         layers / heads / kv_heads / head_dim / intermediate_size: the drafter's decoder layers.
         target_layers: 0-based target layer indices whose outputs form the context.
         target_hidden / vocab_size / target_num_layers / target_model_type: facts of the target it fits.
+        ctx_layer_norm: the context passes through each layer's ``input_layernorm`` before that layer's k/v
+            projections (ours); False: the fused features ``ctx_norm(fc(feats))`` go to them as they are (DFlash).
+        diffusion_block: DFlash's block layout (:meth:`BlockNet.run`); False: rows attend causally and row i
+            predicts the token after its own position (ours).
+        mask_token_id: the target token whose embedding fills ``mask_embed`` (DFlash); None: a learned vector.
     """
 
     block_size: int = 16
@@ -48,6 +59,9 @@ class BlockConfig:
     target_model_type: str = "qwen3"
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    ctx_layer_norm: bool = True
+    diffusion_block: bool = False
+    mask_token_id: int | None = None
 
     @property
     def kind(self) -> str:
@@ -86,9 +100,10 @@ class BlockLayer(nn.Module):
         self.mlp = MLP(a)
         self.a = a
 
-    def kv(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of rows ``x [..., S, hidden]`` at ``pos [..., S]`` -> ``[..., S, KVH, D]`` each."""
-        h = self.input_layernorm(x)
+    def kv(self, x: torch.Tensor, pos: torch.Tensor, norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of rows ``x [..., S, hidden]`` at ``pos [..., S]`` -> ``[..., S, KVH, D]`` each; ``norm``:
+        through ``input_layernorm`` first (block rows always; context rows unless ``ctx_layer_norm`` is off)."""
+        h = self.input_layernorm(x) if norm else x
         shp = (*x.shape[:-1], self.a.n_kv_heads, self.a.head_dim)
         k = _rope(self.k_norm(self.k_proj(h).view(shp)), pos, self.a.rope_theta)
         return k, self.v_proj(h).view(shp)
@@ -144,7 +159,7 @@ class BlockNet(nn.Module):
             pos: ``[..., S] long`` their positions.
         """
         ctx = self.ctx_norm(self.fc(feats))
-        return [layer.kv(ctx, pos) for layer in self.layers]
+        return [layer.kv(ctx, pos, self.cfg.ctx_layer_norm) for layer in self.layers]
 
     def block_input(self, anchors: torch.Tensor, embed: nn.Embedding, block: int) -> torch.Tensor:
         """``anchors [Bt] long`` -> block rows ``[Bt, block, hidden]``: anchor embedding then mask embeddings."""
@@ -153,12 +168,24 @@ class BlockNet(nn.Module):
         return x
 
     def run(self, x, pos, ctx_kv, mask) -> torch.Tensor:
-        """Drafter layers + final norm: ``x [Bt, Q, hidden]`` -> ``[Bt, Q, hidden]``; ``ctx_kv`` holds per layer the
-        (keys, values) ``[Bt, C, KVH, D]`` of each row's context (padded to one C, the padding masked out by
-        ``mask [Bt, Q, C + Q] bool``); see :class:`BlockLayer`."""
+        """Drafter layers + final norm: ``x [Bt, Q, hidden]`` -> ``[Bt, Q, hidden]``, row i's output predicting the
+        token at ``pos[:, i] + 1``; ``ctx_kv`` holds per layer the (keys, values) ``[Bt, C, KVH, D]`` of each
+        row's context (padded to one C, the padding masked out by ``mask [Bt, Q, C + Q] bool``); see
+        :class:`BlockLayer`.
+
+        With ``diffusion_block`` (DFlash), the Q rows (anchor, then masks) get one more mask row at
+        ``pos[:, -1] + 1``; the Q + 1 rows see each other in both directions and the context slots that
+        ``mask``'s first row sees (the drafters give every row of a request the same context); row j's output
+        predicts the token at its own position, so rows 1 … Q are returned (same contract as above)."""
+        if self.cfg.diffusion_block:
+            bt, q = x.shape[:2]
+            c = mask.shape[-1] - q
+            x = torch.cat((x, self.mask_embed.to(x.dtype).expand(bt, 1, -1)), 1)
+            pos = torch.cat((pos, pos[:, -1:] + 1), 1)
+            mask = torch.cat((mask[:, :1, :c].expand(bt, q + 1, c), mask.new_ones(bt, q + 1, q + 1)), -1)
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
             x = layer(x, pos, ck, cv, mask)
-        return self.norm(x)
+        return self.norm(x[:, 1:] if self.cfg.diffusion_block else x)
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
         """``prev [...] long`` -> the Markov head's logit bias ``[..., vocab]`` (zero without the head)."""
