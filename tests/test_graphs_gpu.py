@@ -89,3 +89,23 @@ def test_w12_split_k_sum_stays_in_the_kernel_inside_graphs(gemv, lines):
                                   w12=True))
     names = _kernel_names(eng.runner._graphs[8].replay)
     assert any("_w12_mma_kernel" in n for n in names) and not any("_w12_split_sum_kernel" in n for n in names), names
+
+
+@pytest.mark.parametrize("drafter_dir", ["block", "block_markov"])
+def test_block_drafter_graphed_equals_eager_and_ar(drafter_dir):
+    """The bundled block drafters with their step as a CUDA graph and the target features captured in the exact
+    pass's graph (float32): the same tokens as the eager drafter and as AR, prompts past one prefill chunk too."""
+    from specpilot.zoo import bundled_block_dir, bundled_block_markov_dir
+
+    path = bundled_block_dir() if drafter_dir == "block" else bundled_block_markov_dir()
+    dep = Deployment(bundled_target_dir(), path, dtype="float32", device="cuda")
+    cfg = SystemConfig(drafter="block", tree="best_first", nodes=16, depth=6, top_k=4)
+    graphed, eager, ar = dep.system(cfg), dep.system(cfg, buckets=False), dep.system(SystemConfig.ar())
+    assert graphed.drafter._step is not None and graphed.drafter._step.graphs
+    assert eager.drafter._step is None
+    accepted = []
+    for prompt in ([5, 17, 300, 42, 9] * 8, [7] * 3, [11, 400, 23] * 100):
+        g, e = graphed.generate(prompt, 40), eager.generate(prompt, 40)
+        assert g.tokens == e.tokens == ar.generate(prompt, 40).tokens
+        accepted += g.accepted
+    assert max(accepted) > 1

@@ -3,8 +3,9 @@
 exit status 2).
 
 Suites: ``systems`` (default, :mod:`.engine`: our AR and speculative systems vs transformers' ``generate`` on one
-checkpoint, c(N), the byte floor), ``w12`` (:mod:`.w12`), ``lm-head`` (:mod:`.lm_head`) and ``read-floor``
-(:mod:`.read_floor`). The last three build random Qwen3-8B / 32B-shaped weights themselves and write
+checkpoint, c(N), the byte floor), ``w12`` (:mod:`.w12`), ``lm-head`` (:mod:`.lm_head`), ``read-floor``
+(:mod:`.read_floor`) and ``drafter-step`` (:mod:`.drafter_step`). The last four build random Qwen3-8B /
+32B-shaped weights themselves and write
 ``<out>/<suite>_bench_<device type>_<date>.json``.
 """
 
@@ -22,9 +23,9 @@ import typer
 from specpilot.errors import SpecPilotError
 from specpilot.fileio import output_dir
 
-SUITES = ("systems", "w12", "lm-head", "read-floor")
+SUITES = ("systems", "w12", "lm-head", "read-floor", "drafter-step")
 #: suites that need a CUDA GPU on every device (lm-head has a CPU smoke run in the Triton interpreter)
-CUDA_ONLY = ("w12", "read-floor")
+CUDA_ONLY = ("w12", "read-floor", "drafter-step")
 
 
 def bench(
@@ -35,7 +36,8 @@ def bench(
                               "GEMM vs cuBLAS on Qwen3-8B/32B projections, AR with and without W12; CUDA) | lm-head "
                               "(certified INT8 head vs bf16 head; CUDA, or a tiny interpreter smoke run on the CPU) | "
                               "read-floor (a plain streaming read of each projection's bytes beside cuBLAS and W12: "
-                              "the measured byte floor; CUDA)."),
+                              "the measured byte floor; CUDA) | drafter-step (a block drafter's step, graphed and eager, beside an AR "
+                              "step; CUDA)."),
     device: str = typer.Option("cuda", help="torch device."),
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16"),
     prefix: int = typer.Option(512, help="Prompt length in tokens."),
@@ -185,6 +187,8 @@ def run_suite(suite: str, device: str, out: Path) -> int:
     if suite in CUDA_ONLY:
         if suite == "w12":
             from specpilot.bench.w12 import main as run
+        elif suite == "drafter-step":
+            from specpilot.bench.drafter_step import run
         else:
             from specpilot.bench.read_floor import main as run
         with torch.cuda.device(torch.device(device)):

@@ -17,6 +17,7 @@ from specpilot.spec.block import BlockDrafter, is_block_dir, load_block
 from specpilot.spec.calibrated import Continuations, build_calibrated
 from specpilot.spec.draft_model import DraftModelDrafter
 from specpilot.spec.drafter import SlotFanout
+from specpilot.spec.eagle3 import Eagle3Drafter, is_eagle3_dir, load_eagle3
 from specpilot.spec.ngram import NgramDrafter
 from specpilot.errors import CheckpointError, DrafterError, SpecPilotError
 from specpilot.model.checkpoint import load_model, load_tokenizer, read_args
@@ -30,7 +31,8 @@ class Deployment:
     Args:
         target_dir: local HF checkpoint directory of the target.
         drafter_dir: local HF checkpoint directory of the draft model (None: no draft model); a block
-            drafter directory (``"specpilot_drafter": "block"`` in its config.json) is taken as a block dir.
+            drafter directory (``"specpilot_drafter": "block"`` in its config.json) is taken as a block dir, an
+            EAGLE-3 directory (ours or a public head, :func:`~specpilot.spec.eagle3.is_eagle3_dir`) as the eagle3 dir.
         dtype: ``float32`` | ``bfloat16`` | ``float16``.
         device: torch device string.
         block_dirs: block drafter directories (DFlash-style, with or without a Markov head); the first is
@@ -57,6 +59,11 @@ class Deployment:
             self.block_dirs.insert(0, self.drafter_dir)
             self.drafter_dir = None
         self._blocks = {str(b.resolve()): load_block(b, self.target) for b in self.block_dirs}
+        self.eagle3_dirs: list[Path] = []
+        if self.drafter_dir is not None and is_eagle3_dir(self.drafter_dir):
+            self.eagle3_dirs.append(self.drafter_dir)
+            self.drafter_dir = None
+        self._eagle3 = {str(d.resolve()): load_eagle3(d, self.target) for d in self.eagle3_dirs}
         self._w12_target = None
         self._int8: dict[int, object] = {}  # id(base target) -> that target with the certified INT8 head
         self._int8_head = None
@@ -125,6 +132,21 @@ class Deployment:
             self._blocks[key] = load_block(path, self.target)
         return self._blocks[key]
 
+    def eagle3_net(self, path=None):
+        """The loaded EAGLE-3 drafter network of ``path`` (None: the deployment's eagle3 dir), loading it once.
+
+        Raises:
+            DrafterError: no eagle3 drafter given, or it is malformed or does not fit the target.
+        """
+        if path is None:
+            if not self.eagle3_dirs:
+                raise DrafterError("drafter 'eagle3' needs an EAGLE-3 drafter directory (--drafter-path)")
+            path = self.eagle3_dirs[0]
+        key = str(Path(path).resolve())
+        if key not in self._eagle3:
+            self._eagle3[key] = load_eagle3(path, self.target)
+        return self._eagle3[key]
+
     def system(self, config: SystemConfig, **engine_kw) -> Engine:
         """An engine running ``config`` on this deployment's weights (the W12 target when ``config.w12``; the
         certified INT8 head when ``config.lm_head_int8``).
@@ -138,7 +160,8 @@ class Deployment:
         target = self._target(config)
         engine_kw.setdefault("eos_ids", self.eos_ids())
         engine_kw.setdefault("buckets", torch.device(self.device).type == "cuda")  # CUDA graphs per row bucket
-        return Engine(target, config, self._drafter(config, target, 1), **engine_kw)
+        # with row buckets a block drafter's step is one static pass too (a CUDA graph on CUDA)
+        return Engine(target, config, self._drafter(config, target, 1, static_step=engine_kw["buckets"]), **engine_kw)
 
     def batch_system(self, config: SystemConfig, max_num_seqs: int = 8, **engine_kw) -> BatchEngine:
         """A batched engine (continuous batching, one exact pass per step) running ``config`` for up to
@@ -158,8 +181,9 @@ class Deployment:
         target = self.w12_target() if config.w12 else self.target
         return self.int8_target(target) if config.lm_head_int8 else target
 
-    def _drafter(self, config: SystemConfig, target, slots: int):
-        """The drafter ``config`` names, holding ``slots`` requests (None for AR)."""
+    def _drafter(self, config: SystemConfig, target, slots: int, static_step: bool = False):
+        """The drafter ``config`` names, holding ``slots`` requests (None for AR); ``static_step``: a block drafter's
+        single-request steps run as one static pass (:class:`~specpilot.spec.block_step.StaticBlockStep`)."""
         if config.drafter == "ngram":
             return NgramDrafter(config.ngram_max, config.ngram_min, max_matches=max(config.top_k, 1),
                                 max_slots=max(slots, 1024))
@@ -178,7 +202,10 @@ class Deployment:
                                    f"with at most {BLOCK_TOP_K} candidates each: depth {config.depth}, top_k "
                                    f"{config.top_k} asked for")
             # one network pass drafts every request of a batch; context buffers start small and grow
-            return BlockDrafter(net, target, top_k=config.top_k, max_len=4096 if slots == 1 else 512, max_slots=slots)
+            return BlockDrafter(net, target, top_k=config.top_k, max_len=4096 if slots == 1 else 512, max_slots=slots,
+                                static_step=static_step and slots == 1)
+        if config.drafter == "eagle3":  # sequential drafting, top_k children per node, top_k nodes expanded per depth
+            return Eagle3Drafter(self.eagle3_net(config.drafter_path), target, top_k=config.top_k, max_slots=slots)
         if config.drafter == "calibrated":  # simulated acceptance; feed dep.continuations from an AR run first
             return build_calibrated(config, target, self.continuations, slots)
         return None

@@ -47,8 +47,8 @@ class Engine:
             pass in the row-bucket graphs when those are on.
         buckets: run decode passes padded to row buckets through the static path, replayed as CUDA graphs
             on CUDA (:mod:`specpilot.engine.runner`); rows above the largest bucket run eagerly. The prefill
-            then runs in chunks of the largest bucket. Not with a drafter that reads target features (their
-            capture is on the eager path).
+            then runs in chunks of the largest bucket. The target features a drafter reads are captured inside
+            those graphs (:attr:`BucketRunner.features`).
     Raises:
         DrafterError: the drafter does not fit the target (vocabulary, target layers; R16).
 
@@ -69,13 +69,13 @@ class Engine:
         # a drafter that reads target hidden states (block drafters, §1.1) names the layers it wants
         self.feature_layers = tuple(drafter.target_layers) if drafter is not None else ()
         self.runner = None
-        if buckets and not self.feature_layers:
+        if buckets:
             self.runner = BucketRunner(target, self.cache, BUCKETS, graphs=True, output="argmax",
-                                       logits_hook=logits_hook)
+                                       logits_hook=logits_hook, feature_layers=self.feature_layers)
             self.runner.capture_all()  # every bucket (verify, prefill chunks) now, not in a timed request
         self.logits_hook = logits_hook
         self.step_hook = None
-        self._feats: list[torch.Tensor] = []
+        self._feats: torch.Tensor | None = None  # the last pass's target features [R, F] (drafters that read them)
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         """Raise :class:`~specpilot.errors.PromptError` unless the request fits this engine
@@ -139,12 +139,12 @@ class Engine:
     def _prefill(self, prompt: list[int]) -> int:
         """The prompt's exact pass (K/V to slots ``[0, P)``); returns the first generated token. Not part of a
         decode step's profile."""
-        if self.runner is not None:  # chunks through the row-bucket graphs
-            first = self.runner.prefill(prompt)
-        else:
-            dev = self.target.device
-            first = self._argmax(torch.as_tensor(prompt, device=dev), torch.arange(len(prompt), device=dev), 0,
-                                 None, None)[-1].item()
+        if self.runner is not None:  # chunks through the row-bucket graphs, each chunk's features observed
+            observe = (lambda f, start: self.drafter.observe(0, f, start)) if self.feature_layers else None
+            return self.runner.prefill(prompt, observe)
+        dev = self.target.device
+        first = self._argmax(torch.as_tensor(prompt, device=dev), torch.arange(len(prompt), device=dev), 0,
+                             None, None)[-1].item()
         self._observe(None, 0)
         return first
 
@@ -174,18 +174,22 @@ class Engine:
         """Hand the drafter the target features of newly committed cache slots ``[start, start + k)``.
 
         ``rows`` are the pass's row indices of those slots (None: all rows, as in the prefill). The features
-        are ``[k, len(feature_layers) * hidden]``; only drafters with ``target_layers`` receive them.
+        are ``[k, len(feature_layers) * hidden]``, from the last pass (graphed or eager); only drafters with
+        ``target_layers`` receive them.
         """
         if not self.feature_layers:
             return
-        f = torch.cat(self._feats, dim=-1)
-        self.drafter.observe(0, f if rows is None else f[rows.to(f.device)], start)
+        f = self._feats
+        if rows is not None:  # the accepted path: rows 0..k-1 in place (a view), else gathered
+            f = f[: len(rows)] if int(rows[-1]) == len(rows) - 1 else f[rows.to(f.device)]
+        self.drafter.observe(0, f, start)
 
     def _argmax(self, tokens, positions, start: int, mask, prof) -> torch.Tensor:
         """The eager exact pass: the argmax ``[R] long`` of the rows (the target's features kept for the drafter)."""
-        self._feats = []
-        hidden = self.target.forward(tokens, positions, self.cache, start, mask, prof=prof, features=self._feats,
+        feats: list[torch.Tensor] = []
+        hidden = self.target.forward(tokens, positions, self.cache, start, mask, prof=prof, features=feats,
                                      feature_layers=self.feature_layers)
+        self._feats = torch.cat(feats, dim=-1) if feats else None
         if self.logits_hook is None and self.target.int8_head is not None:
             with region(prof, "lm_head"):  # the certified INT8 head (§4.1): the same argmax
                 return self.target.greedy(hidden)
@@ -202,6 +206,8 @@ class Engine:
         if self.runner is not None:  # padded static pass, profiled as a whole
             with region(prof, "exact_pass"):
                 out = self.runner.run(tok_list, pos_list, start, tree.ancestor_mask() if len(tree) else None)
+            if out is not None and self.feature_layers:
+                self._feats = self.runner.features[: len(tok_list)]
         if out is None:
             dev, r = self.target.device, len(tok_list)
             with region(prof, "other"):

@@ -41,12 +41,24 @@ class BucketRunner:
             need the full head (:meth:`needs_full_head`), settled with :meth:`full_head`.
         logits_hook: test-only (adversarial candidates): applied to the float32 logits ``[b, V]`` inside the
             captured pass (it must be capturable: device tensors only after its first, eager call).
+        feature_layers: 0-based target layers whose outputs every pass also writes to :attr:`features` (inside the
+            graph), for a drafter that reads target features (block drafters, EAGLE-3; §1.1). ``()``: none.
+
+    Attributes:
+        features: ``[max(buckets), len(feature_layers) * hidden]`` (model dtype) or None: the last pass's target
+            features, rows first; one buffer that every bucket's graph writes, so a drafter's own graph can read
+            it at a fixed address.
     """
 
     def __init__(self, model: Transformer, cache: KVCache, buckets=BUCKETS, graphs: bool = True,
-                 output: str = "argmax", logits_hook=None):
+                 output: str = "argmax", logits_hook=None, feature_layers: tuple[int, ...] = ()):
         self.model, self.cache, self.buckets, self.output = model, cache, tuple(buckets), output
         self.logits_hook = logits_hook
+        self.feature_layers = tuple(feature_layers)
+        self.features = None
+        if self.feature_layers:
+            width = len(self.feature_layers) * model.args.hidden_size
+            self.features = torch.zeros(self.buckets[-1], width, dtype=model.dtype, device=model.device)
         self.dev = model.device
         self.graphs = graphs and self.dev.type == "cuda"
         self._static: dict[int, dict] = {}
@@ -91,7 +103,11 @@ class BucketRunner:
 
     def _body(self, s: dict) -> torch.Tensor:
         mask = s["mask01"] != 0
-        hidden = self.model.forward_static(s["tokens"], s["positions"], self.cache, s["start"], mask)
+        feats: list[torch.Tensor] = []
+        hidden = self.model.forward_static(s["tokens"], s["positions"], self.cache, s["start"], mask,
+                                           features=feats, feature_layers=self.feature_layers)
+        if feats:  # the drafter's context, written where its own graph reads it
+            torch.cat(feats, dim=-1, out=self.features[: hidden.shape[0]])
         if self.logits_hook is not None:  # test-only (adversarial candidates): captured with the pass
             logits = self.logits_hook(self.model.logits(hidden))
             return logits.argmax(dim=-1) if self.output == "argmax" else logits
@@ -240,13 +256,17 @@ class BucketRunner:
         return out[:r]
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int]) -> int:
+    def prefill(self, prompt_ids: list[int], observe=None) -> int:
         """The prompt's exact pass in chunks of the largest bucket (one graph replay each on CUDA, no eager
         launches: an eager 8B pass costs ~35 ms of launches whatever its rows), K/V to slots ``[0, P)``;
         returns the argmax (host int) of its last row, the first generated token. Chunk ``i`` attends to
         slots ``[0, i·B)`` and causally among its rows, as one causal pass over the prompt does. With the
         certified INT8 head a flagged last row is settled by :meth:`full_head`.
 
+        Args:
+            prompt_ids: the prompt's token ids.
+            observe: with :attr:`feature_layers`, called as ``observe(features [n, F], start)`` after each chunk
+                of ``n`` rows at slots ``[start, start + n)`` (a view of :attr:`features`, valid until the next pass).
         Raises:
             ValueError: an empty prompt, or one whose padded last chunk does not fit the cache.
         """
@@ -256,6 +276,8 @@ class BucketRunner:
         for s in range(0, len(prompt_ids), step):
             chunk = prompt_ids[s:s + step]
             out = self.run(chunk, list(range(s, s + len(chunk))), s, None)
+            if observe is not None and self.features is not None:
+                observe(self.features[: len(chunk)], s)
         tok = int(out[-1])
         if self.head_flags and self.needs_full_head()[-1]:
             tok = self.full_head(len(chunk))[-1]

@@ -3,7 +3,8 @@
 of them in one pass of the network; and its checkpoints.
 
 Checkpoint: a directory with ``config.json`` (``"specpilot_drafter": "block"`` + :class:`BlockConfig`
-fields + the target facts it was trained for) and ``model.safetensors``.
+fields + the target facts it was trained for) and ``model.safetensors``; or a public DFlash drafter's directory,
+loaded in place by :mod:`specpilot.spec.dflash_import`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 from specpilot.errors import DrafterError
 from specpilot.model.transformer import Transformer
 from specpilot.spec.block_net import BlockConfig, BlockNet
+from specpilot.spec.dflash_import import is_dflash_dir, load_dflash
+from specpilot.spec.block_step import StaticBlockStep
 from specpilot.spec.drafter import DraftRequest
 from specpilot.spec.lattice import MarkovLattice, PositionalLattice
 
@@ -35,6 +38,9 @@ class BlockDrafter:
         max_len: context slots (positions) allocated per request slot up front; the buffers grow (doubling, for
             every slot at once) when a longer context is observed.
         max_slots: requests held at once (slots ``[0, max_slots)``; 1: the single-request engine's slot 0).
+        static_step: run slot 0's single-request steps (the observation staged by :meth:`observe`, then the
+            draft) as one static pass, a CUDA graph on CUDA (:class:`~specpilot.spec.block_step.StaticBlockStep`);
+            batches of several requests stay eager.
     Raises:
         ValueError: ``max_slots < 1``.
 
@@ -51,7 +57,7 @@ class BlockDrafter:
     max_context: int | None = None
 
     def __init__(self, net: BlockNet, target: Transformer, top_k: int = TOP_K, max_len: int = 4096,
-                 max_slots: int = 1):
+                 max_slots: int = 1, static_step: bool = False):
         if max_slots < 1:
             raise ValueError(f"a block drafter holds at least one request, max_slots {max_slots} given")
         self.net, self.target, self.top_k = net.eval(), target, min(top_k, TOP_K)
@@ -62,7 +68,8 @@ class BlockDrafter:
         shape = (max_slots, net.cfg.layers, max(max_len, 1), net.cfg.kv_heads, net.cfg.head_dim)
         self.slot_k = torch.zeros(shape, dtype=target.dtype, device=target.device)
         self.slot_v = torch.zeros(shape, dtype=target.dtype, device=target.device)
-        self._lengths = [0] * max_slots  # per slot: committed positions whose context K/V are held
+        self._lengths = [0] * max_slots  # per slot: committed positions whose context K/V are held (or staged)
+        self._step = StaticBlockStep(self) if static_step else None
 
     @property
     def ctx_k(self) -> torch.Tensor:
@@ -90,6 +97,14 @@ class BlockDrafter:
         """Forget the request held in ``slot`` (a new request starts there)."""
         self.check_slot(slot)
         self._lengths[slot] = 0
+        if slot == 0 and self._step is not None:
+            self._step.flush()  # the staged observation belonged to the request forgotten here
+
+    def _flush(self) -> None:
+        """Write slot 0's staged observation (:class:`StaticBlockStep`) eagerly, before an eager read or write."""
+        staged = self._step.flush() if self._step is not None else None
+        if staged is not None:
+            self._write(0, *staged)
 
     def _reserve(self, n: int) -> None:
         """Context buffers of at least ``n`` positions per slot (doubling; every slot's held positions kept)."""
@@ -107,8 +122,19 @@ class BlockDrafter:
     def observe(self, slot: int, features: torch.Tensor, start: int) -> None:
         """Store the context K/V of ``slot``'s committed positions ``[start, start + k)`` from the target features
         ``features [k, len(target_layers) * hidden]`` (any float dtype; cast to the target's); the slot's context
-        then ends there (positions past it are forgotten)."""
+        then ends there (positions past it are forgotten). With :attr:`static_step`, slot 0's observation of at
+        most B + 1 positions is staged and written by the next draft's static pass."""
         self.check_slot(slot)
+        self._flush()
+        if slot == 0 and self._step is not None:
+            self._reserve(start + self._step.pad_rows)  # the static pass writes its padding rows past the end
+            if self._step.stage(features, start):
+                self._lengths[0] = start + features.shape[0]
+                return
+        self._write(slot, features, start)
+
+    def _write(self, slot: int, features: torch.Tensor, start: int) -> None:
+        """The context K/V of ``features [k, F]`` to ``slot``'s positions ``[start, start + k)``, eagerly."""
         k = features.shape[0]
         self._reserve(start + k)
         pos = torch.arange(start, start + k, device=features.device)
@@ -139,6 +165,7 @@ class BlockDrafter:
         ``C = max_b (n_b - 1)``, then the block rows; the mask ``[Bt, B, C + B] bool`` lets a row attend to its own
         request's context positions ``[0, n_b - 1)`` and causally to its block's rows (never to the padding).
         """
+        self._flush()
         b, dev = self.cfg.block_size, self.slot_k.device
         lengths = torch.tensor([len(c) - 1 for c in committed], device=dev)  # [Bt] context positions
         width = max(len(c) - 1 for c in committed)
@@ -186,6 +213,10 @@ class BlockDrafter:
             return out
         for _, q, _ in drafted:
             self._check_context(q.slot, q.committed)
+        if self._step is not None and len(drafted) == 1 and drafted[0][1].slot == 0:
+            i, q, d = drafted[0]
+            out[i] = self._static_lattice(q.committed, d)
+            return out
         logits = self.batch_logits([q.slot for _, q, _ in drafted], [q.committed for _, q, _ in drafted])
         marg, toks = logits.log_softmax(-1).topk(TOP_K, dim=-1)  # [Bt, B, 16] each
         if self.cfg.markov_rank == 0:
@@ -203,6 +234,18 @@ class BlockDrafter:
         return out
 
 
+    def _static_lattice(self, committed: list[int], d: int) -> PositionalLattice | MarkovLattice:
+        """Slot 0's lattice of ``d`` positions through the static pass (the staged observation written first)."""
+        length = len(committed) - 1
+        start = self._step.pending[0] if self._step.pending is not None else length
+        self._reserve(start + self._step.pad_rows)
+        o = self._step.run(committed[-1], length)
+        if self.cfg.markov_rank == 0:
+            return PositionalLattice(o["toks"][:d, : self.top_k].clone(), o["marg"][:d, : self.top_k].clone())
+        return MarkovLattice(o["toks"][:d].clone(), o["marg"][:d].clone(), o["cond"][:d].clone(), committed[-1],
+                             self.top_k)
+
+
 def save_block(net: BlockNet, out: str | Path, extra: dict | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (bf16) of ``net`` to ``out``; returns the directory."""
     from specpilot.fileio import save_safetensors
@@ -217,12 +260,14 @@ def save_block(net: BlockNet, out: str | Path, extra: dict | None = None) -> Pat
 
 
 def is_block_dir(path) -> bool:
-    """True when ``path/config.json`` declares ``"specpilot_drafter": "block"``."""
+    """True when ``path/config.json`` declares ``"specpilot_drafter": "block"`` or is a public DFlash drafter's."""
     p = Path(path) / "config.json"
     try:
-        return p.is_file() and json.loads(p.read_text()).get("specpilot_drafter") == "block"
+        if p.is_file() and json.loads(p.read_text()).get("specpilot_drafter") == "block":
+            return True
     except (OSError, ValueError):
         return False
+    return is_dflash_dir(path)
 
 
 def load_block(path, target: Transformer) -> BlockNet:
@@ -230,11 +275,13 @@ def load_block(path, target: Transformer) -> BlockNet:
 
     Raises:
         DrafterError: missing files, or the drafter does not fit the target (hidden size, vocabulary,
-            layer indices).
+            layer indices); a DFlash directory's errors as :func:`~specpilot.spec.dflash_import.load_dflash`.
     """
     from safetensors.torch import load_file
 
     p = Path(path)
+    if is_dflash_dir(p):
+        return load_dflash(p, target)
     if not is_block_dir(p) or not (p / "model.safetensors").is_file():
         raise DrafterError(f"{p} is not a block drafter directory (a config.json with \"specpilot_drafter\": \"block\" "
                            "and a model.safetensors; a causal LM directory is a draft model)")
