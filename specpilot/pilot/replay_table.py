@@ -1,10 +1,12 @@
-"""The replay table of ``specpilot replay`` (§2.4, §4.2): τ of tree policies on block-drafter lattices.
+"""The replay table of ``specpilot replay`` (§2.4, §4.2): τ of tree policies on n-gram and block-drafter lattices.
 
-For each block drafter and bundled benchmark, the lattices along the target's AR greedy outputs are recorded
+For the n-gram drafter, each block drafter and each bundled benchmark, the lattices along the target's AR greedy outputs are recorded
 once (:func:`specpilot.pilot.replay.record`), then τ (tokens per exact pass after the prefill) is computed
 exactly for each policy at B = 8 and 16 draft positions: chain (N = B), best_first at N = 8, 16, 32, 63,
 eagle2_topk at 16, sequoia at 16, ddtree_marginal at 32, and the top-16 oracle. The Sequoia shape uses the
 positional acceptance profile measured on the same recording (in-sample: optimistic for sequoia).
+The n-gram drafter is recorded twice: with one match (top-K 1, the engine's stock n-gram chain: the most recent
+match) for the chain, and with 16 matches for every other policy (its chain would be the majority of 16 matches).
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ def _sub(rec: Recording, idx: list[int]) -> Recording:
 
 
 def replay_table(target_dir, drafter_dirs, per_benchmark: int = 4, max_new_tokens: int = 64,
-                 out: str | Path | None = None, device: str = "cpu") -> tuple[list[dict], str]:
+                 out: str | Path | None = None, device: str = "cpu", ngram: bool = True) -> tuple[list[dict], str]:
     """Record and replay; returns ``(rows, markdown)`` and writes ``table.json``, ``table.md``, ``tau.png``.
+
+    ``ngram``: add the n-gram drafter's rows (drafter ``ngram``) before the block drafters'.
 
     Rows: ``{drafter, benchmark (or "all"), block, policy, nodes, tau, steps}``, float32 CPU by default.
     Raises:
@@ -49,20 +53,28 @@ def replay_table(target_dir, drafter_dirs, per_benchmark: int = 4, max_new_token
     ar = [ar_eng.generate(p, max_new_tokens).tokens for p in prompts]
     groups = {b: [i for i, r in enumerate(reqs) if r.benchmark == b] for b in BENCHMARKS}
     groups["all"] = list(range(len(reqs)))
-    rows = []
+    depth = max(BLOCKS)
+    recorded = []  # (name, drafter kind, drafter path, {top-K: recording})
+    if ngram:
+        recs = {k: record(dep.system(SystemConfig(drafter="ngram", top_k=k, depth=depth, nodes=depth)).drafter,
+                          prompts, ar, depth, k) for k in (1, 16)}
+        recorded.append(("ngram", "ngram", None, recs))
     for d in dep.block_dirs:
         drafter = dep.system(SystemConfig(drafter="block", drafter_path=str(d), top_k=16)).drafter
-        depth = max(BLOCKS)
         rec = record(drafter, prompts, ar, depth, 16, target=dep.target)
         name = d.name if d.name == drafter.cfg.kind else f"{d.name} ({drafter.cfg.kind})"
+        recorded.append((name, "block", str(d), {1: rec, 16: rec}))
+    rows = []
+    for name, kind, path, recs in recorded:
         for b in BLOCKS:
-            sequoia = SequoiaBuilder(acceptance_profile(profile_steps(rec, b), b))
+            sequoia = SequoiaBuilder(acceptance_profile(profile_steps(recs[16], b), b))
             for policy, nodes in POLICIES:
                 n = b if nodes is None else nodes
                 tree = "best_first" if policy == "oracle" else policy
-                cfg = SystemConfig(drafter="block", drafter_path=str(d), tree=tree, nodes=n, depth=b, top_k=16)
+                k = 1 if policy == "chain" else 16
+                cfg = SystemConfig(drafter=kind, drafter_path=path, tree=tree, nodes=n, depth=b, top_k=k)
                 for bench, idx in groups.items():
-                    tau, steps = replay(_sub(rec, idx), cfg, "oracle" if policy == "oracle" else None, sequoia)
+                    tau, steps = replay(_sub(recs[k], idx), cfg, "oracle" if policy == "oracle" else None, sequoia)
                     rows.append({"drafter": name, "benchmark": bench, "block": b, "policy": policy, "nodes": n,
                                  "tau": round(tau, 4), "steps": steps})
     md = _markdown(rows, len(reqs), max_new_tokens)
