@@ -19,6 +19,7 @@ from specpilot.model.transformer import Transformer
 from specpilot.spec.block import BlockDrafter, is_block_dir, load_block
 from specpilot.spec.block_net import BlockNet
 from specpilot.spec.dflash_import import default_layer_ids, load_dflash
+from specpilot.spec.drafter import propose_one
 
 from .conftest import random_prompts
 from .dflashutil import REF, REF_CASES, ref_features, ref_target_weights, write_dflash, write_ref
@@ -66,6 +67,23 @@ def test_reference_logits_reproduced(tmp_path, ref_target):
         other.load_state_dict(net.state_dict())
         got = _drafted(other, ref_target)[0][: 6]
         assert (got - torch.tensor(ref["cases"][0]["logits"])[: 6]).abs().max().item() > 1e-2, off
+
+
+def test_reference_logits_through_the_static_step(tmp_path, ref_target):
+    """The drafter's static step (the CUDA-graph form, run eagerly here) gives the reference's log-probs."""
+    ref = json.loads(REFERENCE.read_text())
+    d = BlockDrafter(load_block(write_ref(tmp_path / "dflash"), ref_target), ref_target, static_step=True)
+    feats, start = ref_features(), 0
+    for (c, anchor), case in zip(REF_CASES, ref["cases"], strict=True):
+        d.observe(0, feats[start:c], start)
+        start = c
+        want = torch.tensor(case["logits"]).log_softmax(-1)
+        lat, path = propose_one(d, [1] * c + [anchor], REF["block"] - 1), ()
+        for i in range(REF["block"] - 1):
+            cands = lat.children(path)
+            assert cands[0][0] == case["argmax"][i]
+            assert max(abs(lp - want[i, t].item()) for t, lp in cands) < 1e-4
+            path += (cands[0][0],)
 
 
 def test_sharded_checkpoint_and_default_layers(tmp_path, ref_target):
@@ -162,11 +180,12 @@ def test_spec_equals_ar_bundled_target(tmp_path):
     dep = Deployment(t, d, dtype="float32")
     assert dep.draft_model is None and dep.block_net().cfg.diffusion_block
     prompts = random_prompts(2, vocab=a["vocab_size"], length=10, seed=7)
-    for tree, nodes in (("chain", 7), ("best_first", 16)):
-        eng = dep.system(SystemConfig(drafter="block", tree=tree, nodes=nodes, depth=7, top_k=4), eos_ids=[])
-        for p in prompts:
-            gen = eng.generate(p, 24)
-            assert gen.tokens == ar_tokens(dep.target, p, 24), tree
+    for tree, nodes, buckets in (("chain", 7, False), ("best_first", 16, False), ("best_first", 16, True)):
+        eng = dep.system(SystemConfig(drafter="block", tree=tree, nodes=nodes, depth=7, top_k=4), eos_ids=[],
+                         buckets=buckets)  # buckets: row buckets + the drafter's static step (eager on the CPU)
+        for p in prompts[: 1 if buckets else 2]:
+            gen = eng.generate(p, 20)
+            assert gen.tokens == ar_tokens(dep.target, p, 20), (tree, buckets)
             assert max(gen.rows) <= nodes + 1
     with pytest.raises(DrafterError, match="at most 7 positions"):
         dep.system(SystemConfig(drafter="block", tree="chain", nodes=8, depth=8, top_k=4))
