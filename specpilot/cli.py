@@ -70,6 +70,10 @@ def drafter_kind(path: Path) -> Optional[str]:
         return None
     if cfg.get("specpilot_drafter") == "block":
         return "block_markov" if cfg.get("kind") == "block_markov" or cfg.get("markov_rank", 0) else "block"
+    from specpilot.spec.dflash_import import is_dflash_dir
+
+    if is_dflash_dir(path):  # a public DFlash drafter, loaded as a block drafter (it declares model_type qwen3)
+        return "block"
     return "draft_model" if cfg.get("model_type") else None
 
 

@@ -164,22 +164,29 @@ def test_missing_or_corrupt_files_refused(tmp_path, ref_target):
         load_dflash(d, ref_target)
 
 
-def test_spec_equals_ar_bundled_target(tmp_path):
-    """A random DFlash drafter of the bundled target's shape, given as ``--drafter-path``: chain and best_first
-    equal AR greedy token for token."""
+@pytest.fixture(scope="module")
+def bundled_dflash(tmp_path_factory):
+    """``(target dir, DFlash dir)``: the bundled target and a random DFlash drafter of its shape (block 8)."""
     from specpilot.zoo import bundled_target_dir
 
     t = bundled_target_dir()
     if not (t / "model.safetensors").is_file():
         pytest.skip("bundled target not built")
     a = json.loads((t / "config.json").read_text())
-    d = write_dflash(tmp_path / "dflash", hidden=a["hidden_size"], layers=1, heads=a["num_attention_heads"],
-                     kv_heads=a["num_key_value_heads"], head_dim=a["head_dim"], intermediate=a["hidden_size"],
-                     vocab=a["vocab_size"], block=8, target_layers=[1, 3], num_target_layers=a["num_hidden_layers"],
-                     mask_token_id=5, rope_theta=a.get("rope_theta", 10000.0), seed=3)
-    dep = Deployment(t, d, dtype="float32")
+    d = write_dflash(tmp_path_factory.mktemp("bundled") / "dflash", hidden=a["hidden_size"], layers=1,
+                     heads=a["num_attention_heads"], kv_heads=a["num_key_value_heads"], head_dim=a["head_dim"],
+                     intermediate=a["hidden_size"], vocab=a["vocab_size"], block=8, target_layers=[1, 3],
+                     num_target_layers=a["num_hidden_layers"], mask_token_id=5, rope_theta=a.get("rope_theta", 1e4),
+                     seed=3)
+    return t, d
+
+
+def test_spec_equals_ar_bundled_target(bundled_dflash):
+    """A random DFlash drafter of the bundled target's shape, given as the drafter path: chain and best_first
+    (eager, and with row buckets + the drafter's static step) equal AR greedy token for token."""
+    dep = Deployment(*bundled_dflash, dtype="float32")
     assert dep.draft_model is None and dep.block_net().cfg.diffusion_block
-    prompts = random_prompts(2, vocab=a["vocab_size"], length=10, seed=7)
+    prompts = random_prompts(2, vocab=dep.target.args.vocab_size, length=10, seed=7)
     for tree, nodes, buckets in (("chain", 7, False), ("best_first", 16, False), ("best_first", 16, True)):
         eng = dep.system(SystemConfig(drafter="block", tree=tree, nodes=nodes, depth=7, top_k=4), eos_ids=[],
                          buckets=buckets)  # buckets: row buckets + the drafter's static step (eager on the CPU)
@@ -189,3 +196,24 @@ def test_spec_equals_ar_bundled_target(tmp_path):
             assert max(gen.rows) <= nodes + 1
     with pytest.raises(DrafterError, match="at most 7 positions"):
         dep.system(SystemConfig(drafter="block", tree="chain", nodes=8, depth=8, top_k=4))
+
+
+def test_cli_drafter_path(monkeypatch, capsys, bundled_dflash, tmp_path):
+    """``generate --drafter block --drafter-path <DFlash dir>`` equals AR; the wrong kind or a malformed
+    checkpoint is one line and exit 2."""
+    from .conftest import run_cli
+
+    t, d = (str(x) for x in bundled_dflash)
+    base = ["generate", "--prompt", "Question: 3 + 4 =", "--target", t, "--max-new-tokens", "12", "--json"]
+    code, out, err = run_cli(monkeypatch, capsys, *base, "--drafter", "none")
+    assert code == 0, err
+    ar = json.loads(out)["tokens"]
+    code, out, err = run_cli(monkeypatch, capsys, *base, "--drafter", "block", "--drafter-path", d, "--tree",
+                             "best_first", "--nodes", "8", "--depth", "7")
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == ar
+    code, _, err = run_cli(monkeypatch, capsys, *base, "--drafter", "draft_model", "--drafter-path", d)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "use --drafter block" in err, err
+    bad = write_ref(tmp_path / "bad", edit=_del_weight)
+    code, _, err = run_cli(monkeypatch, capsys, *base, "--drafter", "block", "--drafter-path", str(bad))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
