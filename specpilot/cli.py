@@ -20,6 +20,7 @@ from specpilot.errors import SpecPilotError
 from specpilot.fileio import output_dir
 from specpilot.pilot.memory_cli import app as memory_app
 from specpilot.serve.cli import serve
+from specpilot.spec.train_cli import train_drafter_cmd
 from specpilot.w12.cli import app as w12_app
 from specpilot.zoo.cli import app as zoo_app, import_gguf
 
@@ -30,6 +31,8 @@ app.add_typer(memory_app, name="memory", help="Memory of verified entries (§3.5
 app.command()(bench)
 app.command()(serve)
 app.command("import-gguf")(import_gguf)
+app.command("train-drafter")(train_drafter_cmd)
+CHECKPOINT_DRAFTERS = ("draft_model", "block", "eagle3")  # the drafters read from --drafter-path
 
 
 def _pydantic_message(e: ValueError) -> str:
@@ -51,16 +54,18 @@ def _default_dirs(target: Optional[Path], drafter: str, drafter_path: Optional[P
             drafter_path = bundled_drafter_dir()
         if drafter == "block" and drafter_path is None:
             drafter_path = bundled_block_dir()
-    if drafter in ("draft_model", "block") and drafter_path is None:
-        raise SpecPilotError(f"--drafter {drafter} needs --drafter-path DIR with a target other than the bundled one")
-    if drafter in ("draft_model", "block"):
+    if drafter in CHECKPOINT_DRAFTERS and drafter_path is None:  # eagle3 has no bundled drafter
+        raise SpecPilotError(f"--drafter {drafter} needs --drafter-path DIR" + (
+            "" if drafter == "eagle3" else " with a target other than the bundled one"))
+    if drafter in CHECKPOINT_DRAFTERS:
         check_drafter_kind(drafter, drafter_path)
-    return target, (drafter_path if drafter in ("draft_model", "block") else None)
+    return target, (drafter_path if drafter in CHECKPOINT_DRAFTERS else None)
 
 
 def drafter_kind(path: Path) -> Optional[str]:
     """The kind of drafter checkpoint directory ``path``, read from its ``config.json``: ``"block"`` or
-    ``"block_markov"`` (a block drafter: ``"specpilot_drafter": "block"``), ``"draft_model"`` (a causal LM
+    ``"block_markov"`` (a block drafter: ``"specpilot_drafter": "block"``), ``"eagle3"`` (ours or a public EAGLE-3
+    head: :func:`~specpilot.spec.eagle3.is_eagle3_dir`), ``"draft_model"`` (a causal LM
     with a ``model_type``), or None when there is no readable config.json. Raises nothing."""
     try:
         cfg = json.loads((Path(path) / "config.json").read_text())
@@ -70,6 +75,10 @@ def drafter_kind(path: Path) -> Optional[str]:
         return None
     if cfg.get("specpilot_drafter") == "block":
         return "block_markov" if cfg.get("kind") == "block_markov" or cfg.get("markov_rank", 0) else "block"
+    from specpilot.spec.eagle3 import is_eagle3_dir
+
+    if is_eagle3_dir(path):  # before model_type: public EAGLE-3 heads declare model_type llama
+        return "eagle3"
     from specpilot.spec.dflash_import import is_dflash_dir
 
     if is_dflash_dir(path):  # a public DFlash drafter, loaded as a block drafter (it declares model_type qwen3)
@@ -78,8 +87,8 @@ def drafter_kind(path: Path) -> Optional[str]:
 
 
 def check_drafter_kind(drafter: str, path: Path) -> None:
-    """Check that ``--drafter-path path`` holds the kind of drafter ``--drafter drafter`` (``draft_model`` or
-    ``block``) asks for.
+    """Check that ``--drafter-path path`` holds the kind of drafter ``--drafter drafter`` (``draft_model``,
+    ``block`` or ``eagle3``) asks for.
 
     Raises:
         SpecPilotError: one line saying what the directory holds and which ``--drafter`` to use (a directory
@@ -91,6 +100,9 @@ def check_drafter_kind(drafter: str, path: Path) -> None:
     if drafter == "draft_model" and kind in ("block", "block_markov"):
         raise SpecPilotError(f"--drafter-path {path} is a block drafter (kind {kind}, from its config.json), "
                              "not a draft model: use --drafter block (pilot: --block)")
+    if (kind == "eagle3") != (drafter == "eagle3"):
+        raise SpecPilotError(f"--drafter-path {path} is a {kind} drafter (from its config.json), not a {drafter} one: "
+                             f"use --drafter {'block' if kind.startswith('block') else kind}")
     if drafter == "block" and kind == "draft_model":
         mt = json.loads((Path(path) / "config.json").read_text()).get("model_type")
         raise SpecPilotError(f"--drafter-path {path} is a draft model (model_type {mt}, from its config.json), "
@@ -101,8 +113,8 @@ def check_drafter_kind(drafter: str, path: Path) -> None:
 def generate(
     prompt: str = typer.Option(..., help="Prompt text."),
     target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: the bundled target)."),
-    drafter: str = typer.Option("ngram", help="none | ngram | draft_model | block"),
-    drafter_path: Optional[Path] = typer.Option(None, help="Draft model or block drafter checkpoint directory."),
+    drafter: str = typer.Option("ngram", help="none | ngram | draft_model | block | eagle3"),
+    drafter_path: Optional[Path] = typer.Option(None, help="Draft model, block or EAGLE-3 drafter checkpoint directory."),
     tree: str = typer.Option("chain", help="chain | best_first | ddtree_marginal | eagle2_topk | sequoia"),
     nodes: int = typer.Option(6, help="Tree budget N (drafted nodes per exact pass)."),
     depth: int = typer.Option(6, help="Draft positions per step."),
@@ -125,8 +137,8 @@ def generate(
     from specpilot.spec.trees import BUILDERS
     from specpilot.text import check_text, encode_text
 
-    if drafter not in ("none", "ngram", "draft_model", "block"):
-        raise SpecPilotError(f"unknown drafter {drafter!r} (choose none, ngram, draft_model or block)")
+    if drafter not in ("none", "ngram", *CHECKPOINT_DRAFTERS):
+        raise SpecPilotError(f"unknown drafter {drafter!r} (choose none, ngram, draft_model, block or eagle3)")
     if tree not in BUILDERS:
         raise SpecPilotError(f"unknown tree builder {tree!r} (choose {', '.join(BUILDERS)})")
     if top_k < 1:  # a chain ignores --top-k (it takes 1), but a bad value is still refused, not dropped
@@ -147,7 +159,7 @@ def generate(
     except ValueError as e:
         raise SpecPilotError(f"invalid option: {_pydantic_message(e)}") from None
     if drafter_path is not None and drafter in ("none", "ngram"):
-        raise SpecPilotError(f"--drafter-path is for --drafter draft_model or block; drafter {drafter!r} reads no "
+        raise SpecPilotError(f"--drafter-path is for --drafter draft_model, block or eagle3; drafter {drafter!r} reads no "
                              "checkpoint")
     tdir, ddir = _default_dirs(target, drafter, drafter_path)
     if ddir is not None:
@@ -297,51 +309,6 @@ def audit(
         render(res, Console())
     if not res["passed"]:
         raise typer.Exit(1)
-
-
-@app.command("train-drafter")
-def train_drafter_cmd(
-    kind: str = typer.Option("block", help="block | block_markov"),
-    block: int = typer.Option(16, min=2, max=32, help="Block size B (positions drafted per pass), 2-32."),
-    out: Path = typer.Option(..., help="Output directory (config.json + model.safetensors + provenance)."),
-    target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: bundled)."),
-    tokens: Path = typer.Option(Path("work/zoo/tokens.npy"), help="Training tokens (specpilot zoo tokenize)."),
-    steps: int = typer.Option(600, min=1, help="Optimizer steps."),
-    batch_size: int = typer.Option(16, min=1, help="Sequences per step."),
-    anchors: int = typer.Option(4, min=1, help="Anchor positions (blocks) per sequence."),
-    lr: float = typer.Option(2e-3, min=1e-12, help="Peak learning rate (> 0)."),
-    n_seqs: int = typer.Option(1536, min=1, help="Training-text snippets continued greedily by the target."),
-    gen_len: int = typer.Option(80, min=1, help="Greedy tokens generated per snippet."),
-    markov_rank: int = typer.Option(16, min=1, help="Rank of the Markov head (block_markov)."),
-    target_layers: Optional[str] = typer.Option(None, help="Comma-separated 0-based target layers the drafter reads (default: 1, L/2 and L-1 of the target's L layers)."),
-    data_cache: Optional[Path] = typer.Option(None, help="Cache file for the generated data (.pt)."),
-    device: str = typer.Option("cpu", help="torch device (cpu, cuda)."),
-    seed: int = typer.Option(0, help="Seed."),
-    quiet: bool = typer.Option(False, help="No progress bar."),
-):
-    """Train a block drafter (DFlash-style; block_markov: + DSpark Markov head) on the target's greedy outputs."""
-    import shlex
-
-    from specpilot.spec.train_block import train_drafter
-    from specpilot.zoo import bundled_target_dir
-
-    from specpilot.engine.deployment import check_device
-
-    check_device(device)
-    output_dir(out, "--out")
-    layers = None
-    if target_layers is not None:
-        try:
-            layers = tuple(int(x) for x in target_layers.split(","))
-        except ValueError:
-            raise SpecPilotError(f"--target-layers takes comma-separated integers, got {target_layers!r}") from None
-    cmd = "specpilot " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    prov = train_drafter(target or bundled_target_dir(), out, kind=kind, block=block, steps=steps,
-                         batch_size=batch_size, anchors=anchors, lr=lr, n_seqs=n_seqs, gen_len=gen_len,
-                         markov_rank=markov_rank, target_layers=layers, seed=seed, tokens_path=tokens, device=device,
-                         command=cmd, quiet=quiet, data_cache=data_cache)
-    print(json.dumps({k: prov[k] for k in ("kind", "block_size", "parameters", "initial_heldout_loss",
-                                           "final_heldout_loss", "final_heldout_top1_acc_pos0")}))
 
 
 @app.command()

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-DrafterKind = Literal["none", "ngram", "draft_model", "block", "calibrated"]
+DrafterKind = Literal["none", "ngram", "draft_model", "block", "eagle3", "calibrated"]
 TreeKind = Literal["chain", "best_first", "ddtree_marginal", "eagle2_topk", "sequoia"]
 
 
@@ -22,9 +22,10 @@ class SystemConfig(BaseModel):
 
     Attributes:
         drafter: ``none`` (AR greedy), ``ngram`` (prompt lookup), ``draft_model`` (small causal LM) or
-            ``block`` (DFlash-style block drafter; its checkpoint says whether it has a Markov head); ``calibrated``:
+            ``block`` (DFlash-style block drafter; its checkpoint says whether it has a Markov head), ``eagle3``
+            (EAGLE-3-style drafter, ours or a public head: :mod:`specpilot.spec.eagle3`); ``calibrated``:
             SIMULATED acceptance from a real pair's calibration (:mod:`specpilot.spec.calibrated`).
-        drafter_path: checkpoint directory of the draft model / block drafter (``None``: the deployment's); the
+        drafter_path: checkpoint directory of the draft model / block / eagle3 drafter (``None``: the deployment's); the
             calibration file of ``calibrated``.
         tree: tree builder over the drafter's lattice: ``chain`` (stock, §1.1), ``best_first`` (§4.2),
             ``ddtree_marginal``, ``eagle2_topk`` or ``sequoia`` (see :mod:`specpilot.spec.trees`).

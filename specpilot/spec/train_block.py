@@ -133,23 +133,29 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
                   anchors: int = 4, lr: float = 2e-3, n_seqs: int = 1536, prompt_len: int = 32, gen_len: int = 80,
                   markov_rank: int = 16, layers: int = 2, target_layers=None, seed: int = 0,
                   tokens_path="work/zoo/tokens.npy", device: str = "cpu", command: str = "",
-                  quiet: bool = False, data_cache: str | Path | None = None) -> dict:
-    """Train a ``block`` or ``block_markov`` drafter for the target in ``target_dir``; write it to ``out``.
+                  quiet: bool = False, data_cache: str | Path | None = None, draft_vocab_size: int | None = None,
+                  ttt_steps: int = 4) -> dict:
+    """Train a ``block``, ``block_markov`` or ``eagle3`` drafter for the target in ``target_dir``; write it to ``out``.
 
     ``target_layers``: the 0-based target layers whose outputs the drafter reads (None:
     :func:`default_target_layers` of the target's depth). Writes ``config.json``, ``model.safetensors`` (bf16),
     ``provenance.json`` and ``loss.png``.
     ``data_cache`` (a ``.pt`` path) keeps generated sequences + features for a second run (e.g. the other
-    kind). Returns the provenance dict. Raises SpecPilotError on a bad kind / block / missing token file.
+    kind). ``eagle3`` (:mod:`specpilot.spec.train_eagle3`): ``draft_vocab_size`` ids (None: min(vocab, 32000), as
+    EAGLE-3 for Llama 3), ``ttt_steps`` training-time-test steps; ``block`` / ``anchors`` / ``markov_rank`` /
+    ``layers`` are block options. Returns the provenance dict. Raises SpecPilotError on a bad kind / block / draft
+    vocabulary / missing token file.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from specpilot.provenance import git_commit, versions
     from specpilot.zoo.train import lr_at, plot_loss
 
-    if kind not in ("block", "block_markov"):
-        raise SpecPilotError(f"unknown drafter kind {kind!r} (choose block or block_markov)")
-    if not 2 <= block <= 32:
+    if kind not in ("block", "block_markov", "eagle3"):
+        raise SpecPilotError(f"unknown drafter kind {kind!r} (choose block, block_markov or eagle3)")
+    if kind == "eagle3" and ttt_steps < 1:
+        raise SpecPilotError(f"--ttt-steps must be at least 1, got {ttt_steps}")
+    if kind != "eagle3" and not 2 <= block <= 32:
         raise SpecPilotError(f"block size must be in [2, 32], got {block}")
     torch.manual_seed(seed)
     t0 = time.time()
@@ -159,6 +165,9 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
     if not target_layers or max(target_layers) >= ta.num_layers or min(target_layers) < 0:
         raise SpecPilotError(f"target has {ta.num_layers} layers (0-{ta.num_layers - 1}); cannot read layers "
                              f"{list(target_layers)}")
+    dv = min(ta.vocab_size, 32000) if draft_vocab_size is None else draft_vocab_size
+    if kind == "eagle3" and not 1 <= dv <= ta.vocab_size:
+        raise SpecPilotError(f"--draft-vocab must be in [1, {ta.vocab_size}] (the target's vocabulary), got {dv}")
     cp = Path(data_cache) if data_cache else None
     key = dict(n_seqs=n_seqs, prompt_len=prompt_len, gen_len=gen_len, seed=seed, layers=list(target_layers),
                target=str(Path(target_dir).resolve()))
@@ -172,38 +181,47 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
             cp.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"key": key, "seqs": seqs, "feats": feats}, cp)
     data_s = time.time() - t0
-    cfg = BlockConfig(block_size=block, markov_rank=markov_rank if kind == "block_markov" else 0, layers=layers,
-                      heads=ta.n_heads, kv_heads=ta.n_kv_heads, head_dim=ta.head_dim,
-                      intermediate_size=2 * ta.hidden_size, target_layers=list(target_layers),
-                      target_hidden=ta.hidden_size, vocab_size=ta.vocab_size, target_num_layers=ta.num_layers,
-                      target_model_type=ta.model_type, rms_norm_eps=ta.rms_norm_eps, rope_theta=ta.rope_theta)
-    net = BlockNet(cfg).to(device).train()
-    n_params = sum(p.numel() for p in net.parameters())
     n_val = max(1, len(seqs) // 20)
     tr_s, tr_f, va_s, va_f = seqs[:-n_val], feats[:-n_val], seqs[-n_val:], feats[-n_val:]
     t_len = seqs.shape[1]
-    if t_len - block - 1 < prompt_len - 1:
-        raise SpecPilotError(f"gen_len {gen_len} too short for block {block}")
+    if kind == "eagle3":
+        from specpilot.spec.eagle3 import save_eagle3
+        from specpilot.spec.train_eagle3 import draft_vocab, eagle3_loss, new_eagle3_net
+
+        net = new_eagle3_net(ta, target_layers, draft_vocab(tr_s, dv, ta.vocab_size, prompt_len)).to(device).train()
+        hi = t_len
+
+        def loss_of(s, f, a):
+            return eagle3_loss(net, target, s, f, prompt_len, ttt_steps)
+    else:
+        net, hi = _block_net(kind, block, markov_rank, layers, target_layers, ta, device), t_len - block
+        if t_len - block - 1 < prompt_len - 1:
+            raise SpecPilotError(f"gen_len {gen_len} too short for block {block}")
+
+        def loss_of(s, f, a):
+            return block_loss(net, target, s, f, a)
+    n_params = sum(p.numel() for p in net.parameters())
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     def batch(s, f, n, gen):
         idx = torch.randint(0, len(s), (n,), generator=gen)
-        a = torch.randint(prompt_len - 1, t_len - block, (n, anchors), generator=gen)
+        a = torch.randint(prompt_len - 1, hi, (n, anchors), generator=gen)
         return s[idx].to(device), f[idx].to(device), a.to(device)
 
     @torch.no_grad()
     def evaluate():
         net.eval()
         gv = torch.Generator().manual_seed(seed + 1)
-        vals = [block_loss(net, target, *batch(va_s, va_f, batch_size, gv)) for _ in range(4)]
+        vals = [loss_of(*batch(va_s, va_f, batch_size, gv)) for _ in range(4)]
         net.train()
         return float(np.mean([v[0].item() for v in vals])), float(np.mean([v[1].item() for v in vals]))
 
     losses, val_curve = [], []
     v0 = evaluate()
     val_curve.append((0, v0[0]))
-    cols = [TextColumn(f"[bold]{kind} B={block}"), BarColumn(), MofNCompleteColumn(),
+    label = f"eagle3 V={net.cfg.draft_vocab_size}" if kind == "eagle3" else f"{kind} B={block}"
+    cols = [TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn()]
     t1 = time.time()
     with Progress(*cols, disable=quiet) as bar:
@@ -211,7 +229,7 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
         for step in range(steps):
             for grp in opt.param_groups:
                 grp["lr"] = lr_at(step, steps, lr, max(1, steps // 20))
-            loss, _ = block_loss(net, target, *batch(tr_s, tr_f, batch_size, g))
+            loss, _ = loss_of(*batch(tr_s, tr_f, batch_size, g))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -222,12 +240,14 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
                 val_curve.append((step + 1, evaluate()[0]))
     train_s = time.time() - t1
     vf = evaluate()
-    outp = save_block(net.eval(), out)
+    outp = save_eagle3(net.eval(), out) if kind == "eagle3" else save_block(net.eval(), out)
+    shared = ("embed_tokens is the target's (not stored); the LM head is the drafter's own, over the draft vocabulary"
+              if kind == "eagle3" else "embed_tokens and lm_head are the target's (not stored)")
     prov = {
-        "recipe": "specpilot train-drafter", "command": command, "kind": kind, "block_size": block,
+        "recipe": "specpilot train-drafter", "command": command, "kind": kind,
+        "block_size": None if kind == "eagle3" else block,
         "seed": seed, "steps": steps,
-        "parameters": n_params, "saved_dtype": "bfloat16",
-        "shared_with_target": "embed_tokens and lm_head are the target's (not stored)",
+        "parameters": n_params, "saved_dtype": "bfloat16", "shared_with_target": shared,
         "target": {"dir": str(target_dir), "hidden_size": ta.hidden_size, "vocab_size": ta.vocab_size,
                    "num_layers": ta.num_layers, "target_layers": list(target_layers)},
         "data": {"source": str(tokens_path), "sequences": n_seqs, "prompt_len": prompt_len, "gen_len": gen_len,
@@ -240,6 +260,20 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
         "final_heldout_loss": vf[0], "final_heldout_top1_acc_pos0": vf[1], "heldout_curve": val_curve,
         "git_commit": git_commit(), "versions": versions(),
     }
+    if kind == "eagle3":
+        prov["eagle3"] = {"draft_vocab_size": net.cfg.draft_vocab_size, "ttt_steps": ttt_steps,
+                          "draft_vocab": "the most frequent target ids among the training split's greedy tokens",
+                          "top1_acc": "step 0 of the training-time test (the first draft position)"}
     (outp / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
-    plot_loss(losses, outp / "loss.png", f"{kind} B={block}: {n_params / 1e6:.2f}M params, {steps} steps", val_curve)
+    plot_loss(losses, outp / "loss.png", f"{label}: {n_params / 1e6:.2f}M params, {steps} steps", val_curve)
     return prov
+
+
+def _block_net(kind, block, markov_rank, layers, target_layers, ta, device) -> BlockNet:
+    """A fresh block drafter network for a target of ``ta`` (ModelArgs), on ``device``, in training mode."""
+    cfg = BlockConfig(block_size=block, markov_rank=markov_rank if kind == "block_markov" else 0, layers=layers,
+                      heads=ta.n_heads, kv_heads=ta.n_kv_heads, head_dim=ta.head_dim,
+                      intermediate_size=2 * ta.hidden_size, target_layers=list(target_layers),
+                      target_hidden=ta.hidden_size, vocab_size=ta.vocab_size, target_num_layers=ta.num_layers,
+                      target_model_type=ta.model_type, rms_norm_eps=ta.rms_norm_eps, rope_theta=ta.rope_theta)
+    return BlockNet(cfg).to(device).train()
