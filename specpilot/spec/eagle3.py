@@ -21,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from specpilot.errors import DrafterError
@@ -130,27 +131,27 @@ class Eagle3Drafter:
         kids: dict[tuple[int, ...], list[tuple[int, float]]] = {(): list(zip(ids[0], lps[0]))}
         # generated nodes of the current depth: (path score, path, parent's hidden row, parent's tree row or -1)
         nodes = [(lp, (t,), 0, -1) for t, lp in kids[()]]
-        tree_k, tree_v, anc = [], [], []  # K/V of the tree rows run so far; per tree row its ancestor rows (+ self)
+        tree_k, tree_v = [], []  # K/V of the tree rows run so far
+        anc = np.zeros((0, 0), dtype=np.bool_)  # [tree rows, tree rows]: ancestor-or-self among the tree rows
         for d in range(1, depth):
             front = sorted(range(len(nodes)), key=lambda i: -nodes[i][0])[: self.expand]
-            base = len(anc)
-            rows_anc = []
+            base, f = anc.shape[0], len(front)
+            grown = np.zeros((base + f, base + f), dtype=np.bool_)
+            grown[:base, :base] = anc
             for j, i in enumerate(front):
-                parent_row = nodes[i][3]
-                rows_anc.append((anc[parent_row] if parent_row >= 0 else []) + [base + j])
-            anc.extend(rows_anc)
+                if nodes[i][3] >= 0:
+                    grown[base + j, :base] = grown[nodes[i][3], :base]
+                grown[base + j, base + j] = True
+            anc = grown
             toks = torch.tensor([nodes[i][1][-1] for i in front], device=dev)
             q, k, v, res = net.project(net.embed(toks, embed), hid[[nodes[i][2] for i in front]],
                                        torch.full((len(front),), m - 1 + d, device=dev))
             tree_k.append(k)
             tree_v.append(v)
-            keys = torch.cat((st.k[:m], *tree_k))[None].expand(len(front), -1, -1, -1)
-            vals = torch.cat((st.v[:m], *tree_v))[None].expand(len(front), -1, -1, -1)
-            mask = torch.zeros(len(front), 1, m + len(anc), dtype=torch.bool, device=dev)
-            mask[:, :, :m] = True
-            for j, a in enumerate(rows_anc):
-                mask[j, 0, [m + r for r in a]] = True
-            hid = net.finish(net.attend(q[:, None], keys, vals, mask), res[:, None])[:, 0]  # [F, hidden]
+            keys, vals = torch.cat((st.k[:m], *tree_k))[None], torch.cat((st.v[:m], *tree_v))[None]
+            mask = torch.ones(1, f, m + base + f, dtype=torch.bool, device=dev)  # every row sees the committed rows
+            mask[0, :, m:] = torch.from_numpy(anc[base:]).to(dev)
+            hid = net.finish(net.attend(q[None], keys, vals, mask)[0], res)  # [F, hidden]
             ids, lps = self._topk(hid)
             nodes_next = []
             for j, i in enumerate(front):
