@@ -4,6 +4,7 @@ float32 CPU."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -217,3 +218,26 @@ def test_cli_drafter_path(monkeypatch, capsys, bundled_dflash, tmp_path):
     bad = write_ref(tmp_path / "bad", edit=_del_weight)
     code, _, err = run_cli(monkeypatch, capsys, *base, "--drafter", "block", "--drafter-path", str(bad))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphed_step_on_cuda(tmp_path, ref_target, bundled_dflash):
+    """On a GPU: the static step captured as a CUDA graph gives the reference log-probs, and float32 spec with row
+    buckets + graphed drafter steps equals AR on the bundled target."""
+    target = copy.deepcopy(ref_target).cuda()
+    d = BlockDrafter(load_block(write_ref(tmp_path / "dflash"), target), target, static_step=True)
+    ref, feats, start = json.loads(REFERENCE.read_text()), ref_features().cuda(), 0
+    for (c, anchor), case in zip(REF_CASES, ref["cases"], strict=True):
+        d.observe(0, feats[start:c], start)
+        start = c
+        want = torch.tensor(case["logits"]).log_softmax(-1)
+        lat, path = propose_one(d, [1] * c + [anchor], REF["block"] - 1), ()
+        for i in range(REF["block"] - 1):
+            cands = lat.children(path)
+            assert max(abs(lp - want[i, t].item()) for t, lp in cands) < 1e-4
+            path += (cands[0][0],)
+    dep = Deployment(*bundled_dflash, dtype="float32", device="cuda")
+    ar = dep.system(SystemConfig.ar(), eos_ids=[], buckets=False)
+    eng = dep.system(SystemConfig(drafter="block", tree="best_first", nodes=32, depth=7, top_k=8), eos_ids=[])
+    for p in random_prompts(2, vocab=dep.target.args.vocab_size, length=12, seed=7):
+        assert eng.generate(p, 32).tokens == ar.generate(p, 32).tokens
