@@ -18,6 +18,7 @@ from specpilot.config import SystemConfig
 from specpilot.data.benchmarks import BENCHMARKS, load_requests
 from specpilot.engine.deployment import Deployment
 from specpilot.errors import SpecPilotError
+from specpilot.spec.eagle3 import is_eagle3_dir
 from specpilot.spec.trees import SequoiaBuilder, acceptance_profile
 from specpilot.pilot.replay import Recording, profile_steps, record, replay
 
@@ -37,13 +38,17 @@ def replay_table(target_dir, drafter_dirs, per_benchmark: int = 4, max_new_token
                  out: str | Path | None = None, device: str = "cpu", ngram: bool = True) -> tuple[list[dict], str]:
     """Record and replay; returns ``(rows, markdown)`` and writes ``table.json``, ``table.md``, ``tau.png``.
 
-    ``ngram``: add the n-gram drafter's rows (drafter ``ngram``) before the block drafters'.
+    ``drafter_dirs``: block drafter and EAGLE-3 drafter directories (an EAGLE-3 one is recorded with top-K 16:
+    16 nodes expanded per depth, 16 children each). ``ngram``: add the n-gram drafter's rows (drafter ``ngram``)
+    first.
 
     Rows: ``{drafter, benchmark (or "all"), block, policy, nodes, tau, steps}``, float32 CPU by default.
     Raises:
         SpecPilotError (CheckpointError / DrafterError): bad target or drafter directories.
     """
-    dep = Deployment(target_dir, block_dirs=drafter_dirs, dtype="float32", device=device)
+    eagle3_dirs = [Path(d) for d in drafter_dirs if is_eagle3_dir(d)]
+    dep = Deployment(target_dir, block_dirs=[d for d in drafter_dirs if not is_eagle3_dir(d)], dtype="float32",
+                     device=device)
     tok = dep.tokenizer
     if tok is None:
         raise SpecPilotError(f"{target_dir} has no tokenizer files: the replay table needs the benchmark texts as ids")
@@ -64,6 +69,11 @@ def replay_table(target_dir, drafter_dirs, per_benchmark: int = 4, max_new_token
         rec = record(drafter, prompts, ar, depth, 16, target=dep.target)
         name = d.name if d.name == drafter.cfg.kind else f"{d.name} ({drafter.cfg.kind})"
         recorded.append((name, "block", str(d), {1: rec, 16: rec}))
+    for d in eagle3_dirs:
+        drafter = dep.system(SystemConfig(drafter="eagle3", drafter_path=str(d), top_k=16, depth=depth,
+                                          nodes=depth)).drafter
+        rec = record(drafter, prompts, ar, depth, 16, target=dep.target)
+        recorded.append((d.name if d.name == "eagle3" else f"{d.name} (eagle3)", "eagle3", str(d), {1: rec, 16: rec}))
     rows = []
     for name, kind, path, recs in recorded:
         for b in BLOCKS:
