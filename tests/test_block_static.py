@@ -96,3 +96,50 @@ def test_reset_drops_the_staged_observation(tiny_models, pair):
     assert d._step.pending == (0, 3)
     d.reset(0)
     assert d._step.pending is None and d.context_length() == 0
+
+
+@pytest.mark.parametrize("kind", ["block", "block_markov"])
+def test_draft_vocabulary(tiny_models, pair, tmp_path, kind):
+    """A draft vocabulary (the most frequent ids of the target's greedy outputs): candidates only from it, its
+    log-probs normalized over it; spec == AR eager and static; the static lattice equals the eager one; the ids
+    survive a checkpoint round trip; the whole vocabulary as the draft vocabulary changes nothing."""
+    from specpilot.spec.block import load_block, save_block
+    from specpilot.spec.train_block import with_draft_vocab
+
+    target = tiny_models[0]
+    v = target.args.vocab_size
+    net = pair[kind][0]
+    seen = torch.tensor([t for p in random_prompts(6, length=10, seed=31) for t in p + ar_tokens(target, p, 30)])
+    ids = torch.bincount(seen, minlength=v).argsort(descending=True)[: v // 4].sort().values
+    small = with_draft_vocab(net, ids).eval()
+    back = load_block(save_block(small, tmp_path / "dv"), target)
+    assert back.cfg.draft_vocab_size == len(ids) and torch.equal(back.draft_ids, ids)
+    cfg = SystemConfig(drafter="block", tree="best_first", nodes=12, depth=6, top_k=16)
+    prompt = random_prompts(1, length=10, seed=31)[0]
+    for static in (False, True):
+        d = BlockDrafter(small, target, static_step=static)
+        eng = Engine(target, cfg, d, eos_ids=[], buckets=static)
+        gen = eng.generate(prompt, 30)
+        assert gen.tokens == ar_tokens(target, prompt, 30) and max(gen.accepted) > 1
+    eager, static = BlockDrafter(small, target), BlockDrafter(small, target, static_step=True)
+    full, whole = BlockDrafter(net, target), BlockDrafter(with_draft_vocab(net, torch.arange(v)).eval(), target)
+    feats: list = []
+    target.forward(torch.tensor(prompt), torch.arange(len(prompt)), target.new_cache(len(prompt)), 0,
+                   features=feats, feature_layers=net.cfg.target_layers)
+    f = torch.cat(feats, -1)
+    committed = prompt[:-1] + [prompt[-1]]
+    for d in (eager, static, full, whole):
+        d.observe(0, f[:-1], 0)
+    le, ls, lf, lw = (propose_one(d, committed, 6) for d in (eager, static, full, whole))
+    allowed = set(ids.tolist())
+    for path in [(), (le.children(())[0][0],)]:
+        ce = le.children(path)
+        assert all(t in allowed for t, _ in ce)
+        assert [t for t, _ in ce] == [t for t, _ in ls.children(path)]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(ce, ls.children(path))) < 1e-4
+        if not path:  # renormalized over fewer ids: each kept candidate's log-prob is at least the full one's
+            lfull = dict(lf.children(path))
+            assert all(p >= lfull[t] - 1e-5 for t, p in ce if t in lfull)
+    for path in [(), (lf.children(())[0][0],)]:
+        assert [t for t, _ in lf.children(path)] == [t for t, _ in lw.children(path)]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(lf.children(path), lw.children(path))) < 1e-4

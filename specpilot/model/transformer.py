@@ -262,6 +262,15 @@ class Transformer(nn.Module):
         """:meth:`greedy` through the full head always (``[R] long``; the int8 head's fallback)."""
         return self.lm_head(hidden).argmax(dim=-1)
 
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's rows of the target ids ``ids [n] long`` as a dense ``[n, hidden_size]`` weight (model dtype,
+        a copy): the head a drafter with a draft vocabulary multiplies by (§1.1). A W12 head is decoded exactly."""
+        from specpilot.w12.linear import W12Linear
+
+        head = self.lm_head
+        w = head.decoded_weight() if isinstance(head, W12Linear) else head.weight
+        return w[ids.to(w.device)].contiguous()
+
     def logits(self, hidden: torch.Tensor, prof=None) -> torch.Tensor:
         """LM head: ``hidden [R, hidden_size]`` -> logits ``[R, vocab_size]`` float32."""
         with region(prof, "lm_head"):

@@ -69,7 +69,13 @@ class BlockDrafter:
         self.slot_k = torch.zeros(shape, dtype=target.dtype, device=target.device)
         self.slot_v = torch.zeros(shape, dtype=target.dtype, device=target.device)
         self._lengths = [0] * max_slots  # per slot: committed positions whose context K/V are held (or staged)
+        #: the draft vocabulary's target ids ``[Vd] long`` and the shared head's rows of them ``[Vd, hidden]`` (None:
+        #: the whole vocabulary, through the target's own head)
+        self.draft_ids = net.draft_ids if net.cfg.draft_vocab_size > 0 else None
+        self.head_w = target.head_rows(self.draft_ids) if self.draft_ids is not None else None
         self._step = StaticBlockStep(self) if static_step else None
+        if self._step is not None:
+            self._step.capture_all()  # every context width's graph now (CUDA), not inside a timed request
 
     @property
     def ctx_k(self) -> torch.Tensor:
@@ -176,7 +182,30 @@ class BlockDrafter:
         mask[:, :, :width] = (torch.arange(width, device=dev) < lengths[:, None])[:, None, :]
         mask[:, :, width:] = torch.ones(b, b, dtype=torch.bool, device=dev).tril()
         h = self.net.run(x, pos, self._contexts(slots, width), mask)
-        return self.target.logits(h.reshape(-1, h.shape[-1])).view(len(committed), b, -1)
+        return self.draft_logits(h.reshape(-1, h.shape[-1])).view(len(committed), b, -1)
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits ``[R, Vd] float32`` of drafter rows ``h [R, hidden]`` over the draft vocabulary (the target's whole
+        vocabulary, ``Vd = vocab_size``, without one): the shared LM head (§1.1)."""
+        if self.head_w is None:
+            return self.target.logits(h)
+        return torch.nn.functional.linear(h, self.head_w).float()
+
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Top-16 of ``logits [..., Vd] float32``: ``(target ids, log-probs normalized over the draft vocabulary,
+        draft-vocabulary indices)``, each ``[..., 16]``, best first."""
+        vals, idx = logits.topk(TOP_K, dim=-1)
+        logp = vals - logits.logsumexp(-1, keepdim=True)
+        return (idx if self.draft_ids is None else self.draft_ids[idx]), logp, idx
+
+    def markov_cond(self, logits: torch.Tensor, parents: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The Markov head's parent-conditioned log-probs ``[D, parent 16, child 16] float32``: position ``d``'s
+        logits ``logits [D, Vd]`` plus the bias of each parent token ``parents [D, 16]`` (target ids), renormalized
+        over the draft vocabulary, at the children ``idx [D, 16]`` (draft-vocabulary indices)."""
+        bias = self.net.markov_u(parents)
+        w = self.net.markov_v.weight if self.draft_ids is None else self.net.markov_v.weight[self.draft_ids]
+        cond = (logits[:, None, :] + torch.nn.functional.linear(bias, w).float()).log_softmax(-1)  # [D, 16, Vd]
+        return cond.gather(-1, idx[:, None, :].expand(-1, TOP_K, -1))
 
     def block_logits(self, committed: list[int], slot: int = 0) -> torch.Tensor:
         """Base logits ``[B, vocab] float32`` of the B block positions after ``committed`` (one request)."""
@@ -218,7 +247,7 @@ class BlockDrafter:
             out[i] = self._static_lattice(q.committed, d)
             return out
         logits = self.batch_logits([q.slot for _, q, _ in drafted], [q.committed for _, q, _ in drafted])
-        marg, toks = logits.log_softmax(-1).topk(TOP_K, dim=-1)  # [Bt, B, 16] each
+        toks, marg, idx = self.candidates(logits)  # [Bt, B, 16] each
         if self.cfg.markov_rank == 0:
             toks, marg = toks[..., : self.top_k].cpu(), marg[..., : self.top_k].cpu()
             for j, (i, _, d) in enumerate(drafted):
@@ -228,8 +257,7 @@ class BlockDrafter:
         for j, (i, q, d) in enumerate(drafted):  # per request: [d, 16, vocab] floats at a time
             anchor = torch.tensor([q.committed[-1]], device=logits.device)
             parents = torch.cat((anchor.expand(1, TOP_K), toks[j, : d - 1]), 0)  # [d, 16]; row 0: the anchor
-            cond = (logits[j, :d, None, :] + self.net.markov_bias(parents)).log_softmax(-1)  # [d, 16, V]
-            cond = cond.gather(-1, toks[j, :d, None, :].expand(-1, TOP_K, -1))  # [d, parent j, child c]
+            cond = self.markov_cond(logits[j, :d], parents, idx[j, :d])  # [d, parent j, child c]
             out[i] = MarkovLattice(toks_c[j, :d], marg_c[j, :d], cond.cpu(), q.committed[-1], self.top_k)
         return out
 
@@ -254,7 +282,8 @@ def save_block(net: BlockNet, out: str | Path, extra: dict | None = None) -> Pat
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"specpilot_drafter": "block", "kind": net.cfg.kind, **asdict(net.cfg), **(extra or {})}
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in net.state_dict().items()}
+    sd = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
+          for k, v in net.state_dict().items()}  # weights in bf16; the draft vocabulary's ids stay ids
     save_safetensors(sd, out / "model.safetensors")
     return out
 

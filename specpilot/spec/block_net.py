@@ -43,6 +43,9 @@ class BlockConfig:
         diffusion_block: DFlash's block layout (:meth:`BlockNet.run`); False: rows attend causally and row i
             predicts the token after its own position (ours).
         mask_token_id: the target token whose embedding fills ``mask_embed`` (DFlash); None: a learned vector.
+        draft_vocab_size: 0: candidates range over the target's whole vocabulary; n > 0: over the n target ids of
+            :attr:`BlockNet.draft_ids` only (EAGLE-3's reduced draft vocabulary: the shared head's product over n
+            rows instead of the vocabulary, the drafter's largest cost on a big-vocabulary target).
     """
 
     block_size: int = 16
@@ -62,6 +65,7 @@ class BlockConfig:
     ctx_layer_norm: bool = True
     diffusion_block: bool = False
     mask_token_id: int | None = None
+    draft_vocab_size: int = 0
 
     @property
     def kind(self) -> str:
@@ -150,6 +154,8 @@ class BlockNet(nn.Module):
             self.markov_v = nn.Linear(cfg.markov_rank, cfg.vocab_size, bias=False)
             nn.init.normal_(self.markov_u.weight, std=0.02)
             nn.init.zeros_(self.markov_v.weight)
+        if cfg.draft_vocab_size > 0:  # ascending target ids (set by the trainer: the most frequent greedy tokens)
+            self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab_size))
 
     def context_kv(self, feats: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys, values) ``[..., S, KVH, D]`` of context slots.

@@ -9,9 +9,11 @@ one CUDA graph replays every step:
 - the pending observation: the target features of the last step's accepted rows, padded to ``P = B + 1``
   rows (the most one step can commit), written to the context slots ``start + arange(P)``. Padding rows land
   past the context's end (``length``), which nothing reads and the next observation overwrites;
-- the draft: the block rows attend to the whole context buffer ``[S]`` with a mask ``arange(S) < length``
-  (padding rows never seen), then the shared LM head, log-softmax, top-16 (and the Markov head's
-  parent-conditioned scores for every block position).
+- the draft: the block rows attend to the first ``W`` positions of the context buffer with a mask
+  ``arange(W) < length`` (padding rows never seen), ``W`` the context's power-of-two width bucket (at least
+  256; one graph per bucket, so a short context does not pay attention over the whole buffer), then the
+  drafter's head over its draft vocabulary, top-16 (and the Markov head's parent-conditioned scores for every
+  block position).
 
 The inputs are one small device buffer (anchor token, ``start``, ``length``) filled from a pinned host twin,
 and the features, copied by :meth:`stage` from the target's pass (on CUDA the exact pass's graph writes them
@@ -23,6 +25,8 @@ never change a lattice).
 from __future__ import annotations
 
 import torch
+
+MIN_WIDTH = 256  # the narrowest context width bucket (positions)
 
 
 class StaticBlockStep:
@@ -52,9 +56,9 @@ class StaticBlockStep:
         if self.markov:
             self.out_host["cond"] = torch.zeros(self.b, 16, 16, dtype=torch.float32, pin_memory=cuda)
         self.pending: tuple[int, int] | None = None
-        self._graph = None
-        self._graph_buf = None  # the slot_k buffer the graph was captured on (the context buffers may grow)
-        self._done = None
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per context width bucket
+        self._graph_buf = None  # the slot_k buffer the graphs were captured on (the context buffers may grow)
+        self._done = torch.cuda.Event() if self.graphs else None
 
     def stage(self, features: torch.Tensor, start: int) -> bool:
         """Stage the features ``[k, F]`` of context positions ``[start, start + k)`` for the next :meth:`run`
@@ -74,7 +78,12 @@ class StaticBlockStep:
         (start, k), self.pending = self.pending, None
         return self.feats[:k], start
 
-    def _body(self) -> dict[str, torch.Tensor]:
+    def width(self, length: int) -> int:
+        """The context width bucket of a draft at ``length`` context positions: the smallest power of two ≥
+        ``length`` and ≥ 256, at most the buffer's size."""
+        return min(self.d.slot_k.shape[2], max(MIN_WIDTH, 1 << max(length - 1, 0).bit_length()))
+
+    def _body(self, s: int) -> dict[str, torch.Tensor]:
         d, net, b = self.d, self.d.net, self.b
         start, length = self.io[1], self.io[2]
         dev = self.io.device
@@ -82,35 +91,50 @@ class StaticBlockStep:
         for i, (ck, cv) in enumerate(net.context_kv(self.feats, pos)):
             d.slot_k[0, i].index_copy_(0, pos, ck)
             d.slot_v[0, i].index_copy_(0, pos, cv)
-        s = d.slot_k.shape[2]
         x = net.block_input(self.io[0:1], d.target.model.embed_tokens, b)  # [1, B, hidden]
         bpos = (length + torch.arange(b, device=dev))[None]  # [1, B]
         mask = torch.cat(((torch.arange(s, device=dev) < length).expand(b, s),
                           torch.ones(b, b, dtype=torch.bool, device=dev).tril()), dim=1)[None]  # [1, B, S + B]
-        ctx = [(d.slot_k[0:1, i], d.slot_v[0:1, i]) for i in range(d.cfg.layers)]
-        logits = d.target.logits(net.run(x, bpos, ctx, mask)[0])  # [B, V] float32
-        marg, toks = logits.log_softmax(-1).topk(16, dim=-1)
+        ctx = [(d.slot_k[0:1, i, :s], d.slot_v[0:1, i, :s]) for i in range(d.cfg.layers)]
+        logits = d.draft_logits(net.run(x, bpos, ctx, mask)[0])  # [B, Vd] float32
+        toks, marg, idx = d.candidates(logits)
         out = {"toks": toks, "marg": marg}
         if self.markov:  # every position's parent-conditioned scores, row 0's parent the anchor
             parents = torch.cat((self.io[0:1].expand(1, 16), toks[:-1]), 0)  # [B, 16]
-            cond = (logits[:, None, :] + net.markov_bias(parents)).log_softmax(-1)  # [B, 16, V]
-            out["cond"] = cond.gather(-1, toks[:, None, :].expand(-1, 16, -1))  # [B, parent, child]
+            out["cond"] = d.markov_cond(logits, parents, idx)  # [B, parent, child]
         for name, t in out.items():
             self.out_host[name].copy_(t, non_blocking=True)
         return out
 
-    def _capture(self) -> None:
+    def _capture(self, w: int) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside the capture (cuBLAS handles, SDPA backend choice)
-                self._body()
+                self._body(w)
         torch.cuda.current_stream().wait_stream(side)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
-            self._body()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self._body(w)
+        self._graphs[w] = g
+
+    @torch.inference_mode()
+    def capture_all(self) -> list[int]:
+        """Capture every context width bucket's graph now (CUDA; nothing on the CPU), so that no capture happens
+        inside a timed request. Writes garbage to the context slots ``[0, pad_rows)`` of slot 0 (the next request
+        overwrites them). Returns the widths captured."""
+        if not self.graphs:
+            return []
         self._graph_buf = self.d.slot_k
-        self._done = torch.cuda.Event()
+        size, w = self.d.slot_k.shape[2], MIN_WIDTH
+        while True:
+            if min(w, size) not in self._graphs:
+                self._capture(min(w, size))
+            if w >= size:
+                break
+            w *= 2
+        torch.cuda.synchronize(self.io.device)
+        return sorted(self._graphs)
 
     @torch.inference_mode()
     def run(self, anchor: int, length: int) -> dict[str, torch.Tensor]:
@@ -125,13 +149,16 @@ class StaticBlockStep:
                                f"{self.pad_rows} rows at {start}")
         self.host_io[0], self.host_io[1], self.host_io[2] = anchor, start, length
         self.io.copy_(self.host_io, non_blocking=True)
+        w = self.width(length)
         if not self.graphs:
-            self._body()
+            self._body(w)
             return self.out_host
-        if self._graph is None or self._graph_buf is not self.d.slot_k:
-            self._graph = None
-            self._capture()
-        self._graph.replay()
+        if self._graph_buf is not self.d.slot_k:  # the context buffers grew: every graph read the old ones
+            self._graphs.clear()
+            self._graph_buf = self.d.slot_k
+        if w not in self._graphs:
+            self._capture(w)
+        self._graphs[w].replay()
         self._done.record()
         self._done.synchronize()
         return self.out_host

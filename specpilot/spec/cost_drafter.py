@@ -58,7 +58,8 @@ def cost_drafter(spec: dict | None, target, top_k: int, slots: int = 1):
     - None or ``{"kind": "none"}``: None (no cost);
     - ``{"kind": "ngram", "ngram_max": 4, "ngram_min": 1}``: the n-gram index;
     - ``{"kind": "block", "layers": 1, "block_size": 16, "markov_rank": 0, "n_target_layers": 3}`` (optional
-      ``target_layers``, ``heads``, ``kv_heads``, ``head_dim``, ``intermediate_size``, ``seed``; widths default to
+      ``target_layers``, ``heads``, ``kv_heads``, ``head_dim``, ``intermediate_size``, ``draft_vocab_size``,
+      ``seed``; widths default to
       the target's, target layers to ``n_target_layers`` spread over 1 … L-2): a randomly initialised block network
       (§1.1) reading the target's features;
     - ``{"kind": "draft_model", "args": {ModelArgs fields}}`` or ``{"kind": "draft_model", "path": DIR}``: a random
@@ -90,10 +91,13 @@ def cost_drafter(spec: dict | None, target, top_k: int, slots: int = 1):
                               spec.get("heads") or a.n_heads, spec.get("kv_heads") or a.n_kv_heads,
                               spec.get("head_dim") or a.head_dim, spec.get("intermediate_size") or a.intermediate_size,
                               [min(max(i, 0), a.num_layers - 1) for i in layers], a.hidden_size, a.vocab_size,
-                              a.num_layers, a.model_type, a.rms_norm_eps, a.rope_theta)
+                              a.num_layers, a.model_type, a.rms_norm_eps, a.rope_theta,
+                              draft_vocab_size=spec.get("draft_vocab_size", 0))
             with torch.device("meta"):
                 net = BlockNet(cfg)
             net = _random_init(net.to_empty(device=target.device).to(target.dtype), spec.get("seed", 0))
+            if cfg.draft_vocab_size:  # the first ids (random weights: no frequencies to rank them by)
+                net.draft_ids.copy_(torch.arange(cfg.draft_vocab_size))
             return BlockDrafter(net, target, min(top_k, BLOCK_TOP_K), 4096 if slots == 1 else 512, slots)
         if kind == "draft_model":
             if "path" in spec:

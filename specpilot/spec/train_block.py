@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -166,7 +167,7 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
         raise SpecPilotError(f"target has {ta.num_layers} layers (0-{ta.num_layers - 1}); cannot read layers "
                              f"{list(target_layers)}")
     dv = min(ta.vocab_size, 32000) if draft_vocab_size is None else draft_vocab_size
-    if kind == "eagle3" and not 1 <= dv <= ta.vocab_size:
+    if not 1 <= dv <= ta.vocab_size:
         raise SpecPilotError(f"--draft-vocab must be in [1, {ta.vocab_size}] (the target's vocabulary), got {dv}")
     cp = Path(data_cache) if data_cache else None
     key = dict(n_seqs=n_seqs, prompt_len=prompt_len, gen_len=gen_len, seed=seed, layers=list(target_layers),
@@ -197,6 +198,10 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
         net, hi = _block_net(kind, block, markov_rank, layers, target_layers, ta, device), t_len - block
         if t_len - block - 1 < prompt_len - 1:
             raise SpecPilotError(f"gen_len {gen_len} too short for block {block}")
+        if draft_vocab_size is not None:  # trained over the whole vocabulary, drafting over the most frequent ids
+            from specpilot.spec.train_eagle3 import draft_vocab
+
+            net = with_draft_vocab(net, draft_vocab(tr_s, dv, ta.vocab_size, prompt_len))
 
         def loss_of(s, f, a):
             return block_loss(net, target, s, f, a)
@@ -267,6 +272,17 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
     (outp / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
     plot_loss(losses, outp / "loss.png", f"{label}: {n_params / 1e6:.2f}M params, {steps} steps", val_curve)
     return prov
+
+
+def with_draft_vocab(net: BlockNet, ids: torch.Tensor) -> BlockNet:
+    """``net`` (its weights shared) drafting over the target ids ``ids [n] long`` only
+    (:attr:`BlockConfig.draft_vocab_size`); the loss trains the whole vocabulary's head either way, so the
+    restriction only renormalizes the drafter's scores over the ids kept."""
+    cfg = replace(net.cfg, draft_vocab_size=len(ids))
+    with torch.device("meta"):
+        out = BlockNet(cfg)
+    out.load_state_dict({**net.state_dict(keep_vars=True), "draft_ids": ids.to(net.fc.weight.device)}, assign=True)
+    return out.train(net.training)
 
 
 def _block_net(kind, block, markov_rank, layers, target_layers, ta, device) -> BlockNet:
