@@ -17,7 +17,6 @@ equals the conditional scores here, and sequoia's rank shape); no builder needed
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
@@ -345,8 +344,3 @@ def load_eagle3(path, target: Transformer) -> Eagle3Net:
     net = net.to_empty(device="cpu")
     net.load_state_dict(sd)
     return net.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-
-
-def config_of(net: Eagle3Net) -> dict:
-    """The fields of ``net``'s :class:`Eagle3Config` (for provenance)."""
-    return asdict(net.cfg)
