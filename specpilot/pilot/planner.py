@@ -12,12 +12,14 @@ round moves on to the next factor and says why, :meth:`Planner.kernel_why_not`).
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from specpilot.config import SystemConfig
-from specpilot.pilot.replay import Recording, replay, replay_steps
+from specpilot.pilot.replay import Recording, TruncatedLattice, replay, replay_steps
+from specpilot.spec.trees import build_tree
 
 #: Option grid the planner searches (kept small: every candidate costs a paired run).
 NODES = (2, 4, 6, 8, 12, 16, 24, 32)
@@ -25,6 +27,7 @@ TOP_K = (2, 4, 8)
 DEPTH = (3, 4, 6, 8, 10)
 #: Kernel mechanisms (§4.1) the planner toggles in the ``kernel`` direction (SystemConfig bool fields).
 KERNEL_MECHANISMS = ("w12", "lm_head_int8")
+TREE_SAMPLES = 200  # recorded lattices a config's tree-building time is measured on
 #: Block drafters (DFlash-style, ``--block``): block sizes (lattice depth) and builders the planner proposes.
 BLOCK_DEPTH = (8, 12, 16)
 BLOCK_TREES = ("chain", "best_first", "ddtree_marginal", "eagle2_topk")
@@ -68,11 +71,14 @@ def monotone(values) -> np.ndarray:
 class Planner:
     """Predicts τ, c and speedup of configs and proposes candidates for a direction.
 
-    A speculative step's time is predicted as ``T_spec + mean T_pass(rows) + T_draft`` (§3.2): the exact pass
-    priced at each replayed step's own rows (measured by rows, made monotone; a step whose drafter found
-    nothing verifies one row, and a pass's cost is not linear in rows), the drafter's measured propose time,
-    and ``T_spec`` the step's work outside both (tree, acceptance, commits, the host read AR's pipelined loop
-    hides), calibrated on one speculative step measured live (``spec_step``). c = that time / T_AR.
+    A speculative step's time is predicted as ``T_spec + mean T_pass(rows) + T_draft + T_tree`` (§3.2): the exact
+    pass priced at each replayed step's own rows (measured by rows, made monotone; a step whose drafter found
+    nothing verifies one row, and a pass's cost is not linear in rows), the drafter's measured propose time, the
+    host's time to build the config's tree (:meth:`tree_time`: the engine's own builder timed on the recorded
+    lattices; a 32-node best-first tree costs the host several times a 6-token chain, which matters where a step
+    is a fraction of a millisecond), and ``T_spec`` the step's remaining work (acceptance, commits, the host read
+    AR's pipelined loop hides), calibrated on one speculative step measured live (``spec_step``). c = that time /
+    T_AR.
 
     Args:
         recordings: ``{(drafter, top_k_recorded): Recording}`` from :func:`specpilot.pilot.replay.record`.
@@ -90,6 +96,7 @@ class Planner:
     def __init__(self, recordings: dict[tuple[str, int], Recording], verify_ms: dict[int, float], ar_ms: float,
                  device: str = "cpu", spec_step: tuple[SystemConfig, float] | None = None):
         self.recordings, self.ar_ms, self.device = recordings, ar_ms, str(device)
+        self._tree_ms: dict[tuple, float] = {}
         self.rows = np.array(sorted(verify_ms), dtype=float)
         self.ms = monotone([verify_ms[r] for r in sorted(verify_ms)])
         self.overhead_ms = max(ar_ms - float(self.ms[0]), 0.0)  # per-step work outside the pass
@@ -99,9 +106,10 @@ class Planner:
             cfg, step_ms = spec_step
             steps = replay_steps(rec, cfg)
             pass_ms = self.pass_time(steps)
-            self.overhead_ms = max(step_ms - pass_ms - self.draft_time(cfg), 0.0)
+            self.overhead_ms = max(step_ms - pass_ms - self.draft_time(cfg) - self.tree_time(cfg), 0.0)
             self.spec_overhead_source = (f"{cfg.label()} measured live: {step_ms:.3f} ms a step less its passes "
-                                         f"(mean {pass_ms:.3f} ms over its replayed rows) and its drafting")
+                                         f"(mean {pass_ms:.3f} ms over its replayed rows), its drafting and its "
+                                         "tree building")
 
     def verify_time(self, rows: float) -> float:
         """Exact-pass time for ``rows`` rows, ms: the monotone fit of the measured times, interpolated."""
@@ -119,6 +127,28 @@ class Planner:
         if rec is None:
             return 0.0
         return rec.draft_ms * (cfg.depth / rec.depth if cfg.drafter == "draft_model" else 1.0)
+
+    def tree_time(self, cfg: SystemConfig) -> float:
+        """The host's time per step to build ``cfg``'s tree and its ancestor mask, ms: the engine's own builder
+        timed here over up to :data:`TREE_SAMPLES` recorded lattices (cut to ``cfg``'s depth and K), times the
+        fraction of replayed steps that draft at all; memoized per config. 0 without a recording or a drafter."""
+        rec = None if cfg.drafter == "none" else self.recording(cfg)
+        if rec is None:
+            return 0.0
+        key = (cfg.drafter, cfg.drafter_path, cfg.tree, cfg.nodes, cfg.depth, cfg.top_k)
+        if key not in self._tree_ms:
+            lats = [lat for lats in rec.lattices for lat in lats.values() if lat is not None][:TREE_SAMPLES]
+            steps = replay_steps(rec, cfg)
+            drafted = sum(r > 1 for _, r in steps) / max(len(steps), 1)
+            ms = 0.0
+            if lats:
+                t0 = time.perf_counter()
+                for lat in lats:
+                    build_tree(cfg.tree, TruncatedLattice(lat, min(cfg.depth, lat.depth), cfg.top_k),
+                               cfg.nodes).ancestor_mask()
+                ms = 1e3 * (time.perf_counter() - t0) / len(lats)
+            self._tree_ms[key] = ms * drafted
+        return self._tree_ms[key]
 
     def step_c(self, rows: float, draft_ms: float = 0.0) -> float:
         """Predicted c of a speculative step verifying ``rows`` rows with ``draft_ms`` of drafting:
@@ -154,7 +184,7 @@ class Planner:
         if not steps:
             return None
         tau = sum(k for k, _ in steps) / len(steps)
-        c = (self.overhead_ms + self.pass_time(steps) + self.draft_time(cfg)) / self.ar_ms
+        c = (self.overhead_ms + self.pass_time(steps) + self.draft_time(cfg) + self.tree_time(cfg)) / self.ar_ms
         return Prediction(tau, c, tau / c)
 
     def oracle_tau(self, cfg: SystemConfig) -> float:
