@@ -186,6 +186,14 @@ def test_malformed_body_is_400_json(srv, body, what):
     assert r.status_code == 400 and what in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("body,param", [({"prompt": "a", "stop": [""]}, "stop"),
+                                        ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options")])
+def test_refusals_carry_a_code(srv, body, param):
+    r = httpx.post(srv.url + "/v1/completions", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and err["code"] == "invalid_value", r.text
+
+
 def test_limits_and_unknown_paths(srv, client):
     r = httpx.post(srv.url + "/v1/completions", content=json.dumps({"prompt": "x" * 100_000}))
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

@@ -165,11 +165,12 @@ def check_greedy(req) -> None:
             raise APIError(400, f"{field}={getattr(req, field)!r} is not supported: SpecPilot serves greedy decoding only, without {why}; "
                            "the request was not run", param=field, code="unsupported_parameter")
     if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options",
+                       code="invalid_value")
     stops = req.stop_list()
     if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise APIError(400, f"stop: at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters",
-                       param="stop")
+                       param="stop", code="invalid_value")
 
 
 def validation_error(e: ValidationError) -> APIError:
@@ -195,7 +196,7 @@ def parse(model: type[BaseModel], obj) -> Any:
         APIError: 400 when ``obj`` is not a JSON object or does not fit ``model``.
     """
     if not isinstance(obj, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(obj).__name__}")
+        raise APIError(400, f"the request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
     try:
         return model.model_validate(obj)
     except ValidationError as e:
