@@ -37,11 +37,13 @@ def ceiling(pilot: Pilot, cfg: SystemConfig) -> tuple[Ceiling, dict]:
     totals = prof.calibrated_totals_ms()  # less the profiler's own per-region cost
     if "exact_pass" in totals:  # one graph replay per step: split by the pass's kernel classes
         exact = totals.pop("exact_pass")
-        if target.device.type == "cuda":
-            from specpilot.pilot.kernel_profile import pass_class_fractions
+        if target.device.type == "cuda":  # profiled in a child process: the profiler would slow this one
+            from specpilot.pilot.kernel_profile import pass_class_fractions_isolated
 
             rows = min(max(1, round(m["rows"])), 256)
-            fractions = pass_class_fractions(target, rows, int(sum(prefix) / len(prefix)))
+            dep = pilot.dep
+            fractions = pass_class_fractions_isolated(str(dep.target_dir), dep.dtype, dep.device, rows,
+                                                      int(sum(prefix) / len(prefix)))
         else:
             fractions = {"other": 1.0}
         for k, f in fractions.items():

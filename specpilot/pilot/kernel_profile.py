@@ -147,6 +147,36 @@ def profile_passes(model, rows, prefix_len: int, calls: int = 20) -> dict[int, K
     return out
 
 
+def pass_class_fractions_isolated(target_dir: str, dtype: str, device: str, rows: int,
+                                  prefix_len: int) -> dict[str, float]:
+    """:func:`pass_class_fractions` of the checkpoint in ``target_dir``, run in a fresh (spawned) process.
+
+    Why a process of its own: the PyTorch profiler leaves CUPTI attached after its session ends (Kineto does not
+    finalize it; pytorch/pytorch#144455), and from then on every kernel launch of the process costs more. On a
+    launch-bound target that slowed the pilot's later live measurements unevenly (a speculative step's eager
+    launches more than AR's one graph replay), after the model had been calibrated on measurements taken before
+    the first profile. The child's CUPTI ends with it.
+
+    Raises:
+        RuntimeError: the child failed (its error in the message) or there is no CUDA.
+    """
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as ex:
+        try:
+            return ex.submit(_fractions_of_dir, str(target_dir), dtype, device, rows, prefix_len).result()
+        except Exception as e:  # the child's exception, or a broken pool
+            raise RuntimeError(f"kernel profile in a child process failed: {type(e).__name__}: {e}") from None
+
+
+def _fractions_of_dir(target_dir: str, dtype: str, device: str, rows: int, prefix_len: int) -> dict[str, float]:
+    from specpilot.model.checkpoint import load_model
+
+    with torch.inference_mode():
+        return pass_class_fractions(load_model(target_dir, dtype, device), rows, prefix_len)
+
+
 def pass_class_fractions(model, rows: int, prefix_len: int) -> dict[str, float]:
     """Fraction of a graph-replayed exact pass's kernel time per class (:func:`profile_passes`). The pilot
     splits the engine's ``exact_pass`` region (one graph replay, timed with CUDA events inside real steps)
