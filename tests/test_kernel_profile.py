@@ -1,5 +1,7 @@
 """Kernel classes of the GPU step profile (specpilot.pilot.kernel_profile); the profiler itself is GPU-only."""
 
+import torch
+
 from specpilot.pilot.kernel_profile import _classify_passes, kernel_class
 
 
@@ -24,3 +26,19 @@ def test_lm_head_is_the_gemm_between_final_norm_and_argmax():
     heads = [i for i, (_, c, _) in enumerate(got) if c == "lm_head"]
     assert [got[i][0] for i in heads] == ["nvjet_head", "nvjet_head"]
     assert sum(c == "projections" for _, c, _ in got) == 2 * 2 * 4
+
+
+def test_isolated_profile_runs_in_a_child_and_reports_its_error():
+    """The ceiling's kernel profile runs in a spawned child (the profiler would slow the pilot's own later
+    launches); without CUDA the child's own error comes back as one RuntimeError."""
+    import pytest
+
+    from specpilot.pilot.kernel_profile import pass_class_fractions_isolated
+    from specpilot.zoo import bundled_target_dir
+
+    if torch.cuda.is_available():
+        fr = pass_class_fractions_isolated(str(bundled_target_dir()), "float32", "cuda", 4, 32)
+        assert abs(sum(fr.values()) - 1.0) < 1e-6
+        return
+    with pytest.raises(RuntimeError, match="child process failed.*CUDA"):
+        pass_class_fractions_isolated(str(bundled_target_dir()), "float32", "cpu", 4, 32)

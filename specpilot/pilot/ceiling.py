@@ -41,9 +41,15 @@ def ceiling(pilot: Pilot, cfg: SystemConfig) -> tuple[Ceiling, dict]:
             from specpilot.pilot.kernel_profile import pass_class_fractions_isolated
 
             rows = min(max(1, round(m["rows"])), 256)
-            dep = pilot.dep
-            fractions = pass_class_fractions_isolated(str(dep.target_dir), dep.dtype, dep.device, rows,
-                                                      int(sum(prefix) / len(prefix)))
+            dep, at = pilot.dep, int(sum(prefix) / len(prefix))
+            try:
+                fractions = pass_class_fractions_isolated(str(dep.target_dir), dep.dtype, dep.device, rows, at)
+            except RuntimeError as e:  # keep the run going; later live figures may then read slow
+                from specpilot.pilot.kernel_profile import pass_class_fractions
+
+                pilot.say("ceiling", f"[yellow]warning: {e}; profiling in this process instead (the profiler then "
+                                     "slows this process's later kernel launches)[/]")
+                fractions = pass_class_fractions(target, rows, at)
         else:
             fractions = {"other": 1.0}
         for k, f in fractions.items():
