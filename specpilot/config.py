@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DrafterKind = Literal["none", "ngram", "draft_model", "block", "eagle3", "calibrated"]
 TreeKind = Literal["chain", "best_first", "ddtree_marginal", "eagle2_topk", "sequoia"]
+RowSelection = Literal["per_request", "shared_budget"]
 
 
 class SystemConfig(BaseModel):
@@ -40,6 +41,15 @@ class SystemConfig(BaseModel):
         lm_head_int8: the target's greedy argmax (AR steps, verify passes) goes through the certified INT8
             LM head (§4.1, :mod:`specpilot.head.certified`): an INT8 pass discards tokens proven
             unable to be the argmax, survivors are rescored exactly; the argmax never changes.
+        row_selection: how a batched step chooses the rows it verifies (§4.4). ``per_request``: each request
+            verifies its own tree of ``nodes`` nodes (stock batching: each its own top-1 chain). ``shared_budget``:
+            the step's requests share one node budget, filled best-first by path log-probability across all of
+            their lattices (:func:`specpilot.spec.trees_batch.build_shared`); needs ``tree="best_first"``.
+            Single-request engines ignore it (one request: the shared budget is its own best-first tree).
+        shared_budget: the step's node budget per batch size under ``shared_budget``: entry ``n - 1`` is the
+            budget of a step over ``n`` requests (the planner's per-batch-size budgets, from the flat region of the
+            target's GEMM cost); batch sizes past its end, or all of them when it is empty, get ``nodes * n``
+            (the total of an equal split). See :meth:`step_budget`.
 
     Raises:
         pydantic.ValidationError: on out-of-range values (e.g. ``nodes < 1``).
@@ -58,12 +68,27 @@ class SystemConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     w12: bool = False
     lm_head_int8: bool = False
+    row_selection: RowSelection = "per_request"
+    shared_budget: tuple[int, ...] = ()
 
     @model_validator(mode="after")
     def _check(self) -> "SystemConfig":
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must be <= ngram_max")
+        if self.row_selection == "shared_budget" and self.tree != "best_first":
+            raise ValueError(f"row_selection shared_budget fills best-first trees: needs tree best_first, not {self.tree}")
+        if self.shared_budget and self.row_selection != "shared_budget":
+            raise ValueError("shared_budget is set but row_selection is not shared_budget")
+        if any(not 1 <= b <= 8192 for b in self.shared_budget):
+            raise ValueError(f"shared_budget entries must be in 1..8192 nodes, got {list(self.shared_budget)}")
         return self
+
+    def step_budget(self, n: int) -> int:
+        """Nodes verified in one batched step over ``n`` requests under ``shared_budget`` (§4.4):
+        ``shared_budget[n - 1]`` when given, else ``nodes * n``. Raises ValueError for ``n < 1``."""
+        if n < 1:
+            raise ValueError(f"a step has at least one request, got {n}")
+        return self.shared_budget[n - 1] if n <= len(self.shared_budget) else self.nodes * n
 
     @classmethod
     def stock(cls, drafter: DrafterKind = "ngram", depth: int = 6, **kw) -> "SystemConfig":
@@ -86,18 +111,19 @@ class SystemConfig(BaseModel):
 
     def seal(self) -> str:
         """SHA-256 of the canonical JSON of this config (the seal of §3.3). Fields added later (``w12``,
-        ``lm_head_int8``) enter only when set, so configs sealed before they existed keep their seals."""
+        ``lm_head_int8``, ``row_selection``, ``shared_budget``) enter only when set, so configs sealed before they existed keep their seals."""
         d = {k: v for k, v in self.model_dump().items() if not (k in _LATER_FIELDS and v == _LATER_FIELDS[k])}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def label(self) -> str:
-        """Short human label, e.g. ``ngram/best_first N=16 D=6 k=4`` (``+w12`` / ``+int8head`` appended when
-        those mechanisms are on)."""
+        """Short human label, e.g. ``ngram/best_first N=16 D=6 k=4`` (``+w12`` / ``+int8head`` / ``+shared``
+        appended when those mechanisms are on)."""
         w12 = (" +w12" if self.w12 else "") + (" +int8head" if self.lm_head_int8 else "")
+        w12 += " +shared" if self.row_selection == "shared_budget" else ""
         if self.drafter == "none":
             return "AR" + w12
         return f"{self.drafter}/{self.tree} N={self.nodes} D={self.depth} k={self.top_k}{w12}"
 
 
 #: fields added after configs were first sealed, with the default that leaves them out of the seal
-_LATER_FIELDS = {"w12": False, "lm_head_int8": False}
+_LATER_FIELDS = {"w12": False, "lm_head_int8": False, "row_selection": "per_request", "shared_budget": ()}

@@ -15,7 +15,12 @@ bucket run the eager pass through the same kernels (prefills round as decode ste
 (the target's ``KernelConfig.batch_invariant``) and the attention is per request, so in bf16 too a request's output
 is bit for bit its batch-1 output from this engine, whatever shares its steps (given a drafter whose proposals do
 not depend on the batch: n-gram always).
-Not yet here: the paper's row-selection rules (shared node budget, per-request block, prompt admission).
+Row selection (§4.4, ``SystemConfig.row_selection``): ``per_request`` builds each request's own tree of ``nodes``
+nodes; ``shared_budget`` fills one budget of ``config.step_budget(n)`` nodes for the step's n requests best-first
+across all their lattices (:func:`~specpilot.spec.trees_batch.build_shared`), so a request's tree may hold up to
+the whole budget: each slot reserves rows for the largest budget, and the padded path (fixed row buckets) refuses
+it. Either way only the verified rows change, never the output.
+Not yet here: the per-request drafter block and prompt admission.
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ from specpilot.config import SystemConfig
 from specpilot.engine.batch_runner import BatchRunner
 from specpilot.engine.requests import check_prompt, keep, stop_id_set
 from specpilot.engine.types import Generation
-from specpilot.errors import DrafterError, PromptError
+from specpilot.errors import DrafterError, PromptError, SpecPilotError
 from specpilot.model.batch import BatchRows
 from specpilot.model.cache import KVPool
 from specpilot.model.transformer import Transformer
 from specpilot.spec.drafter import Drafter, DraftRequest, check_fits, draft_depth
 from specpilot.spec.trees import Tree, build_tree
+from specpilot.spec.trees_batch import build_shared
 
 
 @dataclass
@@ -102,6 +108,7 @@ class BatchEngine:
             on CUDA with Triton, without the certified INT8 head (which settles rows on the host).
     Raises:
         DrafterError: the drafter does not fit the target or holds fewer slots than ``max_num_seqs``.
+        SpecPilotError: ``row_selection="shared_budget"`` with ``padded`` (its per-request rows vary past the buckets).
         ValueError: ``max_num_seqs < 1``.
 
     Attributes:
@@ -123,8 +130,11 @@ class BatchEngine:
         self.eos_ids = set(target.args.eos_token_ids if eos_ids is None else eos_ids)
         self.max_len = max_len or min(target.args.max_position_embeddings, 4096)
         self.num_slots, self.max_prefill_rows = max_num_seqs, max_prefill_rows
+        self.shared = config.row_selection == "shared_budget"
+        # the most nodes one request's tree can hold: a shared budget may go to a single request
+        tree_rows = max(config.step_budget(n) for n in range(1, max_num_seqs + 1)) if self.shared else config.nodes
         # one slot more than requests: the scratch slot, where padding rows of a bucketed pass write their K/V
-        self.pool = KVPool(target.args, max_num_seqs + 1, self.max_len + config.nodes + 1, target.dtype,
+        self.pool = KVPool(target.args, max_num_seqs + 1, self.max_len + tree_rows + 1, target.dtype,
                            target.device)
         self.feature_layers = tuple(drafter.target_layers) if drafter is not None else ()
         if padded is None:  # Triton is imported only for a CUDA target (a CPU run may set its interpreter later)
@@ -132,7 +142,10 @@ class BatchEngine:
             if padded:
                 from specpilot.kernels.tree_attention import triton
 
-                padded = triton is not None
+                padded = triton is not None and not self.shared
+        if padded and self.shared:
+            raise SpecPilotError("row_selection shared_budget runs on the eager batched path only (padded=False): "
+                                 "the padded runner's row buckets hold nodes + 1 rows per request")
         self.runner = BatchRunner(target, self.pool, max_num_seqs, 1 + (config.nodes if drafter is not None else 0),
                                   self.feature_layers) if padded else None
         self._free = list(range(max_num_seqs - 1, -1, -1))
@@ -252,7 +265,8 @@ class BatchEngine:
         return out
 
     def _draft(self, rs: list[_Running]) -> list[Tree]:
-        """Each request's tree: one propose call for the batch (requests with one token left draft nothing)."""
+        """Each request's tree: one propose call for the batch (requests with one token left draft nothing); under
+        ``shared_budget`` the step's budget for ``len(rs)`` requests is shared across their lattices (§4.4)."""
         trees = [Tree() for _ in rs]
         if self.drafter is None:
             return trees
@@ -262,10 +276,14 @@ class BatchEngine:
             depth = draft_depth(self.drafter, len(r.committed), min(cfg.depth, room - 1))
             if depth >= 1:
                 asks.append((i, DraftRequest(r.slot, r.committed, depth)))
-        if asks:
-            for (i, _), lat in zip(asks, self.drafter.propose([q for _, q in asks])):
-                if lat is not None:
-                    trees[i] = build_tree(cfg.tree, lat, cfg.nodes)
+        if not asks:
+            return trees
+        lats = self.drafter.propose([q for _, q in asks])
+        if self.shared:
+            return build_shared(_spread(asks, lats, len(rs)), cfg.step_budget(len(rs)))
+        for (i, _), lat in zip(asks, lats):
+            if lat is not None:
+                trees[i] = build_tree(cfg.tree, lat, cfg.nodes)
         return trees
 
     def _decode(self, rs: list[_Running]) -> list[StepOutput]:
@@ -333,3 +351,11 @@ class BatchEngine:
         for g in gens.values():
             g.time_s = time.perf_counter() - t0
         return [gens[q.request_id] for q in reqs]
+
+
+def _spread(asks: list[tuple[int, DraftRequest]], lats: list, n: int) -> list:
+    """Lattices back at their requests' places in the step (``None`` where a request asked for none)."""
+    out = [None] * n
+    for (i, _), lat in zip(asks, lats):
+        out[i] = lat
+    return out
