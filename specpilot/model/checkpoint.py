@@ -64,6 +64,8 @@ def read_args(path: str | Path) -> ModelArgs:
         return ModelArgs.from_hf(cfg)
     except KeyError as e:
         raise CheckpointError(f"config.json in {path} lacks required field {e.args[0]!r}") from None
+    except ValueError as e:
+        raise CheckpointError(f"config.json in {path}: {e}") from None
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -101,6 +103,16 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def build_model(args: ModelArgs) -> Transformer:
+    """An uninitialised target of ``args``' architecture: a :class:`Transformer`, or for a hybrid model type a
+    :class:`~specpilot.model.hybrid.HybridTransformer` (Gated DeltaNet + gated attention)."""
+    if args.is_hybrid:
+        from specpilot.model.hybrid import HybridTransformer
+
+        return HybridTransformer(args)
+    return Transformer(args)
+
+
 def load_model(
     path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu", fuse: bool = True
 ) -> Transformer:
@@ -120,7 +132,10 @@ def load_model(
     args = read_args(path)
     state = read_state_dict(path)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args)
+    if args.is_hybrid:  # a multimodal qwen3_5 checkpoint keeps the text model under model.language_model
+        state = {"model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k: t
+                 for k, t in state.items()}
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {k: v.shape for k, v in model.state_dict().items()}

@@ -1,0 +1,159 @@
+"""A Gated DeltaNet (GDN) layer in plain PyTorch: the recurrent reference over any tree of rows (§4.2).
+
+Per token ``t`` of a root path, per value head, the state ``S [d_k, d_v]`` (float32) follows the gated delta rule
+
+    S ← exp(g_t) · S;   S ← S + k_t (β_t (v_t − Sᵀ k_t))ᵀ;   o_t = Sᵀ q_t
+
+with ``q, k`` L2-normalised (q also scaled by ``d_k^-½``), ``β = sigmoid(b)`` and ``g = −exp(A_log) · softplus(a +
+dt_bias)``. q, k, v come out of a short depthwise causal conv (kernel K, SiLU) over the layer's projected input; the
+conv of a row reads the K − 1 inputs before it *on its root path* (its ancestors, then the committed window). The
+output is RMS-normed per head, gated by ``silu(z)`` and projected out. Parameter names are Hugging Face's
+(``linear_attn.*`` of a qwen3_5 decoder layer).
+
+Rows form a forest over the committed state: ``parents[j]`` is row j's parent row, −1 for a root (the state and
+conv window the cache has committed). A causal pass (prefill, AR, a chain) is the forest where ``parents[j] = j − 1``.
+Each row's state is computed from its parent's by one delta-rule step, so a row's state is bit for bit the state a
+recurrent replay of its root path gives (:meth:`~specpilot.model.hybrid_cache.HybridCache.commit` replays that way).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specpilot.model.args import ModelArgs
+
+
+def parents_from_mask(mask: torch.Tensor | None, start: int, r: int) -> list[int]:
+    """Parent row of each of ``r`` rows: ``mask [r, start + r]`` bool (its ``[:, start:]`` part the ancestor mask
+    among the rows, self included) or None for causal rows. Returns ``[r]`` ints, −1 = a root over the committed
+    state. A row's parent is its nearest (highest-index) ancestor row; rows list parents before children."""
+    if mask is None:
+        return list(range(-1, r - 1))
+    anc = mask[:, start:].to("cpu").clone()
+    anc.fill_diagonal_(False)
+    idx = torch.arange(r)
+    return torch.where(anc.any(1), torch.where(anc, idx, -1).amax(1), -1).tolist()
+
+
+def conv_index(parents: list[int], k: int) -> torch.Tensor:
+    """``[r, k] long`` indices into ``cat(window [k − 1, C], inputs [r, C])``: row j's conv reads, oldest first, the
+    k − 1 inputs before it on its root path, then itself (window entry i is input ``i − (k − 1)`` before the rows)."""
+    out = torch.empty(len(parents), k, dtype=torch.long)
+    for j in range(len(parents)):
+        x = k - 1 + j
+        for t in range(k - 1, -1, -1):
+            out[j, t] = x
+            x = (k - 1 + parents[x - k + 1] if parents[x - k + 1] >= 0 else k - 2) if x >= k - 1 else x - 1
+    return out
+
+
+def delta_step(state: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor]:
+    """One gated delta-rule token. ``state [H, d_k, d_v]`` float32; ``q, k [H, d_k]``, ``v [H, d_v]``, ``g, beta
+    [H]`` float32 (q, k normalised already). Returns ``(new state [H, d_k, d_v], output [H, d_v])`` float32."""
+    s = state * g.exp()[:, None, None]
+    kv = (s * k[:, :, None]).sum(1)
+    s = s + k[:, :, None] * ((v - kv) * beta[:, None])[:, None, :]
+    return s, (s * q[:, :, None]).sum(1)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMS norm of the GDN output, then ``· silu(z)`` (weight as stored, not zero-centred)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``x, z [..., dim]`` -> same shape and dtype as ``x``."""
+        dt = x.dtype
+        h = x.float()
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dt)
+        return (h * F.silu(z.float())).to(dt)
+
+
+class GatedDeltaNet(nn.Module):
+    """The GDN token mixer of a hybrid decoder layer (HF's ``linear_attn``).
+
+    Shapes: ``H_k = linear_num_key_heads``, ``H = linear_num_value_heads`` (each key head serves ``H / H_k`` value
+    heads), conv channels ``C = 2 H_k d_k + H d_v``.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.hk, self.hv = args.linear_num_key_heads, args.linear_num_value_heads
+        self.dk, self.dv = args.linear_key_head_dim, args.linear_value_head_dim
+        self.kernel = args.linear_conv_kernel_dim
+        h, kd, vd = args.hidden_size, self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * kd + vd
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, vd, bias=False)
+        self.in_proj_b = nn.Linear(h, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(h, self.hv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False,
+                                padding=self.kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, args.rms_norm_eps)
+        self.out_proj = nn.Linear(vd, h, bias=False)
+
+    def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projections of ``x [R, hidden]``: ``(mixed [R, C]`` (the conv's input, model dtype), ``z [R, H, d_v]``,
+        ``g [R, H]`` float32 (log decay), ``beta [R, H]`` float32)."""
+        r = x.shape[0]
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).reshape(r, self.hv, self.dv)
+        beta = self.in_proj_b(x).sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        return mixed, z, g, beta
+
+    def conv(self, window: torch.Tensor, mixed: torch.Tensor, parents: list[int]) -> torch.Tensor:
+        """Depthwise causal conv + SiLU along each row's root path. ``window [K − 1, C]`` (the committed inputs,
+        oldest first), ``mixed [R, C]`` -> ``[R, C]`` in ``mixed``'s dtype."""
+        seq = torch.cat((window.to(mixed.dtype), mixed))
+        idx = conv_index(parents, self.kernel).to(mixed.device)
+        w = self.conv1d.weight[:, 0, :]  # [C, K]
+        return F.silu((seq[idx] * w.t()[None]).sum(1))
+
+    def qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split the conv output ``[R, C]`` into float32 ``q, k [R, H, d_k]`` (L2-normalised, q scaled by
+        ``d_k^-½``, key heads repeated for their value heads) and ``v [R, H, d_v]``."""
+        r, kd = conv_out.shape[0], self.hk * self.dk
+        q, k, v = conv_out.float().split([kd, kd, self.hv * self.dv], dim=-1)
+        rep = self.hv // self.hk
+        q = q.reshape(r, self.hk, self.dk).repeat_interleave(rep, dim=1)
+        k = k.reshape(r, self.hk, self.dk).repeat_interleave(rep, dim=1)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / self.dk**0.5
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        return q, k, v.reshape(r, self.hv, self.dv)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor, window: torch.Tensor, parents: list[int],
+                record=None) -> torch.Tensor:
+        """Eager reference pass over a forest of rows.
+
+        Args:
+            x: ``[R, hidden]`` (normed layer input).
+            state: ``[H, d_k, d_v]`` float32, the committed recurrent state (read only).
+            window: ``[K − 1, C]``, the committed conv inputs (read only).
+            parents: ``[R]`` ints, each row's parent row (−1: the committed state), parents before children.
+            record: None, or a callable ``record(mixed [R, C], step_inputs, states)`` that an exact pass hands what
+                its commit needs: the conv inputs, the per-row delta-rule inputs ``(q, k, v, g, beta)`` and
+                ``states``, a dict row -> ``[H, d_k, d_v]`` of every row's state (the caller keeps what it wants).
+        Returns:
+            ``[R, hidden]`` in ``x``'s dtype.
+        """
+        r = x.shape[0]
+        mixed, z, g, beta = self.inputs(x)
+        q, k, v = self.qkv(self.conv(window, mixed, parents))
+        states: dict[int, torch.Tensor] = {}
+        outs = []
+        for j in range(r):
+            s, o = delta_step(state if parents[j] < 0 else states[parents[j]], q[j], k[j], v[j], g[j], beta[j])
+            states[j] = s
+            outs.append(o)
+        if record is not None:
+            record(mixed, (q, k, v, g, beta), states)
+        o = self.norm(torch.stack(outs).to(x.dtype), z)
+        return self.out_proj(o.reshape(r, self.hv * self.dv))

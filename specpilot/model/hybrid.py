@@ -1,0 +1,200 @@
+"""A hybrid target (qwen3_5 text model): Gated DeltaNet layers interleaved with gated full attention, in plain
+PyTorch, eager reference path only (§4.2).
+
+Against the dense decoder of :mod:`specpilot.model.layers`: every RMSNorm but the GDN output norm is zero-centred
+(``x̂ · (1 + w)``, computed in float32); full attention has per-head q/k norms, RoPE on the first
+``head_dim · partial_rotary_factor`` dims only, and its output gated by ``sigmoid(gate)``, the gate a second half of
+``q_proj``'s output per head; ``linear_attention`` layers are :class:`~specpilot.model.gdn.GatedDeltaNet`. The state
+lives in a :class:`~specpilot.model.hybrid_cache.HybridCache`. Parameter names are Hugging Face's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specpilot.model.args import ModelArgs
+from specpilot.model.cache import PassKind
+from specpilot.model.gdn import GatedDeltaNet, parents_from_mask
+from specpilot.model.hybrid_cache import HybridCache
+from specpilot.model.layers import MLP, causal_mask, region
+from specpilot.model.transformer import Transformer
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """RMS norm with weight ``1 + w`` (stored ``w`` starts at 0), computed in float32, cast back at the end."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., dim]`` -> same shape and dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``rot`` dims of ``x [R, H, D]`` by ``cos, sin [R, rot]`` (rotate-half); the rest pass."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    xr = xr * cos[:, None, :] + torch.cat((-x2, x1), dim=-1) * sin[:, None, :]
+    return torch.cat((xr, xp), dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Full attention of a hybrid model: GQA with q/k norms, partial RoPE and a sigmoid output gate."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, d, b = args.hidden_size, args.head_dim, args.attention_bias
+        self.q_proj = nn.Linear(h, args.n_heads * d * 2, bias=b)
+        self.k_proj = nn.Linear(h, args.n_kv_heads * d, bias=b)
+        self.v_proj = nn.Linear(h, args.n_kv_heads * d, bias=b)
+        self.o_proj = nn.Linear(args.n_heads * d, h, bias=b)
+        self.q_norm = ZeroCentredRMSNorm(d, args.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(d, args.rms_norm_eps)
+        self.args = args
+
+    def forward(self, x, cos, sin, cache: HybridCache, slot: int, start: int, mask, kind: PassKind):
+        """``x [R, hidden]`` at prefix ``start``; ``mask [R, start + R]`` bool or None (causal); ``slot`` this
+        layer's index in the cache's K/V. ``EXACT`` writes K/V at ``[start, start + R)``. Returns ``[R, hidden]``."""
+        a, r = self.args, x.shape[0]
+        q, gate = self.q_proj(x).reshape(r, a.n_heads, 2 * a.head_dim).chunk(2, dim=-1)
+        q = apply_partial_rope(self.q_norm(q), cos, sin)
+        k = apply_partial_rope(self.k_norm(self.k_proj(x).reshape(r, a.n_kv_heads, a.head_dim)), cos, sin)
+        v = self.v_proj(x).reshape(r, a.n_kv_heads, a.head_dim)
+        if kind is PassKind.EXACT:
+            cache.k[slot, start : start + r] = k
+            cache.v[slot, start : start + r] = v
+            keys, vals = cache.k[slot, : start + r], cache.v[slot, : start + r]
+        else:
+            keys, vals = torch.cat((cache.k[slot, :start], k)), torch.cat((cache.v[slot, :start], v))
+        rep = a.n_heads // a.n_kv_heads
+        keys = keys.transpose(0, 1)[None].repeat_interleave(rep, dim=1)
+        vals = vals.transpose(0, 1)[None].repeat_interleave(rep, dim=1)
+        if mask is None:
+            mask = causal_mask(start, r, x.device)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, attn_mask=mask)
+        o = o[0].transpose(0, 1).reshape(r, a.n_heads * a.head_dim)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(r, -1)))
+
+
+class HybridLayer(nn.Module):
+    """Pre-norm decoder layer whose token mixer is GDN (``linear_attn``) or gated attention (``self_attn``).
+
+    Args:
+        args: the model's :class:`ModelArgs`; kind: ``linear_attention`` | ``full_attention``; slot: the layer's
+            index among the layers of its kind (its place in the cache).
+    """
+
+    def __init__(self, args: ModelArgs, kind: str, slot: int):
+        super().__init__()
+        self.kind, self.slot = kind, slot
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(args)
+        else:
+            self.self_attn = GatedAttention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache: HybridCache, start: int, mask, parents: list[int], kind: PassKind,
+                prof=None):
+        """``x [R, hidden]`` -> ``[R, hidden]`` (see :meth:`HybridTransformer.forward`)."""
+        h = self.input_layernorm(x)
+        if self.kind == "linear_attention":
+            rec = cache.recorder(self.slot) if kind is PassKind.EXACT else None
+            h = self.linear_attn(h, cache.state[self.slot], cache.window[self.slot], parents, rec)
+        else:
+            h = self.self_attn(h, cos, sin, cache, self.slot, start, mask, kind)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x), prof)
+
+
+class HybridBackbone(nn.Module):
+    """Embedding, hybrid decoder layers and final (zero-centred) norm (HF's ``model.*``)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        seen = {"linear_attention": 0, "full_attention": 0}
+        layers = []
+        for kind in args.layer_types:
+            layers.append(HybridLayer(args, kind, seen[kind]))
+            seen[kind] += 1
+        self.layers = nn.ModuleList(layers)
+        self.norm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class HybridTransformer(Transformer):
+    """A qwen3_5 text target over a :class:`HybridCache`: the eager :meth:`forward` only.
+
+    Verification mode (:attr:`verify`): ``snapshot`` (every row's GDN state kept by the pass: stock chain
+    verification) or ``replay`` (only the last row's; commit replays the accepted path: trees without per-node
+    snapshots). Either serves any tree; they differ in what the cache holds between pass and commit.
+    """
+
+    def __init__(self, args: ModelArgs, verify: str = "snapshot"):
+        nn.Module.__init__(self)
+        self.args = args
+        self.model = HybridBackbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        from specpilot.model.args import rope_inv_freq
+        from specpilot.model.transformer import KernelConfig
+
+        self.inv_freq = rope_inv_freq(args)
+        self.kernels = KernelConfig(fused=False)
+        self.int8_head = None
+        self.verify = verify
+
+    def fused_on(self, x: torch.Tensor) -> bool:
+        """Always False: the hybrid target has no fused kernels yet."""
+        return False
+
+    def fuse_projections(self) -> "HybridTransformer":
+        """No-op for the hybrid target (kept for the loader's interface). Returns self."""
+        return self
+
+    def new_cache(self, max_len: int) -> HybridCache:
+        """A zeroed :class:`HybridCache` of ``max_len`` K/V slots in the model's dtype and device."""
+        return HybridCache(self.args, max_len, self.dtype, self.device, self.verify)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HybridCache, start: int,
+                mask: torch.Tensor | None = None, kind: PassKind = PassKind.EXACT, prof=None,
+                features: list | None = None, feature_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """Final-norm hidden states ``[R, hidden_size]`` of a set of rows: the eager reference pass.
+
+        As :meth:`Transformer.forward`; in addition the rows' mask (None = causal) gives each row's root path
+        through the GDN layers (its parent: the nearest ancestor row). An ``EXACT`` pass must start at the
+        committed length and leaves the committed GDN state alone: :meth:`HybridCache.commit` moves it.
+
+        Raises:
+            ValueError: the rows do not fit the cache, ``start`` is not an int, or an exact pass does not start
+                at the committed length.
+        """
+        if isinstance(start, torch.Tensor):
+            raise ValueError("forward takes an int prefix length")
+        r = tokens.shape[0]
+        if start + r > cache.max_len:
+            raise ValueError(f"{start + r} slots needed, cache holds {cache.max_len}")
+        if kind is PassKind.EXACT:
+            cache.begin_pass(start, r)
+        parents = parents_from_mask(mask, start, r)
+        x, cos, sin = self._embed(tokens, positions, prof)
+        return self._layers(x, lambda i, layer, h: layer(h, cos, sin, cache, start, mask, parents, kind, prof),
+                            prof, features, feature_layers)
+
+    def forward_static(self, *args, **kwargs):
+        """Not available: the hybrid target has the eager path only (raises NotImplementedError)."""
+        raise NotImplementedError("hybrid (Gated DeltaNet) targets have no static / CUDA-graph pass yet")
+
+    def forward_prepared(self, *args, **kwargs):
+        """Not available: no batched pass for hybrid targets yet (raises NotImplementedError)."""
+        raise NotImplementedError("hybrid (Gated DeltaNet) targets have no batched pass yet")

@@ -1,0 +1,130 @@
+"""The target state of one request on a hybrid model: K/V of the attention layers, recurrent state and conv window of
+the Gated DeltaNet (GDN) layers, under :class:`~specpilot.model.cache.KVCache`'s contract (§4.2).
+
+What is committed: K/V slots ``[0, length)``, and per GDN layer the state ``S`` and the conv window after the
+``length`` committed tokens (equal to a fresh prefill of them). What is scratch: K/V slots at or past the length,
+and what the last exact pass recorded (its rows' conv inputs, delta-rule inputs and some rows' states). A pass
+never changes the committed GDN state; :meth:`HybridCache.commit` moves it along the accepted root path:
+
+- ``snapshot`` (stock chain verification): the pass kept every row's state; commit takes the accepted row's;
+- ``replay`` (tree verification without per-node snapshots): the pass kept only its last row's state; commit
+  replays the accepted path's delta-rule steps from the committed state, the same steps (so the same bits) the
+  pass computed for those rows. The conv window follows the path in both modes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specpilot.model.args import ModelArgs
+from specpilot.model.gdn import delta_step
+
+VERIFY_MODES = ("snapshot", "replay")
+
+
+class HybridCache:
+    """Per-request state of a hybrid target.
+
+    Attributes:
+        k, v: ``[n_attn, max_len, n_kv_heads, head_dim]``, the full-attention layers' K/V (slot = position).
+        state: ``[n_gdn, H, d_k, d_v]`` float32, committed GDN states.
+        window: ``[n_gdn, K − 1, C]``, committed conv inputs (oldest first), model dtype.
+    Args:
+        args: a hybrid :class:`ModelArgs`; max_len: K/V slots; mode: ``snapshot`` | ``replay`` (module doc).
+    Raises:
+        ValueError: ``max_len < 1`` or an unknown mode.
+    """
+
+    def __init__(self, args: ModelArgs, max_len: int, dtype: torch.dtype, device: torch.device | str,
+                 mode: str = "snapshot"):
+        if max_len < 1:
+            raise ValueError(f"a cache needs at least one slot, got max_len {max_len}")
+        if mode not in VERIFY_MODES:
+            raise ValueError(f"unknown hybrid verification mode {mode!r} (choose from {', '.join(VERIFY_MODES)})")
+        n_attn = args.layer_types.count("full_attention")
+        n_gdn = len(args.layer_types) - n_attn
+        shape = (n_attn, max_len, args.n_kv_heads, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + \
+            args.linear_num_value_heads * args.linear_value_head_dim
+        self.state = torch.zeros(n_gdn, args.linear_num_value_heads, args.linear_key_head_dim,
+                                 args.linear_value_head_dim, dtype=torch.float32, device=device)
+        self.window = torch.zeros(n_gdn, args.linear_conv_kernel_dim - 1, conv_dim, dtype=dtype, device=device)
+        self.max_len, self.mode = max_len, mode
+        self._length = 0
+        self._pending: dict[int, tuple] = {}  # GDN layer -> (mixed [R, C], step inputs, {row: state})
+        self._pass: tuple[int, int] | None = None  # (start, R) of the recorded exact pass
+        self._path: list[int] | None = None  # accepted rows set by compact (None: rows 0, 1, ...)
+
+    @property
+    def length(self) -> int:
+        """Committed tokens (read-only: see :meth:`commit`)."""
+        return self._length
+
+    # -- what an exact pass writes -----------------------------------------------------------------
+    def begin_pass(self, start: int, r: int) -> None:
+        """Start recording an exact pass of ``r`` rows at ``start`` (forgets any earlier record).
+
+        Raises:
+            ValueError: ``start`` is not the committed length (a GDN pass runs from the committed state only).
+        """
+        if start != self._length:
+            raise ValueError(f"a hybrid exact pass must start at the committed length {self._length}, got {start}")
+        self._pending, self._pass, self._path = {}, (start, r), None
+
+    def recorder(self, layer: int):
+        """The ``record`` callable of GDN layer ``layer`` for :meth:`GatedDeltaNet.forward`: keeps the conv inputs,
+        the delta-rule inputs and the states the mode needs (every row: snapshot; the last row: replay)."""
+        def record(mixed, step_inputs, states):
+            r = mixed.shape[0]
+            keep = range(r) if self.mode == "snapshot" else (r - 1,)
+            self._pending[layer] = (mixed, step_inputs, {j: states[j] for j in keep})
+        return record
+
+    # -- the request loop's operations -------------------------------------------------------------
+    def compact(self, start: int, rows: torch.Tensor) -> None:
+        """Move an accepted path into place: K/V slots ``start + rows[j]`` to ``start + j``; the GDN layers follow
+        the path at :meth:`commit`. ``rows [k] long`` increasing, the root (row 0) first. Length unchanged."""
+        k = rows.numel()
+        src = rows.to(self.k.device) + start
+        self.k[:, start : start + k] = self.k[:, src]
+        self.v[:, start : start + k] = self.v[:, src]
+        self._path = rows.tolist()
+
+    def commit(self, n: int) -> None:
+        """Declare ``n`` tokens committed. ``n = 0`` frees the request (zero state and window). Otherwise ``n``
+        must be the length or lie within the recorded pass: the GDN state and window move along the first
+        ``n − start`` rows of the accepted path (module doc).
+
+        Raises:
+            ValueError: ``n`` outside ``[0, max_len]``, or an advance no recorded pass covers.
+        """
+        if not 0 <= n <= self.max_len:
+            raise ValueError(f"cannot commit {n} slots of a cache of {self.max_len}")
+        if n == 0:
+            self.state.zero_()
+            self.window.zero_()
+            self._pending, self._pass, self._length = {}, None, 0
+            return
+        if n == self._length:
+            return
+        if self._pass is None or not self._pass[0] < n <= self._pass[0] + self._pass[1]:
+            raise ValueError(f"cannot commit {n} tokens: no recorded pass from {self._length} covers them")
+        start = self._pass[0]
+        path = (self._path or list(range(self._pass[1])))[: n - start]
+        for layer, (mixed, (q, k, v, g, beta), states) in self._pending.items():
+            s = states.get(path[-1]) if path[-1] in states else None
+            if s is None:  # replay the accepted root path from the committed state
+                s = self.state[layer]
+                for j in path:
+                    s = delta_step(s, q[j], k[j], v[j], g[j], beta[j])[0]
+            self.state[layer] = s
+            w = self.window.shape[1]
+            self.window[layer] = torch.cat((self.window[layer], mixed[path].to(self.window.dtype)))[-w:] if w else \
+                self.window[layer]
+        self._pending, self._pass, self._path, self._length = {}, None, None, n
+
+    def nbytes(self) -> int:
+        """Bytes held by the committed tensors (K/V, states, windows; not a pass's scratch)."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.state, self.window))

@@ -1,0 +1,122 @@
+"""Hybrid (qwen3_5: Gated DeltaNet + gated attention) targets on the CPU in float32: logits equal transformers' own
+Qwen3_5ForCausalLM on a tiny random config, for a prompt and token by token; the GDN tree path equals the chain."""
+
+import pytest
+import torch
+
+from specpilot.model.cache import PassKind
+from specpilot.model.checkpoint import load_model
+from specpilot.model.gdn import conv_index, parents_from_mask
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            max_position_embeddings=512, eos_token_id=None, tie_word_embeddings=False)
+
+
+def tiny_hybrid(path, seed: int = 0, **over):
+    """Write a tiny random qwen3_5 text checkpoint to ``path`` (every parameter perturbed, so zero-centred norms and
+    gates are exercised); returns transformers' model (float32, eval)."""
+    torch.manual_seed(seed)
+    cfg = Qwen3_5TextConfig(**{**TINY, **over})
+    hf = Qwen3_5ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name or "A_log" in name or "dt_bias" in name else 0.05))
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hybrid")
+    hf = tiny_hybrid(path)
+    return hf, load_model(path, dtype="float32"), path
+
+
+def test_parents_and_conv_index():
+    # rows: 0 root, 1 child of 0, 2 child of 0, 3 child of 2
+    anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    mask = torch.cat((torch.ones(4, 5, dtype=torch.bool), anc), dim=1)
+    assert parents_from_mask(mask, 5, 4) == [-1, 0, 0, 2]
+    assert parents_from_mask(None, 5, 3) == [-1, 0, 1]
+    # K = 4: window entries 0..2, rows at 3..6
+    assert conv_index([-1, 0, 0, 2], 4).tolist() == [[0, 1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 5], [2, 3, 5, 6]]
+
+
+@torch.no_grad()
+def test_prompt_logits_equal_transformers(pair):
+    hf, ours, _ = pair
+    assert ours.args.is_hybrid and ours.args.partial_rotary_factor == 0.25
+    ids = torch.randint(0, TINY["vocab_size"], (23,), generator=torch.Generator().manual_seed(1))
+    ref = hf(ids[None]).logits[0]
+    cache = ours.new_cache(64)
+    got = ours.logits(ours.forward(ids, torch.arange(23), cache, 0))
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+@torch.no_grad()
+def test_incremental_logits_equal_transformers(pair):
+    hf, ours, _ = pair
+    ids = torch.randint(0, TINY["vocab_size"], (12,), generator=torch.Generator().manual_seed(2))
+    out = hf(ids[None, :5], use_cache=True)
+    past, refs = out.past_key_values, [out.logits[0, -1]]
+    for t in range(5, 12):
+        out = hf(ids[None, t : t + 1], cache=past, use_cache=True)
+        past = out.past_key_values
+        refs.append(out.logits[0, -1])
+    cache = ours.new_cache(64)
+    got = [ours.logits(ours.forward(ids[:5], torch.arange(5), cache, 0))[-1]]
+    cache.commit(5)
+    for t in range(5, 12):
+        got.append(ours.logits(ours.forward(ids[t : t + 1], torch.tensor([t]), cache, t))[0])
+        cache.commit(t + 1)
+    assert (torch.stack(got) - torch.stack(refs)).abs().max().item() < 1e-4
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["snapshot", "replay"])
+def test_tree_rows_equal_their_chains_and_commit_equals_prefill(pair, mode):
+    """Each tree row's logits equal those of its root path run as a chain; committing a path leaves the state,
+    conv window and K/V equal to a prefill of the committed tokens (R9)."""
+    _, ours, _ = pair
+    ours.verify = mode
+    try:
+        prompt = torch.randint(0, TINY["vocab_size"], (9,), generator=torch.Generator().manual_seed(3))
+        toks = torch.tensor([prompt[-1].item(), 5, 7, 11, 13])
+        parents = [-1, 0, 0, 2, 3]  # root, two children, a path 0-2-3-4
+        depth = [0, 1, 1, 2, 3]
+        anc = torch.zeros(5, 5, dtype=torch.bool)
+        for j in range(5):
+            i = j
+            while i >= 0:
+                anc[j, i] = True
+                i = parents[i]
+        start = 8
+        mask = torch.cat((torch.ones(5, start, dtype=torch.bool), anc), dim=1)
+        cache = ours.new_cache(64)
+        ours.forward(prompt[:8], torch.arange(8), cache, 0)
+        cache.commit(8)
+        tree_logits = ours.logits(ours.forward(toks, start + torch.tensor(depth), cache, start, mask))
+        for j in range(5):
+            path = [i for i in range(5) if anc[j, i]]
+            c2 = ours.new_cache(64)
+            full = torch.cat((prompt[:8], toks[path]))
+            chain = ours.logits(ours.forward(full, torch.arange(len(full)), c2, 0, kind=PassKind.INSPECT))
+            assert (chain[-1] - tree_logits[j]).abs().max().item() < 1e-4
+        rows = torch.tensor([0, 2, 3])
+        cache.compact(start, rows)
+        cache.commit(start + 3)
+        ref = ours.new_cache(64)
+        full = torch.cat((prompt[:8], toks[rows]))
+        ours.forward(full, torch.arange(11), ref, 0)
+        ref.commit(11)
+        assert (cache.state - ref.state).abs().max().item() < 1e-5
+        assert (cache.window - ref.window).abs().max().item() < 1e-5
+        assert (cache.k[:, :11] - ref.k[:, :11]).abs().max().item() < 1e-5
+    finally:
+        ours.verify = "snapshot"
