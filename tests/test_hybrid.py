@@ -120,3 +120,32 @@ def test_tree_rows_equal_their_chains_and_commit_equals_prefill(pair, mode):
         assert (cache.k[:, :11] - ref.k[:, :11]).abs().max().item() < 1e-5
     finally:
         ours.verify = "snapshot"
+
+
+@torch.no_grad()
+def test_replay_commit_is_bit_equal_to_snapshot_commit(pair):
+    """Committing a tree path by replay gives the same bits as taking the pass's own state of that row."""
+    _, ours, _ = pair
+    prompt = torch.randint(0, TINY["vocab_size"], (7,), generator=torch.Generator().manual_seed(4))
+    parents = [-1, 0, 0, 1, 2, 4]
+    anc = torch.zeros(6, 6, dtype=torch.bool)
+    for j in range(6):
+        i = j
+        while i >= 0:
+            anc[j, i], i = True, parents[i]
+    depth = anc.sum(1) - 1
+    toks = torch.tensor([int(prompt[-1]), 3, 4, 5, 6, 7])
+    mask = torch.cat((torch.ones(6, 6, dtype=torch.bool), anc), dim=1)
+    states = {}
+    for mode in ("snapshot", "replay"):
+        ours.verify = mode
+        cache = ours.new_cache(32)
+        ours.forward(prompt[:6], torch.arange(6), cache, 0)
+        cache.commit(6)
+        ours.forward(toks, 6 + depth, cache, 6, mask)
+        cache.compact(6, torch.tensor([0, 2, 4]))
+        cache.commit(8)  # a stop cut the accepted path 0-2-4 after two rows
+        states[mode] = cache.state.clone(), cache.window.clone()
+    ours.verify = "snapshot"
+    assert torch.equal(states["snapshot"][0], states["replay"][0])
+    assert torch.equal(states["snapshot"][1], states["replay"][1])

@@ -18,6 +18,8 @@ recurrent replay of its root path gives (:meth:`~specpilot.model.hybrid_cache.Hy
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -130,7 +132,7 @@ class GatedDeltaNet(nn.Module):
         return q, k, v.reshape(r, self.hv, self.dv)
 
     def forward(self, x: torch.Tensor, state: torch.Tensor, window: torch.Tensor, parents: list[int],
-                record=None) -> torch.Tensor:
+                record=None, keep: Collection[int] = ()) -> torch.Tensor:
         """Eager reference pass over a forest of rows.
 
         Args:
@@ -140,18 +142,26 @@ class GatedDeltaNet(nn.Module):
             parents: ``[R]`` ints, each row's parent row (−1: the committed state), parents before children.
             record: None, or a callable ``record(mixed [R, C], step_inputs, states)`` that an exact pass hands what
                 its commit needs: the conv inputs, the per-row delta-rule inputs ``(q, k, v, g, beta)`` and
-                ``states``, a dict row -> ``[H, d_k, d_v]`` of every row's state (the caller keeps what it wants).
+                ``states``, a dict row -> ``[H, d_k, d_v]`` holding the states of the rows in ``keep``.
+            keep: rows whose states ``record`` receives; any other row's state is dropped once its last child
+                has read it (a causal prefill holds one state at a time).
         Returns:
             ``[R, hidden]`` in ``x``'s dtype.
         """
         r = x.shape[0]
         mixed, z, g, beta = self.inputs(x)
         q, k, v = self.qkv(self.conv(window, mixed, parents))
+        last_read = {p: j for j, p in enumerate(parents)}  # row -> its last child (parents before children)
+        keep = set(keep)
         states: dict[int, torch.Tensor] = {}
         outs = []
         for j in range(r):
-            s, o = delta_step(state if parents[j] < 0 else states[parents[j]], q[j], k[j], v[j], g[j], beta[j])
-            states[j] = s
+            p = parents[j]
+            s, o = delta_step(state if p < 0 else states[p], q[j], k[j], v[j], g[j], beta[j])
+            if p >= 0 and last_read[p] == j and p not in keep:
+                del states[p]
+            if j in last_read or j in keep:
+                states[j] = s
             outs.append(o)
         if record is not None:
             record(mixed, (q, k, v, g, beta), states)

@@ -108,8 +108,9 @@ class HybridLayer(nn.Module):
         """``x [R, hidden]`` -> ``[R, hidden]`` (see :meth:`HybridTransformer.forward`)."""
         h = self.input_layernorm(x)
         if self.kind == "linear_attention":
-            rec = cache.recorder(self.slot) if kind is PassKind.EXACT else None
-            h = self.linear_attn(h, cache.state[self.slot], cache.window[self.slot], parents, rec)
+            exact = kind is PassKind.EXACT
+            rec, keep = (cache.recorder(self.slot), cache.keep_rows(x.shape[0])) if exact else (None, ())
+            h = self.linear_attn(h, cache.state[self.slot], cache.window[self.slot], parents, rec, keep)
         else:
             h = self.self_attn(h, cos, sin, cache, self.slot, start, mask, kind)
         x = x + h

@@ -35,6 +35,9 @@ class HybridCache:
         ValueError: ``max_len < 1`` or an unknown mode.
     """
 
+    #: most rows of a pass whose states ``snapshot`` mode keeps (more than a verified tree, fewer than a prompt)
+    SNAPSHOT_ROWS = 256
+
     def __init__(self, args: ModelArgs, max_len: int, dtype: torch.dtype, device: torch.device | str,
                  mode: str = "snapshot"):
         if max_len < 1:
@@ -73,13 +76,16 @@ class HybridCache:
             raise ValueError(f"a hybrid exact pass must start at the committed length {self._length}, got {start}")
         self._pending, self._pass, self._path = {}, (start, r), None
 
+    def keep_rows(self, r: int) -> range:
+        """Rows of an ``r``-row exact pass whose GDN states the pass keeps for :meth:`commit`: every row in
+        ``snapshot`` mode (a long prefill, over :attr:`SNAPSHOT_ROWS` rows, only its last), the last in ``replay``."""
+        return range(r) if self.mode == "snapshot" and r <= self.SNAPSHOT_ROWS else range(r - 1, r)
+
     def recorder(self, layer: int):
         """The ``record`` callable of GDN layer ``layer`` for :meth:`GatedDeltaNet.forward`: keeps the conv inputs,
-        the delta-rule inputs and the states the mode needs (every row: snapshot; the last row: replay)."""
+        the delta-rule inputs and the kept rows' states (:meth:`keep_rows`)."""
         def record(mixed, step_inputs, states):
-            r = mixed.shape[0]
-            keep = range(r) if self.mode == "snapshot" else (r - 1,)
-            self._pending[layer] = (mixed, step_inputs, {j: states[j] for j in keep})
+            self._pending[layer] = (mixed, step_inputs, {j: states[j] for j in self.keep_rows(mixed.shape[0])})
         return record
 
     # -- the request loop's operations -------------------------------------------------------------
@@ -114,7 +120,7 @@ class HybridCache:
         start = self._pass[0]
         path = (self._path or list(range(self._pass[1])))[: n - start]
         for layer, (mixed, (q, k, v, g, beta), states) in self._pending.items():
-            s = states.get(path[-1]) if path[-1] in states else None
+            s = states.get(path[-1])
             if s is None:  # replay the accepted root path from the committed state
                 s = self.state[layer]
                 for j in path:

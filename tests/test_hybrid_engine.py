@@ -1,0 +1,102 @@
+"""The Engine on a tiny hybrid (qwen3_5) target, CPU float32: AR equals transformers' greedy generate; chain
+verification (per-row state snapshots) and tree verification (commit by replaying the accepted path) equal AR
+with partial, zero and full acceptance and with steps where nothing is drafted; after every step the GDN state,
+conv window and K/V equal a fresh prefill of the committed tokens (R9, R10)."""
+
+import pytest
+import torch
+
+from specpilot.config import SystemConfig
+from specpilot.engine.engine import Engine
+from specpilot.model.checkpoint import load_model
+from specpilot.spec.ngram import NgramDrafter
+
+from .conftest import random_prompts
+from .test_engine import ScriptedDrafter
+from .test_hybrid import TINY, tiny_hybrid
+
+V = TINY["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hybrid_engine")
+    return tiny_hybrid(path, seed=4), load_model(path, dtype="float32")
+
+
+def ar_tokens(target, prompt, n):
+    return Engine(target, SystemConfig.ar(), None, eos_ids=[]).generate(prompt, n).tokens
+
+
+def state_matches_prefill(engine, committed):
+    """The hybrid cache equals a fresh prefill of every committed token but the last (R9)."""
+    n = len(committed) - 1
+    c = engine.cache
+    assert c.length == n
+    fresh = engine.target.new_cache(n + 1)
+    engine.target.forward(torch.tensor(committed[:-1]), torch.arange(n), fresh, 0)
+    fresh.commit(n)
+    torch.testing.assert_close(c.state, fresh.state, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c.window, fresh.window, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c.k[:, :n], fresh.k[:, :n], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_ar_equals_transformers_generate(pair):
+    hf, target = pair
+    for prompt in random_prompts(2, V, seed=5):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        assert ar_tokens(target, prompt, 20) == ref
+
+
+@pytest.mark.parametrize("mode,tree,script,every", [
+    ("snapshot", "chain", "right", 1),   # full acceptance
+    ("snapshot", "chain", "wrong", 1),   # zero acceptance
+    ("snapshot", "chain", "right", 2),   # every other step drafts nothing (R10)
+    ("replay", "best_first", "both", 1),  # the accepted branch is never the first (replay of a non-contiguous path)
+    ("replay", "best_first", "right", 3),
+])
+def test_scripted_spec_equals_ar(pair, mode, tree, script, every):
+    _, target = pair
+    prompt = random_prompts(1, V, seed=7)[0]
+    ar = ar_tokens(target, prompt, 30)
+    target.verify = mode
+    try:
+        cfg = SystemConfig.stock("ngram", depth=5) if tree == "chain" else \
+            SystemConfig(drafter="ngram", tree="best_first", nodes=12, depth=5, top_k=2)
+        eng = Engine(target, cfg, ScriptedDrafter(len(prompt), ar, script, every=every), eos_ids=[])
+        eng.step_hook = state_matches_prefill
+        gen = eng.generate(prompt, 30)
+    finally:
+        target.verify = "snapshot"
+    assert gen.tokens == ar
+    if script == "wrong":
+        assert set(gen.accepted) == {1}
+    else:
+        assert max(gen.accepted) > 1
+    if every > 1:
+        assert 1 in gen.accepted
+
+
+@pytest.mark.parametrize("mode,tree", [("snapshot", "chain"), ("replay", "chain"), ("replay", "best_first")])
+def test_ngram_spec_equals_ar(pair, mode, tree):
+    """Partial acceptance from a real drafter: the n-gram drafter on prompts that repeat."""
+    _, target = pair
+    target.verify = mode
+    accepted = []
+    try:
+        for i, p in enumerate(random_prompts(3, V, seed=11)):
+            prompt = (p[:8] * 3)[:24]
+            ar = ar_tokens(target, prompt, 40)
+            cfg = SystemConfig.stock("ngram", depth=6) if tree == "chain" else \
+                SystemConfig(drafter="ngram", tree="best_first", nodes=12, depth=6, top_k=3)
+            eng = Engine(target, cfg, NgramDrafter(cfg.ngram_max, cfg.ngram_min, max_matches=cfg.top_k), eos_ids=[])
+            if i == 0:
+                eng.step_hook = state_matches_prefill
+            gen = eng.generate(prompt, 40)
+            assert gen.tokens == ar
+            accepted += gen.accepted
+    finally:
+        target.verify = "snapshot"
+    assert max(accepted) > 1 and 1 in accepted
