@@ -13,13 +13,21 @@ from .conftest import run_cli
 
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}
+#: what a hybrid (qwen3_5) architecture shrinks further: its layer list and Gated DeltaNet heads
+SMALL_HYBRID = {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 16}
+
+
+def small(arch: str) -> dict:
+    """The test's overrides shrinking ``arch``."""
+    return {**SMALL, **(SMALL_HYBRID if "layer_types" in ARCHS[arch] else {})}
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_random_checkpoint_loads_and_matches_transformers(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
-    d = write_random_checkpoint(arch, tmp_path / arch, device="cpu", overrides=SMALL, shard_bytes=40_000)
+    d = write_random_checkpoint(arch, tmp_path / arch, device="cpu", overrides=small(arch), shard_bytes=40_000)
     assert len(list(d.glob("*.safetensors"))) > 1 and (d / "model.safetensors.index.json").is_file()
     ours = load_model(d)
     ref = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
@@ -35,6 +43,8 @@ def test_full_size_shapes_count_parameters():
     assert 8.1e9 < n < 8.3e9  # Qwen3-8B: 8.19B parameters
     n = sum(torch.Size(s).numel() for s in tensor_shapes(ARCHS["llama-3.1-8b"]).values())
     assert 8.0e9 < n < 8.1e9  # Llama-3.1-8B: 8.03B
+    n = sum(torch.Size(s).numel() for s in tensor_shapes(ARCHS["qwen3.5-27b-like"]).values())
+    assert 26.5e9 < n < 27.5e9  # the text model of a 27B hybrid (48 GDN + 16 attention layers)
 
 
 def test_unknown_arch_is_a_clear_error(tmp_path):

@@ -38,16 +38,52 @@ ARCHS: dict[str, dict] = {
         "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "bos_token_id": 128000, "eos_token_id": 128009,
     },
+    # a hybrid: 48 Gated DeltaNet + 16 gated full-attention layers (every 4th), the text model's shape as public
+    # Qwen3.5-27B configs give it (third-party copies of its config.json; not checked against the hub here)
+    "qwen3.5-27b-like": {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 248320,
+        "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64, "num_attention_heads": 24,
+        "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 16,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
+        "hidden_act": "silu", "attention_bias": False, "eos_token_id": 248044,
+    },
 }
 
 
+def _hybrid_layer_shapes(cfg: dict, n: int) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of hybrid (qwen3_5) decoder layer ``n``'s token mixer (HF names)."""
+    p, h = f"model.layers.{n}.", cfg["hidden_size"]
+    if cfg["layer_types"][n] == "full_attention":
+        d, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        return {p + "self_attn.q_proj.weight": (2 * nh * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
+                p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nh * d),
+                p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    kd, vd = hk * cfg["linear_key_head_dim"], hv * cfg["linear_value_head_dim"]
+    q = p + "linear_attn."
+    return {q + "in_proj_qkv.weight": (2 * kd + vd, h), q + "in_proj_z.weight": (vd, h),
+            q + "in_proj_b.weight": (hv, h), q + "in_proj_a.weight": (hv, h),
+            q + "conv1d.weight": (2 * kd + vd, 1, cfg["linear_conv_kernel_dim"]), q + "dt_bias": (hv,),
+            q + "A_log": (hv,), q + "norm.weight": (cfg["linear_value_head_dim"],), q + "out_proj.weight": (h, vd)}
+
+
 def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor name and shape of a llama / qwen2 / qwen3 checkpoint with config ``cfg`` (HF names)."""
+    """Every tensor name and shape of a llama / qwen2 / qwen3 / qwen3_5 text checkpoint with config ``cfg`` (HF
+    names)."""
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
+        if cfg["model_type"] == "qwen3_5_text":
+            shapes.update(_hybrid_layer_shapes(cfg, n))
+            shapes.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                           p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
+                           p + "post_attention_layernorm.weight": (h,)})
+            continue
         shapes.update({
             p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
             p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nh * d),
@@ -128,13 +164,13 @@ def random_transformer(arch: str, device: str = "cuda", dtype: torch.dtype = tor
         SpecPilotError: unknown ``arch``; ``out`` a file or a non-empty directory.
     """
     from specpilot.model.args import ModelArgs, rope_inv_freq
-    from specpilot.model.transformer import Transformer
+    from specpilot.model.checkpoint import build_model
 
     if arch not in ARCHS:
         raise SpecPilotError(f"unknown architecture {arch!r} (choose {', '.join(ARCHS)})")
     args = ModelArgs.from_hf({**ARCHS[arch], **(overrides or {})})
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args)
     model = model.to_empty(device=device).to(dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
