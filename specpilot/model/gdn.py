@@ -14,6 +14,7 @@ Rows form a forest over the committed state: ``parents[j]`` is row j's parent ro
 conv window the cache has committed). A causal pass (prefill, AR, a chain) is the forest where ``parents[j] = j − 1``.
 Each row's state is computed from its parent's by one delta-rule step, so a row's state is bit for bit the state a
 recurrent replay of its root path gives (:meth:`~specpilot.model.hybrid_cache.HybridCache.commit` replays that way).
+A long causal prefill runs the chunked form instead (:func:`delta_chunked`), whose rounding differs.
 """
 
 from __future__ import annotations
@@ -60,6 +61,40 @@ def delta_step(state: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, tor
     return s, (s * q[:, :, None]).sum(1)
 
 
+def delta_chunked(state: torch.Tensor, q, k, v, g, beta, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over a causal run of tokens, ``chunk`` tokens at a time (the prefill form).
+
+    Within a chunk of L tokens with cumulative log decay ``G`` (``D = exp(G)``) and start state ``S0``, the
+    corrections ``U`` solve the unit lower-triangular system ``(I + A) U = β ⊙ (V − (D ⊙ K) S0)`` with
+    ``A[t, s] = β_t exp(G_t − G_s) k_tᵀ k_s`` (s < t); then ``O = (D ⊙ Q) S0 + (M ⊙ Q Kᵀ) U`` with
+    ``M[t, s] = exp(G_t − G_s)`` (s ≤ t) and ``S_L = D_L S0 + (exp(G_L − G) ⊙ K)ᵀ U``. Equal to :func:`delta_step`
+    token by token up to float32 rounding (a different summation order, not the same bits).
+
+    Args:
+        state: ``[H, d_k, d_v]`` float32 start state; q, k ``[T, H, d_k]``, v ``[T, H, d_v]``, g, beta ``[T, H]``,
+            all float32 (q, k normalised already); chunk: tokens per chunk.
+    Returns:
+        ``(state after the T tokens [H, d_k, d_v], outputs [T, H, d_v])`` float32.
+    """
+    outs = []
+    for c0 in range(0, q.shape[0], chunk):
+        qc, kc, vc = (t[c0 : c0 + chunk].transpose(0, 1) for t in (q, k, v))  # [H, L, d]
+        gc, bc = g[c0 : c0 + chunk].t(), beta[c0 : c0 + chunk].t()  # [H, L]
+        n = qc.shape[1]
+        cum = gc.cumsum(-1)
+        decay = (cum[:, :, None] - cum[:, None, :])  # [H, L, L]: G_t − G_s
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        m = torch.where(lower, decay, float("-inf")).exp()
+        a = (bc[:, :, None] * m * (kc @ kc.transpose(1, 2))).masked_fill(lower.logical_not().logical_or(
+            torch.eye(n, dtype=torch.bool, device=q.device)), 0.0)
+        rhs = bc[:, :, None] * (vc - (cum.exp()[:, :, None] * kc) @ state)
+        eye = torch.eye(n, dtype=q.dtype, device=q.device)
+        u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+        outs.append(((cum.exp()[:, :, None] * qc) @ state + (m * (qc @ kc.transpose(1, 2))) @ u).transpose(0, 1))
+        state = cum[:, -1:, None].exp() * state + ((cum[:, -1:] - cum).exp()[:, :, None] * kc).transpose(1, 2) @ u
+    return state, torch.cat(outs)
+
+
 class GatedRMSNorm(nn.Module):
     """Per-head RMS norm of the GDN output, then ``· silu(z)`` (weight as stored, not zero-centred)."""
 
@@ -82,6 +117,9 @@ class GatedDeltaNet(nn.Module):
     Shapes: ``H_k = linear_num_key_heads``, ``H = linear_num_value_heads`` (each key head serves ``H / H_k`` value
     heads), conv channels ``C = 2 H_k d_k + H d_v``.
     """
+
+    #: causal passes of at least this many rows, keeping no state but the last, run :func:`delta_chunked`
+    CHUNKED_ROWS = 128
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -133,7 +171,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, state: torch.Tensor, window: torch.Tensor, parents: list[int],
                 record=None, keep: Collection[int] = ()) -> torch.Tensor:
-        """Eager reference pass over a forest of rows.
+        """Eager reference pass over a forest of rows: delta-rule steps row by row, except a causal pass of at
+        least :attr:`CHUNKED_ROWS` rows that keeps no state but its last (a prefill), which runs
+        :func:`delta_chunked` (same values up to float32 rounding).
 
         Args:
             x: ``[R, hidden]`` (normed layer input).
@@ -154,8 +194,11 @@ class GatedDeltaNet(nn.Module):
         last_read = {p: j for j, p in enumerate(parents)}  # row -> its last child (parents before children)
         keep = set(keep)
         states: dict[int, torch.Tensor] = {}
-        outs = []
-        for j in range(r):
+        outs, steps = [], r
+        if r >= self.CHUNKED_ROWS and keep <= {r - 1} and parents == list(range(-1, r - 1)):  # a causal prefill
+            states[r - 1], o = delta_chunked(state, q, k, v, g, beta)
+            outs, steps = list(o), 0
+        for j in range(steps):
             p = parents[j]
             s, o = delta_step(state if p < 0 else states[p], q[j], k[j], v[j], g[j], beta[j])
             if p >= 0 and last_read[p] == j and p not in keep:

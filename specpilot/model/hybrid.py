@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specpilot.errors import SpecPilotError
 from specpilot.model.args import ModelArgs
 from specpilot.model.cache import PassKind
 from specpilot.model.gdn import GatedDeltaNet, parents_from_mask
@@ -193,9 +194,9 @@ class HybridTransformer(Transformer):
                             prof, features, feature_layers)
 
     def forward_static(self, *args, **kwargs):
-        """Not available: the hybrid target has the eager path only (raises NotImplementedError)."""
-        raise NotImplementedError("hybrid (Gated DeltaNet) targets have no static / CUDA-graph pass yet")
+        """Not available: the hybrid target has the eager path only (raises SpecPilotError)."""
+        raise SpecPilotError("hybrid (Gated DeltaNet) targets have no static / CUDA-graph pass yet: run them eagerly")
 
     def forward_prepared(self, *args, **kwargs):
-        """Not available: no batched pass for hybrid targets yet (raises NotImplementedError)."""
-        raise NotImplementedError("hybrid (Gated DeltaNet) targets have no batched pass yet")
+        """Not available: no batched pass for hybrid targets yet (raises SpecPilotError)."""
+        raise SpecPilotError("hybrid (Gated DeltaNet) targets have no batched pass yet: serve them one request at a time")
