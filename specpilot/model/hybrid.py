@@ -199,4 +199,4 @@ class HybridTransformer(Transformer):
 
     def forward_prepared(self, *args, **kwargs):
         """Not available: no batched pass for hybrid targets yet (raises SpecPilotError)."""
-        raise SpecPilotError("hybrid (Gated DeltaNet) targets have no batched pass yet: serve them one request at a time")
+        raise SpecPilotError("hybrid (Gated DeltaNet) targets have no batched pass yet: run one request at a time")
