@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpilot.errors import SpecPilotError
-from specpilot.model.args import ModelArgs
+from specpilot.model.args import ModelArgs, rope_inv_freq
 from specpilot.model.cache import PassKind
 from specpilot.model.gdn import GatedDeltaNet, parents_from_mask
 from specpilot.model.hybrid_cache import HybridCache
-from specpilot.model.layers import MLP, causal_mask, region
-from specpilot.model.transformer import Transformer
+from specpilot.model.layers import MLP, causal_mask
+from specpilot.model.transformer import KernelConfig, Transformer
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -148,9 +148,6 @@ class HybridTransformer(Transformer):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        from specpilot.model.args import rope_inv_freq
-        from specpilot.model.transformer import KernelConfig
-
         self.inv_freq = rope_inv_freq(args)
         self.kernels = KernelConfig(fused=False)
         self.int8_head = None
