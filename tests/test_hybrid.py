@@ -182,3 +182,20 @@ def test_long_prompt_logits_equal_transformers(pair, mode):
     finally:
         ours.verify = "snapshot"
     assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_pass_off_the_committed_length_and_qwen3_next_are_clear_errors(pair, tmp_path):
+    import json
+
+    from specpilot.errors import CheckpointError
+    from specpilot.model.checkpoint import read_args
+
+    _, ours, _ = pair
+    cache = ours.new_cache(16)
+    with pytest.raises(ValueError, match="committed length 0"):
+        ours.forward(torch.tensor([1, 2]), torch.tensor([3, 4]), cache, 3)
+    cfg = {"model_type": "qwen3_next", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="unsupported model_type 'qwen3_next'"):
+        read_args(tmp_path)

@@ -171,18 +171,20 @@ class HybridTransformer(Transformer):
         """Final-norm hidden states ``[R, hidden_size]`` of a set of rows: the eager reference pass.
 
         As :meth:`Transformer.forward`; in addition the rows' mask (None = causal) gives each row's root path
-        through the GDN layers (its parent: the nearest ancestor row). An ``EXACT`` pass must start at the
-        committed length and leaves the committed GDN state alone: :meth:`HybridCache.commit` moves it.
+        through the GDN layers (its parent: the nearest ancestor row). A pass starts at the committed length (the
+        GDN state is that of the committed tokens) and leaves the committed GDN state alone: an ``EXACT`` pass
+        records what :meth:`HybridCache.commit` needs to move it.
 
         Raises:
-            ValueError: the rows do not fit the cache, ``start`` is not an int, or an exact pass does not start
-                at the committed length.
+            ValueError: the rows do not fit the cache, ``start`` is not an int or not the committed length.
         """
         if isinstance(start, torch.Tensor):
             raise ValueError("forward takes an int prefix length")
         r = tokens.shape[0]
         if start + r > cache.max_len:
             raise ValueError(f"{start + r} slots needed, cache holds {cache.max_len}")
+        if start != cache.length:  # the GDN layers hold the state after exactly the committed tokens
+            raise ValueError(f"a hybrid pass must start at the committed length {cache.length}, got {start}")
         if kind is PassKind.EXACT:
             cache.begin_pass(start, r)
         parents = parents_from_mask(mask, start, r)
