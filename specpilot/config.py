@@ -50,6 +50,10 @@ class SystemConfig(BaseModel):
             budget of a step over ``n`` requests (the planner's per-batch-size budgets, from the flat region of the
             target's GEMM cost); batch sizes past its end, or all of them when it is empty, get ``nodes * n``
             (the total of an equal split). See :meth:`step_budget`.
+        prompt_admission: prompt rows a batched decode step may carry (§4.4 prompt admission): prompts admitted
+            while requests run are prefilled inside that step's exact pass, not in a pass of their own, when their
+            rows together are at most this many (more: their own prefill pass, as with 0 = off). Lossless: prompt
+            rows attend only to their own prompt.
 
     Raises:
         pydantic.ValidationError: on out-of-range values (e.g. ``nodes < 1``).
@@ -70,6 +74,7 @@ class SystemConfig(BaseModel):
     lm_head_int8: bool = False
     row_selection: RowSelection = "per_request"
     shared_budget: tuple[int, ...] = ()
+    prompt_admission: int = Field(default=0, ge=0, le=8192)
 
     @model_validator(mode="after")
     def _check(self) -> "SystemConfig":
@@ -111,19 +116,22 @@ class SystemConfig(BaseModel):
 
     def seal(self) -> str:
         """SHA-256 of the canonical JSON of this config (the seal of §3.3). Fields added later (``w12``,
-        ``lm_head_int8``, ``row_selection``, ``shared_budget``) enter only when set, so configs sealed before they existed keep their seals."""
+        ``lm_head_int8``, ``row_selection``, ``shared_budget``, ``prompt_admission``) enter only when set, so
+        configs sealed before they existed keep their seals."""
         d = {k: v for k, v in self.model_dump().items() if not (k in _LATER_FIELDS and v == _LATER_FIELDS[k])}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def label(self) -> str:
-        """Short human label, e.g. ``ngram/best_first N=16 D=6 k=4`` (``+w12`` / ``+int8head`` / ``+shared``
-        appended when those mechanisms are on)."""
+        """Short human label, e.g. ``ngram/best_first N=16 D=6 k=4`` (``+w12`` / ``+int8head`` / ``+shared`` /
+        ``+admitR`` appended when those mechanisms are on)."""
         w12 = (" +w12" if self.w12 else "") + (" +int8head" if self.lm_head_int8 else "")
         w12 += " +shared" if self.row_selection == "shared_budget" else ""
+        w12 += f" +admit{self.prompt_admission}" if self.prompt_admission else ""
         if self.drafter == "none":
             return "AR" + w12
         return f"{self.drafter}/{self.tree} N={self.nodes} D={self.depth} k={self.top_k}{w12}"
 
 
 #: fields added after configs were first sealed, with the default that leaves them out of the seal
-_LATER_FIELDS = {"w12": False, "lm_head_int8": False, "row_selection": "per_request", "shared_budget": ()}
+_LATER_FIELDS = {"w12": False, "lm_head_int8": False, "row_selection": "per_request", "shared_budget": (),
+                 "prompt_admission": 0}

@@ -1,6 +1,6 @@
 """Exact replay of the batched engine (§2.4, §4.4): step by step, the nodes and accepted tokens :func:`replay_batch`
 computes from a recording equal the :class:`BatchEngine`'s own, per request and in total, for the shared budget
-and the equal split (n-gram drafter, float32 CPU)."""
+and the equal split, with and without prompt admission (n-gram drafter, float32 CPU)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ def engine_steps(target, cfg, prompts, budgets, slots, prefill_rows):
     return per, eng.exact_passes
 
 
-@pytest.mark.parametrize("selection,seed", [("shared_budget", 0), ("shared_budget", 1), ("per_request", 2)])
-def test_replay_batch_equals_the_engine(tiny_models, selection, seed):
+@pytest.mark.parametrize("selection,seed,admit", [("shared_budget", 0, 0), ("shared_budget", 1, 0),
+                                                  ("per_request", 2, 0), ("shared_budget", 3, 24)])
+def test_replay_batch_equals_the_engine(tiny_models, selection, seed, admit):
     target, _ = tiny_models
     rng = random.Random(seed)
     prompts, budgets = [], []
@@ -45,7 +46,7 @@ def test_replay_batch_equals_the_engine(tiny_models, selection, seed):
         budgets.append(rng.choice([1, 3, 9, 20, 30]))
     outs = [ar(target, p, n) for p, n in zip(prompts, budgets)]
     cfg = SystemConfig(drafter="ngram", tree="best_first", nodes=rng.choice([3, 5]), depth=4, top_k=3,
-                       row_selection=selection)
+                       row_selection=selection, prompt_admission=admit)
     slots, prefill_rows = rng.choice([2, 3, 4]), rng.choice([8, 2048])
     rec = record(NgramDrafter(cfg.ngram_max, cfg.ngram_min, max_matches=cfg.top_k), prompts, outs, 4, 3)
     steps = replay_batch(rec, cfg, slots, prefill_rows)

@@ -20,7 +20,9 @@ nodes; ``shared_budget`` fills one budget of ``config.step_budget(n)`` nodes for
 across all their lattices (:func:`~specpilot.spec.trees_batch.build_shared`), so a request's tree may hold up to
 the whole budget: each slot reserves rows for the largest budget, and the padded path (fixed row buckets) refuses
 it. Either way only the verified rows change, never the output.
-Not yet here: the per-request drafter block and prompt admission.
+Prompt admission (§4.4, ``SystemConfig.prompt_admission``): prompts admitted while requests run ride in that
+step's exact pass (causal rows over their own slots) instead of a prefill pass of their own, when their rows fit
+the configured cap; they decode from the next step. Not yet here: the per-request drafter block.
 """
 
 from __future__ import annotations
@@ -208,7 +210,11 @@ class BatchEngine:
     def step(self) -> list[StepOutput]:
         """Admit and prefill waiting requests while slots are free, then one exact pass for every running request.
         Returns the outputs of every request touched ([] when idle)."""
-        out = self._prefill(self._admit())
+        admitted = self._admit()
+        cap = self.config.prompt_admission
+        if admitted and self._running and sum(len(r.committed) for r in admitted) <= cap:
+            return self._decode(list(self._running.values()), admitted)  # the prompts ride in the step's pass
+        out = self._prefill(admitted)
         if self._running:
             out += self._decode(list(self._running.values()))
         return out
@@ -286,13 +292,24 @@ class BatchEngine:
                 trees[i] = build_tree(cfg.tree, lat, cfg.nodes)
         return trees
 
-    def _decode(self, rs: list[_Running]) -> list[StepOutput]:
+    def _decode(self, rs: list[_Running], admitted: list[_Running] = ()) -> list[StepOutput]:
+        """One exact pass over the running requests' trees, and over the prompt rows of ``admitted`` requests
+        (prompt admission: each reads its last row's argmax, its first token, as :meth:`_prefill` does)."""
         trees = self._draft(rs)
         starts = [len(r.committed) - 1 for r in rs]
         tokens = [[r.committed[-1]] + t.tokens for r, t in zip(rs, trees)]
         positions = [[s] + [s + d for d in t.depths] for s, t in zip(starts, trees)]
         masks = [t.ancestor_mask() if len(t) else None for t in trees]
-        argmax, feats = self._pass(rs, tokens, positions, starts, masks, bucketed=True)
+        read = None
+        if admitted:
+            n_rows = sum(len(t) for t in tokens)
+            ends = torch.tensor([len(r.committed) for r in admitted]).cumsum(0).add(n_rows).tolist()
+            read = list(range(n_rows)) + [e - 1 for e in ends]
+            tokens += [r.committed for r in admitted]
+            positions += [list(range(len(r.committed))) for r in admitted]
+            starts, masks = starts + [0] * len(admitted), masks + [None] * len(admitted)
+        argmax, feats = self._pass(rs + list(admitted), tokens, positions, starts, masks, read=read,
+                                   bucketed=not admitted)
         self.exact_passes += 1
         out, end = [], 0
         for r, t, s in zip(rs, trees, starts):
@@ -304,6 +321,12 @@ class BatchEngine:
             if feats is not None:
                 self.drafter.observe(r.slot, feats[first:end][rows.to(feats.device)], s)
             out.append(self._commit(r, new, len(t), len(path) - 1))
+        for k, r in enumerate(admitted):
+            if feats is not None:
+                self.drafter.observe(r.slot, feats[end:end + len(r.committed)], 0)
+            end += len(r.committed)
+            self._running[r.req.request_id] = r
+            out.append(self._commit(r, [argmax[len(argmax) - len(admitted) + k]], 0, 0))
         if self.step_hook is not None:
             self.step_hook(self)
         return out

@@ -5,7 +5,8 @@ Greedy decoding is deterministic and a request's output does not depend on what 
 :class:`~specpilot.pilot.replay.Recording` (each request's lattice at every committed length of its AR output)
 is all a batched run needs: :func:`replay_batch` steps the requests through the same queue as
 :class:`~specpilot.engine.batch.BatchEngine` (``max_num_seqs`` slots, admission up to ``max_prefill_rows`` prompt
-rows, the prefill commits the first token, then one step over every running request in admission order), builds
+rows, the prefill commits the first token, then one step over every running request in admission order; under
+``prompt_admission`` prompts that fit ride in the step's pass and decode from the next step), builds
 the step's trees by the config's row selection (each request's own ``nodes``-node tree, or the shared budget of
 :func:`~specpilot.spec.trees_batch.build_shared`), and accepts along the AR output. Tested equal, step by step, to
 the engine's own :class:`~specpilot.engine.batch.StepOutput` counts.
@@ -58,6 +59,7 @@ def replay_batch(rec: Recording, config: SystemConfig, max_num_seqs: int,
     while waiting or m:
         rows = admitted = 0  # admission: while a slot is free and the prompt rows fit (one prompt always)
         free = max_num_seqs - len(m)  # a one-token request holds its slot until its prefill ends
+        before = list(m)
         while waiting and admitted < free:
             n = len(rec.prompts[waiting[0]])
             if admitted and rows + n > max_prefill_rows:
@@ -68,7 +70,8 @@ def replay_batch(rec: Recording, config: SystemConfig, max_num_seqs: int,
                 m[i] = 1
         if not m:
             continue
-        running = list(m)
+        ride = bool(admitted and before and rows <= config.prompt_admission)  # prompt admission: no decode yet
+        running = before if ride else list(m)
         lats = []
         for i in running:
             remaining = len(rec.ar[i]) - m[i]
