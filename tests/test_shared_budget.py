@@ -19,7 +19,7 @@ from specpilot.spec.ngram import NgramDrafter
 from specpilot.spec.trees import build_best_first, build_tree
 from specpilot.spec.trees_batch import build_shared, build_shared_reference
 
-from .blockutil import tiny_config, trained_pair
+from .blockutil import trained_pair
 from .test_batch import ar, cache_matches_prefill, random_requests
 
 
