@@ -72,9 +72,14 @@ def test_reference_logits_reproduced(tmp_path, ref_target):
 
 def test_reference_logits_through_the_static_step(tmp_path, ref_target):
     """The drafter's static step (the CUDA-graph form, run eagerly here) gives the reference's log-probs."""
-    ref = json.loads(REFERENCE.read_text())
     d = BlockDrafter(load_block(write_ref(tmp_path / "dflash"), ref_target), ref_target, static_step=True)
-    feats, start = ref_features(), 0
+    _check_static_step(d, ref_features(), argmax=True)
+
+
+def _check_static_step(d, feats, argmax: bool) -> None:
+    """Observe the reference cases' contexts one after another; each lattice's log-probs (and, with ``argmax``, its
+    best candidates) are the reference's."""
+    ref, start = json.loads(REFERENCE.read_text()), 0
     for (c, anchor), case in zip(REF_CASES, ref["cases"], strict=True):
         d.observe(0, feats[start:c], start)
         start = c
@@ -82,7 +87,8 @@ def test_reference_logits_through_the_static_step(tmp_path, ref_target):
         lat, path = propose_one(d, [1] * c + [anchor], REF["block"] - 1), ()
         for i in range(REF["block"] - 1):
             cands = lat.children(path)
-            assert cands[0][0] == case["argmax"][i]
+            if argmax:
+                assert cands[0][0] == case["argmax"][i]
             assert max(abs(lp - want[i, t].item()) for t, lp in cands) < 1e-4
             path += (cands[0][0],)
 
@@ -226,16 +232,7 @@ def test_graphed_step_on_cuda(tmp_path, ref_target, bundled_dflash):
     buckets + graphed drafter steps equals AR on the bundled target."""
     target = copy.deepcopy(ref_target).cuda()
     d = BlockDrafter(load_block(write_ref(tmp_path / "dflash"), target), target, static_step=True)
-    ref, feats, start = json.loads(REFERENCE.read_text()), ref_features().cuda(), 0
-    for (c, anchor), case in zip(REF_CASES, ref["cases"], strict=True):
-        d.observe(0, feats[start:c], start)
-        start = c
-        want = torch.tensor(case["logits"]).log_softmax(-1)
-        lat, path = propose_one(d, [1] * c + [anchor], REF["block"] - 1), ()
-        for i in range(REF["block"] - 1):
-            cands = lat.children(path)
-            assert max(abs(lp - want[i, t].item()) for t, lp in cands) < 1e-4
-            path += (cands[0][0],)
+    _check_static_step(d, ref_features().cuda(), argmax=False)
     dep = Deployment(*bundled_dflash, dtype="float32", device="cuda")
     ar = dep.system(SystemConfig.ar(), eos_ids=[], buckets=False)
     eng = dep.system(SystemConfig(drafter="block", tree="best_first", nodes=32, depth=7, top_k=8), eos_ids=[])
