@@ -314,7 +314,7 @@ def audit(
 @app.command()
 def replay(
     target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: bundled)."),
-    drafter: Optional[List[Path]] = typer.Option(None, help="Block drafter directories (default: bundled block + block_markov)."),
+    drafter: Optional[List[Path]] = typer.Option(None, help="Block or EAGLE-3 drafter directories (default: bundled block + block_markov); the n-gram drafter is always in the table."),
     per_benchmark: int = typer.Option(4, help="Prompts per bundled benchmark."),
     max_new_tokens: int = typer.Option(64, help="AR tokens per prompt."),
     out: Path = typer.Option(Path("specpilot-replay"), help="Directory for table.md, table.json and tau.png."),
