@@ -140,6 +140,12 @@ def test_train_drafter_end_to_end(tmp_path, tiny_dirs):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["specpilot_drafter"] == "block" and cfg["kind"] == "block_markov" and cfg["block_size"] == 4
     assert json.loads((out / "provenance.json").read_text())["data"]["sequences"] == 24
+    from specpilot.errors import SpecPilotError
+
+    with pytest.raises(SpecPilotError, match="at least 16"):  # fewer draft ids than candidates a position
+        train_drafter(tiny_dirs[0], tmp_path / "dv", kind="block", block=4, steps=1, batch_size=8, n_seqs=24,
+                      prompt_len=8, gen_len=24, layers=1, target_layers=(0, 1), tokens_path=tokens, quiet=True,
+                      draft_vocab_size=15)
 
 
 def test_bundled_block_drafters_sizes_and_provenance():

@@ -114,6 +114,10 @@ def test_draft_vocabulary(tiny_models, pair, tmp_path, kind):
     small = with_draft_vocab(net, ids).eval()
     back = load_block(save_block(small, tmp_path / "dv"), target)
     assert back.cfg.draft_vocab_size == len(ids) and torch.equal(back.draft_ids, ids)
+    from specpilot.errors import DrafterError
+
+    with pytest.raises(DrafterError, match="draft vocabulary holds 16"):  # fewer ids than candidates a position
+        load_block(save_block(with_draft_vocab(net, ids[:15]), tmp_path / "dv15"), target)
     cfg = SystemConfig(drafter="block", tree="best_first", nodes=12, depth=6, top_k=16)
     prompt = random_prompts(1, length=10, seed=31)[0]
     for static in (False, True):

@@ -321,6 +321,9 @@ def load_block(path, target: Transformer) -> BlockNet:
     if cfg.target_hidden != ta.hidden_size or cfg.vocab_size != ta.vocab_size:
         raise DrafterError(f"block drafter {p} was built for hidden {cfg.target_hidden} / vocab {cfg.vocab_size}, "
                            f"the target has hidden {ta.hidden_size} / vocab {ta.vocab_size}")
+    if 0 < cfg.draft_vocab_size < TOP_K or cfg.draft_vocab_size > ta.vocab_size:
+        raise DrafterError(f"block drafter {p} drafts over {cfg.draft_vocab_size} ids: a draft vocabulary holds "
+                           f"{TOP_K} to {ta.vocab_size} ids (0: the whole vocabulary)")
     if max(cfg.target_layers) >= ta.num_layers or min(cfg.target_layers) < 0:
         raise DrafterError(f"block drafter {p} reads target layers {cfg.target_layers}, "
                            f"the target has {ta.num_layers} layers")

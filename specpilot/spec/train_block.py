@@ -199,6 +199,9 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
         if t_len - block - 1 < prompt_len - 1:
             raise SpecPilotError(f"gen_len {gen_len} too short for block {block}")
         if draft_vocab_size is not None:  # trained over the whole vocabulary, drafting over the most frequent ids
+            if dv < 16:
+                raise SpecPilotError(f"--draft-vocab for a block drafter must be at least 16 (its candidates per "
+                                     f"position), got {dv}")
             from specpilot.spec.train_eagle3 import draft_vocab
 
             net = with_draft_vocab(net, draft_vocab(tr_s, dv, ta.vocab_size, prompt_len))
