@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpilot.errors import SpecPilotError
-from specpilot.model.args import ModelArgs, rope_inv_freq
+from specpilot.model.args import ModelArgs
 from specpilot.model.cache import PassKind
 from specpilot.model.gdn import GatedDeltaNet, parents_from_mask
 from specpilot.model.hybrid_cache import HybridCache
@@ -141,16 +141,11 @@ class HybridTransformer(Transformer):
     snapshots). Either serves any tree; they differ in what the cache holds between pass and commit.
     """
 
+    backbone_class = HybridBackbone
+
     def __init__(self, args: ModelArgs, verify: str = "snapshot"):
-        nn.Module.__init__(self)
-        self.args = args
-        self.model = HybridBackbone(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.inv_freq = rope_inv_freq(args)
-        self.kernels = KernelConfig(fused=False)
-        self.int8_head = None
+        super().__init__(args)
+        self.kernels = KernelConfig(fused=False)  # the eager reference path only
         self.verify = verify
 
     def fused_on(self, x: torch.Tensor) -> bool:

@@ -70,10 +70,12 @@ class Transformer(nn.Module):
             :func:`specpilot.head.certified.with_int8_head` on a shallow copy); None = the plain head.
     """
 
+    backbone_class = Backbone  # the decoder stack a subclass swaps (hybrid targets)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.model = Backbone(args)
+        self.model = self.backbone_class(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
