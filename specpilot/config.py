@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 DrafterKind = Literal["none", "ngram", "draft_model", "block", "eagle3", "calibrated"]
 TreeKind = Literal["chain", "best_first", "ddtree_marginal", "eagle2_topk", "sequoia"]
 RowSelection = Literal["per_request", "shared_budget"]
+QWeights = Literal["view8", "int8", "int6"]
 
 
 class SystemConfig(BaseModel):
@@ -41,6 +42,12 @@ class SystemConfig(BaseModel):
         lm_head_int8: the target's greedy argmax (AR steps, verify passes) goes through the certified INT8
             LM head (§4.1, :mod:`specpilot.head.certified`): an INT8 pass discards tokens proven
             unable to be the argmax, survivors are rescored exactly; the argmax never changes.
+        tlv: two-level verification (§4.3, :mod:`specpilot.engine.tlv`): each step drafts, runs a Q pass over the
+            tree with approximate weights, commits nothing, drafts again from the end of the Q pass's chain and
+            verifies chain + subtree (``nodes`` in all) in the one exact pass. Single requests only; needs a drafter.
+        q_weights: the Q pass's weights (:mod:`specpilot.model.qview`): ``view8`` (the 8-bit view nested in W12
+            records; with ``w12`` off, a copy encoded from the target's bf16 rounding), ``int8`` or ``int6`` (per-row
+            scaled copies, §5.4). Only read with ``tlv``.
         row_selection: how a batched step chooses the rows it verifies (§4.4). ``per_request``: each request
             verifies its own tree of ``nodes`` nodes (stock batching: each its own top-1 chain). ``shared_budget``:
             the step's requests share one node budget, filled best-first by path log-probability across all of
@@ -75,6 +82,8 @@ class SystemConfig(BaseModel):
     row_selection: RowSelection = "per_request"
     shared_budget: tuple[int, ...] = ()
     prompt_admission: int = Field(default=0, ge=0, le=8192)
+    tlv: bool = False
+    q_weights: QWeights = "view8"
 
     @model_validator(mode="after")
     def _check(self) -> "SystemConfig":
@@ -84,6 +93,10 @@ class SystemConfig(BaseModel):
             raise ValueError(f"row_selection shared_budget fills best-first trees: needs tree best_first, not {self.tree}")
         if self.shared_budget and self.row_selection != "shared_budget":
             raise ValueError("shared_budget is set but row_selection is not shared_budget")
+        if self.tlv and self.drafter == "none":
+            raise ValueError("tlv needs a drafter: its cycle drafts twice around a Q pass")
+        if self.q_weights != "view8" and not self.tlv:
+            raise ValueError(f"q_weights {self.q_weights} is set but tlv is off")
         if any(not 1 <= b <= 8192 for b in self.shared_budget):
             raise ValueError(f"shared_budget entries must be in 1..8192 nodes, got {list(self.shared_budget)}")
         return self
@@ -116,17 +129,19 @@ class SystemConfig(BaseModel):
 
     def seal(self) -> str:
         """SHA-256 of the canonical JSON of this config (the seal of §3.3). Fields added later (``w12``,
-        ``lm_head_int8``, ``row_selection``, ``shared_budget``, ``prompt_admission``) enter only when set, so
+        ``lm_head_int8``, ``row_selection``, ``shared_budget``, ``prompt_admission``, ``tlv``, ``q_weights``) enter
+        only when set, so
         configs sealed before they existed keep their seals."""
         d = {k: v for k, v in self.model_dump().items() if not (k in _LATER_FIELDS and v == _LATER_FIELDS[k])}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def label(self) -> str:
         """Short human label, e.g. ``ngram/best_first N=16 D=6 k=4`` (``+w12`` / ``+int8head`` / ``+shared`` /
-        ``+admitR`` appended when those mechanisms are on)."""
+        ``+admitR`` / ``+tlv`` (``+tlv:int8``) appended when those mechanisms are on)."""
         w12 = (" +w12" if self.w12 else "") + (" +int8head" if self.lm_head_int8 else "")
         w12 += " +shared" if self.row_selection == "shared_budget" else ""
         w12 += f" +admit{self.prompt_admission}" if self.prompt_admission else ""
+        w12 += (" +tlv" + ("" if self.q_weights == "view8" else f":{self.q_weights}")) if self.tlv else ""
         if self.drafter == "none":
             return "AR" + w12
         return f"{self.drafter}/{self.tree} N={self.nodes} D={self.depth} k={self.top_k}{w12}"
@@ -134,4 +149,4 @@ class SystemConfig(BaseModel):
 
 #: fields added after configs were first sealed, with the default that leaves them out of the seal
 _LATER_FIELDS = {"w12": False, "lm_head_int8": False, "row_selection": "per_request", "shared_budget": (),
-                 "prompt_admission": 0}
+                 "prompt_admission": 0, "tlv": False, "q_weights": "view8"}

@@ -110,7 +110,8 @@ class BatchEngine:
             on CUDA with Triton, without the certified INT8 head (which settles rows on the host).
     Raises:
         DrafterError: the drafter does not fit the target or holds fewer slots than ``max_num_seqs``.
-        SpecPilotError: ``row_selection="shared_budget"`` with ``padded`` (its per-request rows vary past the buckets).
+        SpecPilotError: ``row_selection="shared_budget"`` with ``padded`` (its per-request rows vary past the buckets);
+            ``config.tlv`` (single requests only).
         ValueError: ``max_num_seqs < 1``.
 
     Attributes:
@@ -123,6 +124,9 @@ class BatchEngine:
                  max_prefill_rows: int = 2048, padded: bool | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        if config.tlv:
+            raise SpecPilotError("tlv runs single requests only: in batching its Q pass costs more than it saves "
+                                 "(a 13% loss in the paper, §6)")
         if drafter is not None:
             check_fits(drafter, target.args.vocab_size, target.args.num_layers)
             if drafter.max_slots < max_num_seqs:

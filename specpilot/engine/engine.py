@@ -13,6 +13,8 @@ committed token. This module alone commits the target cache's length (:meth:`KVC
    only what is kept is committed.
 
 AR is the same loop with one-row passes; on CUDA its passes are queued ahead (:meth:`BucketRunner.ar_tokens`).
+With ``tlv`` (§4.3) step 1 is a TLV cycle's two drafts around a Q pass (:mod:`specpilot.engine.tlv`); steps 2–5
+are unchanged, so TLV changes which rows the exact pass verifies, never what it commits.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import torch
 from specpilot.config import SystemConfig
 from specpilot.engine.requests import check_prompt, keep, stop_id_set
 from specpilot.engine.runner import BUCKETS, BucketRunner
+from specpilot.engine.tlv import QPass, two_level_tree
 from specpilot.engine.types import Generation
 from specpilot.errors import SpecPilotError
 from specpilot.model.layers import region
+from specpilot.model.qview import q_view
 from specpilot.model.transformer import Transformer
 from specpilot.spec.drafter import Drafter, check_fits, draft_depth, propose_one
 from specpilot.spec.trees import Tree, build_tree
@@ -51,6 +55,7 @@ class Engine:
             those graphs (:attr:`BucketRunner.features`).
     Raises:
         DrafterError: the drafter does not fit the target (vocabulary, target layers; R16).
+        SpecPilotError: ``config.tlv`` without a drafter, or on a target the Q view does not cover (hybrids).
 
     Attributes:
         step_hook: test-only: called as ``step_hook(engine, committed)`` after every exact pass, with
@@ -73,6 +78,13 @@ class Engine:
             self.runner = BucketRunner(target, self.cache, BUCKETS, graphs=True, output="argmax",
                                        logits_hook=logits_hook, feature_layers=self.feature_layers)
             self.runner.capture_all()  # every bucket (verify, prefill chunks) now, not in a timed request
+        self.last_chain = 0  # |C| of the last TLV cycle
+        self.tlv = None  # TLV's Q pass (§4.3), over the Q view of the target named by config.q_weights
+        if config.tlv:
+            if drafter is None:
+                raise SpecPilotError("tlv needs a drafter: its cycle drafts twice around a Q pass")
+            self.tlv = QPass(q_view(target, config.q_weights), self.cache, self.feature_layers, buckets,
+                             config.nodes + 1)
         self.logits_hook = logits_hook
         self.step_hook = None
         self._feats: torch.Tensor | None = None  # the last pass's target features [R, F] (drafters that read them)
@@ -126,6 +138,8 @@ class Engine:
                 out.steps += 1
                 out.accepted.append(len(kept))
                 out.rows.append(rows)
+                if self.tlv is not None:
+                    out.chains.append(self.last_chain)
                 self.cache.commit(len(committed) - 1)
                 if self.step_hook is not None:
                     self.step_hook(self, committed)
@@ -220,9 +234,10 @@ class Engine:
             out = self._argmax(tokens, positions, start, mask, prof)
         return out
 
-    def _draft(self, committed: list[int], remaining: int, prof) -> Tree:
-        """The step's tree: the drafter's lattice for ``min(depth, remaining − 1)`` positions (within the
-        drafter's own context), shaped by the configured builder; empty for AR or when nothing is proposed."""
+    def _draft(self, committed: list[int], remaining: int, prof, nodes: int | None = None) -> Tree:
+        """A tree of at most ``nodes`` nodes (default: the config's N): the drafter's lattice for ``min(depth,
+        remaining − 1)`` positions (within the drafter's own context), shaped by the configured builder; empty for
+        AR or when nothing is proposed."""
         cfg, tree = self.config, Tree()
         depth = draft_depth(self.drafter, len(committed), min(cfg.depth, remaining - 1)) if self.drafter else 0
         if depth < 1:
@@ -231,14 +246,31 @@ class Engine:
             lattice = propose_one(self.drafter, committed, depth)
         if lattice is not None:
             with region(prof, "other"):
-                tree = build_tree(cfg.tree, lattice, cfg.nodes)
+                tree = build_tree(cfg.tree, lattice, cfg.nodes if nodes is None else nodes)
+        return tree
+
+    def _tree(self, committed: list[int], remaining: int, prof) -> Tree:
+        """The rows of this step's exact pass: the drafter's tree, or with TLV the cycle's C + subtree (§4.3)."""
+        if self.tlv is None:
+            return self._draft(committed, remaining, prof)
+        start, root = len(committed) - 1, committed[-1]
+
+        def q_pass(tree: Tree) -> list[int]:
+            return self.tlv.run([root] + tree.tokens, [start] + [start + d for d in tree.depths], start, tree, prof)
+
+        def observe(rows: list[int]) -> None:  # the Q pass's features of C's committed-to-be slots
+            self.drafter.observe(0, self.tlv.features[torch.tensor(rows, device=self.tlv.features.device)], start)
+
+        tree, self.last_chain = two_level_tree(committed, remaining, self.config.nodes,
+                                               lambda ctx, rem, n: self._draft(ctx, rem, prof, n), q_pass,
+                                               observe if self.feature_layers else None)
         return tree
 
     def _step(self, committed: list[int], remaining: int, prof) -> tuple[list[int], int]:
         """One exact pass; returns (accepted draft tokens + the bonus, before the stop checks; rows)."""
         start = len(committed) - 1
         assert self.cache.length == start, "cache must hold every committed token but the last"
-        tree = self._draft(committed, remaining, prof)
+        tree = self._tree(committed, remaining, prof)
         r = len(tree) + 1
         tok_list = [committed[-1]] + tree.tokens
         pos_list = [start] + [start + d for d in tree.depths]

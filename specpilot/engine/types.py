@@ -14,6 +14,8 @@ class Generation:
         steps: exact passes after the prefill (one per speculative step / AR decode step).
         accepted: tokens committed by each of those passes (len == steps; bonus included).
         rows: rows verified by each of those passes (root + tree nodes).
+        chains: with TLV (§4.3), the length of each cycle's commit chain C (0 where draft ① proposed nothing);
+            empty without TLV.
         stop_reason: ``eos`` | ``stop`` | ``length``.
         time_s: wall time of the whole request (prefill included), seconds.
         prefill_s: wall time of the prefill pass, seconds.
@@ -25,6 +27,7 @@ class Generation:
     steps: int
     accepted: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
+    chains: list[int] = field(default_factory=list)
     stop_reason: str = "length"
     time_s: float = 0.0
     prefill_s: float = 0.0

@@ -94,13 +94,35 @@ class NgramDrafter:
         index when ``committed`` does not extend the tokens seen so far (a new request without a reset)."""
         k = len(ix.seen)
         if k > len(committed) or committed[:k] != ix.seen:
-            ix, k = _Index(), 0
+            k = self._rollback(ix, committed)
+            if k == 0:
+                ix = _Index()
         index, lo, hi = ix.starts, self.ngram_min, self.ngram_max
         for end in range(max(k, 1), len(committed)):  # n-grams committed[end - n : end], end <= len - 1
             for n in range(lo, min(hi, end) + 1):
                 index.setdefault(tuple(committed[end - n : end]), []).append(end - n)
         ix.seen.extend(committed[k:])
         return ix
+
+    def _rollback(self, ix: _Index, committed: list[int]) -> int:
+        """Cut ``ix`` back to the longest prefix it shares with ``committed`` (TLV drafts after a chain that its exact
+        pass may then reject): pop the n-grams ending past it, in reverse order of indexing. Returns that prefix's
+        length (0: nothing kept, or ``committed`` is not an extension of a prefix of the index)."""
+        seen, p = ix.seen, min(len(ix.seen), len(committed))
+        while p > 0 and committed[p - 1] != seen[p - 1]:  # the shared prefix ends at the last agreeing token ...
+            p -= 1
+        if p == 0 or committed[:p] != seen[:p]:  # ... and is a prefix (else a new request without a reset)
+            return 0
+        lo, hi = self.ngram_min, self.ngram_max
+        for end in range(len(seen) - 1, max(p, 1) - 1, -1):
+            for n in range(lo, min(hi, end) + 1):
+                key = tuple(seen[end - n : end])
+                starts = ix.starts[key]
+                starts.pop()  # the last start indexed under this n-gram is end - n
+                if not starts:
+                    del ix.starts[key]
+        del seen[p:]
+        return p
 
     def continuations(self, committed: list[int], depth: int, slot: int = 0) -> list[list[int]]:
         """The continuations :func:`ngram_continuations_reference` returns, from ``slot``'s index."""

@@ -46,22 +46,32 @@ def to_w12(model: nn.Module, inplace: bool = False, head: bool = True) -> nn.Mod
         W12FormatError: a projection weight is not made of bfloat16 values (W12 is lossless only for bf16;
             a bf16 checkpoint loaded in float32 qualifies, a float32 checkpoint in general does not).
     """
+    lm = model.lm_head
+    untied = head and isinstance(lm, nn.Linear) and lm.weight is not model.model.embed_tokens.weight
+    return map_projections(model, lambda child: W12Linear.from_linear(child) if isinstance(child, nn.Linear) else child,
+                           inplace, head=untied)
+
+
+def map_projections(model: nn.Module, make, inplace: bool = False, head: bool = False) -> nn.Module:
+    """``model`` with every child of its decoder layers' ``self_attn`` and ``mlp`` that is an ``nn.Linear`` or a
+    :class:`W12Linear` replaced by ``make(child)`` (and the LM head too when ``head``): how :func:`to_w12` and the Q
+    pass's view of a target (:func:`specpilot.model.qview.q_view`) swap projections. ``inplace`` as :func:`to_w12`:
+    otherwise a new model object sharing everything it does not replace with ``model``. Returns that model."""
     out = model if inplace else _shallow(model)
     if not inplace:
         out.model = _shallow(model.model)
         out.model.layers = _shallow(model.model.layers)
     for i, layer in enumerate(model.model.layers):
         new = layer if inplace else _shallow(layer)
-        for part in ("self_attn", "mlp"):
+        for part in [p for p in ("self_attn", "mlp") if p in layer._modules]:  # a GDN layer has no self_attn
             sub = getattr(layer, part) if inplace else _shallow(getattr(layer, part))
             for name, child in list(sub.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(sub, name, W12Linear.from_linear(child))
+                if isinstance(child, (nn.Linear, W12Linear)):
+                    setattr(sub, name, make(child))
             setattr(new, part, sub)
         out.model.layers[i] = new
-    lm = model.lm_head
-    if head and isinstance(lm, nn.Linear) and lm.weight is not model.model.embed_tokens.weight:
-        out.lm_head = W12Linear.from_linear(lm)
+    if head:
+        out.lm_head = make(model.lm_head)
     return out
 
 
@@ -75,4 +85,4 @@ def is_w12(model: nn.Module) -> bool:
     return any(isinstance(m, W12Linear) for m in model.model.layers.modules())
 
 
-__all__ = ["to_w12", "is_w12", "w12_head"]
+__all__ = ["to_w12", "is_w12", "w12_head", "map_projections"]
