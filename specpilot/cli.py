@@ -319,8 +319,11 @@ def replay(
     max_new_tokens: int = typer.Option(64, help="AR tokens per prompt."),
     out: Path = typer.Option(Path("specpilot-replay"), help="Directory for table.md, table.json and tau.png."),
     as_json: bool = typer.Option(False, "--json", help="Print the table as a JSON list of rows."),
+    tlv: Optional[List[str]] = typer.Option(None, help="Also replay TLV (§4.3) with these Q-pass weights (view8, int8, "
+                                            "int6; repeatable): tokens per exact pass, and the Q pass's agreement in "
+                                            "tlv.json."),
 ):
-    """Exact replay (§2.4, §4.2): τ of chain / best_first / eagle2_topk / sequoia / ddtree_marginal / oracle."""
+    """Exact replay (§2.4, §4.2): τ of chain / best_first / eagle2_topk / sequoia / ddtree_marginal / oracle (and TLV)."""
     from specpilot.pilot.replay_table import replay_table
     from specpilot.zoo import bundled_block_dir, bundled_block_markov_dir, bundled_target_dir
 
@@ -328,8 +331,12 @@ def replay(
         raise SpecPilotError(f"--per-benchmark must be at least 1 (prompts per bundled benchmark), got {per_benchmark}")
     if max_new_tokens < 1:
         raise SpecPilotError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    bad = [w for w in tlv or [] if w not in ("view8", "int8", "int6")]
+    if bad:
+        raise SpecPilotError(f"--tlv takes view8, int8 or int6, got {', '.join(bad)}")
     dirs = list(drafter) if drafter else [bundled_block_dir(), bundled_block_markov_dir()]
-    rows, md = replay_table(target or bundled_target_dir(), dirs, per_benchmark, max_new_tokens, output_dir(out, "--out"))
+    rows, md = replay_table(target or bundled_target_dir(), dirs, per_benchmark, max_new_tokens, output_dir(out, "--out"),
+                            tlv=tuple(dict.fromkeys(tlv or [])))
     print(json.dumps(rows) if as_json else md)
 
 

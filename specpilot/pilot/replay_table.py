@@ -7,6 +7,9 @@ eagle2_topk at 16, sequoia at 16, ddtree_marginal at 32, and the top-16 oracle. 
 positional acceptance profile measured on the same recording (in-sample: optimistic for sequoia).
 The n-gram drafter is recorded twice: with one match (top-K 1, the engine's stock n-gram chain: the most recent
 match) for the chain, and with 16 matches for every other policy (its chain would be the majority of 16 matches).
+With ``tlv`` weights, the Q pass of each weight set is recorded once along the same outputs (it depends on the target
+alone) and every drafter gets TLV rows (policy ``tlv <builder>``: tokens per exact pass of two-level verification,
+:mod:`specpilot.pilot.replay_tlv`) for the :data:`TLV_POLICIES`, beside the Q pass's agreement with the exact pass.
 """
 
 from __future__ import annotations
@@ -18,14 +21,18 @@ from specpilot.config import SystemConfig
 from specpilot.data.benchmarks import BENCHMARKS, load_requests
 from specpilot.engine.deployment import Deployment
 from specpilot.errors import SpecPilotError
+from specpilot.model.qview import q_view
 from specpilot.spec.eagle3 import is_eagle3_dir
 from specpilot.spec.trees import SequoiaBuilder, acceptance_profile
 from specpilot.pilot.replay import Recording, profile_steps, record, replay
+from specpilot.pilot.replay_tlv import QRecording, record_q, replay_tlv
 
 #: (policy, nodes) per block size B; ``None`` nodes = B (the chain and the oracle).
 POLICIES = [("chain", None), ("best_first", 8), ("best_first", 16), ("best_first", 32), ("best_first", 63),
             ("eagle2_topk", 16), ("sequoia", 16), ("ddtree_marginal", 32), ("oracle", None)]
 BLOCKS = (8, 16)
+#: the policies replayed with TLV too, (policy, nodes) as in :data:`POLICIES`
+TLV_POLICIES = [("chain", None), ("best_first", 16), ("best_first", 32)]
 
 
 def _sub(rec: Recording, idx: list[int]) -> Recording:
@@ -35,12 +42,14 @@ def _sub(rec: Recording, idx: list[int]) -> Recording:
 
 
 def replay_table(target_dir, drafter_dirs, per_benchmark: int = 4, max_new_tokens: int = 64,
-                 out: str | Path | None = None, device: str = "cpu", ngram: bool = True) -> tuple[list[dict], str]:
+                 out: str | Path | None = None, device: str = "cpu", ngram: bool = True,
+                 tlv: tuple[str, ...] = ()) -> tuple[list[dict], str]:
     """Record and replay; returns ``(rows, markdown)`` and writes ``table.json``, ``table.md``, ``tau.png``.
 
     ``drafter_dirs``: block drafter and EAGLE-3 drafter directories (an EAGLE-3 one is recorded with top-K 16:
     16 nodes expanded per depth, 16 children each). ``ngram``: add the n-gram drafter's rows (drafter ``ngram``)
-    first.
+    first. ``tlv``: Q-pass weight sets (``view8``, ``int8``, ``int6``) to add TLV rows for (module docstring); their
+    agreement goes to ``tlv.json`` (``{weights: {root, rows, positions}}``) and rows carry ``q_weights``.
 
     Rows: ``{drafter, benchmark (or "all"), block, policy, nodes, tau, steps}``, float32 CPU by default.
     Raises:
@@ -74,6 +83,8 @@ def replay_table(target_dir, drafter_dirs, per_benchmark: int = 4, max_new_token
                                           nodes=depth)).drafter
         rec = record(drafter, prompts, ar, depth, 16, target=dep.target)
         recorded.append((d.name if d.name == "eagle3" else f"{d.name} (eagle3)", "eagle3", str(d), {1: rec, 16: rec}))
+    qrecs = {w: record_q(dep.target, q_view(dep.target, w), recorded[0][3][16] if recorded else Recording(prompts, ar),
+                         depth, w) for w in tlv}
     rows = []
     for name, kind, path, recs in recorded:
         for b in BLOCKS:
@@ -87,14 +98,33 @@ def replay_table(target_dir, drafter_dirs, per_benchmark: int = 4, max_new_token
                     tau, steps = replay(_sub(recs[k], idx), cfg, "oracle" if policy == "oracle" else None, sequoia)
                     rows.append({"drafter": name, "benchmark": bench, "block": b, "policy": policy, "nodes": n,
                                  "tau": round(tau, 4), "steps": steps})
+                if (policy, nodes) in TLV_POLICIES:
+                    rows += _tlv_rows(qrecs, recs[k], cfg, groups, name, b, policy)
     md = _markdown(rows, len(reqs), max_new_tokens)
     if out is not None:
         o = Path(out)
         o.mkdir(parents=True, exist_ok=True)
         (o / "table.json").write_text(json.dumps(rows, indent=1) + "\n")
         (o / "table.md").write_text(md + "\n")
+        if qrecs:
+            (o / "tlv.json").write_text(json.dumps({w: q.agreement(recorded[0][3][16]) for w, q in qrecs.items()},
+                                                   indent=1) + "\n")
         _plot(rows, o / "tau.png")
     return rows, md
+
+
+def _tlv_rows(qrecs: dict[str, QRecording], rec: Recording, cfg: SystemConfig, groups: dict, name: str, b: int,
+              policy: str) -> list[dict]:
+    """TLV rows of one drafter, block and policy: one per Q weight set and benchmark group."""
+    rows = []
+    for w, q in qrecs.items():
+        for bench, idx in groups.items():
+            r = replay_tlv(_sub(rec, idx), QRecording([q.chains[i] for i in idx], q.depth, q.weights), cfg)
+            rows.append({"drafter": name, "benchmark": bench, "block": b, "policy": f"tlv {policy}", "nodes": cfg.nodes,
+                         "tau": round(r["tau"], 4), "steps": r["steps"], "q_weights": w,
+                         "chain": round(r["chain"], 4), "q_rows": round(r["q_rows"], 4),
+                         "exact_rows": round(r["exact_rows"], 4)})
+    return rows
 
 
 def _markdown(rows: list[dict], n_prompts: int, max_new: int) -> str:
@@ -102,15 +132,20 @@ def _markdown(rows: list[dict], n_prompts: int, max_new: int) -> str:
     lines = [f"τ by exact replay ({n_prompts} prompts, ≤ {max_new} AR tokens each; float32 CPU)", "",
              "| drafter | B | policy | N | " + " | ".join(benches) + " |",
              "|---|---:|---|---:|" + "---:|" * len(benches)]
-    keyed = {(r["drafter"], r["block"], r["policy"], r["nodes"], r["benchmark"]): r["tau"] for r in rows}
+    keyed = {(r["drafter"], r["block"], _policy(r), r["nodes"], r["benchmark"]): r["tau"] for r in rows}
     seen = []
     for r in rows:
-        k = (r["drafter"], r["block"], r["policy"], r["nodes"])
+        k = (r["drafter"], r["block"], _policy(r), r["nodes"])
         if k not in seen:
             seen.append(k)
     for k in seen:
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | " + " | ".join(f"{keyed[(*k, b)]:.2f}" for b in benches) + " |")
     return "\n".join(lines)
+
+
+def _policy(row: dict) -> str:
+    """A row's policy as the table prints it (TLV rows name their Q weights)."""
+    return f"{row['policy']} ({row['q_weights']})" if "q_weights" in row else row["policy"]
 
 
 def _plot(rows: list[dict], path: Path) -> None:
