@@ -4,8 +4,8 @@ exit status 2).
 
 Suites: ``systems`` (default, :mod:`.engine`: our AR and speculative systems vs transformers' ``generate`` on one
 checkpoint, c(N), the byte floor), ``w12`` (:mod:`.w12`), ``lm-head`` (:mod:`.lm_head`), ``read-floor``
-(:mod:`.read_floor`) and ``drafter-step`` (:mod:`.drafter_step`). The last four build random Qwen3-8B /
-32B-shaped weights themselves and write
+(:mod:`.read_floor`), ``drafter-step`` (:mod:`.drafter_step`) and ``tlv`` (:mod:`.tlv`). The last five build random
+Qwen3-8B / 32B-shaped weights themselves and write
 ``<out>/<suite>_bench_<device type>_<date>.json``.
 """
 
@@ -23,9 +23,9 @@ import typer
 from specpilot.errors import SpecPilotError
 from specpilot.fileio import output_dir
 
-SUITES = ("systems", "w12", "lm-head", "read-floor", "drafter-step")
+SUITES = ("systems", "w12", "lm-head", "read-floor", "drafter-step", "tlv")
 #: suites that need a CUDA GPU on every device (lm-head has a CPU smoke run in the Triton interpreter)
-CUDA_ONLY = ("w12", "read-floor", "drafter-step")
+CUDA_ONLY = ("w12", "read-floor", "drafter-step", "tlv")
 
 
 def bench(
@@ -37,7 +37,7 @@ def bench(
                               "(certified INT8 head vs bf16 head; CUDA, or a tiny interpreter smoke run on the CPU) | "
                               "read-floor (a plain streaming read of each projection's bytes beside cuBLAS and W12: "
                               "the measured byte floor; CUDA) | drafter-step (a block drafter's step, graphed and eager, beside an AR "
-                              "step; CUDA)."),
+                              "step; CUDA) | tlv (a TLV cycle's time split beside the single-pass system; CUDA)."),
     device: str = typer.Option("cuda", help="torch device."),
     dtype: str = typer.Option("bfloat16", help="float32 | bfloat16 | float16"),
     prefix: int = typer.Option(512, help="Prompt length in tokens."),
@@ -189,6 +189,8 @@ def run_suite(suite: str, device: str, out: Path) -> int:
             from specpilot.bench.w12 import main as run
         elif suite == "drafter-step":
             from specpilot.bench.drafter_step import run
+        elif suite == "tlv":
+            from specpilot.bench.tlv import run
         else:
             from specpilot.bench.read_floor import main as run
         with torch.cuda.device(torch.device(device)):
