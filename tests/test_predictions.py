@@ -33,7 +33,7 @@ def _planner(spec_step=None, verify=None):
     prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1], [5, 6, 7, 5, 6, 7, 5]]
     ar = [[2, 3, 4, 1, 2, 3, 4], [6, 7, 5, 6, 7, 5, 6]]
     rec = record(NgramDrafter(4, 1, max_matches=1), prompts, ar, 6, 1)
-    rec.draft_ms = 0.25
+    rec.draft_ms = rec.first_ms = 0.25  # every propose call 0.25 ms
     verify = verify or {1: 4.0, 2: 4.6, 4: 4.3, 8: 5.0, 16: 6.0}  # a dip at 4 rows: measurement noise
     return Planner({("ngram", 1): rec}, verify, 3.5, spec_step=spec_step)
 

@@ -197,7 +197,8 @@ def measure_step_costs(pilot, reqs: list, new_tokens: int = 16) -> StepCosts:
         drafter = dep.system(cfg).drafter
         d = d or drafter.cfg.block_size
         rec = record(drafter, [probe], [list(ar.tokens)], d, k, target=dep.target if kind == "block" else None)
-        record_ms[kind] = rec.draft_ms
+        # a position's recording: its propose, a draft model's second one-position propose, the observation
+        record_ms[kind] = rec.draft_ms + (rec.draft1_ms or 0.0) + rec.observe_ms
     return StepCosts(ar_ms=ar_st.step_ms, spec_step_ms=sp_st.step_ms, tau=sp_st.tau,
                      prefill_ms_per_token=1e3 * min(ar.prefill_s, sp.prefill_s) / len(probe),
                      record_ms=record_ms, measured_s=time.perf_counter() - t0)

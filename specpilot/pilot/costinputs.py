@@ -9,7 +9,7 @@ report's c(N) and τ(N) curves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,25 +44,43 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
                         "pass times by rows measured right after"}
     pilot.c_measured.append({"label": f"stock {pilot.stock.label()}", "N": base_m["rows"] - 1, "c": base_m["c"],
                              "source": "cost-model inputs"})
+    pilot.replay_reqs = recorded_requests(pilot.reqs, p0)
     prompts, ar_out = p0.prompts, p0.ar_outputs
+    budgets = [r.max_new_tokens for r in pilot.reqs]
     recs = {}
     for k in (1, 2, 4, 8):
         ngram = dep.system(SystemConfig(drafter="ngram", top_k=k, depth=depth_max, nodes=depth_max)).drafter
-        recs[("ngram", k)] = record(ngram, prompts, ar_out, depth_max, k)
+        recs[("ngram", k)] = record(ngram, prompts, ar_out, depth_max, k, max_new_tokens=budgets)
     if dep.draft_model is not None:
         pilot.say("cost model", "recording draft-model lattices along the AR outputs (exact replay)")
         dm = dep.system(SystemConfig(drafter="draft_model", top_k=8, depth=depth_max, nodes=depth_max)).drafter
-        recs[("draft_model", 8)] = record(dm, prompts, ar_out, depth_max, 8)
+        recs[("draft_model", 8)] = record(dm, prompts, ar_out, depth_max, 8, max_new_tokens=budgets)
     for bd in dep.block_dirs:  # block drafters (--block), recorded at their full block for replay
         pilot.say("cost model", f"recording block-drafter lattices of {bd} (exact replay)")
         bdr = dep.system(SystemConfig(drafter="block", drafter_path=str(bd), top_k=16)).drafter
-        recs[(f"block:{bd}", 16)] = record(bdr, prompts, ar_out, bdr.cfg.block_size, 16, target=dep.target)
+        recs[(f"block:{bd}", 16)] = record(bdr, prompts, ar_out, bdr.cfg.block_size, 16, target=dep.target,
+                                           max_new_tokens=budgets)
         recs[(f"block:{bd}", 16)].drafter_path = str(bd)
     pilot.planner = Planner(recs, verify_ms, base_m["ar_step_ms"], device=pilot.o.device,
                             spec_step=(pilot.stock, base_m["step_ms"]))
     report["spec_overhead_ms"] = pilot.planner.overhead_ms
     report["spec_overhead_source"] = pilot.planner.spec_overhead_source
     return CostInputs(report, c_model_curve(pilot.planner, verify_ms), tau_curves(pilot))
+
+
+def recorded_requests(reqs: list, p0: Phase0Result) -> list:
+    """Per request of ``reqs``, the request the lattices are recorded on: its prompt is Phase 0's first salted
+    variant (``p0.prompts``, along which AR's outputs ``p0.ar_outputs`` were made), its budget its own. The
+    pilot's screening measures these (:func:`~specpilot.pilot.rounds.screen`), so that a candidate's live τ and c
+    are over exactly the prompts its replayed τ and predicted c are.
+
+    Raises:
+        ValueError: ``p0`` holds another number of prompts or outputs than ``reqs``.
+    """
+    if not len(p0.prompts) == len(p0.ar_outputs) == len(reqs):
+        raise ValueError(f"phase 0 recorded {len(p0.prompts)} prompts and {len(p0.ar_outputs)} outputs for "
+                         f"{len(reqs)} requests")
+    return [replace(r, prompt_ids=tuple(int(t) for t in p)) for r, p in zip(reqs, p0.prompts)]
 
 
 def c_model_curve(planner: Planner, verify_ms: dict) -> dict:

@@ -73,12 +73,12 @@ class Planner:
 
     A speculative step's time is predicted as ``T_spec + mean T_pass(rows) + T_draft + T_tree`` (§3.2): the exact
     pass priced at each replayed step's own rows (measured by rows, made monotone; a step whose drafter found
-    nothing verifies one row, and a pass's cost is not linear in rows), the drafter's measured propose time, the
-    host's time to build the config's tree (:meth:`tree_time`: the engine's own builder timed on the recorded
-    lattices; a 32-node best-first tree costs the host several times a 6-token chain, which matters where a step
-    is a fraction of a millisecond), and ``T_spec`` the step's remaining work (acceptance, commits, the host read
-    AR's pipelined loop hides), calibrated on one speculative step measured live (``spec_step``). c = that time /
-    T_AR.
+    nothing verifies one row, and a pass's cost is not linear in rows), the drafter's measured propose and observe
+    times (:meth:`draft_time`), the host's time to build the config's tree (:meth:`tree_time`: the engine's own
+    builder timed on the recorded lattices; a 32-node best-first tree costs the host several times a 6-token
+    chain, which matters where a step is a fraction of a millisecond), and ``T_spec`` the step's remaining work
+    (acceptance, commits, the host read AR's pipelined loop hides), calibrated on one speculative step measured
+    live (``spec_step``). c = that time / T_AR.
 
     Args:
         recordings: ``{(drafter, top_k_recorded): Recording}`` from :func:`specpilot.pilot.replay.record`.
@@ -106,7 +106,8 @@ class Planner:
             cfg, step_ms = spec_step
             steps = replay_steps(rec, cfg)
             pass_ms = self.pass_time(steps)
-            self.overhead_ms = max(step_ms - pass_ms - self.draft_time(cfg) - self.tree_time(cfg), 0.0)
+            self.overhead_ms = max(step_ms - pass_ms - self.draft_time(cfg, steps) - self.tree_time(cfg, steps),
+                                   0.0)
             self.spec_overhead_source = (f"{cfg.label()} measured live: {step_ms:.3f} ms a step less its passes "
                                          f"(mean {pass_ms:.3f} ms over its replayed rows), its drafting and its "
                                          "tree building")
@@ -120,26 +121,49 @@ class Planner:
         rows, ms (T_pass(1) when there are none)."""
         return float(np.mean([self.verify_time(r) for _, r in steps])) if steps else self.verify_time(1)
 
-    def draft_time(self, cfg: SystemConfig) -> float:
-        """The drafter's time per step for ``cfg``, ms: its recording's measured propose time (a draft model's
-        scaled to ``cfg``'s depth: one pass per position); 0 without a recording or a drafter."""
+    def draft_time(self, cfg: SystemConfig, steps: list[tuple[int, int]] | None = None,
+                   requests: list[int] | None = None) -> float:
+        """The drafter's time per step for ``cfg``, ms, from its recording's measured calls
+        (:class:`~specpilot.pilot.replay.Recording`): ``propose`` (``draft_ms``) plus ``observe`` (``observe_ms``: a
+        block drafter writes the accepted tokens' context K/V every step), plus each request's first ``propose``
+        beyond a later one (``first_ms − draft_ms``: the prompt's catch-up) spread over the steps: live it falls on
+        the request's first step, so it weighs (requests / steps), not (requests / positions). A draft model's
+        propose is affine in depth (one pass per position after a catch-up pass and a host read): interpolated
+        between its two measured depths, one position (``draft1_ms``) and the recorded one (``draft_ms``); without
+        ``draft1_ms``, scaled by ``cfg.depth / rec.depth``. 0 without a recording or a drafter.
+
+        Args:
+            steps: ``cfg``'s replayed steps over ``requests`` (:func:`~specpilot.pilot.replay.replay_steps`;
+                None: replayed here).
+            requests: indices of the recorded requests the steps are over (None: all).
+        """
         rec = None if cfg.drafter == "none" else self.recording(cfg)
         if rec is None:
             return 0.0
-        return rec.draft_ms * (cfg.depth / rec.depth if cfg.drafter == "draft_model" else 1.0)
+        rec = rec if requests is None else rec.subset(requests)
+        propose = rec.draft_ms
+        if cfg.drafter == "draft_model":
+            if rec.draft1_ms is not None and rec.depth > 1:
+                propose = rec.draft1_ms + (rec.draft_ms - rec.draft1_ms) * (cfg.depth - 1) / (rec.depth - 1)
+            else:
+                propose = rec.draft_ms * cfg.depth / rec.depth
+        if rec.first_ms is not None:
+            steps = replay_steps(rec, cfg) if steps is None else steps
+            firsts = sum(len(a) > 1 for a in rec.ar)  # requests with a decode step
+            propose += (rec.first_ms - rec.draft_ms) * firsts / max(len(steps), 1)
+        return propose + rec.observe_ms
 
-    def tree_time(self, cfg: SystemConfig) -> float:
+    def tree_time(self, cfg: SystemConfig, steps: list[tuple[int, int]] | None = None) -> float:
         """The host's time per step to build ``cfg``'s tree and its ancestor mask, ms: the engine's own builder
-        timed here over up to :data:`TREE_SAMPLES` recorded lattices (cut to ``cfg``'s depth and K), times the
-        fraction of replayed steps that draft at all; memoized per config. 0 without a recording or a drafter."""
+        timed here over up to :data:`TREE_SAMPLES` recorded lattices (cut to ``cfg``'s depth and K; memoized per
+        config), times the fraction of ``steps`` that draft at all (None: ``cfg``'s replayed steps over every
+        recorded request). 0 without a recording or a drafter."""
         rec = None if cfg.drafter == "none" else self.recording(cfg)
         if rec is None:
             return 0.0
         key = (cfg.drafter, cfg.drafter_path, cfg.tree, cfg.nodes, cfg.depth, cfg.top_k)
         if key not in self._tree_ms:
             lats = [lat for lats in rec.lattices for lat in lats.values() if lat is not None][:TREE_SAMPLES]
-            steps = replay_steps(rec, cfg)
-            drafted = sum(r > 1 for _, r in steps) / max(len(steps), 1)
             ms = 0.0
             if lats:
                 t0 = time.perf_counter()
@@ -147,8 +171,9 @@ class Planner:
                     build_tree(cfg.tree, TruncatedLattice(lat, min(cfg.depth, lat.depth), cfg.top_k),
                                cfg.nodes).ancestor_mask()
                 ms = 1e3 * (time.perf_counter() - t0) / len(lats)
-            self._tree_ms[key] = ms * drafted
-        return self._tree_ms[key]
+            self._tree_ms[key] = ms
+        steps = replay_steps(rec, cfg) if steps is None else steps
+        return self._tree_ms[key] * sum(r > 1 for _, r in steps) / max(len(steps), 1)
 
     def step_c(self, rows: float, draft_ms: float = 0.0) -> float:
         """Predicted c of a speculative step verifying ``rows`` rows with ``draft_ms`` of drafting:
@@ -171,20 +196,25 @@ class Planner:
                 return rec
         return None
 
-    def predict(self, cfg: SystemConfig) -> Prediction | None:
+    def predict(self, cfg: SystemConfig, requests: list[int] | None = None) -> Prediction | None:
         """Predicted τ (exact replay), c and speedup of ``cfg``; None when it cannot be replayed. AR
         (``drafter == "none"``, e.g. a kernel toggle of an AR incumbent) is τ = 1, c = 1: its step is the AR
-        step, and the live screen measures what a kernel mechanism changes."""
+        step, and the live screen measures what a kernel mechanism changes.
+
+        ``requests``: indices of the recorded requests to predict over (the steps of those requests only, to
+        compare with a live measurement on the same recorded prompts, :func:`~specpilot.pilot.rounds.screen`);
+        None: every recorded request. Raises ValueError for an index outside the recording."""
         if cfg.drafter == "none":
             return Prediction(1.0, 1.0, 1.0)
         rec = self.recording(cfg)
         if rec is None:
             return None
-        steps = replay_steps(rec, cfg)
+        steps = replay_steps(rec if requests is None else rec.subset(requests), cfg)
         if not steps:
             return None
         tau = sum(k for k, _ in steps) / len(steps)
-        c = (self.overhead_ms + self.pass_time(steps) + self.draft_time(cfg) + self.tree_time(cfg)) / self.ar_ms
+        c = (self.overhead_ms + self.pass_time(steps) + self.draft_time(cfg, steps, requests)
+             + self.tree_time(cfg, steps)) / self.ar_ms
         return Prediction(tau, c, tau / c)
 
     def oracle_tau(self, cfg: SystemConfig) -> float:

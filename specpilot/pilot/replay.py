@@ -12,7 +12,7 @@ the lattice's candidates (the top-K oracle of §2.4).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -48,7 +48,19 @@ class Recording:
         prompts / ar: prompt ids and AR output ids per request.
         lattices: per request, ``{committed_len_after_prompt: Lattice | None}`` at the recorded depth / K.
         depth / top_k: what was recorded (policies may use less).
-        draft_ms: mean wall time of one ``propose`` call, ms.
+        draft_ms: mean wall time of one ``propose`` call at ``depth`` positions after a request's first, ms.
+        first_ms: mean wall time of a request's first ``propose`` call, ms (None where not timed): a drafter that
+            catches up on the committed tokens there (a draft model's cache, an index) reads the whole prompt, and
+            live that cost falls on the request's first step.
+        draft1_ms: mean wall time of one ``propose`` call at one position on the same prefixes, ms, for a
+            drafter whose work grows with the positions it drafts (a draft model: one pass per position, after a
+            catch-up pass and a host read that do not); None where not timed.
+        observe_ms: mean wall time of one ``observe`` call (a step's newly committed target features handed to a
+            drafter with ``target_layers``: a block drafter's context K/V), ms; 0 for drafters that read none.
+        max_new: per request, the generation budget the AR output was made with (None: each output's own length).
+            An output shorter than its budget ended at a stop token; the engine still drafts as deep as the budget
+            allows there, and replay does the same (:func:`replay_steps`).
+        drafter_path: the block drafter's directory (block recordings), else None.
     """
 
     prompts: list[list[int]]
@@ -58,10 +70,33 @@ class Recording:
     top_k: int = 0
     draft_ms: float = 0.0
     drafter_path: str | None = None
+    first_ms: float | None = None
+    draft1_ms: float | None = None
+    observe_ms: float = 0.0
+    max_new: list[int] | None = None
+
+    def subset(self, requests) -> "Recording":
+        """The recording of requests ``requests`` (indices into :attr:`prompts`, in the given order) only: their
+        prompts, outputs, lattices and budgets; the drafter's timings are kept (per call, not per request).
+
+        Raises:
+            ValueError: an index outside ``[0, len(prompts))``, or no index.
+        """
+        idx = [int(i) for i in requests]
+        if not idx or any(not 0 <= i < len(self.prompts) for i in idx):
+            raise ValueError(f"request indices {idx} outside the recording's {len(self.prompts)} requests")
+        return replace(self, prompts=[self.prompts[i] for i in idx], ar=[self.ar[i] for i in idx],
+                       lattices=[self.lattices[i] for i in idx],
+                       max_new=None if self.max_new is None else [self.max_new[i] for i in idx])
 
 
-def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None) -> Recording:
-    """Propose a lattice at every committed length of every AR output (one drafter pass per position).
+def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None,
+           max_new_tokens: list[int] | None = None) -> Recording:
+    """Propose a lattice at every committed length of every AR output (one drafter pass per position), timing
+    each ``propose`` (:attr:`Recording.draft_ms`, :attr:`Recording.first_ms`), each ``observe`` of a drafter with
+    ``target_layers``
+    (:attr:`Recording.observe_ms`) and, for a draft model, a second ``propose`` of one position on the same
+    prefix (:attr:`Recording.draft1_ms`; its lattice is dropped).
 
     Args:
         drafter: a :class:`~specpilot.spec.drafter.Drafter` built with ``top_k`` candidates (slot 0 is used).
@@ -70,14 +105,22 @@ def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None) ->
         target: the target :class:`~specpilot.model.transformer.Transformer`; required for a drafter with
             ``target_layers`` (block drafters): the target runs once causally over prompt + AR output to
             give every prefix's features (equal, up to float rounding, to those the engine hands it).
+        max_new_tokens: per request, the budget each AR output was generated with (None: its own length; see
+            :attr:`Recording.max_new`).
     Raises:
-        ValueError: a block drafter without ``target``.
+        ValueError: a block drafter without ``target``; ``max_new_tokens`` of another length than the outputs, or a
+            budget shorter than its output.
     """
-    rec = Recording([list(p) for p in prompts], [list(a) for a in ar_outputs], depth=depth, top_k=top_k)
+    rec = Recording([list(p) for p in prompts], [list(a) for a in ar_outputs], depth=depth, top_k=top_k,
+                    max_new=None if max_new_tokens is None else [int(n) for n in max_new_tokens])
+    if rec.max_new is not None and (len(rec.max_new) != len(rec.ar)
+                                    or any(n < len(a) for n, a in zip(rec.max_new, rec.ar))):
+        raise ValueError(f"max_new_tokens {rec.max_new} does not match AR outputs of lengths {[len(a) for a in rec.ar]}")
     layers = drafter.target_layers
     if layers and target is None:
         raise ValueError("recording a block drafter needs the target (its hidden states are the context)")
-    calls, t_total = 0, 0.0
+    sequential = drafter.kind == "draft_model"  # one pass per drafted position: time one position too
+    calls, t_total, firsts, t_first, t_one, observes, t_obs = 0, 0.0, 0, 0.0, 0.0, 0, 0.0
     for prompt, ar in zip(rec.prompts, rec.ar):
         drafter.reset(0)
         if layers:  # every prefix's features from one causal pass; observed slot by slot as the engine does
@@ -92,14 +135,29 @@ def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None) ->
         lats = {}
         for m in range(1, len(ar)):
             n = len(prompt) + m  # committed tokens; the context is committed[:-1]
-            if layers and m > 1:
+            if layers and m > 1:  # the engine observes once per step, after its acceptance (Engine._observe)
+                t0 = time.perf_counter()
                 drafter.observe(0, feats[n - 2 : n - 1], n - 2)
+                t_obs += time.perf_counter() - t0
+                observes += 1
             t0 = time.perf_counter()
             lats[m] = propose_one(drafter, prompt + ar[:m], depth)
-            t_total += time.perf_counter() - t0
-            calls += 1
+            dt = time.perf_counter() - t0
+            if m == 1:
+                t_first, firsts = t_first + dt, firsts + 1
+            else:
+                t_total, calls = t_total + dt, calls + 1
+            if sequential:  # the same prefix again (the drafter rewinds to it), one position
+                if m == 1 and firsts == 1:  # untimed first: a static drafter captures its one-position loop here
+                    propose_one(drafter, prompt + ar[:m], 1)
+                t0 = time.perf_counter()
+                propose_one(drafter, prompt + ar[:m], 1)
+                t_one += time.perf_counter() - t0
         rec.lattices.append(lats)
-    rec.draft_ms = 1e3 * t_total / max(calls, 1)
+    rec.first_ms = 1e3 * t_first / firsts if firsts else None
+    rec.draft_ms = 1e3 * t_total / calls if calls else (rec.first_ms or 0.0)
+    rec.draft1_ms = 1e3 * t_one / max(calls + firsts, 1) if sequential else None
+    rec.observe_ms = 1e3 * t_obs / max(observes, 1) if observes else 0.0
     return rec
 
 
@@ -110,7 +168,8 @@ def replay(rec: Recording, config: SystemConfig, policy: str | None = None,
     ``policy="oracle"`` replaces the tree with the top-K oracle limited to ``min(nodes, depth)`` positions;
     ``sequoia``: the builder of ``tree="sequoia"`` (a measured profile; None: the default one).
     Mirrors the engine: after the prefill token, each step drafts ``min(depth, remaining − 1)`` positions
-    (none when one token remains), accepts the matching path plus the bonus, and cuts at the request's end.
+    (none when one token remains; ``remaining`` counts to the request's budget, :attr:`Recording.max_new`),
+    accepts the matching path plus the bonus, and cuts at the request's end (its budget or its stop token).
 
     Raises:
         ValueError: when ``config`` asks for more depth or candidates than were recorded.
@@ -127,16 +186,17 @@ def replay_steps(rec: Recording, config: SystemConfig, policy: str | None = None
     if config.depth > rec.depth or config.top_k > rec.top_k:
         raise ValueError(f"recorded depth {rec.depth} / top-K {rec.top_k} cannot replay {config.label()}")
     out = []
-    for ar, lats in zip(rec.ar, rec.lattices):
+    budgets = rec.max_new if rec.max_new is not None else [len(a) for a in rec.ar]
+    for ar, lats, budget in zip(rec.ar, rec.lattices, budgets):
         m = 1  # the prefill committed ar[0]
         while m < len(ar):
-            remaining = len(ar) - m
+            remaining = budget - m  # the engine drafts toward the budget; a stop token ends ``ar`` before it
             lat = lats.get(m) if remaining > 1 else None
             n_acc, rows = 0, 1
             if lat is not None:
                 lat = TruncatedLattice(lat, min(config.depth, remaining - 1), config.top_k)
                 n_acc, rows = _accepted(lat, ar[m:], config, policy, sequoia)
-            kept = min(n_acc + 1, remaining)
+            kept = min(n_acc + 1, len(ar) - m)  # past the stop token the engine keeps nothing
             out.append((kept, rows))
             m += kept
     return out

@@ -209,7 +209,9 @@ def _predictions(p: dict, inputs: dict) -> list[str]:
           f"|error| {_pct(p.get('median_abs_error'))}, Spearman {_num(p.get('spearman'), '{:.2f}')}; replay τ "
           f"against live τ: median |error| {_pct(p.get('tau_median_abs_error'))}. "
           f"T_spec {_num(inputs.get('spec_overhead_ms'))} ms: {inputs.get('spec_overhead_source', '—')}.", "",
-          "Live figures are each screening's few requests (τ varies with them); replay τ is over every Phase 0 prompt.",
+          "Replay τ, model c and the live figures are over the same few requests of each screening, on the prompts "
+          "the cost model recorded (Phase 0's first salted variant); the candidates' ranking uses replay τ over "
+          "every request.",
           "", "| round | candidate | replay τ | live τ | model c | live c |", "|---:|---|---:|---:|---:|---:|"]
     for row in p.get("screened") or []:
         md.append(f"| {row.get('round') if row.get('round') is not None else '—'} | {row.get('name', '—')} | "

@@ -141,16 +141,31 @@ def round0_ar(pilot: Pilot, s: Search) -> SystemConfig:
     return ar
 
 
+#: Requests each candidate is screened on (live, interleaved with AR).
+SCREEN_REQUESTS = 3
+
+
 def screen(pilot: Pilot, proposals, inc_m: dict, k: int, rnd: int | None = None):
     """Time each proposal's decode steps live on a few requests, interleaved with AR (c); keep the ``k``
     whose replay τ / c beats the incumbent's measured τ / c. The cost model's c misses per-step
-    overheads that only a live step shows; the controller still decides."""
+    overheads that only a live step shows; the controller still decides.
+
+    The live run is on the very prompts the cost model's lattices were recorded on (``pilot.replay_reqs``:
+    Phase 0's first salted variant of each screened request, with its budget), and the prediction recorded
+    beside it in ``pilot.predictions`` (``tau_replay``, ``c_predicted``) is over the same requests' replayed
+    steps, so the self-check (:func:`.predictions.prediction_check`) compares like with like: on float32 CPU
+    outputs, replay τ equals live τ exactly. The ranking (``speedup_screened``) keeps the replay τ over every
+    request, the better estimate of τ."""
     inc = inc_m["tau"] / inc_m["c"]
+    idx = pilot.spread_indices(SCREEN_REQUESTS)
+    reqs = [pilot.replay_reqs[i] for i in idx]
     kept = []
     for cfg, pred in proposals:
-        m = pilot.measure(cfg, n=3)
-        pilot.predictions.append({"round": rnd, "name": cfg.label(), "tau_replay": pred.tau, "tau_live": m["tau"],
-                                  "c_predicted": pred.c, "c_live": m["c"]})
+        m = pilot.measure(cfg, reqs=reqs)
+        same = pilot.planner.predict(cfg, requests=idx)  # None only if no screened request has a step
+        if same is not None:
+            pilot.predictions.append({"round": rnd, "name": cfg.label(), "tau_replay": same.tau, "tau_live": m["tau"],
+                                      "c_predicted": same.c, "c_live": m["c"], "requests": idx})
         pred.c_screened = m["c"]
         pred.speedup_screened = pred.tau / pred.c_screened
         if pred.speedup_screened > inc:

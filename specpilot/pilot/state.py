@@ -83,7 +83,8 @@ class Pilot:
     ``plan`` (the options' plan until :func:`.phase0.prepare` sizes it). Filled later: ``peaks``, ``reqs``,
     ``duration`` (setup), ``scorer`` and ``controller`` (Phase 0), ``planner`` (cost-model inputs),
     ``c_measured`` (every c measured along the run), ``predictions`` (every screened candidate's predicted and
-    live τ and c), ``code_tree`` / ``code_entries`` (the incumbent's
+    live τ and c), ``replay_reqs`` (cost-model inputs: per request, the prompt its lattices were recorded on, the
+    first salted variant of Phase 0, with its budget), ``code_tree`` / ``code_entries`` (the incumbent's
     approved agent patches).
 
     Raises:
@@ -128,6 +129,7 @@ class Pilot:
         self.scorer, self.controller, self.planner = None, None, None
         self.c_measured: list[dict] = []
         self.predictions: list[dict] = []
+        self.replay_reqs: list = []  # set with the planner (cost-model inputs): the recorded prompts, per request
         self.tau_best_source = ""  # where the last ceiling's τ_best came from (:func:`.ceiling.ceiling`)
 
     # -- Phase 0's facts (§3.3, §3.4) -------------------------------------------------------------
@@ -176,19 +178,25 @@ class Pilot:
         avoid = set(self.dep.eos_ids()) | set(getattr(self.dep.tokenizer, "all_special_ids", []) or [])
         return {"vocab_size": self.dep.target.args.vocab_size, "avoid_ids": frozenset(avoid)}
 
-    def spread(self, n: int | None):
-        """``n`` requests evenly spread over the request set (all of them for None)."""
-        return self.reqs if not n else self.reqs[:: max(1, len(self.reqs) // n)][:n]
+    def spread_indices(self, n: int | None) -> list[int]:
+        """Indices of ``n`` requests evenly spread over the request set (all of them for None)."""
+        idx = list(range(len(self.reqs)))
+        return idx if not n else idx[:: max(1, len(idx) // n)][:n]
 
-    def measure(self, cfg: SystemConfig, n: int | None = None) -> dict:
+    def spread(self, n: int | None):
+        """``n`` requests evenly spread over the request set (all of them for None): :meth:`spread_indices`'."""
+        return [self.reqs[i] for i in self.spread_indices(n)]
+
+    def measure(self, cfg: SystemConfig, n: int | None = None, reqs=None) -> dict:
         """Decode-step figures of ``cfg`` and AR measured interleaved (AR X X AR per request, the faster run
-        of each kept) over ``n`` requests spread over the set (:func:`.steps.interleaved_steps`).
+        of each kept) over ``n`` requests spread over the set (:func:`.steps.interleaved_steps`), or over the
+        given ``reqs`` (objects with ``prompt_ids`` and ``max_new_tokens``, e.g. :attr:`replay_reqs`).
 
         Returns:
             ``{tau, rows, step_ms, steps, ar_step_ms, c}``: ms per decode step (prefill excluded) and
             c = step_ms / ar_step_ms, both from this one measurement (§3.2).
         """
-        reqs = self.spread(n)
+        reqs = self.spread(n) if reqs is None else list(reqs)
         if cfg.seal() == self.ar.seal():
             ar = interleaved_steps({"ar": self.engine(self.ar)}, reqs)["ar"]
             return {**ar.to_dict(), "ar_step_ms": ar.step_ms, "c": 1.0}
