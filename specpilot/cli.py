@@ -40,7 +40,8 @@ def _pydantic_message(e: ValueError) -> str:
     errors = getattr(e, "errors", None)
     if not callable(errors):
         return str(e).splitlines()[0]
-    return "; ".join(f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}" for err in errors())
+    return "; ".join((f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: " if err["loc"] else "")
+                     + err["msg"].removeprefix("Value error, ") for err in errors())
 
 
 def _default_dirs(target: Optional[Path], drafter: str, drafter_path: Optional[Path]):
@@ -120,6 +121,10 @@ def generate(
     depth: int = typer.Option(6, help="Draft positions per step."),
     top_k: int = typer.Option(4, help="Candidates per draft position."),
     max_new_tokens: int = typer.Option(64, help="Most tokens to generate."),
+    tlv: bool = typer.Option(False, help="Two-level verification (§4.3): a Q pass over approximate weights picks a "
+                                         "chain, a second draft hangs under it, one exact pass verifies both."),
+    q_weights: str = typer.Option("view8", help="The Q pass's weights with --tlv: view8 (W12's 8-bit view) | int8 | "
+                                                "int6."),
     chat: bool = typer.Option(False, help="Wrap the prompt in the tokenizer's chat template."),
     device: str = typer.Option("cpu", help="torch device."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
@@ -155,7 +160,7 @@ def generate(
         raise SpecPilotError(f"invalid option: {e}") from None
     try:
         cfg = SystemConfig(drafter=drafter, tree=tree, nodes=nodes, depth=depth,
-                           top_k=1 if tree == "chain" else top_k, dtype=dtype)
+                           top_k=1 if tree == "chain" else top_k, dtype=dtype, tlv=tlv, q_weights=q_weights)
     except ValueError as e:
         raise SpecPilotError(f"invalid option: {_pydantic_message(e)}") from None
     if drafter_path is not None and drafter in ("none", "ngram"):

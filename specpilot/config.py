@@ -96,7 +96,7 @@ class SystemConfig(BaseModel):
         if self.tlv and self.drafter == "none":
             raise ValueError("tlv needs a drafter: its cycle drafts twice around a Q pass")
         if self.q_weights != "view8" and not self.tlv:
-            raise ValueError(f"q_weights {self.q_weights} is set but tlv is off")
+            raise ValueError(f"q_weights {self.q_weights} is set but tlv is off (the Q pass's weights apply with tlv)")
         if any(not 1 <= b <= 8192 for b in self.shared_budget):
             raise ValueError(f"shared_budget entries must be in 1..8192 nodes, got {list(self.shared_budget)}")
         return self

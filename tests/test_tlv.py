@@ -243,3 +243,23 @@ def test_batched_engine_refuses_tlv(tiny_models):
         BatchEngine(tiny_models[0], cfg_of("chain"), NgramDrafter(3, 1, max_matches=1), max_num_seqs=2)
     with pytest.raises(SpecPilotError, match="needs a drafter"):
         Engine(tiny_models[0], SystemConfig.ar().model_copy(update={"tlv": True}), None)
+
+
+def test_generate_cli_runs_tlv_and_refuses_bad_options(monkeypatch, capsys):
+    import json
+
+    from .conftest import run_cli
+
+    args = ["generate", "--prompt", "def add(a, b):", "--drafter", "draft_model", "--tree", "best_first", "--nodes",
+            "12", "--max-new-tokens", "24", "--json"]
+    code, out, _ = run_cli(monkeypatch, capsys, *args)
+    plain = json.loads(out)
+    code2, out2, _ = run_cli(monkeypatch, capsys, *args, "--tlv", "--q-weights", "int8")
+    tlv = json.loads(out2)
+    assert code == code2 == 0 and tlv["output_ids"] == plain["output_ids"] and tlv["system"]["tlv"] is True
+    assert tlv["steps"] < plain["steps"]  # the bundled pair's Q chains hold: fewer exact passes for the same output
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--prompt", "x", "--q-weights", "int8")
+    assert code == 2 and err.strip() == ("error: invalid option: q_weights int8 is set but tlv is off (the Q pass's "
+                                         "weights apply with tlv)")
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--prompt", "x", "--drafter", "none", "--tlv")
+    assert code == 2 and "tlv needs a drafter" in err and len(err.strip().splitlines()) == 1
