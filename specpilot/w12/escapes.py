@@ -8,7 +8,9 @@ slots (loadable without reading anything first), the rest in a CSR overflow list
 one escape at a time in list order (:mod:`specpilot.w12.epilogue`).
 
 - :func:`codes_at`: the saturated codes the records hold (plain PyTorch).
-- :func:`escape_table`: the table of a weight.
+- :func:`escape_table`: the table of a weight. With ``view=True`` the table of the 8-bit-view kernels (§4.3 Q pass,
+  :mod:`specpilot.w12.view`): those decode the view byte with the 4 dropped mantissa bits at ``1000b``, so their
+  ``c_e`` is that value and ``d_e = fl32(w_e − c_e^view)`` (same rows and columns, other deltas).
 - :func:`escape_layout` / :func:`check_escape_table`: a caller's table checked for layout (no device sync) and for
   values (one sync); :func:`check_escapes_once` runs the value check once per table.
 - :class:`W12GemmError`: what every W12 kernel module raises for bad inputs (defined here, the lowest of them).
@@ -27,17 +29,22 @@ class W12GemmError(SpecPilotError):
     """Activations that do not fit a W12 weight (shape, dtype, layout) or a weight too large for the kernel."""
 
 
-def codes_at(w12: W12Tensor, flat: torch.Tensor) -> torch.Tensor:
+def codes_at(w12: W12Tensor, flat: torch.Tensor, view: bool = False) -> torch.Tensor:
     """The bf16 values the kernel decodes at flat positions ``flat [E] long`` (``n * K + k``) from the records
-    alone (no escape patching): the saturated codes at escape positions. Plain PyTorch. Returns bf16 ``[E]``."""
+    alone (no escape patching): the saturated codes at escape positions. ``view``: what the 8-bit-view kernels
+    decode (§4.3 Q pass), the view byte with the 4 dropped mantissa bits at their midpoint ``1000b``; the nibble
+    plane is not read. Plain PyTorch. Returns bf16 ``[E]``."""
     k = w12.shape[1]
     n, c = flat // k, flat % k
     rec = (n // RECORD_ROWS * w12.records.shape[1] + c // RECORD_COLS) * RECORD_BYTES  # byte offset of the record
     r, cc = n % RECORD_ROWS, c % RECORD_COLS
     flat_rec = w12.records.reshape(-1)
     v = flat_rec[rec + r * RECORD_COLS + cc].to(torch.int32)
-    p = flat_rec[rec + VIEW_BYTES + r * (RECORD_COLS // 2) + cc // 2].to(torch.int32)
-    nib = (p >> (4 * (c % 2))) & 15
+    if view:
+        nib = 8
+    else:
+        p = flat_rec[rec + VIEW_BYTES + r * (RECORD_COLS // 2) + cc // 2].to(torch.int32)
+        nib = (p >> (4 * (c % 2))) & 15
     e = w12.base[n].to(torch.int32) + ((v >> 3) & 15)
     bits = ((v >> 7) << 15) | (e << 7) | ((v & 7) << 4) | nib
     return (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.bfloat16)
@@ -49,8 +56,10 @@ def codes_at(w12: W12Tensor, flat: torch.Tensor) -> torch.Tensor:
 ESC_SLOTS = 4
 
 
-def escape_table(w12: W12Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The escape table the kernels read (module docstring): slots, then a CSR overflow list.
+def escape_table(w12: W12Tensor, view: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The escape table the kernels read (module docstring): slots, then a CSR overflow list. ``view``: the table of
+    the 8-bit-view kernels (§4.3 Q pass, :func:`~specpilot.w12.view.w12_view_gemm`), whose codes are decoded with the
+    midpoint nibble (:func:`codes_at` with ``view``): the same rows and columns, ``delta = fl32(w_true − c_view)``.
 
     Returns ``(row_ptr, k, delta)`` on ``w12``'s device, ``S = ESC_SLOTS``, ``E`` escapes, ``O`` of them in overflow:
         ``k`` int32 ``[N·S + O]``, ``delta`` float32 ``[N·S + O]``: entry ``n·S + j`` (``j < S``) is channel n's
@@ -64,7 +73,7 @@ def escape_table(w12: W12Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     order = torch.argsort(idx, stable=True)
     idx = idx[order]
     true = w12.esc_val[order].view(torch.bfloat16).float()
-    delta = true - codes_at(w12, idx).float()
+    delta = true - codes_at(w12, idx, view).float()
     rows = idx // k
     counts = torch.bincount(rows, minlength=n) if idx.numel() else torch.zeros(n, dtype=torch.long, device=idx.device)
     start = torch.cat((counts.new_zeros(1), counts.cumsum(0)))
@@ -103,9 +112,9 @@ def escape_layout(w12: W12Tensor, escapes, device: torch.device) -> tuple[torch.
     return row_ptr, esc_k, esc_d
 
 
-def check_escape_table(w12: W12Tensor, escapes) -> None:
-    """Check that ``escapes`` is :func:`escape_table` of ``w12``, so that the W12 kernels read nothing out of bounds
-    and add the right escapes.
+def check_escape_table(w12: W12Tensor, escapes, view: bool = False) -> None:
+    """Check that ``escapes`` is :func:`escape_table` of ``w12`` (``escape_table(w12, view=True)`` with ``view``: the
+    8-bit-view kernels' table), so that the W12 kernels read nothing out of bounds and add the right escapes.
 
     Args:
         w12: the weight ``[N, K]`` (a valid :class:`~specpilot.w12.format.W12Tensor`).
@@ -137,7 +146,7 @@ def check_escape_table(w12: W12Tensor, escapes) -> None:
     flags = [row_ptr[0] == s, (row_ptr[1:] >= row_ptr[:-1]).all(), row_ptr[-1] == total,
              ((slots >= -1) & (slots < k)).all(), ~(empty[:, :-1] & ~empty[:, 1:]).any(),
              ((over >= 0) & (over < k)).all()]
-    ref = escape_table(w12)
+    ref = escape_table(w12, view)
     if ref[1].numel() == total:
         same_d = (d == ref[2]) | (d.isnan() & ref[2].isnan())
         flags.append((row_ptr == ref[0]).all() & (ks == ref[1]).all() & same_d.all())
@@ -145,10 +154,10 @@ def check_escape_table(w12: W12Tensor, escapes) -> None:
         flags.append(torch.zeros((), dtype=torch.bool, device=ks.device))
     if all(torch.stack([f.reshape(()) for f in flags]).tolist()):  # the one sync
         return
-    raise W12GemmError(_first_bad_escape(w12, (row_ptr, ks, d), ref))
+    raise W12GemmError(_first_bad_escape(w12, (row_ptr, ks, d), ref, view))
 
 
-def _first_bad_escape(w12: W12Tensor, escapes, ref) -> str:
+def _first_bad_escape(w12: W12Tensor, escapes, ref, view: bool = False) -> str:
     """:func:`check_escape_table`'s message for a table that failed a value check (on host copies)."""
     rp, ks, d = (t.cpu() for t in escapes)
     rp_ref, ks_ref, d_ref = (t.cpu() for t in ref)
@@ -180,22 +189,23 @@ def _first_bad_escape(w12: W12Tensor, escapes, ref) -> str:
         i = s + int(bad[0, 0])
         c = int(torch.searchsorted(rp, torch.tensor(i, dtype=rp.dtype), right=True)) - 1
         return f"{at} overflow k[{i}] (channel {c}) is {int(ks[i])}, outside [0, {k})"
-    other = "not escape_table(w12) (a table of another weight?)"
+    name = "escape_table(w12, view=True)" if view else "escape_table(w12)"
+    other = f"not {name} (a table of another weight{', or the exact kernels table,' if view else ''}?)"
     diff = (rp != rp_ref).nonzero()
     if diff.numel():
         i = int(diff[0, 0])
-        return f"{at} {other}: row_ptr[{i}] is {int(rp[i])}, escape_table(w12) has {int(rp_ref[i])}"
+        return f"{at} {other}: row_ptr[{i}] is {int(rp[i])}, {name} has {int(rp_ref[i])}"
     diff = ((ks != ks_ref) | ~((d == d_ref) | (d.isnan() & d_ref.isnan()))).nonzero()
     if diff.numel():
         i = int(diff[0, 0])
         where = f"channel {i // S}, slot {i % S}" if i < s else \
             f"channel {int(torch.searchsorted(rp, torch.tensor(i, dtype=rp.dtype), right=True)) - 1}, overflow"
-        return (f"{at} {other}: entry {i} ({where}) is k = {int(ks[i])}, delta = {float(d[i])!r}; escape_table(w12) "
+        return (f"{at} {other}: entry {i} ({where}) is k = {int(ks[i])}, delta = {float(d[i])!r}; {name} "
                 f"has k = {int(ks_ref[i])}, delta = {float(d_ref[i])!r}")
     return f"{at} {other}"
 
 
-#: tables :func:`check_escapes_once` has checked: key (the weight's shape and, for each of the table's three
+#: tables :func:`check_escapes_once` has checked: key (the weight's shape, whether a view table, and, for each of the table's three
 #: tensors and the weight's four, its storage, offset, shape, strides and dtype) -> (weak references to those
 #: storages, their tensors' version counters)
 _CHECKED_TABLES: dict = {}
@@ -207,8 +217,9 @@ def _version(t: torch.Tensor):
     return None if t.is_inference() else t._version  # (not try / except: raising costs ~10 µs a call)
 
 
-def check_escapes_once(w12: W12Tensor, escapes) -> None:
-    """:func:`check_escape_table` the first time a table is used with a weight, not on later calls while the seven
+def check_escapes_once(w12: W12Tensor, escapes, view: bool = False) -> None:
+    """:func:`check_escape_table` (with ``view``: as the 8-bit-view kernels' table; a table checked for one use is
+    checked again for the other) the first time a table is used with a weight, not on later calls while the seven
     tensors (the table's three, the weight's records / base / esc_idx / esc_val) are views of the same storages
     (held by weak reference: their addresses, in the key, are not reused while held) at the same offsets, shapes,
     strides and dtypes, with unchanged version counters (bumped by every in-place write through torch, in any view;
@@ -217,7 +228,7 @@ def check_escapes_once(w12: W12Tensor, escapes) -> None:
     tensors (no counter). Skipped, and nothing recorded, while the current CUDA stream captures a graph (the check
     syncs). At most :data:`_CHECKED_MAX` tables are remembered (dead entries dropped first, then the oldest)."""
     ts = (*escapes, w12.records, w12.base, w12.esc_idx, w12.esc_val)
-    key = (tuple(w12.shape),) + tuple((t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype)
+    key = (tuple(w12.shape), bool(view)) + tuple((t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype)
                                       for t in ts)
     hit = _CHECKED_TABLES.get(key)
     versions = tuple(_version(t) for t in ts)
@@ -225,7 +236,7 @@ def check_escapes_once(w12: W12Tensor, escapes) -> None:
         return
     if ts[0].is_cuda and torch.cuda.is_current_stream_capturing():
         return
-    check_escape_table(w12, escapes)
+    check_escape_table(w12, escapes, view)
     if len(_CHECKED_TABLES) >= _CHECKED_MAX:
         for old in [kk for kk, (refs, _) in _CHECKED_TABLES.items() if any(r.expired() for r in refs)]:
             del _CHECKED_TABLES[old]

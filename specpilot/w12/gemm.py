@@ -77,12 +77,16 @@ def w12_gemm_reference(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | Non
     Returns: ``[M, N]`` in x's dtype.
     Raises: W12GemmError on a weight that is not a W12Tensor or a K mismatch; W12FormatError for a malformed ``w12``.
     """
+    _check_reference(x, w12, "w12_gemm_reference")
+    return _linear_f32(x, decode(w12, check=False), bias)
+
+
+def _check_reference(x: torch.Tensor, w12: W12Tensor, name: str) -> None:
+    """A reference's input checks: ``w12`` a W12Tensor and x's last dim its K. Raises W12GemmError naming ``name``."""
     if not isinstance(w12, W12Tensor):
-        raise W12GemmError(f"w12_gemm_reference takes a W12Tensor weight (specpilot.w12.format.encode), "
-                           f"got {type(w12).__name__}")
+        raise W12GemmError(f"{name} takes a W12Tensor weight (specpilot.w12.format.encode), got {type(w12).__name__}")
     if x.shape[-1] != w12.shape[1]:
         raise W12GemmError(f"activations have {x.shape[-1]} features, the W12 weight {w12.shape} wants {w12.shape[1]}")
-    return _linear_f32(x, decode(w12, check=False), bias)
 
 
 def _linear_f32(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -150,10 +154,11 @@ def w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None = None, 
 
 
 def _w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict,
-              trusted: bool) -> torch.Tensor:
-    """:func:`w12_gemm`; ``trusted``: ``escapes`` is known to be ``escape_table(w12)``
+              trusted: bool, view: bool = False) -> torch.Tensor:
+    """:func:`w12_gemm`; ``trusted``: ``escapes`` is known to be ``escape_table(w12, view)``
     (:class:`~specpilot.w12.linear.W12Linear`'s own table), so its values are not checked (its layout still is: no
-    device sync)."""
+    device sync). ``view``: :func:`~specpilot.w12.view.w12_view_gemm` (the 8-bit view; the record-word kernels only,
+    so ``words=False`` is refused)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     _check(x, w12, bias)
@@ -163,21 +168,23 @@ def _w12_gemm(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escape
     if not 1 <= m <= MAX_ROWS:
         raise W12GemmError(f"w12_gemm takes 1..{MAX_ROWS} rows, got {m}")
     x = x if x.stride(1) == 1 else x.contiguous()
+    if view and overrides.get("words") is False:
+        raise W12GemmError("the 8-bit-view GEMM runs on the record-word kernels only (words=False is the byte kernel)")
     if escapes is None:
-        escapes = escape_table(w12)
+        escapes = escape_table(w12, view)
     else:
         escapes = escape_layout(w12, escapes, x.device)
         if not trusted:
-            check_escapes_once(w12, escapes)
+            check_escapes_once(w12, escapes, view)
     if overrides.get("gemv", routes_to_gemv(m, n, k)):
-        return w12_gemv(x, w12, bias, escapes, overrides)
+        return w12_gemv(x, w12, bias, escapes, overrides, view=view)
     cfg = default_config(m, n, k, _num_sms(x.device.index if x.is_cuda else None))
     cfg.update({key: v for key, v in overrides.items() if v is not None})
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     if RECORD_ROWS % bn or bk % RECORD_COLS or bm < 16 or bn < 16:
         raise W12GemmError(f"block_n must divide {RECORD_ROWS}, block_k be a multiple of {RECORD_COLS}, blocks >= 16")
     if cfg.get("words"):
-        return w12_mma(x, w12, bias, escapes, cfg)
+        return w12_mma(x, w12, bias, escapes, cfg, view)
     return w12_mma_bytes(x, w12, bias, escapes, cfg)
 
 

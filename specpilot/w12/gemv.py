@@ -41,12 +41,12 @@ try:
 
     from specpilot.kernels.fused import rmsnorm_values, silu_mul_values
     from specpilot.w12.epilogue import _add_escapes, _escapes_load, _norm_rstd, _split_end, _x_load
-    from specpilot.w12.tiles import _decode8, _load_groups, _tile_words, _word_offsets
+    from specpilot.w12.tiles import _decode8, _load_groups, _tile_words, _view_nibbles, _word_offsets
 except ImportError:  # CPU installs without triton
     triton = None
 
 def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, overrides: dict,
-             glu: bool = False, norm: tuple | None = None, add: tuple | None = None) -> torch.Tensor:
+             glu: bool = False, norm: tuple | None = None, add: tuple | None = None, view: bool = False) -> torch.Tensor:
     """A few activation rows: ``x [M, K] @ W12ᵀ (+ bias)``, 1 ≤ M ≤ :data:`GEMV_MAX_ROWS`, with the weights
     decoded to float32 in registers once and summed with M FMAs each (no tensor cores, so no layout change
     between the decode and the dot). Measured on the H200 at one row only; rows are padded to a power of
@@ -96,6 +96,14 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     x whose scale it forms from the tile sums of squares ``sq_in``, and / or stores ``residual + y`` and the tile
     sums of squares of that into ``sq_out``.
 
+    ``view`` (:func:`~specpilot.w12.view.w12_view_gemm`, which checks the call; ``escapes`` then
+    ``escape_table(w12, view=True)``): the 8-bit view (§4.3 Q pass), ``x @ approx_view(w12)ᵀ``: both kernels load the
+    view words only and decode them with every nibble at its midpoint ``1000b``
+    (:func:`~specpilot.w12.tiles._view_nibbles`); the nibble plane is never read. The decode is then the plain-Triton
+    one (``asm`` ignored): its constant nibble bits fold away, where ptxas keeps the PTX's constant operand live
+    (offline sm_90a compile of the one-row lines kernel, BLOCK_N 16, BLOCK_K 256, one warp: 95 registers plain,
+    254–255 with the PTX, 128 for the exact kernel; ``results/ptxas_w12_view_sm90a_2026-12-04.json``).
+
     Returns: ``[M, N]`` in x's dtype, within the rounding bound of :mod:`specpilot.w12.gemm` (plus
     the subnormal caveat above). Raises: W12GemmError on bad launch overrides, M outside 1..8, or ``glu`` where
     the lines kernel would not run."""
@@ -119,7 +127,8 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     fused = lock is not None  # None: not asked, no split, or capturing without counters (the two-kernel sum)
     lock = row_ptr if lock is None else lock
     common = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FUSED=fused, EVEN=k_per_split * split == k_pad,
-                  X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None, ASM=bool(cfg["asm"]) and x.is_cuda,
+                  X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
+                  ASM=bool(cfg["asm"]) and x.is_cuda and not view,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     lines = bool(cfg["lines"]) and m == 1
     if (glu or norm is not None or add is not None) and not lines:
@@ -133,11 +142,13 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
             fuse |= dict(ADD=True, Res=add[0], SqOut=add[1])
         _w12_gemv_lines_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
-            m, n, k, k_pad, k_per_split, x.stride(0), GLU=glu, ESC_EARLY=bool(cfg["esc_early"]), **fuse, **common)
+            m, n, k, k_pad, k_per_split, x.stride(0), GLU=glu, ESC_EARLY=bool(cfg["esc_early"]), VIEW=view, **fuse,
+            **common)
     else:
         _w12_gemv_kernel[(triton.cdiv(n, bn), split)](
             x, rec.view(torch.int64), rec.view(torch.int32), w12.base, b, out, part, lock, row_ptr, esc_k, esc_d,
-            m, n, k, k_pad, k_per_split, x.stride(0), ROWS=rows, LOAD_STAGES=int(cfg["load_stages"]), **common)
+            m, n, k, k_pad, k_per_split, x.stride(0), ROWS=rows, LOAD_STAGES=int(cfg["load_stages"]), VIEW=view,
+            **common)
     return _sum_splits(part, out, b, split, bias is not None, fused, add, bn)
 
 
@@ -200,13 +211,14 @@ if triton is not None:
     def _w12_gemv_kernel(X, RecV, RecQ, Base, Bias, Out, Part, Lock, RowPtr, EscK, EscD, M, N, K, K_PAD,
                          K_PER_SPLIT, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                          SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         ASM: tl.constexpr, LOAD_STAGES: tl.constexpr = 1):
+                         ASM: tl.constexpr, LOAD_STAGES: tl.constexpr = 1, VIEW: tl.constexpr = False):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: ``Out[m, n] = Σ_k x_mk w_nk (+ escapes, bias)`` for the ``M ≤
         ROWS`` rows of ``X``, BLOCK_N rows of one record band and one K chunk (see :func:`w12_gemv`). ``RecV`` /
         ``RecQ``: the records as int64 / int32 words. Float32 accumulators ``[BLOCK_N, BLOCK_K / 8]`` (one
         row) or ``[ROWS, BLOCK_N, BLOCK_K / 8]``, one per group of 8 columns; each weight is decoded once.
         ``LOAD_STAGES``: steps whose words are in flight at once (cp.async into shared memory; 1: plain loads). The
-        same operations in the same order in every variant."""
+        same operations in the same order in every variant. ``VIEW``: the 8-bit view, no nibble loads
+        (:func:`~specpilot.w12.tiles._load_groups`)."""
         pid_k = tl.program_id(1)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -223,7 +235,7 @@ if triton is not None:
         # own num_stages. 1: plain loads, each step's latency exposed.
         for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=LOAD_STAGES):
             kb = k0 + kk
-            vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
+            vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN, VIEW)
             acc = _gemv_step(acc, vw, qw, X, kb, rg, M, stride_xm, K, X_EVEN, ROWS, ASM)
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)
         scale = ((base + 15) << 23).to(tl.float32, bitcast=True)  # 2^(B_n − 112), exact
@@ -261,7 +273,7 @@ if triton is not None:
                                HAS_BIAS: tl.constexpr, ASM: tl.constexpr, GLU: tl.constexpr = False,
                                NORM: tl.constexpr = False, ADD: tl.constexpr = False, SQ_BLOCK: tl.constexpr = 1,
                                NormW=None, SqIn=None, n_sq=0, eps=0.0, Res=None, SqOut=None,
-                               ESC_EARLY: tl.constexpr = True):
+                               ESC_EARLY: tl.constexpr = True, VIEW: tl.constexpr = False):
         """One row (``lines``): the grid, split and epilogue of :func:`_w12_gemv_kernel`, with the step's words
         taken as ``[R, BLOCK_N · 8]`` tiles (R = BLOCK_K / 64 records; column ``j`` = row ``j // 8``, group
         ``j % 8``). Within a record the views of the tile's rows are one contiguous ``BLOCK_N · 64``-byte run and
@@ -275,7 +287,8 @@ if triton is not None:
         ``silu(gate) · up`` (computed as :func:`~specpilot.kernels.fused.silu_mul` computes it: the same bits).
         ``NORM`` / ``ADD`` (:mod:`specpilot.w12.norm`): x is RMS-normalised in the load, the scale formed from
         the ``n_sq`` tile sums of squares at ``SqIn`` (:func:`~specpilot.w12.epilogue._norm_rstd`) and the weights
-        ``NormW``; the stored output is ``Res + y`` with its tile's sum of squares at ``SqOut[program_id(0)]``."""
+        ``NormW``; the stored output is ``Res + y`` with its tile's sum of squares at ``SqOut[program_id(0)]``.
+        ``VIEW``: the 8-bit view, no nibble loads (:func:`_lines_load`)."""
         R: tl.constexpr = BLOCK_K // 64
         J: tl.constexpr = BLOCK_N * 8
         pid_k = tl.program_id(1)
@@ -296,7 +309,7 @@ if triton is not None:
             esc = _escapes_load(RowPtr, EscK, EscD, offs_n, (offs_n < N) & (pid_k == 0))
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             vw, qw, xt = _lines_load(X, RecV, RecQ, k0 + kk, k1, K, v_off, q_off, rr, EVEN, X_EVEN, R, GLU, NORM, NormW,
-                                     rstd)
+                                     rstd, VIEW)
             acc = _lines_sum(acc, vw, qw, xt, R, BLOCK_N, ASM)
         if not ESC_EARLY:
             esc = _escapes_load(RowPtr, EscK, EscD, offs_n, (offs_n < N) & (pid_k == 0))
@@ -322,18 +335,23 @@ if triton is not None:
 
     @triton.jit
     def _lines_load(X, RecV, RecQ, kb, k1, K, v_off, q_off, rr, EVEN: tl.constexpr, X_EVEN: tl.constexpr,
-                    R: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, NormW, rstd):
+                    R: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, NormW, rstd, VIEW: tl.constexpr = False):
         """The lines kernel's loads of the step at column ``kb``: view words ``[R, J]`` int64, nibble words ``[R, J]``
         int32 (records at or past ``k1`` read as 0 unless EVEN) and x ``[R, 64]`` float32 (columns at or past K read as
         0 unless X_EVEN; with ``GLU`` ``silu(gate) · up``, the up values K elements after the gate; with ``NORM``
-        ``NormW · (x · rstd)``, :func:`~specpilot.kernels.fused.rmsnorm_values`)."""
+        ``NormW · (x · rstd)``, :func:`~specpilot.kernels.fused.rmsnorm_values`). ``VIEW``: the nibble words are
+        :func:`~specpilot.w12.tiles._view_nibbles` (the 8-bit view, §4.3), not loaded."""
         cols = kb + rr[:, None] * 64 + tl.arange(0, 64)[None, :]
         if EVEN:
             vw = tl.load(RecV + (kb // 64) * 1536 + v_off)
-            qw = tl.load(RecQ + (kb // 64) * 3072 + q_off)
         else:
             ok = (kb + rr * 64 < k1)[:, None]
             vw = tl.load(RecV + (kb // 64) * 1536 + v_off, mask=ok, other=0)
+        if VIEW:
+            qw = _view_nibbles(vw)
+        elif EVEN:
+            qw = tl.load(RecQ + (kb // 64) * 3072 + q_off)
+        else:
             qw = tl.load(RecQ + (kb // 64) * 3072 + q_off, mask=ok, other=0)
         if GLU and X_EVEN:
             xt = silu_mul_values(tl.load(X + cols), tl.load(X + K + cols)).to(tl.float32)

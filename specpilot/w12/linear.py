@@ -15,7 +15,7 @@ from torch import nn
 
 from specpilot.w12.dense import w12_decode_dense
 from specpilot.w12.escapes import W12GemmError, escape_table
-from specpilot.w12.format import W12FormatError, W12Tensor, decode, encode
+from specpilot.w12.format import W12FormatError, W12Tensor, approx_view, decode, encode
 from specpilot.w12.gemm import _linear_f32, _w12_gemm
 from specpilot.w12.launch import MAX_ROWS
 
@@ -39,7 +39,10 @@ class W12Linear(nn.Module):
     ``[ceil(N/128), ceil(K/64), 12288]``, ``base`` uint8 ``[N]``, ``esc_idx`` int32/int64 ``[E]``, ``esc_val``
     int16 ``[E]`` (the :class:`~specpilot.w12.format.W12Tensor`), the kernel's escape table ``esc_row_ptr``
     int32 ``[N + 1]``, ``esc_k`` int32 ``[4N + O]``, ``esc_delta_bits`` int32 ``[4N + O]`` (float32 bits, so a dtype
-    cast leaves them alone; :func:`~specpilot.w12.escapes.escape_table`'s layout), and ``bias`` ``[N]`` or None.
+    cast leaves them alone; :func:`~specpilot.w12.escapes.escape_table`'s layout), and ``bias`` ``[N]`` or None. Not in
+    ``state_dict`` (derived from the buffers above, and rebuilt after ``load_state_dict``): ``esc_view_delta_bits``
+    int32 ``[4N + O]``, the deltas of ``escape_table(w12, view=True)`` (the 8-bit view's table: the same rows and
+    columns) for :meth:`view_forward`.
 
     Forward: :func:`~specpilot.w12.gemm.w12_gemm` on CUDA for bf16 / float32 activations up to
     :data:`DENSE_ROWS` rows; wider passes (prefill) decode the weight once with
@@ -51,6 +54,8 @@ class W12Linear(nn.Module):
     kept after the first call (2 more bytes a weight, not a buffer: ``state_dict`` holds the records only).
     ``use_kernel``: None = as above; True forces the kernel (the Triton interpreter on the CPU in tests);
     False forces the reference.
+
+    :meth:`view_forward`: the Q pass's projection (§4.3), ``x @ approx_view(W)ᵀ + b`` from the 8-bit view.
     """
 
     def __init__(self, w12: W12Tensor, bias: torch.Tensor | None = None):
@@ -67,8 +72,13 @@ class W12Linear(nn.Module):
         if bias is not None and tuple(bias.shape) != (self.out_features,):
             raise W12GemmError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")
         self.register_buffer("bias", None if bias is None else bias.detach().to(w12.records.device))
+        self.register_buffer("esc_view_delta_bits", escape_table(w12, view=True)[2].view(torch.int32),
+                             persistent=False)
         self.use_kernel: bool | None = None
-        self._dense: torch.Tensor | None = None  # CPU only: the decoded weight, see the class docstring
+        #: CPU only (see the class docstring): the reference weights once computed, keyed by ``view`` (False: the
+        #: decoded weight of :meth:`forward`; True: ``approx_view``'s of :meth:`view_forward`)
+        self._kept: dict[bool, torch.Tensor] = {}
+        self.register_load_state_dict_post_hook(W12Linear._after_load)
 
     @classmethod
     def from_w12(cls, w12: W12Tensor, bias: torch.Tensor | None = None) -> "W12Linear":
@@ -102,9 +112,47 @@ class W12Linear(nn.Module):
         channel's 4 slots)."""
         return self.esc_row_ptr, self.esc_k, self.esc_delta_bits.view(torch.float32)
 
+    def view_escapes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The 8-bit-view kernels' escape table of the held weight, ``escape_table(w12, view=True)``: :meth:`escapes`'
+        ``row_ptr`` and ``k`` with the view's deltas ``float32 [4N + O]`` (views of the buffers)."""
+        return self.esc_row_ptr, self.esc_k, self.esc_view_delta_bits.view(torch.float32)
+
     def decoded_weight(self) -> torch.Tensor:
         """The exact bf16 weight ``[N, K]`` (reference decode; checks nothing)."""
         return decode(self.w12(), check=False)
+
+    @staticmethod
+    def _after_load(module: "W12Linear", incompatible_keys) -> None:
+        """``load_state_dict`` post-hook: rebuild the view deltas from the loaded weight and drop kept weights."""
+        module.esc_view_delta_bits = escape_table(module.w12(), view=True)[2].view(torch.int32)
+        module._kept.clear()
+
+    def _reference(self, x2: torch.Tensor, view: bool) -> torch.Tensor:
+        """The reference path of :meth:`forward` (``view`` False) / :meth:`view_forward` (True): ``x2 [M, K]`` times
+        the decoded / ``approx_view`` weight in float32, kept after the first call on the CPU only."""
+        w = self._kept.get(view)
+        if w is None or w.device != self.records.device:
+            w = approx_view(self.w12()) if view else self.decoded_weight()
+            if w.is_cuda:
+                self._kept.pop(view, None)
+            else:
+                self._kept[view] = w
+        return _linear_f32(x2, w, self.bias)
+
+    def _kernel(self, x2: torch.Tensor, view: bool) -> torch.Tensor:
+        """``x2 [M, K]`` through the W12 kernels (the 8-bit view's with ``view``), :data:`MAX_ROWS` rows a launch, with
+        the layer's own escape table (trusted: no value check, no sync)."""
+        esc, w12 = (self.view_escapes() if view else self.escapes()), self.w12()
+        if x2.shape[0] <= MAX_ROWS:
+            return _w12_gemm(x2, w12, self.bias, esc, {}, trusted=True, view=view)
+        return torch.cat([_w12_gemm(x2[i:i + MAX_ROWS], w12, self.bias, esc, {}, trusted=True, view=view)
+                          for i in range(0, x2.shape[0], MAX_ROWS)])
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K]`` as ``[M, K]``. Raises W12GemmError when the last dim is not K."""
+        if x.shape[-1] != self.in_features:
+            raise W12GemmError(f"W12Linear takes {self.in_features} features, got shape {tuple(x.shape)}")
+        return x.reshape(-1, self.in_features)
 
     def _kernel_ok(self, x: torch.Tensor) -> bool:
         if self.use_kernel is not None:
@@ -113,26 +161,31 @@ class W12Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` -> ``[..., N]`` in x's dtype. Raises W12GemmError when the last dim is not K."""
-        if x.shape[-1] != self.in_features:
-            raise W12GemmError(f"W12Linear takes {self.in_features} features, got shape {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        x2 = self._rows(x)
         if x2.shape[0] == 0 or not self._kernel_ok(x2):
-            w = self._dense if self._dense is not None and self._dense.device == self.records.device else None
-            if w is None:
-                w = self.decoded_weight()
-                self._dense = None if w.is_cuda else w
-            y = _linear_f32(x2, w, self.bias)
+            y = self._reference(x2, view=False)
         elif x2.shape[0] > DENSE_ROWS:  # wide pass (prefill): decode once, then the bf16 model's own GEMM
             w = w12_decode_dense(self.w12())
             y = F.linear(x2, w, self.bias) if x2.dtype == torch.bfloat16 else _linear_f32(x2, w, self.bias)
         else:
-            esc = self.escapes()
-            w12 = self.w12()  # its own escape_table: trusted, no value check and no sync
-            y = torch.cat([_w12_gemm(x2[i:i + MAX_ROWS], w12, self.bias, esc, {}, trusted=True)
-                           for i in range(0, x2.shape[0], MAX_ROWS)]) if x2.shape[0] > MAX_ROWS else \
-                _w12_gemm(x2, w12, self.bias, esc, {}, trusted=True)
-        return y.reshape(*lead, self.out_features)
+            y = self._kernel(x2, view=False)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def view_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The Q pass's projection (§4.1, §4.3): ``x [..., K]`` -> ``x @ approx_view(W)ᵀ + b`` ``[..., N]`` in x's
+        dtype, the weight set of the 8-bit view (:func:`~specpilot.w12.format.approx_view`).
+
+        Where :meth:`forward` runs the kernel (CUDA and triton, bf16 / float32 activations, or ``use_kernel`` True):
+        :func:`~specpilot.w12.view.w12_view_gemm`'s kernels, which read the view bytes of the records only, in
+        launches of :data:`MAX_ROWS` rows (no dense path for wide passes), with the layer's view escape table
+        (:meth:`view_escapes`); within :mod:`specpilot.w12.view`'s rounding bound of the reference. Elsewhere (or
+        ``use_kernel`` False) the reference :func:`~specpilot.w12.view.w12_view_gemm_reference`: in float32 exactly
+        ``F.linear`` with ``approx_view``'s weight, which is kept after the first call on the CPU (2 bytes a weight,
+        apart from :meth:`forward`'s decoded weight) and recomputed every call on CUDA.
+        Raises W12GemmError when the last dim is not K."""
+        x2 = self._rows(x)
+        y = self._kernel(x2, view=True) if x2.shape[0] and self._kernel_ok(x2) else self._reference(x2, view=True)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

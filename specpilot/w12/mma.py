@@ -46,13 +46,16 @@ except ImportError:  # CPU installs without triton
 X_GATHER_DEFAULT = False
 
 
-def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, cfg: dict) -> torch.Tensor:
+def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes, cfg: dict,
+            view: bool = False) -> torch.Tensor:
     """``x [M, K] @ W12ᵀ (+ bias)`` on tensor cores from record words; called by
     :func:`~specpilot.w12.gemm.w12_gemm` (which checks shapes, dtypes, devices and ``cfg``: its
     :func:`~specpilot.w12.launch.default_config` plus overrides) with ``escapes`` its escape table.
     ``cfg["asm"]`` (default: on CUDA) selects the inline-PTX decode, ``cfg["x_gather"]`` (default
     :data:`X_GATHER_DEFAULT`) the permuted activation load, ``cfg["esc_early"]`` whether split 0 loads its escape
-    slots before the K loop. Returns ``[M, N]`` in x's dtype.
+    slots before the K loop. ``view`` (:func:`~specpilot.w12.view.w12_view_gemm`; ``escapes`` then
+    ``escape_table(w12, view=True)``): the 8-bit view (§4.3 Q pass), ``x @ approx_view(w12)ᵀ`` from the view words
+    only, every nibble at its midpoint (:func:`~specpilot.w12.tiles._load_groups`). Returns ``[M, N]`` in x's dtype.
     Raises: W12GemmError when BLOCK_K is not a multiple of 64 or BLOCK_N does not divide 128."""
     row_ptr, esc_k, esc_d = escapes
     m, k = x.shape
@@ -73,7 +76,7 @@ def w12_mma(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes,
         EVEN=k_per_split * split == k_pad, X_EVEN=k_per_split * split == k, HAS_BIAS=bias is not None,
         FP32=x.dtype == torch.float32,
         ASM=bool(cfg.get("asm", True)) and x.is_cuda, X_GATHER=bool(cfg.get("x_gather", X_GATHER_DEFAULT)),
-        ESC_EARLY=bool(cfg.get("esc_early", False)),
+        ESC_EARLY=bool(cfg.get("esc_early", False)), VIEW=view,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     return _sum_splits(part, out, b, split, bias is not None, fused)
@@ -116,11 +119,11 @@ if triton is not None:
                         stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, FUSED: tl.constexpr, EVEN: tl.constexpr, X_EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
                         FP32: tl.constexpr, ASM: tl.constexpr, X_GATHER: tl.constexpr = False,
-                        ESC_EARLY: tl.constexpr = True):
+                        ESC_EARLY: tl.constexpr = True, VIEW: tl.constexpr = False):
         """Grid ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))``: BLOCK_N rows of one record band, one K
         chunk, BLOCK_M activation rows; ``acc [BLOCK_N, BLOCK_M] = W' xᵀ`` in float32 (see :func:`w12_mma`).
         ``RecV`` / ``RecQ``: the records as int64 / int32 words. ``X_EVEN``: every split ends inside K, so the
-        activation loads need only the row mask (and can be vector loads)."""
+        activation loads need only the row mask (and can be vector loads). ``VIEW``: the 8-bit view, no nibble loads."""
         pid_k = tl.program_id(1)
         offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,7 +137,7 @@ if triton is not None:
         k1 = tl.minimum(k0 + K_PER_SPLIT, K_PAD)
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             kb = k0 + kk
-            vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN)
+            vw, qw = _load_groups(RecV, RecQ, kb, k1, row_v, row_q, rg, col_v, col_q, EVEN, VIEW)
             acc = _mma_step(acc, X, vw, qw, offs_m, m_ok, kb, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, X_EVEN, FP32, ASM,
                             X_GATHER)
         base = tl.load(Base + offs_n, mask=n_ok, other=112).to(tl.int32)

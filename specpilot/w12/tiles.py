@@ -165,16 +165,31 @@ if triton is not None:
         return row_v, row_q, rg, (rg // 8) * 1536 + rg % 8, (rg // 8) * 3072 + rg % 8
 
     @triton.jit
-    def _load_groups(RecV, RecQ, kb, k_end, row_v, row_q, rg, col_v, col_q, EVEN: tl.constexpr):
+    def _load_groups(RecV, RecQ, kb, k_end, row_v, row_q, rg, col_v, col_q, EVEN: tl.constexpr,
+                     VIEW: tl.constexpr = False):
         """View words ``[BN, G]`` int64 and nibble words ``[BN, G]`` int32 of the step at column ``kb``; groups at
-        or past ``k_end`` read as 0 (unless EVEN: every group in range)."""
+        or past ``k_end`` read as 0 (unless EVEN: every group in range). ``VIEW`` (the 8-bit view, §4.3 Q pass):
+        the nibble plane is not read; every nibble word is :func:`_view_nibbles`."""
         r0 = kb // 64
         if EVEN:
-            return (tl.load(RecV + r0 * 1536 + row_v[:, None] + col_v[None, :]),
-                    tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :]))
-        ok = (kb + 8 * rg < k_end)[None, :]
-        return (tl.load(RecV + r0 * 1536 + row_v[:, None] + col_v[None, :], mask=ok, other=0),
-                tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :], mask=ok, other=0))
+            vw = tl.load(RecV + r0 * 1536 + row_v[:, None] + col_v[None, :])
+        else:
+            ok = (kb + 8 * rg < k_end)[None, :]
+            vw = tl.load(RecV + r0 * 1536 + row_v[:, None] + col_v[None, :], mask=ok, other=0)
+        if VIEW:
+            qw = _view_nibbles(vw)
+        elif EVEN:
+            qw = tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :])
+        else:
+            qw = tl.load(RecQ + r0 * 3072 + row_q[:, None] + col_q[None, :], mask=ok, other=0)
+        return vw, qw
+
+    @triton.jit
+    def _view_nibbles(vw):
+        """The nibble words of the 8-bit view (§4.3 Q pass) for view words ``vw``: int32 of vw's shape with every
+        nibble ``1000b``, the midpoint of the 4 mantissa bits the view drops (``0x88888888``), so that
+        :func:`_decode8` gives the weights of :func:`~specpilot.w12.format.approx_view` without a load."""
+        return tl.full(vw.shape, -2004318072, tl.int32)  # 0x88888888 as int32
 
     @triton.jit
     def _decode_words(vw, qw, ASM: tl.constexpr):
