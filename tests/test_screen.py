@@ -45,16 +45,16 @@ def screened(tmp_path_factory):
     ar = pilot.engine(pilot.ar)
     outputs = [ar.generate(p, r.max_new_tokens).tokens for p, r in zip(prompts, pilot.reqs)]
     p0 = Phase0Result({}, 1.0, prompts, outputs)
-    cost_inputs(pilot, p0)
+    inputs = cost_inputs(pilot, p0)
     bcfg = SystemConfig(drafter="block", drafter_path=str(block), tree="best_first", nodes=8, depth=8, top_k=16)
     proposals = [(c, pilot.planner.predict(c)) for c in (NGRAM, DRAFT_MODEL, bcfg)]
     assert all(p is not None for _, p in proposals)
     screen(pilot, proposals, {"tau": 1.0, "c": 1e9}, k=3, rnd=1)
-    return pilot, p0
+    return pilot, p0, inputs
 
 
 def test_screen_measures_the_recorded_prompts_and_replay_tau_equals_live_tau(screened):
-    pilot, p0 = screened
+    pilot, p0, _ = screened
     idx = pilot.spread_indices(3)
     assert len(idx) == 3 and len(pilot.predictions) == 3
     for i in idx:  # the recorded (salted) prompt and the request's own budget
@@ -109,7 +109,7 @@ def test_recording_times_each_calls_work(screened):
     """The recordings of the real cost-model inputs time what a step does: a block drafter's ``observe`` (its
     context K/V of the accepted tokens) besides ``propose``, a draft model's one-position ``propose`` besides its
     full depth, each request's first ``propose`` apart; the n-gram drafter and the draft model observe nothing."""
-    pilot, _ = screened
+    pilot, _, inputs = screened
     recs = {kind: rec for (kind, _), rec in pilot.planner.recordings.items()}
     block = next(rec for kind, rec in recs.items() if kind.startswith("block"))
     assert block.observe_ms > 0 and block.draft_ms > 0 and block.first_ms > 0 and block.draft1_ms is None
@@ -120,6 +120,14 @@ def test_recording_times_each_calls_work(screened):
     steps = replay_steps(block, bcfg)
     first_share = (block.first_ms - block.draft_ms) * len(block.ar) / len(steps)
     assert pilot.planner.draft_time(bcfg) == pytest.approx(block.draft_ms + block.observe_ms + first_share)
+    # its system's exact pass also gathers the target layers it reads: timed as such, and priced for it
+    from specpilot.pilot.planner import VERIFY_ROWS, monotone
+
+    assert block.target_layers and recs["ngram"].target_layers == ()
+    curve = inputs.report["verify_ms_with_features"][",".join(map(str, block.target_layers))]
+    assert set(curve) == set(VERIFY_ROWS) and all(v > 0 for v in curve.values())
+    fit = monotone([curve[r] for r in sorted(curve)])
+    assert [pilot.planner.verify_time(r, block.target_layers) for r in sorted(curve)] == pytest.approx(list(fit))
 
 
 def _timed(**kw) -> Planner:
@@ -147,3 +155,24 @@ def test_draft_time_prices_each_measured_call():
     # the prediction prices the same figure: c = (pass + drafting + tree) / T_AR, T_AR = 1 ms, no tree here
     pred = _timed(draft_ms=1.2, first_ms=4.2).predict(cfg, requests=[1])
     assert pred.tau == 1.0 and pred.c == pytest.approx(1.0 + 0.6 + 1.5)
+
+
+def test_a_drafter_reading_target_layers_is_priced_on_the_pass_that_gathers_them():
+    layers = (0, 2)
+    rec = Recording([[1]], [[3, 4, 5]], [{}], depth=8, top_k=16, draft_ms=0.5, first_ms=0.5, target_layers=layers,
+                    drafter_path="b")
+    p = Planner({("block:b", 16): rec}, {1: 1.0, 9: 1.5}, 1.0, feature_verify_ms={layers: {1: 1.25, 9: 1.75}})
+    cfg = SystemConfig(drafter="block", drafter_path="b", tree="chain", nodes=8, depth=8, top_k=16)
+    assert p.verify_time(1, layers) == 1.25 and p.verify_time(1) == 1.0 and p.verify_time(9, (5,)) == 1.5
+    assert p.predict(cfg).c == pytest.approx(1.25 + 0.5)  # every step verifies one row here (no lattice)
+    plain = Planner({("block:b", 16): rec}, {1: 1.0, 9: 1.5}, 1.0)  # not measured: the plain pass
+    assert plain.predict(cfg).c == pytest.approx(1.0 + 0.5)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_verify_ms_times_the_pass_with_the_features_gathered(tiny_models, static):
+    from specpilot.pilot.setup import measure_verify_ms
+
+    target = tiny_models[0]
+    ms = measure_verify_ms(target, prefix_len=16, rows=(1, 3), repeats=2, static=static, feature_layers=(0, 1))
+    assert set(ms) == {1, 3} and all(v > 0 for v in ms.values())

@@ -126,7 +126,7 @@ def estimate_s(plan: dict, shape: RunShape, costs: StepCosts) -> dict[str, float
     rounds += plan["rounds"] * (ceiling(best) + families * plan["candidates"] * measure(3, sp)
                                 + plan["candidates"] * judge(best, best))
     ms = {"phase0": (2 * R + 2) * (ar + sp) + (2 * R + 2) * 2 * sp + 2 * forcing,
-          "cost_inputs": measure(4, sp) + verify + record,
+          "cost_inputs": measure(4, sp) + (1 + shape.blocks) * verify + record,  # a block's pass: with features
           "rounds": rounds,
           "adversarial": ADVERSARIES * judge(sp, sp) if shape.adversarial else 0.0,
           "seal": (2 * R + 2) * (ar + sp + best) + forcing + ceiling(best)}

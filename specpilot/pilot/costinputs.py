@@ -37,8 +37,8 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
     outputs, and set ``pilot.planner`` (§3.2). Appends stock's measured c to ``pilot.c_measured``."""
     dep, depth_max = pilot.dep, pilot.plan["depth_max"]
     base_m = pilot.measure(pilot.stock, n=4)
-    verify_ms = measure_verify_ms(dep.target, prefix_len=200, rows=VERIFY_ROWS,
-                                  static=torch.device(dep.device).type == "cuda")  # as the engine runs there
+    static = torch.device(dep.device).type == "cuda"  # as the engine runs there
+    verify_ms = measure_verify_ms(dep.target, prefix_len=200, rows=VERIFY_ROWS, static=static)
     report = {"ar_step_ms": base_m["ar_step_ms"], "stock": base_m, "verify_ms": verify_ms,
               "source": "AR and stock interleaved on 4 requests (decode steps, prefill excluded); "
                         "pass times by rows measured right after"}
@@ -47,7 +47,7 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
     pilot.replay_reqs = recorded_requests(pilot.reqs, p0)
     prompts, ar_out = p0.prompts, p0.ar_outputs
     budgets = [r.max_new_tokens for r in pilot.reqs]
-    recs = {}
+    recs, feature_verify = {}, {}
     for k in (1, 2, 4, 8):
         ngram = dep.system(SystemConfig(drafter="ngram", top_k=k, depth=depth_max, nodes=depth_max)).drafter
         recs[("ngram", k)] = record(ngram, prompts, ar_out, depth_max, k, max_new_tokens=budgets)
@@ -61,8 +61,13 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
         recs[(f"block:{bd}", 16)] = record(bdr, prompts, ar_out, bdr.cfg.block_size, 16, target=dep.target,
                                            max_new_tokens=budgets)
         recs[(f"block:{bd}", 16)].drafter_path = str(bd)
+        layers = tuple(bdr.target_layers)
+        if layers not in feature_verify:  # its system's exact pass also gathers these layers' outputs
+            feature_verify[layers] = measure_verify_ms(dep.target, prefix_len=200, rows=VERIFY_ROWS, static=static,
+                                                       feature_layers=layers)
+    report["verify_ms_with_features"] = {",".join(map(str, k)): v for k, v in feature_verify.items()}
     pilot.planner = Planner(recs, verify_ms, base_m["ar_step_ms"], device=pilot.o.device,
-                            spec_step=(pilot.stock, base_m["step_ms"]))
+                            spec_step=(pilot.stock, base_m["step_ms"]), feature_verify_ms=feature_verify)
     report["spec_overhead_ms"] = pilot.planner.overhead_ms
     report["spec_overhead_source"] = pilot.planner.spec_overhead_source
     return CostInputs(report, c_model_curve(pilot.planner, verify_ms), tau_curves(pilot))

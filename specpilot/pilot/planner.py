@@ -91,35 +91,46 @@ class Planner:
         spec_step: ``(config, step_ms)`` of a speculative system measured live beside ``ar_ms`` (stock, in the
             pilot): ``T_spec = step_ms − mean T_pass − T_draft(config)`` over its replayed steps, at least 0.
             None (or a config with no recording): ``T_spec = T_AR − T_pass(1)``, AR's own work outside its pass.
+        feature_verify_ms: ``{target_layers: {rows: ms}}``, the exact pass timed as a system whose drafter reads
+            those target layers runs it (their outputs gathered for the drafter, a block drafter's context); a
+            config whose recording has ``target_layers`` is priced on its curve (on ``verify_ms`` without one).
     """
 
     def __init__(self, recordings: dict[tuple[str, int], Recording], verify_ms: dict[int, float], ar_ms: float,
-                 device: str = "cpu", spec_step: tuple[SystemConfig, float] | None = None):
+                 device: str = "cpu", spec_step: tuple[SystemConfig, float] | None = None,
+                 feature_verify_ms: dict[tuple[int, ...], dict[int, float]] | None = None):
         self.recordings, self.ar_ms, self.device = recordings, ar_ms, str(device)
         self._tree_ms: dict[tuple, float] = {}
         self.rows = np.array(sorted(verify_ms), dtype=float)
         self.ms = monotone([verify_ms[r] for r in sorted(verify_ms)])
+        self._curves = {tuple(k): (np.array(sorted(v), dtype=float), monotone([v[r] for r in sorted(v)]))
+                        for k, v in (feature_verify_ms or {}).items()}
         self.overhead_ms = max(ar_ms - float(self.ms[0]), 0.0)  # per-step work outside the pass
         self.spec_overhead_source = "AR's step less its one-row pass"
         rec = self.recording(spec_step[0]) if spec_step is not None and spec_step[0].drafter != "none" else None
         if rec is not None:
             cfg, step_ms = spec_step
             steps = replay_steps(rec, cfg)
-            pass_ms = self.pass_time(steps)
+            pass_ms = self.pass_time(steps, rec.target_layers)
             self.overhead_ms = max(step_ms - pass_ms - self.draft_time(cfg, steps) - self.tree_time(cfg, steps),
                                    0.0)
             self.spec_overhead_source = (f"{cfg.label()} measured live: {step_ms:.3f} ms a step less its passes "
                                          f"(mean {pass_ms:.3f} ms over its replayed rows), its drafting and its "
                                          "tree building")
 
-    def verify_time(self, rows: float) -> float:
-        """Exact-pass time for ``rows`` rows, ms: the monotone fit of the measured times, interpolated."""
-        return float(np.interp(rows, self.rows, self.ms))
+    def verify_time(self, rows: float, layers: tuple[int, ...] = ()) -> float:
+        """Exact-pass time for ``rows`` rows, ms: the monotone fit of the measured times, interpolated; with
+        ``layers``, of the pass that also gathers those target layers' outputs (``feature_verify_ms``; the plain
+        pass's when that was not measured)."""
+        xs, ys = self._curves.get(tuple(layers), (self.rows, self.ms))
+        return float(np.interp(rows, xs, ys))
 
-    def pass_time(self, steps: list[tuple[int, int]]) -> float:
+    def pass_time(self, steps: list[tuple[int, int]], layers: tuple[int, ...] = ()) -> float:
         """Mean exact-pass time of replayed ``steps`` (:func:`~specpilot.pilot.replay.replay_steps`), each at its own
-        rows, ms (T_pass(1) when there are none)."""
-        return float(np.mean([self.verify_time(r) for _, r in steps])) if steps else self.verify_time(1)
+        rows, ms (T_pass(1) when there are none); ``layers`` as :meth:`verify_time`."""
+        if not steps:
+            return self.verify_time(1, layers)
+        return float(np.mean([self.verify_time(r, layers) for _, r in steps]))
 
     def draft_time(self, cfg: SystemConfig, steps: list[tuple[int, int]] | None = None,
                    requests: list[int] | None = None) -> float:
@@ -213,7 +224,7 @@ class Planner:
         if not steps:
             return None
         tau = sum(k for k, _ in steps) / len(steps)
-        c = (self.overhead_ms + self.pass_time(steps) + self.draft_time(cfg, steps, requests)
+        c = (self.overhead_ms + self.pass_time(steps, rec.target_layers) + self.draft_time(cfg, steps, requests)
              + self.tree_time(cfg, steps)) / self.ar_ms
         return Prediction(tau, c, tau / c)
 

@@ -61,6 +61,8 @@ class Recording:
             An output shorter than its budget ended at a stop token; the engine still drafts as deep as the budget
             allows there, and replay does the same (:func:`replay_steps`).
         drafter_path: the block drafter's directory (block recordings), else None.
+        target_layers: the drafter's :attr:`~specpilot.spec.drafter.Drafter.target_layers` (``()``: none): a system
+            with it runs exact passes that also gather these layers' outputs.
     """
 
     prompts: list[list[int]]
@@ -74,6 +76,7 @@ class Recording:
     draft1_ms: float | None = None
     observe_ms: float = 0.0
     max_new: list[int] | None = None
+    target_layers: tuple[int, ...] = ()
 
     def subset(self, requests) -> "Recording":
         """The recording of requests ``requests`` (indices into :attr:`prompts`, in the given order) only: their
@@ -116,7 +119,7 @@ def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None,
     if rec.max_new is not None and (len(rec.max_new) != len(rec.ar)
                                     or any(n < len(a) for n, a in zip(rec.max_new, rec.ar))):
         raise ValueError(f"max_new_tokens {rec.max_new} does not match AR outputs of lengths {[len(a) for a in rec.ar]}")
-    layers = drafter.target_layers
+    layers = rec.target_layers = tuple(drafter.target_layers)
     if layers and target is None:
         raise ValueError("recording a block drafter needs the target (its hidden states are the context)")
     sequential = drafter.kind == "draft_model"  # one pass per drafted position: time one position too

@@ -76,13 +76,15 @@ def choose_threads(device: str, requested: int | None, cores: int, default: int)
 
 @torch.inference_mode()
 def measure_verify_ms(model, prefix_len: int, rows=(1, 2, 4, 8, 16, 32), repeats: int = 12,
-                      static: bool = False) -> dict[int, float]:
+                      static: bool = False, feature_layers: tuple[int, ...] = ()) -> dict[int, float]:
     """Median ms of one exact pass (forward + LM head + argmax + host read) by row count (c(N) curve, §3.2),
     timed in ``repeats`` interleaved rounds after 3 warm-up passes per row count.
 
     Rows attend to ``prefix_len`` committed slots and causally among themselves. ``static=False`` times the
     dynamic path the CPU engine uses; ``static=True`` the row-bucket path (CUDA graphs on CUDA), as the
-    engine runs with ``buckets=True``.
+    engine runs with ``buckets=True``. ``feature_layers``: the pass also gathers the outputs of these target
+    layers into one ``[rows, len(layers) * hidden]`` tensor, as the engine's pass does for a drafter that reads
+    target features (a block drafter, §1.1); ``()``: none, AR's pass.
     """
     from specpilot.engine.runner import BUCKETS, BucketRunner
 
@@ -90,7 +92,7 @@ def measure_verify_ms(model, prefix_len: int, rows=(1, 2, 4, 8, 16, 32), repeats
     cache = model.new_cache(prefix_len + max(*rows, BUCKETS[-1]) + 1)
     model.forward(torch.zeros(prefix_len, dtype=torch.long, device=dev), torch.arange(prefix_len, device=dev), cache, 0)
     # the engine's buckets: a row count between buckets is timed padded, as the engine runs it
-    runner = BucketRunner(model, cache, BUCKETS, graphs=True) if static else None
+    runner = BucketRunner(model, cache, BUCKETS, graphs=True, feature_layers=tuple(feature_layers)) if static else None
     passes = {}
     for r in rows:
         tok_list, pos_list = [i % model.args.vocab_size for i in range(r)], list(range(prefix_len, prefix_len + r))
@@ -101,7 +103,11 @@ def measure_verify_ms(model, prefix_len: int, rows=(1, 2, 4, 8, 16, 32), repeats
         def one_pass(tok_list=tok_list, pos_list=pos_list, toks=toks, pos=pos, mask=mask):
             if runner is not None:
                 return runner.run(tok_list, pos_list, prefix_len, None).tolist()
-            return model.logits(model.forward(toks, pos, cache, prefix_len, mask)).argmax(-1).tolist()
+            feats: list = []
+            hidden = model.forward(toks, pos, cache, prefix_len, mask, features=feats, feature_layers=feature_layers)
+            if feats:  # as Engine._argmax keeps them for the drafter
+                torch.cat(feats, dim=-1)
+            return model.logits(hidden).argmax(-1).tolist()
 
         for _ in range(3):  # warm-up (graph capture)
             one_pass()
