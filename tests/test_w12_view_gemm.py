@@ -8,12 +8,19 @@ rounding bound of specpilot/w12/view.py element by element, be bitwise determini
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from .tritonutil import CUDA, DEV, triton  # noqa: F401
 
+from specpilot.kernels.resources import ptxas_available
 from specpilot.w12.escapes import W12GemmError, check_escape_table, codes_at, escape_table
 from specpilot.w12.format import VIEW_BYTES, W12Tensor, approx_view, decode, encode
 from specpilot.w12.gemm import w12_gemm_reference
@@ -210,3 +217,33 @@ def test_view_table_is_rebuilt_by_load_state_dict():
     a.load_state_dict(b.state_dict())
     assert torch.equal(a.view_escapes()[2], escape_table(b.w12(), view=True)[2])
     assert torch.equal(a.view_forward(x), b.view_forward(x))
+
+
+COMPILE_SCRIPT = r"""
+import json
+from specpilot.kernels.resources import kernel_ptx
+from specpilot.w12 import gemv, mma
+from specpilot.w12.tiles import WORD_KERNEL_SIGNATURE
+common = dict(BLOCK_N=16, SPLIT_K=2, FUSED=True, EVEN=False, X_EVEN=False, HAS_BIAS=True)
+out = []
+for kern, consts, warps in ((gemv._w12_gemv_lines_kernel, dict(BLOCK_K=256, ASM=False), 1),
+                            (gemv._w12_gemv_kernel, dict(BLOCK_K=512, ROWS=4, ASM=False), 4),
+                            (mma._w12_mma_kernel, dict(BLOCK_M=16, BLOCK_K=64, FP32=False, ASM=True), 4)):
+    rec_q = f"{kern.__name__}_param_{kern.arg_names.index('RecQ')}]"
+    ptx = [kernel_ptx(kern, WORD_KERNEL_SIGNATURE, common | consts | dict(VIEW=v), warps, 3) for v in (False, True)]
+    out.append([kern.__name__, rec_q in ptx[0], rec_q in ptx[1]])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not ptxas_available(), reason="Triton's NVIDIA backend (bundled ptxas) is not installed here")
+def test_compiled_view_kernels_never_read_the_nibble_plane():
+    """The GPU build (offline sm_90a compile, no GPU): with ``VIEW`` the one-row GEMV, the few-row GEMV and the
+    tensor-core kernel (masked K, split K, bias) never refer to their ``RecQ`` argument, the nibble plane's
+    address; the exact kernels do (the check can fail). The interpreter runs above cannot see the compiled code."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 3 and all(exact and not view for _, exact, view in rows), rows

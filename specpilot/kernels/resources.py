@@ -82,15 +82,7 @@ def kernel_resources(kernel, signature: dict[str, str], constants: dict, num_war
     Raises: ResourcesUnavailable without Triton / ptxas; RuntimeError when ptxas fails or says nothing.
     """
     ptxas = ptxas_path()
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = dict(signature) | {name: "constexpr" for name in constants}
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible_by_16}
-    out = triton.compile(ASTSource(kernel, sig, constants, attrs), target=GPUTarget("cuda", arch, 32),
-                         options=dict(num_warps=num_warps, num_stages=num_stages)
-                         | ({"maxnreg": maxnreg} if maxnreg else {}))
+    out = _compile(kernel, signature, constants, num_warps, num_stages, arch, maxnreg, divisible_by_16)
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"
         src.write_text(out.asm["ptx"])
@@ -109,4 +101,30 @@ def kernel_resources(kernel, signature: dict[str, str], constants: dict, num_war
                            dict(sorted(Counter(order).items())), tuple(order))
 
 
-__all__ = ["KernelResources", "ResourcesUnavailable", "kernel_resources", "ptxas_available", "ptxas_path"]
+def _compile(kernel, signature: dict[str, str], constants: dict, num_warps: int, num_stages: int, arch: int,
+             maxnreg: int | None, divisible_by_16: tuple):
+    """``triton.compile`` of ``kernel`` for ``sm_{arch}a`` (arguments: :func:`kernel_resources`); no GPU needed."""
+    try:
+        import triton
+    except ImportError:
+        raise ResourcesUnavailable("triton is not installed") from None
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(signature) | {name: "constexpr" for name in constants}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible_by_16}
+    return triton.compile(ASTSource(kernel, sig, constants, attrs), target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages)
+                          | ({"maxnreg": maxnreg} if maxnreg else {}))
+
+
+def kernel_ptx(kernel, signature: dict[str, str], constants: dict, num_warps: int, num_stages: int,
+               arch: int = 90) -> str:
+    """The PTX text of ``kernel`` compiled for ``sm_{arch}a`` without a GPU (arguments as :func:`kernel_resources`), e.g.
+    to check which arguments the compiled kernel reads at all (``<kernel name>_param_<i>``, ``i`` the argument's
+    index). Raises ResourcesUnavailable without Triton."""
+    return _compile(kernel, signature, constants, num_warps, num_stages, arch, None, ()).asm["ptx"]
+
+
+__all__ = ["KernelResources", "ResourcesUnavailable", "kernel_resources", "kernel_ptx", "ptxas_available",
+           "ptxas_path"]
