@@ -102,7 +102,8 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
     (:func:`~specpilot.w12.tiles._view_nibbles`); the nibble plane is never read. The decode is then the plain-Triton
     one (``asm`` ignored): its constant nibble bits fold away, where ptxas keeps the PTX's constant operand live
     (offline sm_90a compile of the one-row lines kernel, BLOCK_N 16, BLOCK_K 256, one warp: 95 registers plain,
-    254–255 with the PTX, 128 for the exact kernel; ``results/ptxas_w12_view_sm90a_2026-12-04.json``).
+    254–255 with the PTX, 128 for the exact kernel; ``results/ptxas_w12_view_sm90a_2026-12-04_eed28a4.json``,
+    ``probes/w12_view_ptxas.py``).
 
     Returns: ``[M, N]`` in x's dtype, within the rounding bound of :mod:`specpilot.w12.gemm` (plus
     the subnormal caveat above). Raises: W12GemmError on bad launch overrides, M outside 1..8, or ``glu`` where
