@@ -66,10 +66,10 @@ class QLinear(nn.Module):
     Args:
         source: the target's projection, an ``nn.Linear`` or a :class:`W12Linear` (its bias is shared).
         weights: ``view8``, ``int8`` or ``int6``.
-    Forward: ``view8`` of a W12 layer on CUDA goes through the layer's 8-bit-view GEMM (``W12Linear.view_forward``,
-    which loads only the view bytes of each record); otherwise the reference: the approximate weight decoded once
-    (kept, on the CPU and for int8 / int6 also on CUDA, where no kernel exists yet; :meth:`extra_bytes` counts it)
-    and ``F.linear`` in float32 for float32 activations, in x's dtype otherwise.
+    Forward: ``view8`` through the W12 layer's 8-bit-view GEMM (:meth:`W12Linear.view_forward`: on CUDA a kernel that
+    loads only the view bytes of each record; on the CPU its reference); ``int8`` / ``int6``: the approximate weight
+    decoded once and kept (no kernel exists for them yet; :meth:`extra_bytes` counts the copy), then ``F.linear`` in
+    float32 for float32 activations, in x's dtype otherwise.
     Raises:
         SpecPilotError: an unknown ``weights`` or a source that is neither layer type.
     """
@@ -86,7 +86,7 @@ class QLinear(nn.Module):
         self.w12: W12Linear | None = None
         self.shared = weights == "view8" and isinstance(source, W12Linear)
         if weights == "view8":
-            self.w12 = source if self.shared else W12Linear(encode(w.to(torch.bfloat16), device=w.device), None)
+            self.w12 = source if self.shared else W12Linear(encode(w.to(torch.bfloat16), device=w.device), source.bias)
         else:
             codes, scale = quantize_rows(w, _LEVELS[weights])
             self.register_buffer("codes", pack_int6(codes) if weights == "int6" else codes)
@@ -101,7 +101,7 @@ class QLinear(nn.Module):
         return codes.float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.shared and x.is_cuda and hasattr(W12Linear, "view_forward"):
+        if self.w12 is not None:
             return self.w12.view_forward(x)
         if self._dense is None or self._dense.device != x.device:
             self._dense = self.approx_weight().to(x.device)
