@@ -184,7 +184,7 @@ def test_long_prompt_logits_equal_transformers(pair, mode):
     assert (got - ref).abs().max().item() < 1e-4
 
 
-def test_pass_off_the_committed_length_and_qwen3_next_are_clear_errors(pair, tmp_path):
+def test_pass_off_the_committed_length_and_an_unsupported_hybrid_are_clear_errors(pair, tmp_path):
     import json
 
     from specpilot.errors import CheckpointError
@@ -194,8 +194,8 @@ def test_pass_off_the_committed_length_and_qwen3_next_are_clear_errors(pair, tmp
     cache = ours.new_cache(16)
     with pytest.raises(ValueError, match="committed length 0"):
         ours.forward(torch.tensor([1, 2]), torch.tensor([3, 4]), cache, 3)
-    cfg = {"model_type": "qwen3_next", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+    cfg = {"model_type": "qwen3_5_moe", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
            "num_hidden_layers": 1, "num_attention_heads": 1}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="unsupported model_type 'qwen3_next'"):
+    with pytest.raises(CheckpointError, match="unsupported model_type 'qwen3_5_moe'"):
         read_args(tmp_path)

@@ -1,5 +1,6 @@
 """Architecture of a decoder read from a Hugging Face ``config.json`` (dense llama / qwen2 / qwen3, or a hybrid
-qwen3_5 text model whose layers mix Gated DeltaNet and gated full attention), and its RoPE frequencies."""
+qwen3_5 text / qwen3_next model whose layers mix Gated DeltaNet and gated full attention, qwen3_next's MLPs mostly
+mixtures of experts), and its RoPE frequencies."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_next")
 
 #: model types whose layers mix Gated DeltaNet (``linear_attention``) and full attention (:mod:`specpilot.model.hybrid`)
-HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
 
 
 @dataclass
@@ -39,7 +40,7 @@ class ModelArgs:
     qk_norm: bool = False
     max_position_embeddings: int = 4096
     eos_token_ids: list[int] = field(default_factory=list)
-    # hybrid (qwen3_5) fields; the defaults describe a dense decoder
+    # hybrid (qwen3_5 / qwen3_next) fields; the defaults describe a dense decoder
     layer_types: list[str] | None = None  # per layer "linear_attention" (GDN) or "full_attention"; None = dense
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims of q/k
     linear_num_key_heads: int = 0
@@ -47,11 +48,25 @@ class ModelArgs:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    # mixture-of-experts (qwen3_next) fields; num_experts = 0 means every MLP is dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
 
     @property
     def is_hybrid(self) -> bool:
         """Whether some layers are Gated DeltaNet layers (built by :mod:`specpilot.model.hybrid`)."""
         return self.layer_types is not None
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer ``i`` (0-based) has a mixture-of-experts MLP (:mod:`specpilot.model.moe`), as
+        transformers' qwen3_next decides: experts configured, ``i`` not in ``mlp_only_layers``, and ``i + 1`` a
+        multiple of ``decoder_sparse_step``; otherwise a dense MLP of ``intermediate_size``."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelArgs":
@@ -88,12 +103,13 @@ class ModelArgs:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             eos_token_ids=eos_ids,
             **(_hybrid_fields(cfg, rope) if mt in HYBRID_MODEL_TYPES else {}),
+            **(_moe_fields(cfg) if mt == "qwen3_next" else {}),
         )
 
 
 def _hybrid_fields(cfg: dict, rope: dict) -> dict:
-    """The qwen3_5 fields of :class:`ModelArgs` (layer types as transformers derives them when absent: every
-    ``full_attention_interval``-th layer is full attention)."""
+    """The hybrid (qwen3_5 / qwen3_next) fields of :class:`ModelArgs` (layer types as transformers derives them
+    when absent: every ``full_attention_interval``-th layer is full attention)."""
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is None:
@@ -110,6 +126,34 @@ def _hybrid_fields(cfg: dict, rope: dict) -> dict:
         linear_value_head_dim=cfg.get("linear_value_head_dim", 128),
         linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
     )
+
+
+def _moe_fields(cfg: dict) -> dict:
+    """The qwen3_next mixture-of-experts fields of :class:`ModelArgs` (transformers' defaults where absent).
+
+    Raises:
+        ValueError: top-k not in ``[1, num_experts]``, a sparse step below 1, or an ``mlp_only_layers`` entry
+            that is not a layer index.
+    """
+    n = cfg["num_hidden_layers"]
+    out = dict(num_experts=cfg.get("num_experts", 512), num_experts_per_tok=cfg.get("num_experts_per_tok", 10),
+               moe_intermediate_size=cfg.get("moe_intermediate_size", 512),
+               shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 512),
+               norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+               decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
+               mlp_only_layers=list(cfg.get("mlp_only_layers") or []))
+    e, k = out["num_experts"], out["num_experts_per_tok"]
+    if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+        raise ValueError(f"num_experts must be a non-negative integer, got {e!r}")
+    if e > 0 and not 1 <= k <= e:
+        raise ValueError(f"num_experts_per_tok must be in [1, num_experts = {e}], got {k}")
+    if out["decoder_sparse_step"] < 1:
+        raise ValueError(f"decoder_sparse_step must be at least 1, got {out['decoder_sparse_step']}")
+    if any(not isinstance(i, int) or not 0 <= i < n for i in out["mlp_only_layers"]):
+        raise ValueError(f"mlp_only_layers must list layer indices in [0, {n}), got {out['mlp_only_layers']}")
+    if e > 0 and min(out["moe_intermediate_size"], out["shared_expert_intermediate_size"]) < 1:
+        raise ValueError("moe_intermediate_size and shared_expert_intermediate_size must be positive integers")
+    return out
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:

@@ -44,7 +44,8 @@ def read_config(path: str | Path) -> dict:
 
 #: config.json fields that must be positive integers when present (the model's shapes)
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim")
+                 "num_key_value_heads", "head_dim", "num_experts_per_tok", "moe_intermediate_size",
+                 "shared_expert_intermediate_size", "decoder_sparse_step")
 
 
 def read_args(path: str | Path) -> ModelArgs:
@@ -103,9 +104,50 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def qwen3_next_state(state: dict[str, torch.Tensor], args: ModelArgs, path: str | Path = "checkpoint"
+                     ) -> dict[str, torch.Tensor]:
+    """A qwen3_next state dict in the names and layout the hybrid model loads: each GDN layer's grouped
+    ``in_proj_qkvz`` / ``in_proj_ba`` split into qwen3_5's four projections
+    (:func:`~specpilot.model.gdn.split_grouped_projections`), and experts stored fused (transformers' in-memory
+    ``mlp.experts.gate_up_proj [E, 2 I, hidden]`` / ``down_proj [E, hidden, I]``) split into the hub's per-expert
+    ``mlp.experts.{e}.*_proj.weight``. Other tensors pass unchanged (``mtp.*`` heads stay unused).
+
+    Raises:
+        CheckpointError: a GDN layer lacks its grouped projections, or their shapes do not fit the config.
+    """
+    from specpilot.model.gdn import split_grouped_projections
+
+    out = dict(state)
+    for i, kind in enumerate(args.layer_types):
+        p = f"model.layers.{i}."
+        if kind == "linear_attention":
+            names = [p + "linear_attn.in_proj_qkvz.weight", p + "linear_attn.in_proj_ba.weight"]
+            for n in names:
+                if n not in out:
+                    raise CheckpointError(f"{path}: weights missing from the checkpoint, e.g. {n!r}")
+            try:
+                parts = split_grouped_projections(out.pop(names[0]), out.pop(names[1]), args.linear_num_key_heads,
+                                                  args.linear_num_value_heads, args.linear_key_head_dim,
+                                                  args.linear_value_head_dim)
+            except ValueError as e:
+                raise CheckpointError(f"{path}: layer {i}: {e}") from None
+            for n, t in zip(("qkv", "z", "b", "a"), parts):
+                out[p + f"linear_attn.in_proj_{n}.weight"] = t
+        fused = p + "mlp.experts.gate_up_proj"
+        if fused in out and p + "mlp.experts.down_proj" in out:
+            gate_up, down = out.pop(fused), out.pop(p + "mlp.experts.down_proj")
+            half = gate_up.shape[1] // 2
+            for e in range(gate_up.shape[0]):
+                q = p + f"mlp.experts.{e}."
+                out[q + "gate_proj.weight"], out[q + "up_proj.weight"] = gate_up[e, :half], gate_up[e, half:]
+                out[q + "down_proj.weight"] = down[e]
+    return out
+
+
 def build_model(args: ModelArgs) -> Transformer:
     """An uninitialised target of ``args``' architecture: a :class:`Transformer`, or for a hybrid model type a
-    :class:`~specpilot.model.hybrid.HybridTransformer` (Gated DeltaNet + gated attention)."""
+    :class:`~specpilot.model.hybrid.HybridTransformer` (Gated DeltaNet + gated attention; qwen3_next's MLPs
+    mixtures of experts)."""
     if args.is_hybrid:
         from specpilot.model.hybrid import HybridTransformer
 
@@ -136,6 +178,8 @@ def load_model(
     if args.is_hybrid:  # a multimodal qwen3_5 checkpoint keeps the text model under model.language_model
         state = {"model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k: t
                  for k, t in state.items()}
+    if args.model_type == "qwen3_next":
+        state = qwen3_next_state(state, args, path)
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {k: v.shape for k, v in model.state_dict().items()}

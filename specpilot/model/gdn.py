@@ -8,7 +8,8 @@ with ``q, k`` L2-normalised (q also scaled by ``d_k^-½``), ``β = sigmoid(b)`` 
 dt_bias)``. q, k, v come out of a short depthwise causal conv (kernel K, SiLU) over the layer's projected input; the
 conv of a row reads the K − 1 inputs before it *on its root path* (its ancestors, then the committed window). The
 output is RMS-normed per head, gated by ``silu(z)`` and projected out. Parameter names are Hugging Face's
-(``linear_attn.*`` of a qwen3_5 decoder layer).
+(``linear_attn.*`` of a qwen3_5 decoder layer; qwen3_next's grouped ``in_proj_qkvz`` / ``in_proj_ba`` are split into
+them on loading, :func:`split_grouped_projections`).
 
 Rows form a forest over the committed state: ``parents[j]`` is row j's parent row, −1 for a root (the state and
 conv window the cache has committed). A causal pass (prefill, AR, a chain) is the forest where ``parents[j] = j − 1``.
@@ -93,6 +94,33 @@ def delta_chunked(state: torch.Tensor, q, k, v, g, beta, chunk: int = 64) -> tup
         outs.append(((cum.exp()[:, :, None] * qc) @ state + (m * (qc @ kc.transpose(1, 2))) @ u).transpose(0, 1))
         state = cum[:, -1:, None].exp() * state + ((cum[:, -1:] - cum).exp()[:, :, None] * kc).transpose(1, 2) @ u
     return state, torch.cat(outs)
+
+
+def split_grouped_projections(qkvz: torch.Tensor, ba: torch.Tensor, hk: int, hv: int, dk: int, dv: int
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qwen3_next's fused GDN input projections in qwen3_5's layout (a row permutation: the same weights).
+
+    qwen3_next stores ``in_proj_qkvz`` grouped by key head — per key head ``[q (d_k), k (d_k), v (r d_v), z (r d_v)]``
+    with ``r = hv / hk`` value heads per key head — and ``in_proj_ba`` as ``[b (r), a (r)]`` per key head; qwen3_5
+    (:class:`GatedDeltaNet`) keeps ``in_proj_qkv`` as all q heads, all k heads, all v heads, and z, b, a apart. Value
+    head ``i · r + j`` is key head i's j-th in both.
+
+    Args:
+        qkvz: ``[2 hk dk + 2 hv dv, hidden]``; ba: ``[2 hv, hidden]``; hk / hv: key / value heads; dk / dv: their dims.
+    Returns:
+        ``(in_proj_qkv [2 hk dk + hv dv, hidden], in_proj_z [hv dv, hidden], in_proj_b [hv, hidden],
+        in_proj_a [hv, hidden])``, same dtype.
+    Raises:
+        ValueError: the shapes do not fit the head counts and dims.
+    """
+    h, r = qkvz.shape[-1], hv // hk
+    if hv % hk or qkvz.shape != (2 * hk * dk + 2 * hv * dv, h) or ba.shape != (2 * hv, h):
+        raise ValueError(f"in_proj_qkvz {tuple(qkvz.shape)} / in_proj_ba {tuple(ba.shape)} do not fit {hk} key "
+                         f"heads of {dk} and {hv} value heads of {dv}")
+    q, k, v, z = qkvz.reshape(hk, 2 * dk + 2 * r * dv, h).split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = ba.reshape(hk, 2 * r, h).split([r, r], dim=1)
+    qkv = torch.cat([t.reshape(-1, h) for t in (q, k, v)])
+    return qkv, z.reshape(-1, h), b.reshape(-1, h), a.reshape(-1, h)
 
 
 class GatedRMSNorm(nn.Module):

@@ -1,11 +1,14 @@
-"""A hybrid target (qwen3_5 text model): Gated DeltaNet layers interleaved with gated full attention, in plain
-PyTorch, eager reference path only (§4.2).
+"""A hybrid target (qwen3_5 text model or qwen3_next): Gated DeltaNet layers interleaved with gated full attention,
+in plain PyTorch, eager reference path only (§4.2).
 
 Against the dense decoder of :mod:`specpilot.model.layers`: every RMSNorm but the GDN output norm is zero-centred
 (``x̂ · (1 + w)``, computed in float32); full attention has per-head q/k norms, RoPE on the first
 ``head_dim · partial_rotary_factor`` dims only, and its output gated by ``sigmoid(gate)``, the gate a second half of
 ``q_proj``'s output per head; ``linear_attention`` layers are :class:`~specpilot.model.gdn.GatedDeltaNet`. The state
-lives in a :class:`~specpilot.model.hybrid_cache.HybridCache`. Parameter names are Hugging Face's.
+lives in a :class:`~specpilot.model.hybrid_cache.HybridCache`. A qwen3_next layer's MLP is a mixture of experts
+(:class:`~specpilot.model.moe.SparseMoE`) unless its config keeps that layer dense; its checkpoint's grouped GDN
+projections are split into qwen3_5's layout on loading (:func:`~specpilot.model.gdn.split_grouped_projections`), so
+the token mixers are the same modules. Parameter names are Hugging Face's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from specpilot.model.cache import PassKind
 from specpilot.model.gdn import GatedDeltaNet, parents_from_mask
 from specpilot.model.hybrid_cache import HybridCache
 from specpilot.model.layers import MLP, causal_mask
+from specpilot.model.moe import SparseMoE
 from specpilot.model.transformer import KernelConfig, Transformer
 
 
@@ -90,17 +94,18 @@ class HybridLayer(nn.Module):
 
     Args:
         args: the model's :class:`ModelArgs`; kind: ``linear_attention`` | ``full_attention``; slot: the layer's
-            index among the layers of its kind (its place in the cache).
+            index among the layers of its kind (its place in the cache); index: the layer's index in the model
+            (whether its MLP is a mixture of experts, :meth:`ModelArgs.is_moe_layer`).
     """
 
-    def __init__(self, args: ModelArgs, kind: str, slot: int):
+    def __init__(self, args: ModelArgs, kind: str, slot: int, index: int):
         super().__init__()
         self.kind, self.slot = kind, slot
         if kind == "linear_attention":
             self.linear_attn = GatedDeltaNet(args)
         else:
             self.self_attn = GatedAttention(args)
-        self.mlp = MLP(args)
+        self.mlp = SparseMoE(args) if args.is_moe_layer(index) else MLP(args)
         self.input_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -126,15 +131,15 @@ class HybridBackbone(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         seen = {"linear_attention": 0, "full_attention": 0}
         layers = []
-        for kind in args.layer_types:
-            layers.append(HybridLayer(args, kind, seen[kind]))
+        for i, kind in enumerate(args.layer_types):
+            layers.append(HybridLayer(args, kind, seen[kind], i))
             seen[kind] += 1
         self.layers = nn.ModuleList(layers)
         self.norm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
 class HybridTransformer(Transformer):
-    """A qwen3_5 text target over a :class:`HybridCache`: the eager :meth:`forward` only.
+    """A qwen3_5 text / qwen3_next target over a :class:`HybridCache`: the eager :meth:`forward` only.
 
     Verification mode (:attr:`verify`): ``snapshot`` (every row's GDN state kept by the pass: stock chain
     verification) or ``replay`` (only the last row's; commit replays the accepted path: trees without per-node

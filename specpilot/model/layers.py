@@ -204,11 +204,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``, of width ``intermediate_size`` (default the config's; an expert
+    of a mixture of experts passes its own, :mod:`specpilot.model.moe`)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
         super().__init__()
-        h, i, b = args.hidden_size, args.intermediate_size, args.mlp_bias
+        h, b = args.hidden_size, args.mlp_bias
+        i = args.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=b)
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
