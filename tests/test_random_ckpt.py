@@ -16,11 +16,15 @@ SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "nu
 #: what a hybrid (qwen3_5) architecture shrinks further: its layer list and Gated DeltaNet heads
 SMALL_HYBRID = {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
                 "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 16}
+#: what a mixture-of-experts (qwen3_next) architecture shrinks further: its experts (layer 0 dense, layer 1 sparse)
+SMALL_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 48, "mlp_only_layers": [0]}
 
 
 def small(arch: str) -> dict:
     """The test's overrides shrinking ``arch``."""
-    return {**SMALL, **(SMALL_HYBRID if "layer_types" in ARCHS[arch] else {})}
+    hybrid = "layer_types" in ARCHS[arch] or "full_attention_interval" in ARCHS[arch]
+    return {**SMALL, **(SMALL_HYBRID if hybrid else {}), **(SMALL_MOE if "num_experts" in ARCHS[arch] else {})}
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -45,6 +49,12 @@ def test_full_size_shapes_count_parameters():
     assert 8.0e9 < n < 8.1e9  # Llama-3.1-8B: 8.03B
     n = sum(torch.Size(s).numel() for s in tensor_shapes(ARCHS["qwen3.5-27b-like"]).values())
     assert 26.5e9 < n < 27.5e9  # the text model of a 27B hybrid (48 GDN + 16 attention layers)
+    shapes = tensor_shapes(ARCHS["qwen3-next-80b-a3b-like"])
+    n = sum(torch.Size(s).numel() for s in shapes.values())
+    assert 79.5e9 < n < 80.5e9  # an 80B hybrid MoE: 48 layers of 512 experts (no multi-token-prediction head)
+    assert "model.layers.0.mlp.experts.511.down_proj.weight" in shapes
+    assert "model.layers.3.self_attn.q_proj.weight" in shapes
+    assert "model.layers.2.linear_attn.in_proj_qkvz.weight" in shapes
 
 
 def test_unknown_arch_is_a_clear_error(tmp_path):

@@ -166,7 +166,7 @@ def build(
 
 @app.command("random")
 def random_cmd(
-    arch: str = typer.Option(..., help="qwen3-8b | llama-3.1-8b | qwen3-32b | qwen3.5-27b-like"),
+    arch: str = typer.Option(..., help="qwen3-8b | llama-3.1-8b | qwen3-32b | qwen3.5-27b-like | qwen3-next-80b-a3b-like"),
     out: Path = typer.Option(..., help="output checkpoint directory"),
     seed: int = typer.Option(0, help="RNG seed"),
 ):

@@ -50,13 +50,29 @@ ARCHS: dict[str, dict] = {
         "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
         "hidden_act": "silu", "attention_bias": False, "eos_token_id": 248044,
     },
+    # a hybrid with mixture-of-experts MLPs: 36 Gated DeltaNet + 12 gated full-attention layers (every 4th), every
+    # layer's MLP 512 routed experts (top 10) + a gated shared expert; 79.7B parameters (the multi-token-prediction
+    # head not written). The shape as third-party copies of Qwen3-Next-80B-A3B-Instruct's config.json give it, which
+    # agree with transformers' Qwen3NextConfig defaults; not checked against the hub here
+    "qwen3-next-80b-a3b-like": {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+        "rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 512, "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False, "hidden_act": "silu",
+        "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
+    },
 }
 
 
-def _hybrid_layer_shapes(cfg: dict, n: int) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of hybrid (qwen3_5) decoder layer ``n``'s token mixer (HF names)."""
+def _hybrid_layer_shapes(cfg: dict, n: int, layer_types: list[str]) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of hybrid (qwen3_5 / qwen3_next) decoder layer ``n``'s token mixer (HF names;
+    qwen3_next keeps the GDN input projections grouped as ``in_proj_qkvz`` and ``in_proj_ba``)."""
     p, h = f"model.layers.{n}.", cfg["hidden_size"]
-    if cfg["layer_types"][n] == "full_attention":
+    if layer_types[n] == "full_attention":
         d, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
         return {p + "self_attn.q_proj.weight": (2 * nh * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
                 p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nh * d),
@@ -64,25 +80,44 @@ def _hybrid_layer_shapes(cfg: dict, n: int) -> dict[str, tuple[int, ...]]:
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     kd, vd = hk * cfg["linear_key_head_dim"], hv * cfg["linear_value_head_dim"]
     q = p + "linear_attn."
-    return {q + "in_proj_qkv.weight": (2 * kd + vd, h), q + "in_proj_z.weight": (vd, h),
-            q + "in_proj_b.weight": (hv, h), q + "in_proj_a.weight": (hv, h),
-            q + "conv1d.weight": (2 * kd + vd, 1, cfg["linear_conv_kernel_dim"]), q + "dt_bias": (hv,),
+    if cfg["model_type"] == "qwen3_next":
+        proj = {q + "in_proj_qkvz.weight": (2 * kd + 2 * vd, h), q + "in_proj_ba.weight": (2 * hv, h)}
+    else:
+        proj = {q + "in_proj_qkv.weight": (2 * kd + vd, h), q + "in_proj_z.weight": (vd, h),
+                q + "in_proj_b.weight": (hv, h), q + "in_proj_a.weight": (hv, h)}
+    return {**proj, q + "conv1d.weight": (2 * kd + vd, 1, cfg["linear_conv_kernel_dim"]), q + "dt_bias": (hv,),
             q + "A_log": (hv,), q + "norm.weight": (cfg["linear_value_head_dim"],), q + "out_proj.weight": (h, vd)}
 
 
+def _mlp_shapes(p: str, h: int, i: int) -> dict[str, tuple[int, ...]]:
+    """A SwiGLU MLP's tensors under prefix ``p`` (hidden ``h``, width ``i``)."""
+    return {p + "gate_proj.weight": (i, h), p + "up_proj.weight": (i, h), p + "down_proj.weight": (h, i)}
+
+
+def _moe_shapes(cfg: dict, p: str) -> dict[str, tuple[int, ...]]:
+    """A qwen3_next mixture-of-experts MLP's tensors under prefix ``p`` (the hub's per-expert names)."""
+    h, e, i = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
+    out = {p + "gate.weight": (e, h), p + "shared_expert_gate.weight": (1, h)}
+    for k in range(e):
+        out.update(_mlp_shapes(p + f"experts.{k}.", h, i))
+    return {**out, **_mlp_shapes(p + "shared_expert.", h, cfg["shared_expert_intermediate_size"])}
+
+
 def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor name and shape of a llama / qwen2 / qwen3 / qwen3_5 text checkpoint with config ``cfg`` (HF
-    names)."""
+    """Every tensor name and shape of a llama / qwen2 / qwen3 / qwen3_5 text / qwen3_next checkpoint with config
+    ``cfg`` (HF names)."""
+    from specpilot.model.args import HYBRID_MODEL_TYPES, ModelArgs
+
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    args = ModelArgs.from_hf(cfg) if cfg["model_type"] in HYBRID_MODEL_TYPES else None
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        if cfg["model_type"] == "qwen3_5_text":
-            shapes.update(_hybrid_layer_shapes(cfg, n))
-            shapes.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                           p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                           p + "post_attention_layernorm.weight": (h,)})
+        if args is not None:
+            shapes.update(_hybrid_layer_shapes(cfg, n, args.layer_types))
+            shapes.update(_moe_shapes(cfg, p + "mlp.") if args.is_moe_layer(n) else _mlp_shapes(p + "mlp.", h, i))
+            shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
             continue
         shapes.update({
             p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
