@@ -124,6 +124,10 @@ def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None,
         raise ValueError("recording a block drafter needs the target (its hidden states are the context)")
     sequential = drafter.kind == "draft_model"  # one pass per drafted position: time one position too
     calls, t_total, firsts, t_first, t_one, observes, t_obs = 0, 0.0, 0, 0.0, 0.0, 0, 0.0
+    if not layers and rec.ar and len(rec.ar[0]) > 1:  # untimed, then forgotten: a static draft model captures its
+        drafter.reset(0)  # drafting loop's graph per depth on first use (a block drafter captures when built)
+        for d in (depth, 1) if sequential else (depth,):
+            propose_one(drafter, rec.prompts[0] + rec.ar[0][:1], d)
     for prompt, ar in zip(rec.prompts, rec.ar):
         drafter.reset(0)
         if layers:  # every prefix's features from one causal pass; observed slot by slot as the engine does
@@ -151,8 +155,6 @@ def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None,
             else:
                 t_total, calls = t_total + dt, calls + 1
             if sequential:  # the same prefix again (the drafter rewinds to it), one position
-                if m == 1 and firsts == 1:  # untimed first: a static drafter captures its one-position loop here
-                    propose_one(drafter, prompt + ar[:m], 1)
                 t0 = time.perf_counter()
                 propose_one(drafter, prompt + ar[:m], 1)
                 t_one += time.perf_counter() - t0

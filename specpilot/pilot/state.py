@@ -184,7 +184,7 @@ class Pilot:
         return idx if not n else idx[:: max(1, len(idx) // n)][:n]
 
     def spread(self, n: int | None):
-        """``n`` requests evenly spread over the request set (all of them for None): :meth:`spread_indices`'."""
+        """``n`` requests evenly spread over the request set (all of them for None), those of :meth:`spread_indices`."""
         return [self.reqs[i] for i in self.spread_indices(n)]
 
     def measure(self, cfg: SystemConfig, n: int | None = None, reqs=None) -> dict:
