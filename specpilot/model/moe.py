@@ -1,4 +1,5 @@
-"""A mixture-of-experts MLP (qwen3_next's sparse MoE block) in plain PyTorch: the eager reference (§4.2).
+"""A mixture-of-experts MLP (qwen3_next's sparse MoE block) in plain PyTorch: the eager reference of a hybrid
+target's MLP (§4.2's targets; the paper itself has no MoE).
 
 Per row ``x`` (a normed hidden state): a router ``gate`` gives ``E`` logits; their softmax (float32) picks the top
 ``k`` experts, whose probabilities are renormalised to sum 1 when the config says ``norm_topk_prob``; each picked
@@ -10,7 +11,7 @@ its experts' outputs plus a shared SwiGLU expert scaled by ``sigmoid(shared_expe
 Rows never mix: each row's output depends on that row alone, so a verification pass over a tree gives every row
 what a chain of its root path would (up to GEMM blocking). The reference loops over the experts that some row
 picked and runs each on the rows routed to it — how many distinct experts a pass touches grows with its rows,
-which is why an MoE target's cost per pass ``c(N)`` is not flat in N (docs/hybrid.md). Parameter names are
+which is why an MoE target's cost per pass ``c(N)`` (§3.2) is not flat in N (docs/hybrid.md). Parameter names are
 Hugging Face's (``mlp.gate``, ``mlp.experts.{e}.*_proj``, ``mlp.shared_expert.*``, ``mlp.shared_expert_gate``).
 """
 
