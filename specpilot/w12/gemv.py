@@ -33,7 +33,7 @@ from specpilot.kernels.gemm import _num_sms
 from specpilot.w12.epilogue import _outputs, _sum_splits, split_locks
 from specpilot.w12.escapes import W12GemmError
 from specpilot.w12.format import RECORD_COLS, RECORD_ROWS, W12Tensor
-from specpilot.w12.launch import GEMV_MAX_ROWS, gemv_config
+from specpilot.w12.launch import GEMV_MAX_ROWS, gemv_config, gemv_resources  # re-exported
 
 try:
     import triton
@@ -151,25 +151,6 @@ def w12_gemv(x: torch.Tensor, w12: W12Tensor, bias: torch.Tensor | None, escapes
             m, n, k, k_pad, k_per_split, x.stride(0), ROWS=rows, LOAD_STAGES=int(cfg["load_stages"]), VIEW=view,
             **common)
     return _sum_splits(part, out, b, split, bias is not None, fused, add, bn)
-
-
-def gemv_resources(rows: int, block_n: int, block_k: int, num_warps: int, num_stages: int = 3, split_k: int = 1,
-                   load_stages: int = 1, lines: bool = False):
-    """Registers and spills of the GEMV kernel for ``rows`` (1..8) compiled for sm_90a without a GPU
-    (:func:`specpilot.kernels.resources.kernel_resources`; bf16 activations, inline-PTX decode, even K);
-    ``lines`` (one row only): the line-coalesced kernel :func:`_w12_gemv_lines_kernel`.
-    Raises: ResourcesUnavailable without Triton's ptxas; W12GemmError for rows outside 1..8."""
-    from specpilot.kernels.resources import kernel_resources
-    from specpilot.w12.tiles import WORD_KERNEL_SIGNATURE
-
-    if not 1 <= rows <= GEMV_MAX_ROWS:
-        raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, FUSED=False, EVEN=True, X_EVEN=True,
-                  HAS_BIAS=False, ASM=True)
-    if lines and rows == 1:
-        return kernel_resources(_w12_gemv_lines_kernel, WORD_KERNEL_SIGNATURE, consts, num_warps, num_stages)
-    consts |= dict(ROWS=triton.next_power_of_2(rows), LOAD_STAGES=load_stages)
-    return kernel_resources(_w12_gemv_kernel, WORD_KERNEL_SIGNATURE, consts, num_warps, num_stages)
 
 
 if triton is not None:

@@ -188,6 +188,28 @@ def gemv_config(n: int, k: int, num_sms: int = 132, m: int = 1) -> dict:
 
 
 
+def gemv_resources(rows: int, block_n: int, block_k: int, num_warps: int, num_stages: int = 3, split_k: int = 1,
+                   load_stages: int = 1, lines: bool = False):
+    """Registers and spills of the GEMV kernel for ``rows`` (1..8) compiled for sm_90a without a GPU
+    (:func:`specpilot.kernels.resources.kernel_resources`; bf16 activations, inline-PTX decode, even K);
+    ``lines`` (one row only): the line-coalesced kernel :func:`~specpilot.w12.gemv._w12_gemv_lines_kernel`.
+    Raises: ResourcesUnavailable without Triton's ptxas; W12GemmError for rows outside 1..8."""
+    import triton
+
+    from specpilot.kernels.resources import kernel_resources
+    from specpilot.w12.gemv import _w12_gemv_kernel, _w12_gemv_lines_kernel
+    from specpilot.w12.tiles import WORD_KERNEL_SIGNATURE
+
+    if not 1 <= rows <= GEMV_MAX_ROWS:
+        raise W12GemmError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, FUSED=False, EVEN=True, X_EVEN=True,
+                  HAS_BIAS=False, ASM=True)
+    if lines and rows == 1:
+        return kernel_resources(_w12_gemv_lines_kernel, WORD_KERNEL_SIGNATURE, consts, num_warps, num_stages)
+    consts |= dict(ROWS=triton.next_power_of_2(rows), LOAD_STAGES=load_stages)
+    return kernel_resources(_w12_gemv_kernel, WORD_KERNEL_SIGNATURE, consts, num_warps, num_stages)
+
+
 __all__ = ["MAX_ROWS", "GEMV_MAX_ROWS", "PROGRAMS_PER_SM", "FUSED_SPLIT_MAX_ROWS", "WAVE_MAXNREG", "WAVE_PROGRAMS",
            "GEMV_WARPS_PER_SM", "OVERRIDES", "default_config", "gemv_config", "one_row_gemv", "routes_to_gemv",
-           "check_overrides"]
+           "check_overrides", "gemv_resources"]
