@@ -12,7 +12,7 @@ import pytest
 from specpilot.config import SystemConfig
 from specpilot.engine.deployment import Deployment
 from specpilot.pilot.planner import Planner
-from specpilot.pilot.replay import Recording, record, replay, replay_steps
+from specpilot.pilot.replay import Recording, record, replay, replay_steps, replay_trace
 from specpilot.zoo import bundled_block_dir, bundled_drafter_dir, bundled_target_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -128,6 +128,8 @@ def test_recording_times_each_calls_work(screened):
     assert set(curve) == set(VERIFY_ROWS) and all(v > 0 for v in curve.values())
     fit = monotone([curve[r] for r in sorted(curve)])
     assert [pilot.planner.verify_time(r, block.target_layers) for r in sorted(curve)] == pytest.approx(list(fit))
+    # moving an accepted path into place: measured plain and with the block's features gathered
+    assert set(inputs.report["move_ms"]) == {"", ",".join(map(str, block.target_layers))}
 
 
 def _timed(**kw) -> Planner:
@@ -176,3 +178,44 @@ def test_verify_ms_times_the_pass_with_the_features_gathered(tiny_models, static
     target = tiny_models[0]
     ms = measure_verify_ms(target, prefix_len=16, rows=(1, 3), repeats=2, static=static, feature_layers=(0, 1))
     assert set(ms) == {1, 3} and all(v > 0 for v in ms.values())
+
+
+def test_replay_trace_moves_the_paths_the_engine_compacts():
+    """Replay's moved rows per step (the accepted path when it is not the tree's rows 0 … k−1) are the compactions
+    the engine runs, in order and by length; a chain never moves."""
+    dep = Deployment(bundled_target_dir(), bundled_drafter_dir())
+    prompts = [dep.tokenizer(t, add_special_tokens=False)["input_ids"] for t in
+               ("Question: Tom has 3 apples and buys 4 more. How many apples does he have?", "def add(a, b):\n")]
+    n = 24
+    ar = [dep.system(SystemConfig.ar(), eos_ids=[]).generate(p, n).tokens for p in prompts]
+    rec = record(dep.system(DRAFT_MODEL.model_copy(update={"top_k": 8})).drafter, prompts, ar, 8, 8)
+    chain = SystemConfig(drafter="draft_model", tree="chain", nodes=6, depth=6, top_k=1)
+    assert all(mv == 0 for *_, mv in replay_trace(rec, chain))
+    for cfg in (DRAFT_MODEL, SystemConfig(drafter="draft_model", tree="best_first", nodes=16, depth=8, top_k=8)):
+        eng = dep.system(cfg, eos_ids=[])
+        moved, compact = [], eng.cache.compact
+
+        def counted(start, rows, compact=compact):
+            moved.append(rows.numel())
+            compact(start, rows)
+
+        eng.cache.compact = counted
+        for p in prompts:
+            assert eng.generate(p, n).tokens == ar[prompts.index(p)]
+        trace = replay_trace(rec, cfg)
+        assert [mv for *_, mv in trace if mv] == moved
+        assert [(k, r) for k, r, _ in trace] == replay_steps(rec, cfg)
+    assert moved  # the 16-node tree accepts off its first rows here
+
+
+def test_moves_are_priced_per_step_that_moves(tiny_models):
+    from specpilot.pilot.setup import measure_move_ms
+
+    p = Planner({}, {1: 1.0}, 1.0, move_ms={(): {2: 0.1, 3: 0.2}, (0, 1): {2: 0.3, 5: 0.6}})
+    assert p.move_time([0, 2, 3, 0]) == pytest.approx(0.3 / 4)
+    assert p.move_time([4, 0], (0, 1)) == pytest.approx(0.5 / 2)
+    assert p.move_time([2, 2], (7,)) == 0.0 and p.move_time([]) == 0.0  # not measured / no steps
+    ms = measure_move_ms(tiny_models[0], prefix_len=16, lengths=(2, 4), repeats=2, feature_layers=(0, 1))
+    assert set(ms) == {2, 4} and all(v > 0 for v in ms.values())
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        measure_move_ms(tiny_models[0], prefix_len=16, lengths=(1, 2))

@@ -1,7 +1,8 @@
 """The cost model's inputs (paper §3.2): T_AR, pass time by rows, and lattices recorded for exact replay.
 
 After Phase 0 the pilot measures AR interleaved with stock (one source of truth for T_AR, :mod:`.steps`),
-the exact pass's time by row count right after, and records every drafter's lattices along AR's outputs
+the exact pass's time by row count right after (again with each block drafter's target layers gathered), the
+time to move an accepted path into place, and records every drafter's lattices along AR's outputs
 (n-gram at top-1/2/4/8, the draft model, each block drafter at its full block) so the planner can replay
 any tree over them (§2.4). From these it builds the :class:`~specpilot.pilot.planner.Planner` and the
 report's c(N) and τ(N) curves.
@@ -17,7 +18,7 @@ from specpilot.config import SystemConfig
 from specpilot.pilot.phase0 import Phase0Result
 from specpilot.pilot.planner import VERIFY_ROWS, Planner
 from specpilot.pilot.replay import record
-from specpilot.pilot.setup import measure_verify_ms
+from specpilot.pilot.setup import measure_move_ms, measure_verify_ms
 from specpilot.pilot.state import Pilot
 
 
@@ -39,6 +40,7 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
     base_m = pilot.measure(pilot.stock, n=4)
     static = torch.device(dep.device).type == "cuda"  # as the engine runs there
     verify_ms = measure_verify_ms(dep.target, prefix_len=200, rows=VERIFY_ROWS, static=static)
+    move_ms = {(): measure_move_ms(dep.target, prefix_len=200)}  # a tree's accepted path out of place
     report = {"ar_step_ms": base_m["ar_step_ms"], "stock": base_m, "verify_ms": verify_ms,
               "source": "AR and stock interleaved on 4 requests (decode steps, prefill excluded); "
                         "pass times by rows measured right after"}
@@ -65,9 +67,12 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
         if layers not in feature_verify:  # its system's exact pass also gathers these layers' outputs
             feature_verify[layers] = measure_verify_ms(dep.target, prefix_len=200, rows=VERIFY_ROWS, static=static,
                                                        feature_layers=layers)
+            move_ms[layers] = measure_move_ms(dep.target, prefix_len=200, feature_layers=layers)
     report["verify_ms_with_features"] = {",".join(map(str, k)): v for k, v in feature_verify.items()}
+    report["move_ms"] = {",".join(map(str, k)): v for k, v in move_ms.items()}
     pilot.planner = Planner(recs, verify_ms, base_m["ar_step_ms"], device=pilot.o.device,
-                            spec_step=(pilot.stock, base_m["step_ms"]), feature_verify_ms=feature_verify)
+                            spec_step=(pilot.stock, base_m["step_ms"]), feature_verify_ms=feature_verify,
+                            move_ms=move_ms)
     report["spec_overhead_ms"] = pilot.planner.overhead_ms
     report["spec_overhead_source"] = pilot.planner.spec_overhead_source
     return CostInputs(report, c_model_curve(pilot.planner, verify_ms), tau_curves(pilot))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specpilot.config import SystemConfig
-from specpilot.pilot.replay import Recording, TruncatedLattice, replay, replay_steps
+from specpilot.pilot.replay import Recording, TruncatedLattice, replay, replay_steps, replay_trace
 from specpilot.spec.trees import build_tree
 
 #: Option grid the planner searches (kept small: every candidate costs a paired run).
@@ -71,12 +71,13 @@ def monotone(values) -> np.ndarray:
 class Planner:
     """Predicts τ, c and speedup of configs and proposes candidates for a direction.
 
-    A speculative step's time is predicted as ``T_spec + mean T_pass(rows) + T_draft + T_tree`` (§3.2): the exact
-    pass priced at each replayed step's own rows (measured by rows, made monotone; a step whose drafter found
+    A speculative step's time is predicted as ``T_spec + mean T_pass(rows) + T_draft + T_tree + T_move`` (§3.2): the
+    exact pass priced at each replayed step's own rows (measured by rows, made monotone; a step whose drafter found
     nothing verifies one row, and a pass's cost is not linear in rows), the drafter's measured propose and observe
     times (:meth:`draft_time`), the host's time to build the config's tree (:meth:`tree_time`: the engine's own
     builder timed on the recorded lattices; a 32-node best-first tree costs the host several times a 6-token
-    chain, which matters where a step is a fraction of a millisecond), and ``T_spec`` the step's remaining work
+    chain, which matters where a step is a fraction of a millisecond), the measured moves of accepted paths that
+    are not in place (:meth:`move_time`; a chain never moves), and ``T_spec`` the step's remaining work
     (acceptance, commits, the host read AR's pipelined loop hides), calibrated on one speculative step measured
     live (``spec_step``). c = that time / T_AR.
 
@@ -94,26 +95,34 @@ class Planner:
         feature_verify_ms: ``{target_layers: {rows: ms}}``, the exact pass timed as a system whose drafter reads
             those target layers runs it (their outputs gathered for the drafter, a block drafter's context); a
             config whose recording has ``target_layers`` is priced on its curve (on ``verify_ms`` without one).
+        move_ms: ``{target_layers: {path rows: ms}}`` (:func:`~specpilot.pilot.setup.measure_move_ms`): a step whose
+            accepted path is not in place moves it (the target cache's compaction, and the features' gather for a
+            drafter reading ``target_layers``; ``()``: none); priced per replayed step that moves
+            (:func:`~specpilot.pilot.replay.replay_trace`). None or a missing key: not priced.
     """
 
     def __init__(self, recordings: dict[tuple[str, int], Recording], verify_ms: dict[int, float], ar_ms: float,
                  device: str = "cpu", spec_step: tuple[SystemConfig, float] | None = None,
-                 feature_verify_ms: dict[tuple[int, ...], dict[int, float]] | None = None):
+                 feature_verify_ms: dict[tuple[int, ...], dict[int, float]] | None = None,
+                 move_ms: dict[tuple[int, ...], dict[int, float]] | None = None):
         self.recordings, self.ar_ms, self.device = recordings, ar_ms, str(device)
         self._tree_ms: dict[tuple, float] = {}
         self.rows = np.array(sorted(verify_ms), dtype=float)
         self.ms = monotone([verify_ms[r] for r in sorted(verify_ms)])
         self._curves = {tuple(k): (np.array(sorted(v), dtype=float), monotone([v[r] for r in sorted(v)]))
                         for k, v in (feature_verify_ms or {}).items()}
+        self._moves = {tuple(k): (np.array(sorted(v), dtype=float), monotone([v[r] for r in sorted(v)]))
+                       for k, v in (move_ms or {}).items()}
         self.overhead_ms = max(ar_ms - float(self.ms[0]), 0.0)  # per-step work outside the pass
         self.spec_overhead_source = "AR's step less its one-row pass"
         rec = self.recording(spec_step[0]) if spec_step is not None and spec_step[0].drafter != "none" else None
         if rec is not None:
             cfg, step_ms = spec_step
-            steps = replay_steps(rec, cfg)
+            trace = replay_trace(rec, cfg)
+            steps = [(k, r) for k, r, _ in trace]
             pass_ms = self.pass_time(steps, rec.target_layers)
-            self.overhead_ms = max(step_ms - pass_ms - self.draft_time(cfg, steps) - self.tree_time(cfg, steps),
-                                   0.0)
+            self.overhead_ms = max(step_ms - pass_ms - self.draft_time(cfg, steps) - self.tree_time(cfg, steps)
+                                   - self.move_time([mv for *_, mv in trace], rec.target_layers), 0.0)
             self.spec_overhead_source = (f"{cfg.label()} measured live: {step_ms:.3f} ms a step less its passes "
                                          f"(mean {pass_ms:.3f} ms over its replayed rows), its drafting and its "
                                          "tree building")
@@ -131,6 +140,15 @@ class Planner:
         if not steps:
             return self.verify_time(1, layers)
         return float(np.mean([self.verify_time(r, layers) for _, r in steps]))
+
+    def move_time(self, moved: list[int], layers: tuple[int, ...] = ()) -> float:
+        """Mean time per step to move accepted paths into place, ms: ``moved`` is each replayed step's moved rows
+        (0: in place; :func:`~specpilot.pilot.replay.replay_trace`), priced on the measured ``move_ms`` curve of
+        ``layers`` (monotone, interpolated); 0 when that was not measured or there are no steps."""
+        if tuple(layers) not in self._moves or not moved:
+            return 0.0
+        xs, ys = self._moves[tuple(layers)]
+        return float(sum(np.interp(k, xs, ys) for k in moved if k > 0)) / len(moved)
 
     def draft_time(self, cfg: SystemConfig, steps: list[tuple[int, int]] | None = None,
                    requests: list[int] | None = None) -> float:
@@ -220,12 +238,13 @@ class Planner:
         rec = self.recording(cfg)
         if rec is None:
             return None
-        steps = replay_steps(rec if requests is None else rec.subset(requests), cfg)
-        if not steps:
+        trace = replay_trace(rec if requests is None else rec.subset(requests), cfg)
+        if not trace:
             return None
+        steps = [(k, r) for k, r, _ in trace]
         tau = sum(k for k, _ in steps) / len(steps)
         c = (self.overhead_ms + self.pass_time(steps, rec.target_layers) + self.draft_time(cfg, steps, requests)
-             + self.tree_time(cfg, steps)) / self.ar_ms
+             + self.tree_time(cfg, steps) + self.move_time([mv for *_, mv in trace], rec.target_layers)) / self.ar_ms
         return Prediction(tau, c, tau / c)
 
     def oracle_tau(self, cfg: SystemConfig) -> float:

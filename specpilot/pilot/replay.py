@@ -188,6 +188,16 @@ def replay_steps(rec: Recording, config: SystemConfig, policy: str | None = None
     """:func:`replay`'s steps one by one: ``[(tokens kept, rows verified)]``, rows = 1 + the tree's nodes (1 where
     the drafter proposed nothing; the oracle's ``min(nodes, depth)`` nodes). The cost model prices each step's
     own row count (a pass's cost is not linear in rows). Raises ValueError as :func:`replay`."""
+    return [(kept, rows) for kept, rows, _ in replay_trace(rec, config, policy, sequoia)]
+
+
+def replay_trace(rec: Recording, config: SystemConfig, policy: str | None = None,
+                 sequoia: SequoiaBuilder | None = None) -> list[tuple[int, int, int]]:
+    """:func:`replay_steps` with each step's moved rows: ``[(tokens kept, rows verified, rows moved)]``. Rows moved
+    is the accepted path's length (root + accepted nodes) when the path is not the tree's rows ``0 … k−1`` in
+    place, else 0: the engine then compacts the target's cache (and gathers the rows' features for a drafter
+    that reads them) so the path lies in place (``Engine._step``); a chain never moves. The oracle policy moves
+    nothing (it is no tree the engine runs). Raises ValueError as :func:`replay`."""
     if config.depth > rec.depth or config.top_k > rec.top_k:
         raise ValueError(f"recorded depth {rec.depth} / top-K {rec.top_k} cannot replay {config.label()}")
     out = []
@@ -197,12 +207,12 @@ def replay_steps(rec: Recording, config: SystemConfig, policy: str | None = None
         while m < len(ar):
             remaining = budget - m  # the engine drafts toward the budget; a stop token ends ``ar`` before it
             lat = lats.get(m) if remaining > 1 else None
-            n_acc, rows = 0, 1
+            n_acc, rows, in_place = 0, 1, True
             if lat is not None:
                 lat = TruncatedLattice(lat, min(config.depth, remaining - 1), config.top_k)
-                n_acc, rows = _accepted(lat, ar[m:], config, policy, sequoia)
+                n_acc, rows, in_place = _walk(lat, ar[m:], config, policy, sequoia)
             kept = min(n_acc + 1, len(ar) - m)  # past the stop token the engine keeps nothing
-            out.append((kept, rows))
+            out.append((kept, rows, 0 if in_place else n_acc + 1))
             m += kept
     return out
 
@@ -211,6 +221,13 @@ def _accepted(lat: Lattice, target: list[int], config: SystemConfig, policy: str
               sequoia: SequoiaBuilder | None) -> tuple[int, int]:
     """Drafted tokens accepted at one step, the longest tree path equal to ``target``'s prefix, and the rows the
     step verifies (1 + the tree's nodes)."""
+    return _walk(lat, target, config, policy, sequoia)[:2]
+
+
+def _walk(lat: Lattice, target: list[int], config: SystemConfig, policy: str | None,
+          sequoia: SequoiaBuilder | None) -> tuple[int, int, bool]:
+    """:func:`_accepted` and whether the accepted path is the tree's rows ``0 … n`` in place (True for the
+    oracle)."""
     if policy == "oracle":
         path: tuple[int, ...] = ()
         limit = min(config.nodes, lat.depth)
@@ -218,13 +235,13 @@ def _accepted(lat: Lattice, target: list[int], config: SystemConfig, policy: str
             if target[len(path)] not in {t for t, _ in lat.children(path)}:
                 break
             path += (target[len(path)],)
-        return len(path), 1 + limit
+        return len(path), 1 + limit, True
     tree = build_tree(config.tree, lat, config.nodes, sequoia)
     kids, row, n = tree.child_maps(), 0, 0
     while n < len(target) and target[n] in kids[row]:
         row = kids[row][target[n]]
         n += 1
-    return n, 1 + len(tree)
+    return n, 1 + len(tree), row == n  # rows increase along a path: it ends at row n only if it is 0 … n
 
 
 def profile_steps(rec: Recording, depth: int | None = None):

@@ -123,3 +123,42 @@ def measure_verify_ms(model, prefix_len: int, rows=(1, 2, 4, 8, 16, 32), repeats
             times[r].append(1e3 * (time.perf_counter() - t0))
     out = {r: sorted(t)[len(t) // 2] for r, t in times.items()}
     return out
+
+
+def measure_move_ms(model, prefix_len: int, lengths=(2, 3, 5, 9, 17), repeats: int = 12,
+                    feature_layers: tuple[int, ...] = ()) -> dict[int, float]:
+    """Median ms to move an accepted path of ``k`` rows into place, by ``k`` (root included, ``k ≥ 2``), as a
+    speculative step does when its path is not the tree's rows ``0 … k−1`` (§1.1, R8; ``Engine._step``): the path's
+    row indices to a tensor, the target cache's compaction (:meth:`KVCache.compact` at ``prefix_len``) and, with
+    ``feature_layers``, the gather of the path's rows of the pass's features ``[rows, len(layers) * hidden]`` that
+    the engine hands a drafter reading them. The path timed is rows ``0, 2, 4, …``; host wall time with the device
+    synced after each move, in ``repeats`` interleaved rounds after one warm-up per length.
+
+    Raises:
+        ValueError: a length below 2 (a one-row path, the root alone, is always in place).
+    """
+    if min(lengths) < 2:
+        raise ValueError(f"a moved path has at least 2 rows, got lengths {tuple(lengths)}")
+    dev = model.device
+    span = 2 * max(lengths)
+    cache = model.new_cache(prefix_len + span)
+    width = len(feature_layers) * model.args.hidden_size
+    feats = torch.zeros(span, width, dtype=model.dtype, device=dev) if feature_layers else None
+
+    def move(k: int) -> None:
+        rows = torch.tensor([0] + [2 * j for j in range(1, k)])
+        cache.compact(prefix_len, rows)
+        if feats is not None:
+            feats[rows.to(dev)]
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    for k in lengths:
+        move(k)
+    times = {k: [] for k in lengths}
+    for _ in range(repeats):
+        for k in lengths:
+            t0 = time.perf_counter()
+            move(k)
+            times[k].append(1e3 * (time.perf_counter() - t0))
+    return {k: sorted(t)[len(t) // 2] for k, t in times.items()}
