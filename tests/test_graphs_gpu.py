@@ -109,3 +109,21 @@ def test_block_drafter_graphed_equals_eager_and_ar(drafter_dir):
         assert g.tokens == e.tokens == ar.generate(prompt, 40).tokens
         accepted += g.accepted
     assert max(accepted) > 1
+
+
+@pytest.mark.parametrize("drafter,weights", [("draft_model", "view8"), ("block", "view8"), ("draft_model", "int8")])
+def test_tlv_graphed_equals_eager_and_ar(drafter, weights):
+    """TLV with both passes through the row-bucket graphs (the Q pass's rows in scratch slots) on the bundled pair in
+    float32: the eager cycle's tokens, chains and acceptance, and AR's tokens. view8 on a float32 target encodes its
+    bf16 rounding and runs the 8-bit-view kernel (the W12 mechanism needs bf16 activations here only for speed)."""
+    from specpilot.zoo import bundled_block_dir
+
+    dep = Deployment(bundled_target_dir(), bundled_block_dir() if drafter == "block" else bundled_drafter_dir(),
+                     dtype="float32", device="cuda")
+    cfg = SystemConfig(drafter=drafter, tree="best_first", nodes=16, depth=6, top_k=4, tlv=True, q_weights=weights)
+    graphed, eager, ar = dep.system(cfg), dep.system(cfg, buckets=False), dep.system(SystemConfig.ar())
+    assert graphed.tlv.runner is not None and graphed.tlv.runner.graphs and eager.tlv.runner is None
+    for prompt in ([5, 17, 300, 42, 9] * 8, [11, 400, 23] * 100):
+        g, e = graphed.generate(prompt, 40), eager.generate(prompt, 40)
+        assert g.tokens == e.tokens == ar.generate(prompt, 40).tokens
+        assert sum(g.chains) > 0
