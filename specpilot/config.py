@@ -61,6 +61,12 @@ class SystemConfig(BaseModel):
             while requests run are prefilled inside that step's exact pass, not in a pass of their own, when their
             rows together are at most this many (more: their own prefill pass, as with 0 = off). Lossless: prompt
             rows attend only to their own prompt.
+        drafter_block: the per-request drafter block (§4.4): the depths a request of a batched step may draft, e.g.
+            ``(16, 12, 8)``, each at most ``depth``; every step each request drafts one of them, picked from its
+            recent acceptance and its last draft's confidence (:func:`specpilot.spec.drafter_block.pick_block`), and
+            its tree is at most that deep. ``()``: off (every request drafts ``depth``). Lossless: only the depth
+            asked of the drafter changes. Single-request engines ignore it (one request: no other request's
+            drafter rows to make room for).
 
     Raises:
         pydantic.ValidationError: on out-of-range values (e.g. ``nodes < 1``).
@@ -82,6 +88,7 @@ class SystemConfig(BaseModel):
     row_selection: RowSelection = "per_request"
     shared_budget: tuple[int, ...] = ()
     prompt_admission: int = Field(default=0, ge=0, le=8192)
+    drafter_block: tuple[int, ...] = ()
     tlv: bool = False
     q_weights: QWeights = "view8"
 
@@ -97,6 +104,12 @@ class SystemConfig(BaseModel):
             raise ValueError("tlv needs a drafter: its cycle drafts twice around a Q pass")
         if self.q_weights != "view8" and not self.tlv:
             raise ValueError(f"q_weights {self.q_weights} is set but tlv is off (the Q pass's weights apply with tlv)")
+        if self.drafter_block and self.drafter == "none":
+            raise ValueError("drafter_block is set but there is no drafter (it picks each request's draft depth)")
+        if any(not 1 <= d <= self.depth for d in self.drafter_block):
+            raise ValueError(f"drafter_block depths must be in 1..depth ({self.depth}), got {list(self.drafter_block)}")
+        if len(set(self.drafter_block)) != len(self.drafter_block):
+            raise ValueError(f"drafter_block depths must be distinct, got {list(self.drafter_block)}")
         if any(not 1 <= b <= 8192 for b in self.shared_budget):
             raise ValueError(f"shared_budget entries must be in 1..8192 nodes, got {list(self.shared_budget)}")
         return self
@@ -129,7 +142,7 @@ class SystemConfig(BaseModel):
 
     def seal(self) -> str:
         """SHA-256 of the canonical JSON of this config (the seal of §3.3). Fields added later (``w12``,
-        ``lm_head_int8``, ``row_selection``, ``shared_budget``, ``prompt_admission``, ``tlv``, ``q_weights``) enter
+        ``lm_head_int8``, ``row_selection``, ``shared_budget``, ``prompt_admission``, ``tlv``, ``q_weights``, ``drafter_block``) enter
         only when set, so
         configs sealed before they existed keep their seals."""
         d = {k: v for k, v in self.model_dump().items() if not (k in _LATER_FIELDS and v == _LATER_FIELDS[k])}
@@ -137,10 +150,11 @@ class SystemConfig(BaseModel):
 
     def label(self) -> str:
         """Short human label, e.g. ``ngram/best_first N=16 D=6 k=4`` (``+w12`` / ``+int8head`` / ``+shared`` /
-        ``+admitR`` / ``+tlv`` (``+tlv:int8``) appended when those mechanisms are on)."""
+        ``+admitR`` / ``+block16/12/8`` / ``+tlv`` (``+tlv:int8``) appended when those mechanisms are on)."""
         w12 = (" +w12" if self.w12 else "") + (" +int8head" if self.lm_head_int8 else "")
         w12 += " +shared" if self.row_selection == "shared_budget" else ""
         w12 += f" +admit{self.prompt_admission}" if self.prompt_admission else ""
+        w12 += " +block" + "/".join(map(str, self.drafter_block)) if self.drafter_block else ""
         w12 += (" +tlv" + ("" if self.q_weights == "view8" else f":{self.q_weights}")) if self.tlv else ""
         if self.drafter == "none":
             return "AR" + w12
@@ -149,4 +163,4 @@ class SystemConfig(BaseModel):
 
 #: fields added after configs were first sealed, with the default that leaves them out of the seal
 _LATER_FIELDS = {"w12": False, "lm_head_int8": False, "row_selection": "per_request", "shared_budget": (),
-                 "prompt_admission": 0, "tlv": False, "q_weights": "view8"}
+                 "prompt_admission": 0, "tlv": False, "q_weights": "view8", "drafter_block": ()}

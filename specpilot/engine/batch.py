@@ -22,7 +22,11 @@ the whole budget: each slot reserves rows for the largest budget, and the padded
 it. Either way only the verified rows change, never the output.
 Prompt admission (§4.4, ``SystemConfig.prompt_admission``): prompts admitted while requests run ride in that
 step's exact pass (causal rows over their own slots) instead of a prefill pass of their own, when their rows fit
-the configured cap; they decode from the next step. Not yet here: the per-request drafter block.
+the configured cap; they decode from the next step.
+Per-request drafter block (§4.4, ``SystemConfig.drafter_block``): each request asks the drafter for one of the
+allowed depths, picked before the step drafts from its own history (:mod:`specpilot.spec.drafter_block`: recent
+acceptance, its last draft's confidence), so its lattice and its tree are at most that deep; a block drafter drafts
+the batch in one pass and cuts each request's lattice to its own depth. Only the depth asked changes.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from specpilot.model.batch import BatchRows
 from specpilot.model.cache import KVPool
 from specpilot.model.transformer import Transformer
 from specpilot.spec.drafter import Drafter, DraftRequest, check_fits, draft_depth
+from specpilot.spec.drafter_block import BlockHistory
 from specpilot.spec.trees import Tree, build_tree
 from specpilot.spec.trees_batch import build_shared
 
@@ -75,6 +80,8 @@ class StepOutput:
         finish_reason: ``stop`` (EOS or a stop id), ``length``, or None while it runs.
         drafted: draft tokens verified for it this step (its tree's nodes); accepted: of those, accepted (bonus
             excluded); accepted_by_pos: 1 per accepted draft position 0 .. accepted − 1.
+        draft_depth: draft positions asked of the drafter for it this step (0: none asked; under
+            ``drafter_block`` the depth its rule picked, cut at the request's remaining tokens).
     """
 
     request_id: str
@@ -84,6 +91,7 @@ class StepOutput:
     drafted: int = 0
     accepted: int = 0
     accepted_by_pos: list[int] = field(default_factory=list)
+    draft_depth: int = 0
 
 
 @dataclass
@@ -93,6 +101,8 @@ class _Running:
     committed: list[int]
     stops: set[int]
     generated: int = 0
+    history: BlockHistory = field(default_factory=BlockHistory)  # the drafter block's inputs (§4.4)
+    depth: int = 0  # draft positions asked this step
 
 
 class BatchEngine:
@@ -283,12 +293,16 @@ class BatchEngine:
         cfg, asks = self.config, []
         for i, r in enumerate(rs):
             room = r.req.max_new_tokens - r.generated
-            depth = draft_depth(self.drafter, len(r.committed), min(cfg.depth, room - 1))
-            if depth >= 1:
-                asks.append((i, DraftRequest(r.slot, r.committed, depth)))
+            want = r.history.pick(cfg.drafter_block) if cfg.drafter_block else cfg.depth
+            r.depth = max(0, draft_depth(self.drafter, len(r.committed), min(want, room - 1)))
+            if r.depth >= 1:
+                asks.append((i, DraftRequest(r.slot, r.committed, r.depth)))
         if not asks:
             return trees
         lats = self.drafter.propose([q for _, q in asks])
+        if cfg.drafter_block:
+            for (i, q), lat in zip(asks, lats):
+                rs[i].history.drafted(lat, q.depth)
         if self.shared:
             return build_shared(_spread(asks, lats, len(rs)), cfg.step_budget(len(rs)))
         for (i, _), lat in zip(asks, lats):
@@ -324,6 +338,8 @@ class BatchEngine:
                 self.pool.cache(r.slot).compact(s, rows)
             if feats is not None:
                 self.drafter.observe(r.slot, feats[first:end][rows.to(feats.device)], s)
+            if self.config.drafter_block and r.depth >= 1:
+                r.history.accepted(len(path) - 1)
             out.append(self._commit(r, new, len(t), len(path) - 1))
         for k, r in enumerate(admitted):
             if feats is not None:
@@ -347,7 +363,7 @@ class BatchEngine:
             self._release(r)
         acc = min(accepted, len(kept))
         return StepOutput(r.req.request_id, kept, finished, ("stop" if reason != "length" else "length") if finished
-                          else None, drafted, acc, [1] * acc)
+                          else None, drafted, acc, [1] * acc, r.depth)
 
     # -- convenience ---------------------------------------------------------------------------
     def generate_all(self, prompts: list[list[int]], max_new_tokens: int | list[int],
