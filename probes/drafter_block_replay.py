@@ -5,7 +5,8 @@ Records each drafter's lattices along the target's AR outputs on the bundled ben
 replays the batched engine (:func:`specpilot.pilot.replay_batch.replay_batch`: every request queued at once, ``n``
 slots, continuous batching) with every request drafting 16 positions (off) and with the drafter block
 ``(16, 12, 8)`` (:mod:`specpilot.spec.drafter_block`), and, as a control, with every request drafting the block's
-smallest depth (8) at every step. Reported per (drafter, tree, n): draft positions asked of the
+smallest depth (8) at every step, and with the rule starting a request at the block's largest depth instead of its
+smallest. Reported per (drafter, tree, n): draft positions asked of the
 drafter per exact pass (all requests; the drafter rows of a drafter that runs one row per asked position), the
 most in one pass, draft tokens accepted per exact pass, tokens committed per exact pass, steps.
 
@@ -33,6 +34,19 @@ from specpilot.spec import drafter_block
 from specpilot.zoo import bundled_block_dir, bundled_target_dir
 
 DEPTH, TOP_K, BLOCK = 16, 8, (16, 12, 8)
+
+
+class StartLargest(drafter_block.BlockHistory):
+    """The rule, but a request's first step drafts the largest allowed depth (the variant not taken)."""
+
+    def pick(self, allowed):
+        return max(allowed) if self.accept_ema is None else super().pick(allowed)
+
+
+def rows_at(steps, q: float) -> int:
+    """The ``q`` quantile (nearest rank) of the draft positions asked per step."""
+    rows = sorted(sum(s.depths) for s in steps)
+    return rows[min(len(rows) - 1, int(q * len(rows)))] if rows else 0
 BATCHES = (1, 4, 8, 16)
 TREES = (("chain", 16, 1), ("best_first", 16, 8))  # stock batching (each request's top-1 chain), a best-first tree
 
@@ -61,13 +75,16 @@ def main() -> None:
         for tree, nodes, k in TREES:
             base = SystemConfig(drafter=kind, tree=tree, nodes=nodes, depth=DEPTH, top_k=k)
             for n in BATCHES:
-                off = batch_summary(replay_batch(rec, base, n))
+                off_steps = replay_batch(rec, base, n)
+                off = {**batch_summary(off_steps), "p95_draft_rows": rows_at(off_steps, 0.95)}
                 steps = replay_batch(rec, base.apply({"drafter_block": BLOCK}), n)
-                on = batch_summary(steps)
+                on = {**batch_summary(steps), "p95_draft_rows": rows_at(steps, 0.95)}
+                big_steps = replay_batch(rec, base.apply({"drafter_block": BLOCK}), n, history=StartLargest)
+                big = {**batch_summary(big_steps), "p95_draft_rows": rows_at(big_steps, 0.95)}
                 fixed = batch_summary(replay_batch(rec, base.apply({"depth": min(BLOCK)}), n))
                 picks = Counter(d for s in steps for d in s.depths)
                 row = {"drafter": kind, "tree": tree, "nodes": nodes, "top_k": k, "requests": n, "off": off, "on": on,
-                       "fixed_smallest": fixed,
+                       "fixed_smallest": fixed, "start_largest": big,
                        "depths_asked": {str(d): c for d, c in sorted(picks.items())},
                        "draft_rows_change": on["draft_rows_per_step"] / off["draft_rows_per_step"] - 1,
                        "accepted_change": on["accepted_per_step"] / off["accepted_per_step"] - 1
@@ -78,6 +95,7 @@ def main() -> None:
                                   "rows": [round(off["draft_rows_per_step"], 2), round(on["draft_rows_per_step"], 2)],
                                   "acc": [round(off["accepted_per_step"], 3), round(on["accepted_per_step"], 3)],
                                   "tok": [round(off["tokens_per_step"], 3), round(on["tokens_per_step"], 3)],
+                                  "max": [off["max_draft_rows"], on["max_draft_rows"], big["max_draft_rows"]],
                                   "fixed8": [round(fixed[k], 3) for k in ("draft_rows_per_step", "accepted_per_step")],
                                   "picks": row["depths_asked"]}), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

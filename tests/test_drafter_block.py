@@ -45,7 +45,7 @@ def test_confident_positions():
 
 def test_pick_block():
     allowed = (16, 12, 8)
-    assert pick_block(allowed, None, 0, 0) == 16  # no history: the deepest block
+    assert pick_block(allowed, None, 0, 0) == 8 and pick_block(allowed, None, 16, 16) == 8  # no history: smallest
     assert pick_block(allowed, 1.0, 3, 8) == 8  # want max(2, 3) = 3
     assert pick_block(allowed, 5.0, 3, 8) == 12  # want 10 (acceptance asks)
     assert pick_block(allowed, 0.5, 10, 16) == 12  # want 10 (confidence asks)
@@ -61,7 +61,7 @@ def test_pick_block():
 
 def test_history():
     h = BlockHistory()
-    assert h.pick((16, 12, 8)) == 16
+    assert h.pick((16, 12, 8)) == 8
     h.drafted(chain_lattice([0.9, 0.9, 0.1]), 16)
     assert (h.confident, h.last_depth) == (2, 16)
     h.accepted(6)
@@ -102,16 +102,20 @@ def requests(rng: random.Random, n: int) -> list[tuple[list[int], int, frozenset
     return out
 
 
-def run(eng: BatchEngine, reqs) -> tuple[dict, dict]:
-    """Every request through ``eng``: outputs, and per request its decode steps' (exact pass, asked depth)."""
+def run(eng: BatchEngine, reqs, deepest: int) -> tuple[dict, dict]:
+    """Every request through ``eng``: outputs, and per request the (exact pass, asked depth) of its decode steps
+    whose depth was the rule's pick, not cut at the request's last tokens (at least ``deepest`` + 1 tokens left)."""
+    budgets = {}
     for i, (p, n, stops) in enumerate(reqs):
         eng.add_request(Request(f"r{i}", p, n, stops))
+        budgets[f"r{i}"] = n
     got = {f"r{i}": [] for i in range(len(reqs))}
     depths = {f"r{i}": [] for i in range(len(reqs))}
     while eng.has_work():
         passes = eng.exact_passes
         for o in eng.step():
-            if got[o.request_id] or o.draft_depth:  # a request's first output is its prefill's (asks nothing)
+            room = budgets[o.request_id] - len(got[o.request_id])
+            if got[o.request_id] and room > deepest:  # a request's first output is its prefill's (asks nothing)
                 depths[o.request_id].append((passes, o.draft_depth))
             got[o.request_id] += o.new_tokens
     return got, depths
@@ -121,33 +125,32 @@ def run(eng: BatchEngine, reqs) -> tuple[dict, dict]:
                                                  ("draft_model", "per_request", 2), ("block", "per_request", 3),
                                                  ("block", "shared_budget", 4)])
 def test_drafter_block_batch_equals_ar(tiny_models, kind, selection, seed):
-    target, small = tiny_models
+    target, _ = tiny_models
     rng = random.Random(seed)
     tree = "chain" if kind == "draft_model" else "best_first"
     cfg = SystemConfig(drafter=kind, tree=tree, nodes=6, depth=6, top_k=1 if tree == "chain" else 3,
                        row_selection=selection, drafter_block=(6, 4, 2), prompt_admission=rng.choice([0, 24]))
     slots = rng.choice([3, 4])
-    drafter = drafter_of(kind, target, small, slots, cfg) if kind == "draft_model" else \
+    # the draft model is the target itself (the tiny random draft model accepts almost nothing, so its requests
+    # would keep the smallest depth): lossless whatever drafts, and acceptance moves the depths here
+    drafter = drafter_of(kind, target, target, slots, cfg) if kind == "draft_model" else \
         drafter_for(kind, target, cfg, slots)
     eng = BatchEngine(target, cfg, drafter, eos_ids=[], max_num_seqs=slots, padded=False)
     eng.step_hook = cache_matches_prefill
     reqs = requests(rng, 9)
-    got, depths = run(eng, reqs)
+    got, depths = run(eng, reqs, 6)
     for i, (p, n, stops) in enumerate(reqs):
         assert got[f"r{i}"] == ar(target, p, n, stops), (i, p, n, sorted(stops))
     assert eng.free_slots() == slots
-    # the depths asked: within the block (or cut at a request's last tokens), and they vary per request and per step
+    # the rule's picks (steps not cut at a request's end): allowed depths only, varying per request and per step
     asked = [d for ds in depths.values() for _, d in ds]
-    assert all(0 <= d <= 6 for d in asked)
-    assert len({d for d in asked if d in (2, 4, 6)}) >= 2
+    assert set(asked) <= {2, 4, 6} and len(set(asked)) >= 2, sorted(set(asked))
     by_step: dict[int, set[int]] = {}
     for ds in depths.values():
         for s, d in ds:
-            if d in (2, 4, 6):
-                by_step.setdefault(s, set()).add(d)
+            by_step.setdefault(s, set()).add(d)
     assert any(len(v) > 1 for v in by_step.values()), "no step drafted different depths for its requests"
-    assert any(len({d for _, d in ds if d in (2, 4, 6)}) > 1 for ds in depths.values()), \
-        "no request changed its depth across steps"
+    assert any(len({d for _, d in ds}) > 1 for ds in depths.values()), "no request changed its depth across steps"
 
 
 @pytest.mark.parametrize("selection,seed", [("per_request", 5), ("shared_budget", 6)])

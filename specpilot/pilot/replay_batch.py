@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from specpilot.config import SystemConfig
 from specpilot.pilot.replay import Recording, TruncatedLattice
@@ -47,10 +48,13 @@ class BatchStep:
     depths: list[int] = field(default_factory=list)
 
 
-def replay_batch(rec: Recording, config: SystemConfig, max_num_seqs: int,
-                 max_prefill_rows: int = 2048) -> list[BatchStep]:
+def replay_batch(rec: Recording, config: SystemConfig, max_num_seqs: int, max_prefill_rows: int = 2048,
+                 history: Callable[[], BlockHistory] = BlockHistory) -> list[BatchStep]:
     """The decode steps of a :class:`~specpilot.engine.batch.BatchEngine` with ``max_num_seqs`` slots serving every
     request of ``rec`` (all queued at once, in order; ``max_new_tokens`` = its AR output's length).
+
+    ``history`` makes each request's drafter block state under ``config.drafter_block`` (the engine's
+    :class:`~specpilot.spec.drafter_block.BlockHistory`; a subclass overriding ``pick`` measures another rule).
 
     Raises:
         ValueError: ``config`` asks for more depth or candidates than were recorded, or ``max_num_seqs < 1``.
@@ -74,7 +78,7 @@ def replay_batch(rec: Recording, config: SystemConfig, max_num_seqs: int,
             i = waiting.popleft()
             rows, admitted = rows + n, admitted + 1
             if len(rec.ar[i]) > 1:  # the prefill commits ar[0]; a one-token request ends there
-                m[i], hist[i] = 1, BlockHistory()
+                m[i], hist[i] = 1, history()
         if not m:
             continue
         ride = bool(admitted and before and rows <= config.prompt_admission)  # prompt admission: no decode yet

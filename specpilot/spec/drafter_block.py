@@ -70,7 +70,10 @@ def pick_block(allowed: Sequence[int], accept_ema: float | None, confident: int,
             end (``confident >= last_depth``) says nothing of where confidence would end: it asks for a deeper
             block than the last one.
 
-    Rule: with no history, the largest allowed depth. Else ``want = max(headroom * accept_ema, confident)``, plus
+    Rule: with no history (the request's first step), the smallest allowed depth: there is no evidence yet, and
+    starting every admitted request at the deepest block would make the steps where requests start the widest of
+    all; a request grows on evidence within a step or two (docs/batching.md compares both starts by exact
+    replay). Else ``want = max(headroom * accept_ema, confident)``, plus
     one when the last draft was confident to its end; the smallest allowed depth ``>= want``, or the largest allowed
     when none is. Either signal alone can ask for depth: a request is cut short only when both say it will not use
     the positions.
@@ -81,7 +84,7 @@ def pick_block(allowed: Sequence[int], accept_ema: float | None, confident: int,
     if not allowed or min(allowed) < 1:
         raise ValueError(f"allowed drafter blocks must be depths >= 1, got {list(allowed)}")
     if accept_ema is None:
-        return max(allowed)
+        return min(allowed)
     want = max(headroom * accept_ema, confident + (1 if confident >= last_depth else 0))
     fits = [d for d in allowed if d >= want]
     return min(fits) if fits else max(allowed)
