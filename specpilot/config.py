@@ -142,9 +142,8 @@ class SystemConfig(BaseModel):
 
     def seal(self) -> str:
         """SHA-256 of the canonical JSON of this config (the seal of §3.3). Fields added later (``w12``,
-        ``lm_head_int8``, ``row_selection``, ``shared_budget``, ``prompt_admission``, ``tlv``, ``q_weights``, ``drafter_block``) enter
-        only when set, so
-        configs sealed before they existed keep their seals."""
+        ``lm_head_int8``, ``row_selection``, ``shared_budget``, ``prompt_admission``, ``tlv``, ``q_weights``,
+        ``drafter_block``) enter only when set, so configs sealed before they existed keep their seals."""
         d = {k: v for k, v in self.model_dump().items() if not (k in _LATER_FIELDS and v == _LATER_FIELDS[k])}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
