@@ -37,16 +37,18 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
     """Measure T_AR and stock's step, pass time by rows, record the drafters' lattices along AR's Phase 0
     outputs, and set ``pilot.planner`` (§3.2). Appends stock's measured c to ``pilot.c_measured``."""
     dep, depth_max = pilot.dep, pilot.plan["depth_max"]
-    base_m = pilot.measure(pilot.stock, n=4)
+    pilot.replay_reqs = recorded_requests(pilot.reqs, p0)
+    calib = pilot.spread_indices(4)  # live steps on the recorded prompts of these requests, replayed over the same
+    calib_reqs = [pilot.replay_reqs[i] for i in calib]
+    base_m = pilot.measure(pilot.stock, reqs=calib_reqs)
     static = torch.device(dep.device).type == "cuda"  # as the engine runs there
     verify_ms = measure_verify_ms(dep.target, prefix_len=200, rows=VERIFY_ROWS, static=static)
     move_ms = {(): measure_move_ms(dep.target, prefix_len=200)}  # a tree's accepted path out of place
     report = {"ar_step_ms": base_m["ar_step_ms"], "stock": base_m, "verify_ms": verify_ms,
-              "source": "AR and stock interleaved on 4 requests (decode steps, prefill excluded); "
-                        "pass times by rows measured right after"}
+              "source": "AR and stock interleaved on the recorded (salted) prompts of 4 requests (decode steps, prefill "
+                        "excluded); pass times by rows measured right after"}
     pilot.c_measured.append({"label": f"stock {pilot.stock.label()}", "N": base_m["rows"] - 1, "c": base_m["c"],
                              "source": "cost-model inputs"})
-    pilot.replay_reqs = recorded_requests(pilot.reqs, p0)
     prompts, ar_out = p0.prompts, p0.ar_outputs
     budgets = [r.max_new_tokens for r in pilot.reqs]
     recs, feature_verify = {}, {}
@@ -70,10 +72,17 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
             move_ms[layers] = measure_move_ms(dep.target, prefix_len=200, feature_layers=layers)
     report["verify_ms_with_features"] = {",".join(map(str, k)): v for k, v in feature_verify.items()}
     report["move_ms"] = {",".join(map(str, k)): v for k, v in move_ms.items()}
+    kind_steps = []
+    if pilot.stock.drafter != "ngram":  # the step's own work, calibrated where all the drafting is timed host work
+        ngram_cfg = SystemConfig.stock("ngram", depth=pilot.stock.depth, dtype=pilot.stock.dtype)
+        ng_m = pilot.measure(ngram_cfg, reqs=calib_reqs)
+        kind_steps.append((ngram_cfg, ng_m["step_ms"]))
+        report["ngram_stock"] = ng_m
     pilot.planner = Planner(recs, verify_ms, base_m["ar_step_ms"], device=pilot.o.device,
                             spec_step=(pilot.stock, base_m["step_ms"]), feature_verify_ms=feature_verify,
-                            move_ms=move_ms)
+                            move_ms=move_ms, kind_steps=kind_steps, calib_requests=calib)
     report["spec_overhead_ms"] = pilot.planner.overhead_ms
+    report["spec_overhead_by_kind_ms"] = dict(pilot.planner.kind_overhead)
     report["spec_overhead_source"] = pilot.planner.spec_overhead_source
     return CostInputs(report, c_model_curve(pilot.planner, verify_ms), tau_curves(pilot))
 

@@ -92,6 +92,10 @@ class Planner:
         spec_step: ``(config, step_ms)`` of a speculative system measured live beside ``ar_ms`` (stock, in the
             pilot): ``T_spec = step_ms − mean T_pass − T_draft(config)`` over its replayed steps, at least 0.
             None (or a config with no recording): ``T_spec = T_AR − T_pass(1)``, AR's own work outside its pass.
+        kind_steps: more ``(config, step_ms)`` measured live the same way (the pilot adds an n-gram chain when stock
+            drafts otherwise): each calibrates ``T_spec`` for its drafter kind (:meth:`overhead`).
+        calib_requests: indices of the recorded requests those live steps ran on (their recorded prompts), so their
+            residuals subtract the replay of the same requests; None: every recorded request.
         feature_verify_ms: ``{target_layers: {rows: ms}}``, the exact pass timed as a system whose drafter reads
             those target layers runs it (their outputs gathered for the drafter, a block drafter's context); a
             config whose recording has ``target_layers`` is priced on its curve (on ``verify_ms`` without one).
@@ -104,7 +108,8 @@ class Planner:
     def __init__(self, recordings: dict[tuple[str, int], Recording], verify_ms: dict[int, float], ar_ms: float,
                  device: str = "cpu", spec_step: tuple[SystemConfig, float] | None = None,
                  feature_verify_ms: dict[tuple[int, ...], dict[int, float]] | None = None,
-                 move_ms: dict[tuple[int, ...], dict[int, float]] | None = None):
+                 move_ms: dict[tuple[int, ...], dict[int, float]] | None = None,
+                 kind_steps: list[tuple[SystemConfig, float]] = (), calib_requests: list[int] | None = None):
         self.recordings, self.ar_ms, self.device = recordings, ar_ms, str(device)
         self._tree_ms: dict[tuple, float] = {}
         self.rows = np.array(sorted(verify_ms), dtype=float)
@@ -115,17 +120,28 @@ class Planner:
                        for k, v in (move_ms or {}).items()}
         self.overhead_ms = max(ar_ms - float(self.ms[0]), 0.0)  # per-step work outside the pass
         self.spec_overhead_source = "AR's step less its one-row pass"
-        rec = self.recording(spec_step[0]) if spec_step is not None and spec_step[0].drafter != "none" else None
-        if rec is not None:
-            cfg, step_ms = spec_step
-            trace = replay_trace(rec, cfg)
+        self.kind_overhead: dict[str, float] = {}  # T_spec by drafter kind, from live steps of that kind
+        for i, (cfg, step_ms) in enumerate(([spec_step] if spec_step is not None else []) + list(kind_steps)):
+            rec = self.recording(cfg) if cfg.drafter != "none" else None
+            if rec is None:
+                continue
+            trace = replay_trace(rec if calib_requests is None else rec.subset(calib_requests), cfg)
             steps = [(k, r) for k, r, _ in trace]
             pass_ms = self.pass_time(steps, rec.target_layers)
-            self.overhead_ms = max(step_ms - pass_ms - self.draft_time(cfg, steps) - self.tree_time(cfg, steps)
-                                   - self.move_time([mv for *_, mv in trace], rec.target_layers), 0.0)
-            self.spec_overhead_source = (f"{cfg.label()} measured live: {step_ms:.3f} ms a step less its passes "
-                                         f"(mean {pass_ms:.3f} ms over its replayed rows), its drafting and its "
-                                         "tree building")
+            resid = max(step_ms - pass_ms - self.draft_time(cfg, steps, calib_requests) - self.tree_time(cfg, steps)
+                        - self.move_time([mv for *_, mv in trace], rec.target_layers), 0.0)
+            self.kind_overhead.setdefault(cfg.drafter, resid)
+            if i == 0:
+                self.overhead_ms = resid
+                self.spec_overhead_source = (f"{cfg.label()} measured live: {step_ms:.3f} ms a step less its passes "
+                                             f"(mean {pass_ms:.3f} ms over its replayed rows), its drafting and its "
+                                             "tree building")
+
+    def overhead(self, cfg: SystemConfig) -> float:
+        """``T_spec`` for ``cfg``, ms: the residual of a live step of its drafter kind when one was measured (a residual
+        also holds whatever of that drafter's work its recording did not time); else the n-gram's (whose drafting is
+        host work, all of it timed, so its residual is the step's own work); else :attr:`overhead_ms`."""
+        return self.kind_overhead.get(cfg.drafter, self.kind_overhead.get("ngram", self.overhead_ms))
 
     def verify_time(self, rows: float, layers: tuple[int, ...] = ()) -> float:
         """Exact-pass time for ``rows`` rows, ms: the monotone fit of the measured times, interpolated; with
@@ -243,7 +259,7 @@ class Planner:
             return None
         steps = [(k, r) for k, r, _ in trace]
         tau = sum(k for k, _ in steps) / len(steps)
-        c = (self.overhead_ms + self.pass_time(steps, rec.target_layers) + self.draft_time(cfg, steps, requests)
+        c = (self.overhead(cfg) + self.pass_time(steps, rec.target_layers) + self.draft_time(cfg, steps, requests)
              + self.tree_time(cfg, steps) + self.move_time([mv for *_, mv in trace], rec.target_layers)) / self.ar_ms
         return Prediction(tau, c, tau / c)
 

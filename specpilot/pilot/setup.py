@@ -127,12 +127,17 @@ def measure_verify_ms(model, prefix_len: int, rows=(1, 2, 4, 8, 16, 32), repeats
 
 def measure_move_ms(model, prefix_len: int, lengths=(2, 3, 5, 9, 17), repeats: int = 12,
                     feature_layers: tuple[int, ...] = ()) -> dict[int, float]:
-    """Median ms to move an accepted path of ``k`` rows into place, by ``k`` (root included, ``k ≥ 2``), as a
-    speculative step does when its path is not the tree's rows ``0 … k−1`` (§1.1, R8; ``Engine._step``): the path's
-    row indices to a tensor, the target cache's compaction (:meth:`KVCache.compact` at ``prefix_len``) and, with
+    """Ms to move an accepted path of ``k`` rows into place, by ``k`` (root included, ``k ≥ 2``), as a speculative
+    step does when its path is not the tree's rows ``0 … k−1`` (§1.1, R8; ``Engine._step``): the path's row indices
+    to a tensor, the target cache's compaction (:meth:`KVCache.compact` at ``prefix_len``) and, with
     ``feature_layers``, the gather of the path's rows of the pass's features ``[rows, len(layers) * hidden]`` that
-    the engine hands a drafter reading them. The path timed is rows ``0, 2, 4, …``; host wall time with the device
-    synced after each move, in ``repeats`` interleaved rounds after one warm-up per length.
+    the engine hands a drafter reading them. The path timed is rows ``0, 2, 4, …``.
+
+    On the CPU each move is timed alone (median of ``repeats`` interleaved rounds after one warm-up per length). On
+    CUDA the engine never waits for a move (its kernels queue behind the pass and run while the host drafts the next
+    step), so a move costs what it holds up the stream or the host: ``repeats`` moves are queued back to back and the
+    time to the one sync after them, divided by ``repeats``, is the figure (per length, the median of 3 such runs);
+    a sync after each move would count the device's round trip, about a whole step of a launch-bound target.
 
     Raises:
         ValueError: a length below 2 (a one-row path, the root alone, is always in place).
@@ -144,21 +149,28 @@ def measure_move_ms(model, prefix_len: int, lengths=(2, 3, 5, 9, 17), repeats: i
     cache = model.new_cache(prefix_len + span)
     width = len(feature_layers) * model.args.hidden_size
     feats = torch.zeros(span, width, dtype=model.dtype, device=dev) if feature_layers else None
+    cuda = dev.type == "cuda"
 
     def move(k: int) -> None:
         rows = torch.tensor([0] + [2 * j for j in range(1, k)])
         cache.compact(prefix_len, rows)
         if feats is not None:
             feats[rows.to(dev)]
-        if dev.type == "cuda":
+
+    def timed(k: int, n: int) -> float:
+        if cuda:
             torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            move(k)
+        if cuda:
+            torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - t0) / n
 
     for k in lengths:
-        move(k)
+        timed(k, 1)
     times = {k: [] for k in lengths}
-    for _ in range(repeats):
+    for _ in range(3 if cuda else repeats):
         for k in lengths:
-            t0 = time.perf_counter()
-            move(k)
-            times[k].append(1e3 * (time.perf_counter() - t0))
+            times[k].append(timed(k, repeats if cuda else 1))
     return {k: sorted(t)[len(t) // 2] for k, t in times.items()}
