@@ -18,6 +18,8 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock  # noqa: E402
 
+from .test_hybrid import incremental_max_diff  # noqa: E402
+
 #: 3 GDN + 1 attention layers; 6 experts, top-2, a shared expert; layer 2 keeps a dense MLP
 TINY_NEXT = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=16,
@@ -117,19 +119,7 @@ def test_prompt_logits_equal_transformers(pair, n, mode):
 def test_incremental_logits_equal_transformers(pair):
     hf, ours, _ = pair
     ids = torch.randint(0, TINY_NEXT["vocab_size"], (12,), generator=torch.Generator().manual_seed(3))
-    out = hf(ids[None, :5], use_cache=True)
-    past, refs = out.past_key_values, [out.logits[0, -1]]
-    for t in range(5, 12):
-        out = hf(ids[None, t : t + 1], cache=past, use_cache=True)
-        past = out.past_key_values
-        refs.append(out.logits[0, -1])
-    cache = ours.new_cache(64)
-    got = [ours.logits(ours.forward(ids[:5], torch.arange(5), cache, 0))[-1]]
-    cache.commit(5)
-    for t in range(5, 12):
-        got.append(ours.logits(ours.forward(ids[t : t + 1], torch.tensor([t]), cache, t))[0])
-        cache.commit(t + 1)
-    assert (torch.stack(got) - torch.stack(refs)).abs().max().item() < 1e-4
+    assert incremental_max_diff(hf, ours, ids) < 1e-4
 
 
 @torch.no_grad()
