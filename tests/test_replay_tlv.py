@@ -44,3 +44,31 @@ def test_replayed_cycles_equal_the_engine(tiny_models, kind, tree, weights):
     assert summary["tau"] > replay(rec, cfg)[0]
     agree = qrec.agreement(rec)
     assert 0.5 < agree["root"] <= 1.0 and agree["positions"] == sum(len(a) - 1 for a in ars)
+
+
+def test_planner_prices_and_proposes_tlv(tiny_models):
+    """The planner's TLV price: τ is the replayed cycles', c adds the Q pass and the second draft to the exact pass;
+    the tree direction proposes each candidate with TLV too."""
+    from specpilot.pilot.planner import Planner
+    from specpilot.pilot.tlv_cost import TlvInputs
+
+    target, small = tiny_models
+    cfg = SystemConfig(drafter="draft_model", tree="best_first", nodes=10, depth=D, top_k=3)
+    prompts = random_prompts(3, V, length=10, seed=13)
+    ars = [ar_tokens(target, p, T) for p in prompts]
+    rec = record(drafter_of("draft_model", target, small, 3), prompts, ars, D, 3)
+    qrec = record_q(target, q_view(target), rec, D)
+    verify = {1: 1.0, 4: 1.2, 8: 1.4, 16: 1.8}
+    tlv = TlvInputs(qrec, {r: 0.5 * ms for r, ms in verify.items()}, "view8")
+    plain = Planner({("draft_model", 3): rec}, verify, ar_ms=1.0)
+    planner = Planner({("draft_model", 3): rec}, verify, ar_ms=1.0, tlv=tlv)
+    on = cfg.model_copy(update={"tlv": True})
+    pred, single = planner.predict(on), planner.predict(cfg)
+    assert plain.predict(on) is None and single.tau == plain.predict(cfg).tau  # (c: the host tree time is timed)
+    assert pred.tau == pytest.approx(replay_tlv(rec, qrec, cfg)["tau"]) and pred.tau > single.tau
+    steps = replay_tlv_steps(rec, qrec, cfg)
+    q_mean = sum(tlv.q_time(q) for _, _, q, _ in steps) / len(steps)
+    assert q_mean > 0 and pred.c > single.c  # a cycle costs a Q pass (and drafts) on top of its exact pass
+    assert planner.predict(on.model_copy(update={"q_weights": "int8"})) is None  # not recorded
+    space = planner.space(SystemConfig.ar(), "tree")
+    assert any(c.tlv for c in space) and {c.model_copy(update={"tlv": False}) for c in space if c.tlv} <= set(space)

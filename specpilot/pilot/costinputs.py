@@ -17,7 +17,10 @@ import torch
 from specpilot.config import SystemConfig
 from specpilot.pilot.phase0 import Phase0Result
 from specpilot.pilot.planner import VERIFY_ROWS, Planner
+from specpilot.model.qview import q_view
 from specpilot.pilot.replay import record
+from specpilot.pilot.replay_tlv import record_q
+from specpilot.pilot.tlv_cost import TlvInputs
 from specpilot.pilot.setup import measure_move_ms, measure_verify_ms
 from specpilot.pilot.state import Pilot
 
@@ -72,6 +75,8 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
             move_ms[layers] = measure_move_ms(dep.target, prefix_len=200, feature_layers=layers)
     report["verify_ms_with_features"] = {",".join(map(str, k)): v for k, v in feature_verify.items()}
     report["move_ms"] = {",".join(map(str, k)): v for k, v in move_ms.items()}
+    tlv = tlv_inputs(pilot, recs, max([depth_max] + [r.depth for r in recs.values()]), static)
+    report["tlv"] = {"weights": tlv.weights, "q_verify_ms": tlv.q_ms, "agreement": tlv.agreement}
     kind_steps = []
     if pilot.stock.drafter != "ngram":  # the step's own work, calibrated where all the drafting is timed host work
         ngram_cfg = SystemConfig.stock("ngram", depth=pilot.stock.depth, dtype=pilot.stock.dtype)
@@ -80,7 +85,7 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
         report["ngram_stock"] = ng_m
     pilot.planner = Planner(recs, verify_ms, base_m["ar_step_ms"], device=pilot.o.device,
                             spec_step=(pilot.stock, base_m["step_ms"]), feature_verify_ms=feature_verify,
-                            move_ms=move_ms, kind_steps=kind_steps, calib_requests=calib)
+                            move_ms=move_ms, kind_steps=kind_steps, calib_requests=calib, tlv=tlv)
     report["spec_overhead_ms"] = pilot.planner.overhead_ms
     report["spec_overhead_by_kind_ms"] = dict(pilot.planner.kind_overhead)
     report["spec_overhead_source"] = pilot.planner.spec_overhead_source
@@ -100,6 +105,19 @@ def recorded_requests(reqs: list, p0: Phase0Result) -> list:
         raise ValueError(f"phase 0 recorded {len(p0.prompts)} prompts and {len(p0.ar_outputs)} outputs for "
                          f"{len(reqs)} requests")
     return [replace(r, prompt_ids=tuple(int(t) for t in p)) for r, p in zip(reqs, p0.prompts)]
+
+
+def tlv_inputs(pilot: Pilot, recs: dict, depth: int, static: bool) -> TlvInputs:
+    """What the planner prices TLV with (§4.3): the Q pass of the target's 8-bit view (``view8``; the bf16 rounding
+    of a float32 target) recorded along the AR outputs the recordings hold, ``depth`` chain rows past each root, and
+    the Q pass's time by rows, measured as the exact pass's (:func:`measure_verify_ms`)."""
+    dep = pilot.dep
+    pilot.say("cost model", "recording the Q pass (8-bit view) along the AR outputs (TLV replay)")
+    q = q_view(dep.target, "view8")
+    rec = next(iter(recs.values()))
+    qrec = record_q(dep.target, q, rec, depth, "view8")
+    q_ms = measure_verify_ms(q, prefix_len=200, rows=VERIFY_ROWS, static=static)
+    return TlvInputs(qrec, q_ms, "view8", qrec.agreement(rec))
 
 
 def c_model_curve(planner: Planner, verify_ms: dict) -> dict:

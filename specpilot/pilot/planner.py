@@ -94,6 +94,9 @@ class Planner:
             None (or a config with no recording): ``T_spec = T_AR − T_pass(1)``, AR's own work outside its pass.
         kind_steps: more ``(config, step_ms)`` measured live the same way (the pilot adds an n-gram chain when stock
             drafts otherwise): each calibrates ``T_spec`` for its drafter kind (:meth:`overhead`).
+        tlv: :class:`~specpilot.pilot.tlv_cost.TlvInputs` (Q passes recorded along the AR outputs, the Q pass's time
+            by rows): TLV configs are then priced (:func:`~specpilot.pilot.tlv_cost.predict_tlv`) and the ``tree``
+            direction proposes each of its candidates with ``tlv`` too; None: TLV is neither priced nor proposed.
         calib_requests: indices of the recorded requests those live steps ran on (their recorded prompts), so their
             residuals subtract the replay of the same requests; None: every recorded request.
         feature_verify_ms: ``{target_layers: {rows: ms}}``, the exact pass timed as a system whose drafter reads
@@ -109,7 +112,8 @@ class Planner:
                  device: str = "cpu", spec_step: tuple[SystemConfig, float] | None = None,
                  feature_verify_ms: dict[tuple[int, ...], dict[int, float]] | None = None,
                  move_ms: dict[tuple[int, ...], dict[int, float]] | None = None,
-                 kind_steps: list[tuple[SystemConfig, float]] = (), calib_requests: list[int] | None = None):
+                 kind_steps: list[tuple[SystemConfig, float]] = (), calib_requests: list[int] | None = None,
+                 tlv=None):
         self.recordings, self.ar_ms, self.device = recordings, ar_ms, str(device)
         self._tree_ms: dict[tuple, float] = {}
         self.rows = np.array(sorted(verify_ms), dtype=float)
@@ -120,6 +124,7 @@ class Planner:
                        for k, v in (move_ms or {}).items()}
         self.overhead_ms = max(ar_ms - float(self.ms[0]), 0.0)  # per-step work outside the pass
         self.spec_overhead_source = "AR's step less its one-row pass"
+        self.tlv = tlv
         self.kind_overhead: dict[str, float] = {}  # T_spec by drafter kind, from live steps of that kind
         for i, (cfg, step_ms) in enumerate(([spec_step] if spec_step is not None else []) + list(kind_steps)):
             rec = self.recording(cfg) if cfg.drafter != "none" else None
@@ -251,6 +256,10 @@ class Planner:
         None: every recorded request. Raises ValueError for an index outside the recording."""
         if cfg.drafter == "none":
             return Prediction(1.0, 1.0, 1.0)
+        if cfg.tlv:
+            from specpilot.pilot.tlv_cost import predict_tlv
+
+            return predict_tlv(self, cfg, self.tlv, requests) if self.tlv is not None else None
         rec = self.recording(cfg)
         if rec is None:
             return None
@@ -275,8 +284,8 @@ class Planner:
     def space(self, incumbent: SystemConfig, direction: str) -> list[SystemConfig]:
         """Configs one step from ``incumbent`` that move ``direction``.
 
-        ``tree``: raise τ (drafter, builder, budget N, top-K, depth). ``outside``: make the step cheaper
-        (fewer rows or draft positions, a cheaper drafter). ``kernel``: the incumbent with one kernel
+        ``tree``: raise τ (drafter, builder, budget N, top-K, depth; with TLV inputs each also with ``tlv``).
+        ``outside``: make the step cheaper (fewer rows or draft positions, a cheaper drafter). ``kernel``: the incumbent with one kernel
         mechanism of :data:`KERNEL_MECHANISMS` toggled (``w12``, ``lm_head_int8``; §4.1), when
         :meth:`kernel_why_not` is None; else no candidates. A toggle leaves τ unchanged, so its predicted
         speedup is the incumbent's and the pilot's live screening (measured c) decides what reaches the
@@ -303,6 +312,9 @@ class Planner:
                                                         "nodes": n, "top_k": k, "depth": min(dep, n)}))
             for d, dep in itertools.product(drafters, DEPTH):
                 out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": None, "tree": "chain", "nodes": dep, "top_k": 1, "depth": dep}))
+            if self.tlv is not None:  # TLV (§4.3) raises tokens per exact pass: each tree candidate with it too
+                out += [c.model_copy(update={"tlv": True, "q_weights": self.tlv.weights}) for c in out
+                        if c.drafter != "none" and not c.tlv]
         elif direction == "kernel":
             if self.kernel_why_not(incumbent) is None:
                 for name in KERNEL_MECHANISMS:
