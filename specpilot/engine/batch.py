@@ -15,18 +15,14 @@ bucket run the eager pass through the same kernels (prefills round as decode ste
 (the target's ``KernelConfig.batch_invariant``) and the attention is per request, so in bf16 too a request's output
 is bit for bit its batch-1 output from this engine, whatever shares its steps (given a drafter whose proposals do
 not depend on the batch: n-gram always).
-Row selection (§4.4, ``SystemConfig.row_selection``): ``per_request`` builds each request's own tree of ``nodes``
-nodes; ``shared_budget`` fills one budget of ``config.step_budget(n)`` nodes for the step's n requests best-first
-across all their lattices (:func:`~specpilot.spec.trees_batch.build_shared`), so a request's tree may hold up to
-the whole budget: each slot reserves rows for the largest budget, and the padded path (fixed row buckets) refuses
-it. Either way only the verified rows change, never the output.
-Prompt admission (§4.4, ``SystemConfig.prompt_admission``): prompts admitted while requests run ride in that
-step's exact pass (causal rows over their own slots) instead of a prefill pass of their own, when their rows fit
-the configured cap; they decode from the next step.
-Per-request drafter block (§4.4, ``SystemConfig.drafter_block``): each request asks the drafter for one of the
-allowed depths, picked before the step drafts from its own history (:mod:`specpilot.spec.drafter_block`: recent
-acceptance, its last draft's confidence), so its lattice and its tree are at most that deep; a block drafter drafts
-the batch in one pass and cuts each request's lattice to its own depth. Only the depth asked changes.
+Row selection (§4.4; only the verified rows change, never the output): ``per_request`` builds each request's own
+tree of ``nodes`` nodes; ``shared_budget`` fills one budget of ``config.step_budget(n)`` nodes for the step's n
+requests best-first across their lattices (:func:`~specpilot.spec.trees_batch.build_shared`; each slot reserves
+rows for the largest budget, so the padded path refuses it). ``prompt_admission``: prompts admitted while requests
+run ride in that step's exact pass (causal rows over their own slots) when their rows fit the cap. ``drafter_block``:
+each request asks the drafter for one of the allowed depths, picked from its own history
+(:mod:`specpilot.spec.drafter_block`: recent acceptance, its last draft's confidence); a block drafter drafts the
+batch in one pass and cuts each request's lattice to its own depth.
 """
 
 from __future__ import annotations
@@ -134,9 +130,8 @@ class BatchEngine:
                  max_prefill_rows: int = 2048, padded: bool | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
-        if config.tlv:
-            raise SpecPilotError("tlv runs single requests only: in batching its Q pass costs more than it saves "
-                                 "(a 13% loss in the paper, §6)")
+        if config.tlv:  # in batching its Q pass cost more than it saved: a 13% loss in the paper (§6)
+            raise SpecPilotError("tlv runs single requests only (in batching its Q pass costs more than it saves)")
         if drafter is not None:
             check_fits(drafter, target.args.vocab_size, target.args.num_layers)
             if drafter.max_slots < max_num_seqs:
