@@ -31,7 +31,6 @@ from specpilot.engine.tlv import QPass, two_level_tree
 from specpilot.engine.types import Generation
 from specpilot.errors import SpecPilotError
 from specpilot.model.layers import region
-from specpilot.model.qview import q_view
 from specpilot.model.transformer import Transformer
 from specpilot.spec.drafter import Drafter, check_fits, draft_depth, propose_one
 from specpilot.spec.trees import Tree, build_tree
@@ -83,6 +82,10 @@ class Engine:
         if config.tlv:
             if drafter is None:
                 raise SpecPilotError("tlv needs a drafter: its cycle drafts twice around a Q pass")
+            # imported here: the Q view pulls in W12 and so Triton, which a process that does not use them (the CPU
+            # lm-head bench picks Triton's interpreter before its first import) must be able to import the engine without
+            from specpilot.model.qview import q_view
+
             self.tlv = QPass(q_view(target, config.q_weights), self.cache, self.feature_layers, buckets,
                              config.nodes + 1)
         self.logits_hook = logits_hook
