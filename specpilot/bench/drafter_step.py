@@ -9,7 +9,8 @@ while the pass shapes are those of a trained drafter), each system decodes one 5
   N = 16 and best_first N = 32 (depth 16, top-16): per step, the drafter's work, the 32-node exact pass and the
   host's tree work, with the drafter's step as one CUDA graph
   (:class:`~specpilot.spec.block_step.StaticBlockStep`, target features captured in the exact pass's graph) and once
-  eager (the drafter's launches one by one).
+  eager (the drafter's launches one by one), and for the draft-vocabulary drafters also compiled (``torch.compile``
+  of the static pass, then the graph: ``BlockDrafter(compile_step=True)``).
 
 Per system: ms per step (``(t(1 + n) − t(1)) / steps``, median of interleaved rounds), the ratio to the AR step, the
 GPU time per region from a profiled run (CUDA events: drafter, exact_pass, other), and whether the graphed and
@@ -34,8 +35,8 @@ from specpilot.zoo.random_ckpt import random_transformer
 PROMPT, NEW, ROUNDS = 512, 96, 3
 SYSTEMS = [("chain", 16), ("best_first", 32)]
 #: (name, Markov rank, draft vocabulary size (0: the target's 151,936 ids), modes)
-DRAFTERS = [("block", 0, 0, ("graph", "eager")), ("block_dv32k", 0, 32768, ("graph",)),
-            ("block_markov", 16, 0, ("graph", "eager")), ("block_markov_dv32k", 16, 32768, ("graph",))]
+DRAFTERS = [("block", 0, 0, ("graph", "eager")), ("block_dv32k", 0, 32768, ("graph", "compiled")),
+            ("block_markov", 16, 0, ("graph", "eager")), ("block_markov_dv32k", 16, 32768, ("graph", "compiled"))]
 
 
 def _decode_ms(engine: Engine, prompt: list[int], new: int) -> tuple[float, list[int], int]:
@@ -66,6 +67,7 @@ def run(out_path: str) -> dict:
     prompt = torch.randint(0, 1000, (PROMPT,), generator=g).tolist()
     engines = {"ar": Engine(target, SystemConfig.ar(dtype="bfloat16"), None, eos_ids=[], buckets=True,
                             max_len=PROMPT + NEW + 64)}
+    compile_s = {}
     for kind, rank, vocab, modes in DRAFTERS:
         spec = {"kind": "block", "layers": 1, "block_size": 16, "markov_rank": rank, "n_target_layers": 3,
                 "draft_vocab_size": vocab}
@@ -73,9 +75,12 @@ def run(out_path: str) -> dict:
         for tree, nodes in SYSTEMS:
             cfg = SystemConfig(drafter="block", tree=tree, nodes=nodes, depth=16, top_k=16, dtype="bfloat16")
             for mode in modes:
-                drafter = BlockDrafter(net, target, top_k=16, static_step=mode == "graph")
+                t_build = time.perf_counter()  # a compiled step compiles and captures every width here
+                drafter = BlockDrafter(net, target, top_k=16, static_step=mode != "eager",
+                                       compile_step=mode == "compiled")
                 engines[f"{kind}/{tree}_N{nodes}/{mode}"] = Engine(target, cfg, drafter, eos_ids=[], buckets=True,
                                                                    max_len=PROMPT + NEW + 64)
+                compile_s[f"{kind}/{tree}_N{nodes}/{mode}"] = time.perf_counter() - t_build
     for e in engines.values():  # warm-up: graphs captured, first-use costs paid
         e.generate(prompt, 8)
     ms: dict = {k: [] for k in engines}
@@ -96,6 +101,8 @@ def run(out_path: str) -> dict:
             twin = k.rsplit("/", 1)[0] + ("/eager" if k.endswith("/graph") else "/graph")
             if twin in tokens:
                 row["tokens_equal_other_mode"] = tokens[k] == tokens[twin]
+            if k.endswith("/compiled"):
+                row["compile_s"] = compile_s[k]
         systems[k] = row
     res = {"suite": "drafter-step", "device": torch.cuda.get_device_name(), "commit": git_commit(),
            "versions": versions(), "target": "random qwen3-8b shape, bf16", "prompt_tokens": PROMPT,
@@ -104,7 +111,8 @@ def run(out_path: str) -> dict:
                       "dv32k: a draft vocabulary of the first 32,768 ids",
            "systems": systems,
            "bar": {f"{k} ratio_to_ar_step <= 1.15": systems[k]["ratio_to_ar_step"] <= 1.15
-                   for k in ("block/best_first_N32/graph", "block_dv32k/best_first_N32/graph")}}
+                   for k in ("block/best_first_N32/graph", "block_dv32k/best_first_N32/graph",
+                             "block_dv32k/best_first_N32/compiled")}}
     import json
 
     with open(out_path, "w") as f:

@@ -41,6 +41,8 @@ class BlockDrafter:
         static_step: run slot 0's single-request steps (the observation staged by :meth:`observe`, then the
             draft) as one static pass, a CUDA graph on CUDA (:class:`~specpilot.spec.block_step.StaticBlockStep`);
             batches of several requests stay eager.
+        compile_step: compile that static pass with ``torch.compile`` before capturing it (CUDA; see
+            :class:`~specpilot.spec.block_step.StaticBlockStep`).
     Raises:
         ValueError: ``max_slots < 1``.
 
@@ -57,7 +59,7 @@ class BlockDrafter:
     max_context: int | None = None
 
     def __init__(self, net: BlockNet, target: Transformer, top_k: int = TOP_K, max_len: int = 4096,
-                 max_slots: int = 1, static_step: bool = False):
+                 max_slots: int = 1, static_step: bool = False, compile_step: bool = False):
         if max_slots < 1:
             raise ValueError(f"a block drafter holds at least one request, max_slots {max_slots} given")
         self.net, self.target, self.top_k = net.eval(), target, min(top_k, TOP_K)
@@ -73,7 +75,7 @@ class BlockDrafter:
         #: the whole vocabulary, through the target's own head)
         self.draft_ids = net.draft_ids if net.cfg.draft_vocab_size > 0 else None
         self.head_w = target.head_rows(self.draft_ids) if self.draft_ids is not None else None
-        self._step = StaticBlockStep(self) if static_step else None
+        self._step = StaticBlockStep(self, compile=compile_step) if static_step else None
         if self._step is not None:
             self._step.capture_all()  # every context width's graph now (CUDA), not inside a timed request
 

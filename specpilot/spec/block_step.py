@@ -15,6 +15,10 @@ one CUDA graph replays every step:
   drafter's head over its draft vocabulary, top-16 (and the Markov head's parent-conditioned scores for every
   block position).
 
+With ``compile=True`` (CUDA) the pass's body goes through ``torch.compile`` before capture: Inductor fuses the
+norms, RoPE, masks and copies that are most of the step's launches into a few Triton kernels, and the CUDA graph
+then replays those. Compiling costs seconds per context width bucket when the drafter is built.
+
 The inputs are one small device buffer (anchor token, ``start``, ``length``) filled from a pinned host twin,
 and the features, copied by :meth:`stage` from the target's pass (on CUDA the exact pass's graph writes them
 to a fixed buffer). Outputs are copied to pinned host memory in the same graph; :meth:`run` waits on one
@@ -35,12 +39,13 @@ class StaticBlockStep:
     Args:
         drafter: the block drafter (its ``slot_k`` / ``slot_v`` buffers are read and written in place).
         graphs: capture a CUDA graph (CUDA only; the body runs eagerly on the CPU).
+        compile: compile the body with ``torch.compile`` before capturing it (CUDA graphs only; ignored otherwise).
     Attributes:
         pad_rows: P = block size + 1, the most rows one :meth:`stage` takes.
         pending: ``(start, k)`` of the staged observation not yet written (None: nothing staged).
     """
 
-    def __init__(self, drafter, graphs: bool = True):
+    def __init__(self, drafter, graphs: bool = True, compile: bool = False):
         d = drafter
         self.d, self.b = d, d.cfg.block_size
         self.pad_rows = self.b + 1
@@ -59,6 +64,9 @@ class StaticBlockStep:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per context width bucket
         self._graph_buf = None  # the slot_k buffer the graphs were captured on (the context buffers may grow)
         self._done = torch.cuda.Event() if self.graphs else None
+        self._compute = self._draft
+        if compile and self.graphs:  # per width a static shape: one specialised compile per bucket
+            self._compute = torch.compile(self._draft, dynamic=False)
 
     def stage(self, features: torch.Tensor, start: int) -> bool:
         """Stage the features ``[k, F]`` of context positions ``[start, start + k)`` for the next :meth:`run`
@@ -84,6 +92,14 @@ class StaticBlockStep:
         return min(self.d.slot_k.shape[2], max(MIN_WIDTH, 1 << max(length - 1, 0).bit_length()))
 
     def _body(self, s: int) -> dict[str, torch.Tensor]:
+        out = self._compute(s)
+        for name, t in out.items():
+            self.out_host[name].copy_(t, non_blocking=True)
+        return out
+
+    def _draft(self, s: int) -> dict[str, torch.Tensor]:
+        """The observation's context K/V written, then the block drafted at context width ``s``: device tensors
+        ``toks [B, 16] long``, ``marg [B, 16] float32`` (and ``cond [B, 16, 16] float32`` with a Markov head)."""
         d, net, b = self.d, self.d.net, self.b
         start, length = self.io[1], self.io[2]
         dev = self.io.device
@@ -102,8 +118,6 @@ class StaticBlockStep:
         if self.markov:  # every position's parent-conditioned scores, row 0's parent the anchor
             parents = torch.cat((self.io[0:1].expand(1, 16), toks[:-1]), 0)  # [B, 16]
             out["cond"] = d.markov_cond(logits, parents, idx)  # [B, parent, child]
-        for name, t in out.items():
-            self.out_host[name].copy_(t, non_blocking=True)
         return out
 
     def _capture(self, w: int) -> None:
