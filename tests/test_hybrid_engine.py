@@ -12,7 +12,7 @@ from specpilot.model.checkpoint import load_model
 from specpilot.spec.ngram import NgramDrafter
 
 from .conftest import random_prompts
-from .test_engine import ScriptedDrafter
+from .hybridutil import ar_tokens, check_ngram, check_scripted, state_matches_prefill, verify_mode
 from .test_hybrid import TINY, tiny_hybrid
 
 V = TINY["vocab_size"]
@@ -22,23 +22,6 @@ V = TINY["vocab_size"]
 def pair(tmp_path_factory):
     path = tmp_path_factory.mktemp("hybrid_engine")
     return tiny_hybrid(path, seed=4), load_model(path, dtype="float32")
-
-
-def ar_tokens(target, prompt, n):
-    return Engine(target, SystemConfig.ar(), None, eos_ids=[]).generate(prompt, n).tokens
-
-
-def state_matches_prefill(engine, committed):
-    """The hybrid cache equals a fresh prefill of every committed token but the last (R9)."""
-    n = len(committed) - 1
-    c = engine.cache
-    assert c.length == n
-    fresh = engine.target.new_cache(n + 1)
-    engine.target.forward(torch.tensor(committed[:-1]), torch.arange(n), fresh, 0)
-    fresh.commit(n)
-    torch.testing.assert_close(c.state, fresh.state, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(c.window, fresh.window, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(c.k[:, :n], fresh.k[:, :n], atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()
@@ -56,50 +39,19 @@ def test_ar_equals_transformers_generate(pair):
     ("snapshot", "chain", "right", 2),   # every other step drafts nothing (R10)
     ("replay", "best_first", "both", 1),  # the accepted branch is never the first (replay of a non-contiguous path)
     ("replay", "best_first", "right", 3),
+    ("replay", "ddtree_marginal", "both", 2),  # the other tree builders: a branch accepted off the first, R10
+    ("replay", "eagle2_topk", "both", 2),
+    ("replay", "sequoia", "both", 2),
+    ("snapshot", "eagle2_topk", "both", 1),  # a tree verified with every row's state kept
 ])
 def test_scripted_spec_equals_ar(pair, mode, tree, script, every):
-    _, target = pair
-    prompt = random_prompts(1, V, seed=7)[0]
-    ar = ar_tokens(target, prompt, 30)
-    target.verify = mode
-    try:
-        cfg = SystemConfig.stock("ngram", depth=5) if tree == "chain" else \
-            SystemConfig(drafter="ngram", tree="best_first", nodes=12, depth=5, top_k=2)
-        eng = Engine(target, cfg, ScriptedDrafter(len(prompt), ar, script, every=every), eos_ids=[])
-        eng.step_hook = state_matches_prefill
-        gen = eng.generate(prompt, 30)
-    finally:
-        target.verify = "snapshot"
-    assert gen.tokens == ar
-    if script == "wrong":
-        assert set(gen.accepted) == {1}
-    else:
-        assert max(gen.accepted) > 1
-    if every > 1:
-        assert 1 in gen.accepted
+    check_scripted(pair[1], V, mode, tree, script, every, 30)
 
 
 @pytest.mark.parametrize("mode,tree", [("snapshot", "chain"), ("replay", "chain"), ("replay", "best_first")])
 def test_ngram_spec_equals_ar(pair, mode, tree):
     """Partial acceptance from a real drafter: the n-gram drafter on prompts that repeat."""
-    _, target = pair
-    target.verify = mode
-    accepted = []
-    try:
-        for i, p in enumerate(random_prompts(3, V, seed=11)):
-            prompt = (p[:8] * 3)[:24]
-            ar = ar_tokens(target, prompt, 40)
-            cfg = SystemConfig.stock("ngram", depth=6) if tree == "chain" else \
-                SystemConfig(drafter="ngram", tree="best_first", nodes=12, depth=6, top_k=3)
-            eng = Engine(target, cfg, NgramDrafter(cfg.ngram_max, cfg.ngram_min, max_matches=cfg.top_k), eos_ids=[])
-            if i == 0:
-                eng.step_hook = state_matches_prefill
-            gen = eng.generate(prompt, 40)
-            assert gen.tokens == ar
-            accepted += gen.accepted
-    finally:
-        target.verify = "snapshot"
-    assert max(accepted) > 1 and 1 in accepted
+    check_ngram(pair[1], V, mode, tree, 3, 40)
 
 
 def test_long_prompt_chunked_prefill_then_tree_steps(pair):
@@ -107,13 +59,10 @@ def test_long_prompt_chunked_prefill_then_tree_steps(pair):
     the state stays within float32 rounding of a fresh prefill."""
     _, target = pair
     prompt = (random_prompts(1, V, seed=13)[0] * 12)[:130]
-    target.verify = "replay"
-    try:
+    with verify_mode(target, "replay"):
         ar = ar_tokens(target, prompt, 16)
         cfg = SystemConfig(drafter="ngram", tree="best_first", nodes=12, depth=6, top_k=3)
         eng = Engine(target, cfg, NgramDrafter(cfg.ngram_max, cfg.ngram_min, max_matches=cfg.top_k), eos_ids=[])
         eng.step_hook = state_matches_prefill
         gen = eng.generate(prompt, 16)
-    finally:
-        target.verify = "snapshot"
     assert gen.tokens == ar
