@@ -9,6 +9,7 @@ import torch
 from specpilot.config import SystemConfig
 from specpilot.spec.block import BlockConfig, BlockNet
 from specpilot.spec.train_block import block_loss, target_features
+from specpilot.spec.train_eagle3 import draft_vocab, eagle3_loss, new_eagle3_net
 from specpilot.engine.engine import Engine
 
 from .conftest import random_prompts
@@ -28,10 +29,11 @@ def greedy_data(target, n=24, prompt_len=12, gen=40, seed=5):
     return torch.tensor(rows)
 
 
-def train_tiny(target, cfg: BlockConfig, steps=120, seed=0, prompt_len=12, lr=1e-2):
-    """Train a tiny block drafter; returns ``(net, losses)`` (loss per step, nats)."""
+def train_tiny(target, cfg: BlockConfig, steps=120, seed=0, prompt_len=12, lr=1e-2, seqs=None):
+    """Train a tiny block drafter on ``seqs`` (default: :func:`greedy_data`); returns ``(net, losses)`` (loss per
+    step, nats)."""
     torch.manual_seed(seed)
-    seqs = greedy_data(target, prompt_len=prompt_len)
+    seqs = greedy_data(target, prompt_len=prompt_len) if seqs is None else seqs
     feats = target_features(target, seqs, cfg.target_layers)
     net = BlockNet(cfg).train()
     opt = torch.optim.AdamW(net.parameters(), lr=lr)
@@ -55,3 +57,23 @@ def trained_pair(target):
     target.requires_grad_(False)
     return {"block": train_tiny(target, tiny_config(target, markov_rank=0), steps=200),
             "block_markov": train_tiny(target, tiny_config(target, markov_rank=8), steps=200)}
+
+
+def train_eagle3_tiny(target, layers, seqs, draft_size, steps=150, prompt_len=12, seed=0):
+    """Train a tiny eagle3 drafter reading target ``layers`` on ``seqs`` (:func:`greedy_data`), draft vocabulary the
+    ``draft_size`` most frequent ids; returns ``(net, losses, feats)``."""
+    feats = target_features(target, seqs, list(layers))
+    torch.manual_seed(seed)
+    net = new_eagle3_net(target.args, layers, draft_vocab(seqs, draft_size, target.args.vocab_size, prompt_len))
+    net.train()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(0, len(seqs), (8,), generator=g)
+        loss, _ = eagle3_loss(net, target, seqs[idx], feats[idx], prompt_len, steps=3)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return net.eval().requires_grad_(False), losses, feats

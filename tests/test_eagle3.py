@@ -18,11 +18,10 @@ from specpilot.errors import DrafterError
 from specpilot.spec.drafter import Drafter, DraftRequest, check_fits
 from specpilot.spec.eagle3 import Eagle3Drafter, load_eagle3, save_eagle3
 from specpilot.spec.lattice import TreeLattice
-from specpilot.spec.train_block import target_features
-from specpilot.spec.train_eagle3 import draft_vocab, eagle3_loss, new_eagle3_net, ttt_logits
+from specpilot.spec.train_eagle3 import draft_vocab, ttt_logits
 from specpilot.spec.trees import BUILDERS
 
-from .blockutil import greedy_data
+from .blockutil import greedy_data, train_eagle3_tiny
 from .conftest import random_prompts
 from .test_engine import ar_tokens, cache_matches_prefill
 
@@ -34,21 +33,9 @@ PROMPT = 12
 def _trained(target):
     """A tiny eagle3 drafter trained 150 steps (draft vocabulary 48 of 64 ids); ``(net, losses, seqs, feats)``."""
     target.requires_grad_(False)
-    torch.manual_seed(0)
     seqs = greedy_data(target, prompt_len=PROMPT)
-    feats = target_features(target, seqs, list(LAYERS))
-    net = new_eagle3_net(target.args, LAYERS, draft_vocab(seqs, 48, 64, PROMPT)).train()
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(150):
-        idx = torch.randint(0, len(seqs), (8,), generator=g)
-        loss, _ = eagle3_loss(net, target, seqs[idx], feats[idx], PROMPT, steps=3)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return net.eval().requires_grad_(False), losses, seqs, feats
+    net, losses, feats = train_eagle3_tiny(target, LAYERS, seqs, 48, steps=150, prompt_len=PROMPT)
+    return net, losses, seqs, feats
 
 
 @pytest.fixture(scope="module")

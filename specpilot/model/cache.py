@@ -68,6 +68,21 @@ class KVCache:
             raise ValueError(f"cannot commit {n} slots of a cache of {self.max_len}")
         self._length = n
 
+    def checkpoint(self) -> int:
+        """A mark of the committed state for :meth:`rollback` (here the length: K/V past it are scratch)."""
+        return self._length
+
+    def rollback(self, mark: int) -> None:
+        """Go back to the committed state of :meth:`checkpoint`'s ``mark`` (a draft model's drafted positions
+        are dropped this way)."""
+        self.commit(mark)
+
+    def rewind(self, n: int) -> int:
+        """Commit back to ``n`` tokens (a K/V cache can: its slots past the length are rewritten by the next pass);
+        returns the length kept, ``min(n, length)`` (a recurrent cache may keep fewer: :meth:`HybridCache.rewind`)."""
+        self.commit(min(n, self._length))
+        return self._length
+
     def nbytes(self) -> int:
         """Bytes held by the cache tensors."""
         return self.k.numel() * self.k.element_size() * 2

@@ -131,6 +131,28 @@ class HybridCache:
                 self.window[layer]
         self._pending, self._pass, self._path, self._length = {}, None, None, n
 
+    def checkpoint(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """A copy of the committed state (length, GDN states, conv windows) for :meth:`rollback`: a recurrent
+        state cannot be moved back, so a draft model that drafts past its committed tokens (committing each
+        drafted position to run the next) keeps one. Costs a copy of :attr:`state` and :attr:`window`."""
+        return self._length, self.state.clone(), self.window.clone()
+
+    def rollback(self, mark: tuple[int, torch.Tensor, torch.Tensor]) -> None:
+        """Restore the committed state :meth:`checkpoint` copied (K/V past its length become scratch again; any
+        recorded pass is forgotten)."""
+        n, state, window = mark
+        self.state.copy_(state)
+        self.window.copy_(window)
+        self._pending, self._pass, self._path, self._length = {}, None, None, n
+
+    def rewind(self, n: int) -> int:
+        """Commit back to ``n`` tokens where the state allows it: ``n`` at or past the length keeps the length; an
+        earlier ``n`` has no state to go back to (the recurrent state holds only the latest length), so the request
+        restarts from 0 tokens (:meth:`commit` ``(0)``) and its caller re-runs them. Returns the length kept."""
+        if n < self._length:
+            self.commit(0)
+        return self._length
+
     def nbytes(self) -> int:
         """Bytes held by the committed tensors (K/V, states, windows; not a pass's scratch)."""
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.state, self.window))

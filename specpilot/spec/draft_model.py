@@ -2,7 +2,11 @@
 
 Each step feeds the committed tokens the drafter has not seen, then drafts ``depth`` tokens greedily (top-1),
 recording the top-K candidates and log-probs at every position: a :class:`PositionalLattice`. The drafted
-tokens' K/V are dropped afterwards, so the drafter's cache always holds exactly the committed prefix (R11).
+tokens' K/V are dropped afterwards, so the drafter's cache always holds exactly the committed prefix (R11). Each
+drafted position is committed to run the next and the cache is rolled back to a checkpoint after the last one: a
+hybrid (Gated DeltaNet) draft model's recurrent state cannot be moved back otherwise (its cache's checkpoint copies
+that state). Drafting again at a shorter context rewinds the cache; a hybrid draft model's then restarts from the
+first token (its state holds only the latest length).
 
 Static mode (the default on CUDA): the catch-up pass runs through row buckets
 (:class:`~specpilot.engine.runner.BucketRunner`, one CUDA graph per bucket) and the ``depth`` sequential
@@ -62,8 +66,8 @@ class DraftModelDrafter(OneSlotDrafter):
         depth = min(depth, self.capacity - n)  # drafted tokens sit at positions n .. n + depth - 1 < capacity
         if depth < 1:
             return None
-        if self.n_seen > n or self.n_seen == n:  # rewind so that the last committed token is fed again
-            self.n_seen = min(self.n_seen, n - 1)
+        if self.n_seen > n or self.n_seen == n:  # rewind so that the last committed token is fed again (a recurrent
+            self.n_seen = self.cache.rewind(min(self.n_seen, n - 1))  # draft model's cache restarts from 0 instead)
         if self.static:
             logits = self.runner.run(committed[self.n_seen:], list(range(self.n_seen, n)), self.n_seen, None)
             if logits is not None:  # else: more unseen tokens than the largest bucket, dynamic path below
@@ -74,6 +78,8 @@ class DraftModelDrafter(OneSlotDrafter):
         new = torch.tensor(committed[self.n_seen :], dtype=torch.long, device=dev)
         pos = torch.arange(self.n_seen, n, device=dev)
         hidden = m.forward(new, pos, self.cache, self.n_seen)[-1:]
+        self.cache.commit(n)
+        mark = self.cache.checkpoint()  # each drafted position is committed to run the next, then dropped
         toks, lps = [], []
         for d in range(depth):
             logp = torch.log_softmax(m.logits(hidden)[0], dim=-1)
@@ -82,8 +88,9 @@ class DraftModelDrafter(OneSlotDrafter):
             lps.append(lp)
             if d + 1 < depth:
                 hidden = m.forward(tk[:1], torch.tensor([n + d], device=dev), self.cache, n + d)
+                self.cache.commit(n + d + 1)
         self.n_seen = n
-        self.cache.commit(n)
+        self.cache.rollback(mark)
         return PositionalLattice(torch.stack(toks).cpu(), torch.stack(lps).float().cpu())
 
     def _loop(self, depth: int) -> dict:
