@@ -6,7 +6,7 @@ from __future__ import annotations
 from specpilot.config import SystemConfig
 from specpilot.spec.ngram import NgramDrafter
 from specpilot.pilot.planner import Planner
-from specpilot.pilot.replay import record
+from specpilot.pilot.replay import record, replay_steps
 
 
 def planner(device):
@@ -60,3 +60,26 @@ def test_tree_direction_has_no_equivalent_duplicates():
     assert space and all(c.depth <= c.nodes for c in space)
     keys = [(c.drafter, c.nodes, c.top_k, c.depth) for c in space]
     assert len(keys) == len(set(keys))
+
+
+def test_w12_priced_by_rows_when_its_pass_was_measured():
+    """W12 wins at one row and can lose at tree sizes (its exact pass at 33 rows measured 1.18x bf16's on the
+    H200): with the W12 pass timed by rows, a +w12 candidate is priced at its own rows, so AR + w12 gains and a
+    tree + w12 can lose, and the planner's kernel toggle says which."""
+    prompts = [[1, 2, 3, 4, 1, 2], [5, 6, 7, 5, 6]]
+    ar = [[3, 4, 1, 2, 3, 4], [7, 5, 6, 7, 5]]
+    rec = record(NgramDrafter(4, 1, max_matches=1), prompts, ar, 6, 1)
+    bf16 = {1: 1.0, 8: 1.1, 64: 1.5}
+    p = Planner({("ngram", 1): rec}, bf16, 1.2, device="cuda", w12_verify_ms={1: 0.8, 8: 1.2, 64: 2.4})
+    plain = Planner({("ngram", 1): rec}, bf16, 1.2, device="cuda")
+    assert p.w12_factor(1) == 0.8 and abs(p.w12_factor(64) - 1.6) < 1e-12 and plain.w12_factor(64) == 1.0
+    ar_w12 = p.predict(SystemConfig.ar(dtype="bfloat16").apply({"w12": True}))
+    assert ar_w12.c == 0.8 and ar_w12.speedup == 1 / 0.8
+    stock = SystemConfig.stock("ngram", dtype="bfloat16")
+    base, w12 = p.predict(stock), p.predict(stock.apply({"w12": True}))
+    assert plain.predict(stock.apply({"w12": True})).c == plain.predict(stock).c  # unmeasured: priced as bf16
+    assert w12.tau == base.tau
+    rows = [r for _, r in replay_steps(rec, stock)]
+    assert max(rows) > 1  # the chain verifies several rows, where this W12 pass is the slower
+    extra = sum(p.verify_time(r, w12=True) - p.verify_time(r) for r in rows) / len(rows)
+    assert abs((w12.c - base.c) * 1.2 - extra) < 1e-9  # exactly the pass-time difference at the replayed rows

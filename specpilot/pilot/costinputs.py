@@ -47,7 +47,10 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
     static = torch.device(dep.device).type == "cuda"  # as the engine runs there
     verify_ms = measure_verify_ms(dep.target, prefix_len=200, rows=VERIFY_ROWS, static=static)
     move_ms = {(): measure_move_ms(dep.target, prefix_len=200)}  # a tree's accepted path out of place
-    report = {"ar_step_ms": base_m["ar_step_ms"], "stock": base_m, "verify_ms": verify_ms,
+    w12_ms = None  # the W12 pass by rows where the kernel mechanisms apply (GPU, bf16): W12 wins at one row only
+    if pilot.stock.dtype == "bfloat16" and static:
+        w12_ms = measure_verify_ms(dep.w12_target(), prefix_len=200, rows=VERIFY_ROWS, static=static)
+    report = {"ar_step_ms": base_m["ar_step_ms"], "stock": base_m, "verify_ms": verify_ms, "verify_ms_w12": w12_ms,
               "source": "AR and stock interleaved on the recorded (salted) prompts of 4 requests (decode steps, prefill "
                         "excluded); pass times by rows measured right after"}
     pilot.c_measured.append({"label": f"stock {pilot.stock.label()}", "N": base_m["rows"] - 1, "c": base_m["c"],
@@ -85,7 +88,8 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
         report["ngram_stock"] = ng_m
     pilot.planner = Planner(recs, verify_ms, base_m["ar_step_ms"], device=pilot.o.device,
                             spec_step=(pilot.stock, base_m["step_ms"]), feature_verify_ms=feature_verify,
-                            move_ms=move_ms, kind_steps=kind_steps, calib_requests=calib, tlv=tlv)
+                            move_ms=move_ms, kind_steps=kind_steps, calib_requests=calib, tlv=tlv,
+                            w12_verify_ms=w12_ms)
     report["spec_overhead_ms"] = pilot.planner.overhead_ms
     report["spec_overhead_by_kind_ms"] = dict(pilot.planner.kind_overhead)
     report["spec_overhead_source"] = pilot.planner.spec_overhead_source

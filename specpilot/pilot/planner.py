@@ -106,6 +106,10 @@ class Planner:
             accepted path is not in place moves it (the target cache's compaction, and the features' gather for a
             drafter reading ``target_layers``; ``()``: none); priced per replayed step that moves
             (:func:`~specpilot.pilot.replay.replay_trace`). None or a missing key: not priced.
+        w12_verify_ms: ``{rows: ms}`` of the W12 target's exact pass (§4.1): a ``w12`` config's pass at R rows is
+            priced at the bf16 pass's time × T_w12(R) / T_bf16(R) (W12 wins at one row and may lose at tree sizes,
+            so the price follows each candidate's rows), AR + w12 at c = T_w12(1) / T_bf16(1). None: ``w12`` is
+            priced as bf16 and only the live screen sees what it changes.
     """
 
     def __init__(self, recordings: dict[tuple[str, int], Recording], verify_ms: dict[int, float], ar_ms: float,
@@ -113,8 +117,10 @@ class Planner:
                  feature_verify_ms: dict[tuple[int, ...], dict[int, float]] | None = None,
                  move_ms: dict[tuple[int, ...], dict[int, float]] | None = None,
                  kind_steps: list[tuple[SystemConfig, float]] = (), calib_requests: list[int] | None = None,
-                 tlv=None):
+                 tlv=None, w12_verify_ms: dict[int, float] | None = None):
         self.recordings, self.ar_ms, self.device = recordings, ar_ms, str(device)
+        self._w12 = (np.array(sorted(w12_verify_ms), dtype=float),
+                     monotone([w12_verify_ms[r] for r in sorted(w12_verify_ms)])) if w12_verify_ms else None
         self._tree_ms: dict[tuple, float] = {}
         self.rows = np.array(sorted(verify_ms), dtype=float)
         self.ms = monotone([verify_ms[r] for r in sorted(verify_ms)])
@@ -148,19 +154,25 @@ class Planner:
         host work, all of it timed, so its residual is the step's own work); else :attr:`overhead_ms`."""
         return self.kind_overhead.get(cfg.drafter, self.kind_overhead.get("ngram", self.overhead_ms))
 
-    def verify_time(self, rows: float, layers: tuple[int, ...] = ()) -> float:
+    def verify_time(self, rows: float, layers: tuple[int, ...] = (), w12: bool = False) -> float:
         """Exact-pass time for ``rows`` rows, ms: the monotone fit of the measured times, interpolated; with
         ``layers``, of the pass that also gathers those target layers' outputs (``feature_verify_ms``; the plain
-        pass's when that was not measured)."""
+        pass's when that was not measured); with ``w12``, scaled by :meth:`w12_factor`."""
         xs, ys = self._curves.get(tuple(layers), (self.rows, self.ms))
-        return float(np.interp(rows, xs, ys))
+        return float(np.interp(rows, xs, ys)) * (self.w12_factor(rows) if w12 else 1.0)
 
-    def pass_time(self, steps: list[tuple[int, int]], layers: tuple[int, ...] = ()) -> float:
+    def w12_factor(self, rows: float) -> float:
+        """T_w12(rows) / T_bf16(rows) of the measured exact passes (1 when the W12 pass was not measured)."""
+        if self._w12 is None:
+            return 1.0
+        return float(np.interp(rows, *self._w12)) / float(np.interp(rows, self.rows, self.ms))
+
+    def pass_time(self, steps: list[tuple[int, int]], layers: tuple[int, ...] = (), w12: bool = False) -> float:
         """Mean exact-pass time of replayed ``steps`` (:func:`~specpilot.pilot.replay.replay_steps`), each at its own
-        rows, ms (T_pass(1) when there are none); ``layers`` as :meth:`verify_time`."""
+        rows, ms (T_pass(1) when there are none); ``layers`` and ``w12`` as :meth:`verify_time`."""
         if not steps:
-            return self.verify_time(1, layers)
-        return float(np.mean([self.verify_time(r, layers) for _, r in steps]))
+            return self.verify_time(1, layers, w12)
+        return float(np.mean([self.verify_time(r, layers, w12) for _, r in steps]))
 
     def move_time(self, moved: list[int], layers: tuple[int, ...] = ()) -> float:
         """Mean time per step to move accepted paths into place, ms: ``moved`` is each replayed step's moved rows
@@ -255,7 +267,8 @@ class Planner:
         compare with a live measurement on the same recorded prompts, :func:`~specpilot.pilot.rounds.screen`);
         None: every recorded request. Raises ValueError for an index outside the recording."""
         if cfg.drafter == "none":
-            return Prediction(1.0, 1.0, 1.0)
+            c = self.w12_factor(1) if cfg.w12 else 1.0
+            return Prediction(1.0, c, 1.0 / c)
         if cfg.tlv:
             from specpilot.pilot.tlv_cost import predict_tlv
 
@@ -268,7 +281,7 @@ class Planner:
             return None
         steps = [(k, r) for k, r, _ in trace]
         tau = sum(k for k, _ in steps) / len(steps)
-        c = (self.overhead(cfg) + self.pass_time(steps, rec.target_layers) + self.draft_time(cfg, steps, requests)
+        c = (self.overhead(cfg) + self.pass_time(steps, rec.target_layers, cfg.w12) + self.draft_time(cfg, steps, requests)
              + self.tree_time(cfg, steps) + self.move_time([mv for *_, mv in trace], rec.target_layers)) / self.ar_ms
         return Prediction(tau, c, tau / c)
 

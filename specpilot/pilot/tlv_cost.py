@@ -68,7 +68,7 @@ def predict_tlv(planner, cfg: SystemConfig, tlv: TlvInputs, requests: list[int] 
     n = len(steps)
     tau = sum(s[0] for s in steps) / n
     single = [(k, r) for k, r, _, _ in steps]
-    exact = float(np.mean([planner.verify_time(r, rec.target_layers) for _, r, _, _ in steps]))
+    exact = float(np.mean([planner.verify_time(r, rec.target_layers, cfg.w12) for _, r, _, _ in steps]))
     q_pass = float(np.mean([tlv.q_time(q) for _, _, q, _ in steps]))
     drafts = float(np.mean([1 + (q > 0 and c < cfg.nodes) for _, _, q, c in steps]))
     per_draft = planner.draft_time(cfg, single, requests) + planner.tree_time(cfg, single)
