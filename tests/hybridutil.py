@@ -1,20 +1,36 @@
 """Helpers for the engine tests on hybrid (Gated DeltaNet) targets, qwen3_5 and qwen3_next alike: AR tokens, the
 check that the cache equals a fresh prefill after every step, a verification-mode switch, a drafter wrapper that
-drafts nothing on some steps, and the scripted / n-gram spec == AR checks both model types run."""
+drafts nothing on some steps, the scripted / n-gram spec == AR checks both model types run, and a tiny qwen3_5
+target with one drafter of every kind (built once per test session)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
+import tempfile
 
 import torch
 
 from specpilot.config import SystemConfig
 from specpilot.engine.engine import Engine
+from specpilot.model.checkpoint import load_model
+from specpilot.spec.block import BlockDrafter
+from specpilot.spec.draft_model import DraftModelDrafter
+from specpilot.spec.eagle3 import Eagle3Drafter
 from specpilot.spec.ngram import NgramDrafter
 
-from .conftest import random_prompts
+from .blockutil import greedy_data, tiny_config, train_eagle3_tiny, train_tiny
+from .conftest import random_prompts, save_tiny
 from .test_engine import ScriptedDrafter
+from .test_hybrid import tiny_hybrid
+
+#: the drafter kinds :func:`make_drafter` builds; the target layers the feature-reading ones read (GDN, full
+#: attention, the last GDN layer of the 4-layer tiny target); their candidates per position
+KINDS = ("ngram", "draft_dense", "draft_hybrid", "block", "block_markov", "eagle3")
+LAYERS = (0, 1, 3)
+TOP_K = 4
 
 
 def ar_tokens(target, prompt, n):
@@ -115,3 +131,47 @@ def check_ngram(target, vocab, mode, tree, n_prompts, n):
             assert gen.tokens == ar
             accepted += gen.accepted
     assert max(accepted) > 1 and 1 in accepted
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_target():
+    """The tiny qwen3_5 target (4 layers: 3 GDN + 1 attention, vocabulary 96, seed 4), float32, no gradients."""
+    with tempfile.TemporaryDirectory() as d:
+        tiny_hybrid(d, seed=4)
+        return load_model(d, dtype="float32").requires_grad_(False)
+
+
+@functools.lru_cache(maxsize=None)
+def drafter_nets():
+    """The networks of :func:`make_drafter` for :func:`tiny_target`: a dense 1-layer draft model (random), the target
+    moved by 2e-3 noise as a hybrid draft model, and block / block_markov / eagle3 nets reading :data:`LAYERS`,
+    trained briefly on the target's greedy outputs (untrained ones accept almost nothing, which would leave the deeper
+    tree positions unexercised)."""
+    target = tiny_target()
+    v = target.args.vocab_size
+    seqs = greedy_data(target, n=16, prompt_len=12, gen=40)
+    cfg = dataclasses.replace(tiny_config(target), target_layers=list(LAYERS))
+    with tempfile.TemporaryDirectory() as d:
+        dense = load_model(save_tiny(d, vocab=v, hidden=32, layers=1, heads=2, kv_heads=1, seed=2))
+    return {"draft_dense": dense, "draft_hybrid": near_copy(target, 2e-3),
+            "block": train_tiny(target, cfg, steps=150, seqs=seqs)[0],
+            "block_markov": train_tiny(target, dataclasses.replace(cfg, markov_rank=8), steps=150, seqs=seqs)[0],
+            "eagle3": train_eagle3_tiny(target, LAYERS, seqs, 64, steps=120)[0]}
+
+
+def make_drafter(kind, target, nets, top_k=TOP_K):
+    """``(SystemConfig drafter name, a fresh drafter)`` of ``kind`` (:data:`KINDS`) with ``top_k`` candidates."""
+    if kind == "ngram":
+        return "ngram", NgramDrafter(4, 1, max_matches=top_k)
+    if kind.startswith("draft_"):
+        return "draft_model", DraftModelDrafter(nets[kind], top_k=top_k)
+    if kind.startswith("block"):
+        return "block", BlockDrafter(nets[kind], target, top_k=top_k)
+    return "eagle3", Eagle3Drafter(nets[kind], target, top_k=top_k)
+
+
+def requests(vocab):
+    """``(prompt, new tokens)``: a random prompt (the trained drafters' kind) and one that repeats (the n-gram drafter
+    and the dense draft model accept a token on it, once or twice)."""
+    return [(random_prompts(1, vocab, length=12, seed=5)[0], 24), ((random_prompts(2, vocab, seed=11)[1][:8] * 3)[:24],
+                                                                    40)]

@@ -8,70 +8,34 @@ fresh drafter's); the features a hybrid target hands a drafter are the named lay
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from specpilot.config import SystemConfig
 from specpilot.engine.engine import Engine
-from specpilot.model.checkpoint import load_model
-from specpilot.spec.block import BlockDrafter, BlockNet
+from specpilot.spec.block import BlockDrafter
 from specpilot.spec.draft_model import DraftModelDrafter
 from specpilot.spec.drafter import propose_one
-from specpilot.spec.eagle3 import Eagle3Drafter
-from specpilot.spec.ngram import NgramDrafter
 from specpilot.spec.trees import BUILDERS
 
-from .blockutil import greedy_data, tiny_config, train_eagle3_tiny, train_tiny
-from .conftest import random_prompts, save_tiny
-from .hybridutil import Skipping, ar_tokens, near_copy, state_matches_prefill, verify_mode
-from .test_hybrid import TINY, tiny_hybrid
+from .conftest import random_prompts
+from .hybridutil import (KINDS, LAYERS, TOP_K, Skipping, ar_tokens, drafter_nets, make_drafter, requests,
+                         state_matches_prefill, tiny_target, verify_mode)
+from .test_hybrid import TINY
 
 V = TINY["vocab_size"]
-LAYERS = (0, 1, 3)  # GDN, full attention, the last GDN layer of the 4-layer tiny target
-DEPTH, NODES, TOP_K = 5, 12, 4
-KINDS = ("ngram", "draft_dense", "draft_hybrid", "block", "block_markov", "eagle3")
+DEPTH, NODES = 5, 12
 CASES = [("chain", "snapshot"), ("chain", "replay")] + [(t, "replay") for t in sorted(BUILDERS) if t != "chain"]
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hybrid_drafters")
-    tiny_hybrid(path, seed=4)
-    return load_model(path, dtype="float32").requires_grad_(False)
+def target():
+    return tiny_target()
 
 
 @pytest.fixture(scope="module")
-def nets(target, tmp_path_factory):
-    """The drafters' networks: a dense 1-layer draft model (random), the target moved by 2e-3 noise as a hybrid draft
-    model, and block / block_markov / eagle3 nets trained briefly on the target's greedy outputs (untrained ones
-    accept almost nothing, which would leave the deeper tree positions unexercised)."""
-    seqs = greedy_data(target, n=16, prompt_len=12, gen=40)
-    cfg = dataclasses.replace(tiny_config(target), target_layers=list(LAYERS))
-    dense = load_model(save_tiny(tmp_path_factory.mktemp("dense_draft"), vocab=V, hidden=32, layers=1, heads=2,
-                                 kv_heads=1, seed=2))
-    return {"draft_dense": dense, "draft_hybrid": near_copy(target, 2e-3),
-            "block": train_tiny(target, cfg, steps=150, seqs=seqs)[0],
-            "block_markov": train_tiny(target, dataclasses.replace(cfg, markov_rank=8), steps=150, seqs=seqs)[0],
-            "eagle3": train_eagle3_tiny(target, LAYERS, seqs, 64, steps=120)[0]}
-
-
-def make_drafter(kind, target, nets):
-    """``(SystemConfig drafter name, a fresh drafter)`` of ``kind``."""
-    if kind == "ngram":
-        return "ngram", NgramDrafter(4, 1, max_matches=TOP_K)
-    if kind.startswith("draft_"):
-        return "draft_model", DraftModelDrafter(nets[kind], top_k=TOP_K)
-    if kind.startswith("block"):
-        return "block", BlockDrafter(nets[kind], target, top_k=TOP_K)
-    return "eagle3", Eagle3Drafter(nets[kind], target, top_k=TOP_K)
-
-
-def requests():
-    """``(prompt, new tokens)``: a random prompt (the trained drafters' kind) and one that repeats (the n-gram drafter
-    and the dense draft model accept a token on it, once or twice)."""
-    return [(random_prompts(1, V, length=12, seed=5)[0], 24), ((random_prompts(2, V, seed=11)[1][:8] * 3)[:24], 40)]
+def nets():
+    return drafter_nets()
 
 
 @pytest.mark.parametrize("tree,mode", CASES)
@@ -83,7 +47,7 @@ def test_spec_equals_ar(target, nets, kind, tree, mode):
     cfg = SystemConfig(drafter=name, tree=tree, nodes=NODES, depth=DEPTH, top_k=TOP_K)
     accepted = []
     with verify_mode(target, mode):
-        for i, (p, n) in enumerate(requests()):
+        for i, (p, n) in enumerate(requests(V)):
             eng = Engine(target, cfg, Skipping(drafter, 3) if i == 0 else drafter, eos_ids=[])
             if i == 0:
                 eng.step_hook = state_matches_prefill
@@ -158,7 +122,7 @@ def test_features_are_the_named_layers_outputs(target, nets):
             seen[start : start + features.shape[0]] = features
             super().observe(slot, features, start)
 
-    prompt = requests()[0][0]
+    prompt = requests(V)[0][0]
     with verify_mode(target, "replay"):
         eng = Engine(target, SystemConfig(drafter="block", tree="best_first", nodes=NODES, depth=DEPTH, top_k=TOP_K),
                      Recording(block, 10**9), eos_ids=[])
