@@ -14,7 +14,8 @@ Per row and value head the step is, with ``α = exp(g)`` (taken in PyTorch, as t
 
 - :func:`gdn_tree_reference` / :func:`gdn_commit_reference`: plain PyTorch over :func:`delta_step`; the oracles.
 - :func:`gdn_tree`: the path kernel, grid ``(rows, value heads, d_v tiles)``; each program walks its row's root path
-  (depth ≤ rows) from the committed state and writes ``o`` only. The committed state is read, never written.
+  (depth ≤ rows) from the committed state and writes ``o`` only. The committed state is read, never written. The
+  paths come from :func:`root_paths` (one launch a pass, shared by every layer).
 - :func:`gdn_commit`: the commit kernel, grid ``(value heads, d_v tiles, layers)``: replays the accepted rows' steps
   into the committed state of every GDN layer in place, one launch for all layers.
 
@@ -127,26 +128,34 @@ if triton is not None:
         return s + kk[:, None] * ((vv - kv) * beta)[None, :]
 
     @triton.jit
-    def _gdn_path_kernel(s0_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, par_ptr, o_ptr, H,
-                         DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, MAX_D: tl.constexpr):
+    def _root_paths_kernel(par_ptr, paths_ptr, W: tl.constexpr):
+        row = tl.program_id(0)
+        idx = tl.arange(0, W)
+        path = tl.full([W], -1, tl.int32)
+        if tl.load(par_ptr + row) >= -1:  # a real row (a padding row's path stays empty)
+            depth = 0
+            a = row
+            while a >= 0:
+                depth += 1
+                a = tl.load(par_ptr + a)
+            a = row
+            while a >= 0:  # leaf first, written root first
+                depth -= 1
+                path = tl.where(idx == depth, a, path)
+                a = tl.load(par_ptr + a)
+        tl.store(paths_ptr + row * W + idx, path)
+
+    @triton.jit
+    def _gdn_path_kernel(s0_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, paths_ptr, o_ptr, H,
+                         DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, W: tl.constexpr):
         row = tl.program_id(0)
         h = tl.program_id(1)
         offs_k = tl.arange(0, DK)
         offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
-        p = tl.load(par_ptr + row)
-        if p >= -1:  # a real row (padding rows keep their zero output)
-            # the root path, leaf first: path[i] = the i-th ancestor (path[0] = the row itself), d nodes
-            idx = tl.arange(0, MAX_D)
-            path = tl.where(idx == 0, row, tl.full([MAX_D], -1, tl.int32))
-            d = 1
-            a = p
-            while a >= 0:
-                path = tl.where(idx == d, a, path)
-                d += 1
-                a = tl.load(par_ptr + a)
+        if tl.load(paths_ptr + row * W) >= 0:  # a real row (a padding row writes zeros)
             s = tl.load(s0_ptr + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :])
-            for i in range(MAX_D):  # root first: entries past the root are −1 (a static bound, no host sync)
-                node = tl.sum(tl.where(idx == MAX_D - 1 - i, path, 0))
+            for i in range(W):  # root first; −1 past the row (a static bound: no host sync, one graph per bucket)
+                node = tl.load(paths_ptr + row * W + i)
                 if node >= 0:
                     nh = node * H + h
                     kk = tl.load(k_ptr + nh * DK + offs_k)
@@ -154,6 +163,8 @@ if triton is not None:
                     s = _delta_step(s, kk, vv, tl.load(a_ptr + nh), tl.load(b_ptr + nh))
             qq = tl.load(q_ptr + (row * H + h) * DK + offs_k)
             tl.store(o_ptr + (row * H + h) * DV + offs_v, tl.sum(s * qq[:, None], axis=0))
+        else:
+            tl.store(o_ptr + (row * H + h) * DV + offs_v, tl.zeros([BV], tl.float32))
 
     @triton.jit
     def _gdn_commit_kernel(s_ptr, k_ptr, v_ptr, a_ptr, b_ptr, rows_ptr, R, H, N: tl.constexpr,
@@ -174,33 +185,62 @@ if triton is not None:
         tl.store(ptrs, s)
 
 
-#: d_v tile and warps of both kernels (they must agree for the commit to equal the path kernel's state bit for bit)
+#: d_v tile (capped at d_v) and warps of both kernels: they must agree for the commit to equal the path kernel's state
+#: bit for bit (tile and warps fix the layout, so the order of the sums over d_k)
 BLOCK_V, NUM_WARPS = 32, 4
 
 
-def gdn_tree(state: torch.Tensor, q, k, v, g, beta, parents: torch.Tensor, *, block_v: int = BLOCK_V,
-             num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """Triton path verification of one GDN layer; same arguments and result as :func:`gdn_tree_reference`, with
-    ``parents`` an int32 tensor ``[R]`` on the state's device (not checked on the host: a parent must be −1,
-    :data:`PAD` or an earlier real row, else the walk reads garbage). ``state`` is read, never written.
+def root_paths(parents: torch.Tensor) -> torch.Tensor:
+    """Each row's root path, root first: ``parents [R]`` int32 (device) -> ``[R, W]`` int32, ``W`` = R rounded up to
+    a power of two, entries past the row −1 (a padding row's path is empty). One launch of R single-warp
+    programs; a pass computes it once and hands it to every layer's :func:`gdn_tree`. Graph-capturable.
 
     Raises:
-        ValueError: shapes, dtypes or dims that do not fit; RuntimeError: triton not installed.
+        ValueError: ``parents`` not int32 ``[R]``; RuntimeError: triton not installed.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    if parents.dim() != 1 or parents.dtype != torch.int32:
+        raise ValueError(f"parents must be int32 [R], got {parents.dtype} {tuple(parents.shape)}")
+    r = parents.numel()
+    w = triton.next_power_of_2(max(r, 1))
+    paths = torch.empty(r, w, dtype=torch.int32, device=parents.device)
+    if r:
+        _root_paths_kernel[(r,)](parents.contiguous(), paths, W=w, num_warps=1)
+    return paths
+
+
+def gdn_tree(state: torch.Tensor, q, k, v, g, beta, parents: torch.Tensor | None = None, *,
+             paths: torch.Tensor | None = None, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """Triton path verification of one GDN layer; same arguments and result as :func:`gdn_tree_reference`, with
+    ``parents`` an int32 tensor ``[R]`` on the state's device, or instead ``paths``, its :func:`root_paths`
+    (computed once per pass, shared by the layers). Parents are not checked on the host: each must be −1,
+    :data:`PAD` or an earlier real row, else the walk reads garbage. ``state`` is read, never written.
+
+    Raises:
+        ValueError: shapes, dtypes or dims that do not fit, neither or both of parents / paths; RuntimeError:
+            triton not installed.
     """
     if triton is None:
         raise RuntimeError("triton is not installed")
     r, h, dk, dv = _check_rows(state, q, k, v, g, beta)
+    block_v = min(block_v, dv)
     _check_dims(dk, dv, block_v)
-    if state.dim() != 3 or q.dim() != 3 or tuple(parents.shape) != (r,) or parents.dtype != torch.int32:
-        raise ValueError(f"want state [H, d_k, d_v], q/k/v [R, H, d] and parents int32 [{r}]; got "
-                         f"{tuple(state.shape)}, {tuple(q.shape)}, {parents.dtype} {tuple(parents.shape)}")
-    out = torch.zeros_like(v)
-    if r == 0:
-        return out
-    c = lambda t: t.contiguous()  # noqa: E731
-    _gdn_path_kernel[(r, h, dv // block_v)](
-        c(state), c(q), c(k), c(v), c(g.exp()), c(beta), c(parents), out, h,
-        DK=dk, DV=dv, BV=block_v, MAX_D=triton.next_power_of_2(r), num_warps=num_warps)
+    if (parents is None) == (paths is None):
+        raise ValueError("give the rows' parents or their root_paths, one of the two")
+    if paths is None:
+        if tuple(parents.shape) != (r,) or parents.dtype != torch.int32:
+            raise ValueError(f"want parents int32 [{r}], got {parents.dtype} {tuple(parents.shape)}")
+        paths = root_paths(parents)
+    if state.dim() != 3 or q.dim() != 3 or paths.dtype != torch.int32 or paths.dim() != 2 or paths.shape[0] != r:
+        raise ValueError(f"want state [H, d_k, d_v], q/k/v [R, H, d] and paths int32 [{r}, W]; got "
+                         f"{tuple(state.shape)}, {tuple(q.shape)}, {paths.dtype} {tuple(paths.shape)}")
+    out = torch.empty_like(v)
+    if r:
+        c = lambda t: t.contiguous()  # noqa: E731
+        _gdn_path_kernel[(r, h, dv // block_v)](
+            c(state), c(q), c(k), c(v), c(g.exp()), c(beta), c(paths), out, h,
+            DK=dk, DV=dv, BV=block_v, W=paths.shape[1], num_warps=num_warps)
     return out
 
 
@@ -221,6 +261,7 @@ def gdn_commit(state: torch.Tensor, k, v, g, beta, rows: torch.Tensor, *, block_
     if triton is None:
         raise RuntimeError("triton is not installed")
     r, h, dk, dv = _check_rows(state, None, k, v, g, beta)
+    block_v = min(block_v, dv)
     _check_dims(dk, dv, block_v)
     layers = 1 if state.dim() == 3 else state.shape[0]
     if state.dim() not in (3, 4) or k.dim() != state.dim() or (state.dim() == 4 and k.shape[0] != layers):
