@@ -152,15 +152,18 @@ if triton is not None:
         h = tl.program_id(1)
         offs_k = tl.arange(0, DK)
         offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
-        if tl.load(paths_ptr + row * W) >= 0:  # a real row (a padding row writes zeros)
+        node = tl.load(paths_ptr + row * W)
+        if node >= 0:  # a real row (a padding row writes zeros)
             s = tl.load(s0_ptr + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :])
-            for i in range(W):  # root first; −1 past the row (a static bound: no host sync, one graph per bucket)
-                node = tl.load(paths_ptr + row * W + i)
-                if node >= 0:
-                    nh = node * H + h
-                    kk = tl.load(k_ptr + nh * DK + offs_k)
-                    vv = tl.load(v_ptr + nh * DV + offs_v)
-                    s = _delta_step(s, kk, vv, tl.load(a_ptr + nh), tl.load(b_ptr + nh))
+            i = 1
+            while node >= 0:  # root first, as many steps as the row's depth; −1 past the row
+                nxt = tl.load(paths_ptr + row * W + i, mask=i < W, other=-1)  # ahead of the step it does not need
+                nh = node * H + h
+                kk = tl.load(k_ptr + nh * DK + offs_k)
+                vv = tl.load(v_ptr + nh * DV + offs_v)
+                s = _delta_step(s, kk, vv, tl.load(a_ptr + nh), tl.load(b_ptr + nh))
+                node = nxt
+                i += 1
             qq = tl.load(q_ptr + (row * H + h) * DK + offs_k)
             tl.store(o_ptr + (row * H + h) * DV + offs_v, tl.sum(s * qq[:, None], axis=0))
         else:
