@@ -18,7 +18,8 @@ PyTorch references on the GPU (path: one layer and 48; commit: 48 layers).
 
 Usage: ``python probes/gdn_kernels_h200.py OUT.json`` on a CUDA GPU (``SPECPILOT_COMMIT`` names the commit);
 ``python probes/gdn_kernels_h200.py OUT.json --tiny`` runs everything on tiny shapes in Triton's interpreter on the
-CPU (a smoke test of the script; its times mean nothing).
+CPU (a smoke test of the script; its times mean nothing); ``--ptxas`` compiles both kernels offline for sm_90a
+(registers and spills of every swept config and of the two that spill; no GPU, TRITON_INTERPRET unset).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ DEV = "cuda" if CUDA else "cpu"
 LAYERS, H, DK, DV = (2, 4, 16, 16) if TINY else (48, 48, 128, 128)
 WARMUP, REPS = (0, 1) if TINY else (5, 50)
 SWEEP = [(16, 2)] if TINY else [(bv, nw) for bv in (16, 32, 64, 128) for nw in (1, 2, 4, 8)
-                                 if 16 <= bv * DK // (32 * nw) <= 256]  # 16..256 state floats a thread
+                                 if 16 <= bv * DK // (32 * nw) <= 128]  # 16..128 state floats a thread (256 spill)
 ACCEPTED = range(1, 9)
 
 
@@ -235,10 +236,42 @@ def main(path_out: str) -> None:
     print("wrote", path_out)
 
 
+def ptxas(path_out: str) -> None:
+    """Registers and spills of both kernels compiled offline for sm_90a at the full shape, every swept config."""
+    from specpilot.kernels import gdn_tree as G
+    from specpilot.kernels.resources import kernel_resources
+
+    f = "*fp32"
+    path_sig = dict(s0_ptr=f, q_ptr=f, k_ptr=f, v_ptr=f, a_ptr=f, b_ptr=f, paths_ptr="*i32", o_ptr=f, H="i32")
+    commit_sig = dict(s_ptr=f, k_ptr=f, v_ptr=f, a_ptr=f, b_ptr=f, rows_ptr="*i32", R="i32", H="i32")
+    rows = []
+    for bv, nw in [(bv, nw) for bv in (16, 32, 64, 128) for nw in (1, 2, 4, 8) if 16 <= bv * DK // (32 * nw) <= 256]:
+        res = {"block_v": bv, "num_warps": nw}
+        for name, kern, sig, const, aligned in (
+                ("path", G._gdn_path_kernel, path_sig, dict(DK=DK, DV=DV, BV=bv, W=32), ("s0_ptr", "q_ptr", "k_ptr",
+                                                                                         "v_ptr", "o_ptr")),
+                ("commit", G._gdn_commit_kernel, commit_sig, dict(N=8, DK=DK, DV=DV, BV=bv),
+                 ("s_ptr", "k_ptr", "v_ptr"))):
+            k = kernel_resources(kern, sig, const, nw, 3, divisible_by_16=aligned)
+            res[name] = {"registers": k.registers, "spill_bytes": k.spill_bytes, "shared_bytes": k.shared_bytes}
+        rows.append(res)
+        print(res, flush=True)
+    out = {"what": "offline sm_90a compile (Triton, then ptxas -v) of the GDN tree kernels (path: W = 32 rows; commit: "
+                   "N = 8 rows); no GPU, no timing", "command": "python probes/gdn_kernels_h200.py OUT.json --ptxas",
+           "device": "none (offline compile for sm_90a)", "versions": versions(), "commit": git_commit(),
+           "shape": {"d_k": DK, "d_v": DV}, "configs": rows}
+    with open(path_out, "w") as fh:
+        json.dump(out, fh, indent=1)
+    print("wrote", path_out)
+
+
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     if len(args) != 1:
-        sys.exit("usage: python probes/gdn_kernels_h200.py OUT.json [--tiny]")
-    if not TINY and not CUDA:
-        sys.exit("needs a CUDA GPU (or --tiny for the interpreter smoke run)")
-    main(args[0])
+        sys.exit("usage: python probes/gdn_kernels_h200.py OUT.json [--tiny | --ptxas]")
+    if "--ptxas" in sys.argv:
+        ptxas(args[0])
+    elif not TINY and not CUDA:
+        sys.exit("needs a CUDA GPU (or --tiny for the interpreter smoke run, --ptxas for offline compiles)")
+    else:
+        main(args[0])
