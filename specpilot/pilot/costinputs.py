@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specpilot.config import SystemConfig
+from specpilot.errors import SpecPilotError
 from specpilot.pilot.phase0 import Phase0Result
 from specpilot.pilot.planner import VERIFY_ROWS, Planner
 from specpilot.model.qview import q_view
@@ -79,7 +80,8 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
     report["verify_ms_with_features"] = {",".join(map(str, k)): v for k, v in feature_verify.items()}
     report["move_ms"] = {",".join(map(str, k)): v for k, v in move_ms.items()}
     tlv = tlv_inputs(pilot, recs, max([depth_max] + [r.depth for r in recs.values()]), static)
-    report["tlv"] = {"weights": tlv.weights, "q_verify_ms": tlv.q_ms, "agreement": tlv.agreement}
+    report["tlv"] = None if tlv is None else {"weights": tlv.weights, "q_verify_ms": tlv.q_ms,
+                                              "agreement": tlv.agreement}
     kind_steps = []
     if pilot.stock.drafter != "ngram":  # the step's own work, calibrated where all the drafting is timed host work
         ngram_cfg = SystemConfig.stock("ngram", depth=pilot.stock.depth, dtype=pilot.stock.dtype)
@@ -111,13 +113,18 @@ def recorded_requests(reqs: list, p0: Phase0Result) -> list:
     return [replace(r, prompt_ids=tuple(int(t) for t in p)) for r, p in zip(reqs, p0.prompts)]
 
 
-def tlv_inputs(pilot: Pilot, recs: dict, depth: int, static: bool) -> TlvInputs:
+def tlv_inputs(pilot: Pilot, recs: dict, depth: int, static: bool) -> TlvInputs | None:
     """What the planner prices TLV with (§4.3): the Q pass of the target's 8-bit view (``view8``; the bf16 rounding
     of a float32 target) recorded along the AR outputs the recordings hold, ``depth`` chain rows past each root, and
-    the Q pass's time by rows, measured as the exact pass's (:func:`measure_verify_ms`)."""
+    the Q pass's time by rows, measured as the exact pass's (:func:`measure_verify_ms`). None (said, and TLV is
+    neither priced nor proposed) for a target without a Q view (:func:`q_view` refuses it: a hybrid target)."""
     dep = pilot.dep
+    try:
+        q = q_view(dep.target, "view8")
+    except SpecPilotError as e:
+        pilot.say("cost model", f"TLV not priced: {e}")
+        return None
     pilot.say("cost model", "recording the Q pass (8-bit view) along the AR outputs (TLV replay)")
-    q = q_view(dep.target, "view8")
     rec = next(iter(recs.values()))
     qrec = record_q(dep.target, q, rec, depth, "view8")
     q_ms = measure_verify_ms(q, prefix_len=200, rows=VERIFY_ROWS, static=static)
