@@ -105,7 +105,7 @@ def test_chat_template_and_the_named_fallback():
     (["--tree", "nope"], "unknown tree builder"), (["--port", "70000"], "--port"), (["--api-key", " "], "empty"),
     (["--system", "/nonexistent/system.json"], "cannot read"),
     (["--drafter", "none", "--tree", "best_first"], "needs a drafter"),
-    (["--nodes", "0"], "--nodes"), (["--threads", "0"], "--threads"),
+    (["--nodes", "0"], "--nodes"), (["--threads", "0"], "--threads"), (["--max-model-len", "1"], "--max-model-len"),
 ])
 def test_serve_option_errors_are_one_line(monkeypatch, capsys, args, msg):
     code, out, err = run_cli(monkeypatch, capsys, "serve", *args)
@@ -191,3 +191,28 @@ def test_serve_reads_a_sealed_system(monkeypatch, capsys, tmp_path):
     assert resolve_recorded("/gone/elsewhere/target") == Path("/gone/elsewhere/target")  # not a bundled model
     assert resolve_recorded(f"{elsewhere}/no_such_model") == Path(f"{elsewhere}/no_such_model")
     assert resolve_recorded(tmp_path) == tmp_path  # an existing directory is itself
+
+
+def test_max_model_len_sizes_the_engines_context_and_its_cache(monkeypatch):
+    """--max-model-len reaches the engine (its context, the API's limit, each slot's K/V rows); past the target's
+    positions it is a one-line error before anything serves."""
+    import uvicorn
+
+    from specpilot.config import SystemConfig
+    from specpilot.errors import SpecPilotError
+    from specpilot.serve import app as serve_app
+    from specpilot.serve.cli import run_server
+
+    seen = {}
+    monkeypatch.setattr(serve_app, "create_app", lambda ctx: seen.update(ctx=ctx) or object())
+    monkeypatch.setattr(uvicorn.Server, "__init__", lambda self, config: None)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: seen.update(engine=seen["ctx"].driver.engine))
+    with socket.socket() as sock:
+        args = (sock, bundled_target_dir(), None, SystemConfig.ar(), "cpu", 3, None, "m", None, 8 << 20, "warning",
+                "127.0.0.1")
+        run_server(*args, 96)
+        eng = seen["engine"]
+        assert seen["ctx"].max_len == eng.max_len == 96
+        assert eng.pool.slot_len == 96 + eng.config.nodes + 1  # each slot: the context and one step's tree rows
+        with pytest.raises(SpecPilotError, match="past the target's"):
+            run_server(*args, 10 ** 7)

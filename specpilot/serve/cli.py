@@ -69,6 +69,9 @@ def serve(
     system: Optional[Path] = typer.Option(None, help="A system sealed by `specpilot pilot` (its system.json): "
                                           "serves its config on its deployment; not with the system options."),
     max_num_seqs: int = typer.Option(16, help="Requests decoded at once (engine slots); more wait in a queue."),
+    max_model_len: Optional[int] = typer.Option(None, help="Context per request in tokens, prompt + output (default: "
+                                                "the target's, at most 4096). Every slot's K/V cache is allocated "
+                                                "for it at start: float32 SmolLM2, 32 slots x 4096 is 6 GB."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (default: this machine only)."),
     port: int = typer.Option(8000, help="TCP port."),
     api_key: Optional[str] = typer.Option(None, envvar="SPECPILOT_API_KEY", show_envvar=True,
@@ -91,6 +94,8 @@ def serve(
 
     if max_num_seqs < 1:
         raise SpecPilotError(f"--max-num-seqs must be at least 1, got {max_num_seqs}")
+    if max_model_len is not None and max_model_len < 2:
+        raise SpecPilotError(f"--max-model-len must be at least 2, got {max_model_len}")
     if max_body_bytes < 1024:
         raise SpecPilotError(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
     if api_key is not None and not api_key.strip():
@@ -154,18 +159,19 @@ def serve(
 
         torch.set_num_threads(choose_threads(device, threads, available_cores(), torch.get_num_threads())[0])
         run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, served_model_name or tdir.resolve().name,
-                   chat_template, max_body_bytes, log_level, host)
+                   chat_template, max_body_bytes, log_level, host, max_model_len)
     finally:
         sock.close()
 
 
 def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_template, max_body_bytes,
-               log_level, host) -> None:
-    """Load the deployment, build the batched system, and serve on ``sock`` until interrupted.
+               log_level, host, max_len: int | None = None) -> None:
+    """Load the deployment, build the batched system, and serve on ``sock`` until interrupted. ``max_len``: the
+    engine's context in tokens (None: the target's ``max_position_embeddings``, at most 4096).
 
     Raises:
-        SpecPilotError: a checkpoint that cannot be loaded, a target without tokenizer files, a system the batched
-            engine cannot build, an unreadable chat template (one line each).
+        SpecPilotError: a checkpoint that cannot be loaded, a target without tokenizer files, ``max_len`` past the
+            target's positions, a system the batched engine cannot build, an unreadable chat template (one line each).
     """
     import uvicorn
 
@@ -179,8 +185,11 @@ def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_
     dep = Deployment(tdir, ddir, dtype=cfg.dtype, device=check_device(device))
     if dep.tokenizer is None:
         raise SpecPilotError(f"{tdir} has no tokenizer files: the server needs one to read and write text")
+    if max_len is not None and max_len > dep.target.args.max_position_embeddings:
+        raise SpecPilotError(f"--max-model-len {max_len} is past the target's "
+                             f"{dep.target.args.max_position_embeddings} positions")
     template, source = choose_template(dep.tokenizer, chat_template)
-    engine = dep.batch_system(cfg, max_num_seqs)
+    engine = dep.batch_system(cfg, max_num_seqs, max_len=max_len)
     engine.capture_graphs()  # CUDA graphs of every bucket before the first request, not inside it
     metrics = ServerMetrics(name)
     ctx = ServeContext(driver=EngineDriver(engine, metrics), tokenizer=dep.tokenizer, model_name=name,
