@@ -43,15 +43,15 @@ def prompts(n: int) -> list[str]:
 def systems(args, workdir: Path) -> dict[str, dict]:
     """name -> {cmd, env, port} of every server of the run."""
     sp = [sys.executable, "-m", "specpilot", "serve", "--threads", str(args.threads), "--max-num-seqs",
-          str(args.max_num_seqs), "--log-level", "warning"]
+          str(args.max_num_seqs), "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
     sealed = json.loads(SEALED.read_text())
     sealed["deployment"]["target"] = str(Path(args.target).resolve())  # recorded under /tmp by the pilot run
     (workdir / "sealed_system.json").write_text(json.dumps(sealed, indent=2))
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     out = {
         "vllm": {"cmd": [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.target,
-                         "--dtype", "float32", "--max-model-len", "4096", "--served-model-name", "smollm2",
-                         "--disable-uvicorn-access-log"],
+                         "--dtype", "float32", "--max-model-len", str(args.max_model_len), "--served-model-name",
+                         "smollm2", "--disable-uvicorn-access-log"],
                  "env": dict(env, VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_KVCACHE_SPACE="2")},
         "specpilot_ar": {"cmd": sp + ["--target", args.target, "--drafter", "none"], "env": env},
         "specpilot_sealed": {"cmd": sp + ["--system", str(workdir / "sealed_system.json")], "env": env,
@@ -118,6 +118,14 @@ def measure(port: int, ps: list[str], conc: int, max_tokens: int) -> dict:
             "loadavg_after": os.getloadavg(), "outputs": res}
 
 
+def rss_gb(pid: int) -> float:
+    """Resident memory of a server and its child processes (vLLM's engine core and worker), GB."""
+    import psutil
+
+    p = psutil.Process(pid)
+    return round(sum(q.memory_info().rss for q in [p] + p.children(recursive=True)) / 1e9, 2)
+
+
 def versions(vllm_python: str) -> dict:
     import torch
     import transformers
@@ -154,6 +162,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=32, help="our server's slots (vLLM takes up to 256)")
+    ap.add_argument("--max-model-len", type=int, default=1024, help="context of both (ours allocates every slot's "
+                    "K/V for it at start: 32 slots x 4096 in float32 is 6 GB a server)")
     ap.add_argument("--port", type=int, default=8301)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -173,6 +183,7 @@ def main() -> None:
             procs[name] = subprocess.Popen(v["cmd"], env=v["env"], stdout=log, stderr=subprocess.STDOUT)
             wait_up(v["port"], procs[name], 900)
             measure(v["port"], ps[:1], 1, 8)  # warm-up
+            result["systems"][name]["rss_gb_after_warmup"] = rss_gb(procs[name].pid)
             print(f"{name} up on {v['port']}", flush=True)
         names = list(sysd)
         for conc in [int(c) for c in args.concurrency.split(",")]:
