@@ -69,8 +69,7 @@ def cost_drafter(spec: dict | None, target, top_k: int, slots: int = 1):
         DrafterError: an unknown kind or a spec that does not build (the message says which field).
     """
     from specpilot.model.args import ModelArgs, rope_inv_freq
-    from specpilot.model.checkpoint import load_model
-    from specpilot.model.transformer import Transformer
+    from specpilot.model.checkpoint import build_model, load_model
     from specpilot.spec.block import TOP_K as BLOCK_TOP_K
     from specpilot.spec.block import BlockDrafter
     from specpilot.spec.block_net import BlockConfig, BlockNet
@@ -104,8 +103,8 @@ def cost_drafter(spec: dict | None, target, top_k: int, slots: int = 1):
                 model = load_model(spec["path"], str(target.dtype).removeprefix("torch."), target.device)
             else:
                 margs = ModelArgs(**{**spec["args"], "vocab_size": a.vocab_size})
-                with torch.device("meta"):
-                    model = Transformer(margs)
+                with torch.device("meta"):  # a hybrid draft model's args build a hybrid model
+                    model = build_model(margs)
                 model = _random_init(model.to_empty(device=target.device).to(target.dtype), spec.get("seed", 0))
                 model.inv_freq = rope_inv_freq(margs).to(target.device)
                 model = model.fuse_projections()
