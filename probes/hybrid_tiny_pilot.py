@@ -3,7 +3,8 @@
 model as stock's drafter and a random block drafter reading layers 0, 1, 3 for the planner; runs
 ``specpilot pilot --quick`` and ``specpilot replay`` on them (CPU, float32) and writes OUT/result.json (exit codes,
 the sealed system, the report's headline figures, provenance). Random weights: every drafter's τ is about 1, so the
-figures only show that each stage ran, not a speed-up. Usage: python3 probes/hybrid_tiny_pilot.py OUT"""
+figures only show that each stage ran, not a speed-up. ``--moe``: a tiny qwen3_next target instead (6 experts, top 2,
+a shared expert, layer 2 dense). Usage: python3 probes/hybrid_tiny_pilot.py OUT [--moe]"""
 
 import json
 import shutil
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from specpilot.model.checkpoint import load_model
@@ -25,15 +26,21 @@ from specpilot.zoo import bundled_target_dir
 out = Path(sys.argv[1])
 ck = out / "checkpoints"
 torch.manual_seed(4)
-cfg = Qwen3_5TextConfig(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=16,
-                        linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
-                        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-                        max_position_embeddings=512, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
-hf = Qwen3_5ForCausalLM(cfg).float().eval()
+moe = "--moe" in sys.argv[2:]
+shape = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_conv_kernel_dim=4,
+             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+             max_position_embeddings=512, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+if moe:
+    hf = Qwen3NextForCausalLM(Qwen3NextConfig(**shape, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=48, mlp_only_layers=[2])).float().eval()
+else:
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**shape)).float().eval()
 with torch.no_grad():  # every parameter perturbed, as the tests' tiny hybrids (zero-centred norms, gates exercised)
     for name, p in hf.named_parameters():
-        p.add_(torch.randn_like(p) * (0.3 if "norm" in name or "A_log" in name or "dt_bias" in name else 0.05))
+        big = "norm" in name or "A_log" in name or "dt_bias" in name or name.endswith("mlp.gate.weight")
+        p.add_(torch.randn_like(p) * (0.3 if big else 0.05))
 hf.save_pretrained(ck / "target")
 for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
     shutil.copy(bundled_target_dir() / f, ck / "target" / f)
@@ -46,7 +53,7 @@ save_block(BlockNet(BlockConfig(block_size=6, markov_rank=0, layers=1, heads=a.n
                                 target_hidden=a.hidden_size, vocab_size=a.vocab_size,
                                 target_num_layers=a.num_layers)).eval(), ck / "block")
 
-res = {"device": "cpu", "dtype": "float32", "commit": git_commit(), "versions": versions(), "runs": {}}
+res = {"target": "qwen3_next" if moe else "qwen3_5_text", "device": "cpu", "dtype": "float32", "commit": git_commit(), "versions": versions(), "runs": {}}
 stdout = {}
 cmds = {"pilot": ["pilot", "--quick", "--target", ck / "target", "--drafter-path", ck / "draft", "--block", ck / "block",
                   "--out", out / "pilot"],
