@@ -237,6 +237,7 @@ def pilot(
     agent: Optional[str] = typer.Option(None, help="External coding agent, a shell command template with {brief} and {worktree}; called once per round after the config candidates."),
     agent_timeout: float = typer.Option(1800.0, help="Seconds the agent may run per round."),
     scorer_dtype: Optional[str] = typer.Option(None, help="Token forcing's scorer body dtype: default the deployment's (the paper: stock's target with an FP32 LM head); float32 loads a float32 copy of the target (compares every system to unrounded arithmetic; needs the memory)."),
+    calibration: Optional[Path] = typer.Option(None, help="Calibration file of a real pair (docs/calibrated-drafter.md): the planner may also propose the 'calibrated' drafter, whose acceptance is SIMULATED (for random-weight targets of real shapes); not with --agent."),
 ):
     """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
     from specpilot.model.checkpoint import DTYPES
@@ -278,10 +279,17 @@ def pilot(
         raise SpecPilotError("--agent must be a command template containing {worktree} (and usually {brief})")
     if agent_timeout <= 0:
         raise SpecPilotError(f"--agent-timeout must be positive, got {agent_timeout}")
+    if calibration is not None:  # its drafter learns each timed prompt's AR output untimed: no code candidates
+        if agent is not None:
+            raise SpecPilotError("--calibration and --agent: a simulated drafter is told each prompt's greedy output "
+                                 "before the clock starts, which a code candidate could use; run them apart")
+        from specpilot.spec.calibration import load_calibration
+
+        load_calibration(calibration)  # a bad file: its one-line CalibrationError, before any measurement
     run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
                            blocks=tuple(block or ()), adversarial=adversarial, threads=threads, memory=memory,
                            devices=devs, paired_devices=paired_devices, executor=executor, agent=agent,
-                           agent_timeout=agent_timeout, scorer_dtype=scorer_dtype,
+                           agent_timeout=agent_timeout, scorer_dtype=scorer_dtype, calibration=calibration,
                            overrides={k: v for k, v in (("per_benchmark", per_benchmark), ("max_new_tokens", max_new_tokens),
                                                         ("rounds", rounds)) if v is not None} or None))
 

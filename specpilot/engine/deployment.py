@@ -67,10 +67,19 @@ class Deployment:
         self._w12_target = None
         self._int8: dict[int, object] = {}  # id(base target) -> that target with the certified INT8 head
         self._int8_head = None
-        self.continuations = Continuations()  # the target's known greedy outputs, read by 'calibrated' drafters
+        # the target's known greedy outputs, read by 'calibrated' drafters; unknown ones come from an AR run here
+        self.continuations = Continuations(oracle=self._greedy)
+        self._ar_engine = None
         if self.drafter_dir is not None:
             check_drafter_fits(self.target_dir, self.drafter_dir, self.tokenizer)
             self.draft_model = load_model(self.drafter_dir, dtype, device)
+
+    def _greedy(self, prompt: list[int], n: int) -> list[int]:
+        """The target's greedy continuation of ``prompt``, ``n`` tokens (no EOS stop): the oracle of
+        :attr:`continuations`, an AR engine of this deployment's target built on first use."""
+        if self._ar_engine is None:
+            self._ar_engine = self.system(SystemConfig.ar(dtype=self.dtype), eos_ids=[])
+        return list(self._ar_engine.generate(prompt, n).tokens)
 
     def eos_ids(self) -> list[int]:
         """EOS ids: the target config's, else the tokenizer's eos_token_id."""

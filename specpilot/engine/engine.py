@@ -32,6 +32,7 @@ from specpilot.engine.types import Generation
 from specpilot.errors import SpecPilotError
 from specpilot.model.layers import region
 from specpilot.model.transformer import Transformer
+from specpilot.spec.calibrated import CalibratedDrafter
 from specpilot.spec.drafter import Drafter, check_fits, draft_depth, propose_one
 from specpilot.spec.trees import Tree, build_tree
 
@@ -98,6 +99,14 @@ class Engine:
         check_prompt(prompt_ids, max_new_tokens, self.target.args.vocab_size, self.max_len)
 
     # -- a request --------------------------------------------------------------------------------
+    def prepare(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """Untimed work before a timed request, for simulations only: a simulated drafter (``calibrated``) learns
+        the target's greedy continuation of ``prompt_ids`` from its deployment's AR run
+        (:meth:`~specpilot.spec.calibrated.CalibratedDrafter.prepare`). Nothing for every real drafter: the pilot's
+        timers call it before their clock starts, so it must never hold a real system's work."""
+        if isinstance(self.drafter, CalibratedDrafter):
+            self.drafter.prepare(prompt_ids, max_new_tokens)
+
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None,
                  prof=None) -> Generation:

@@ -22,6 +22,7 @@ from specpilot.model.qview import q_view
 from specpilot.pilot.replay import record
 from specpilot.pilot.replay_tlv import record_q
 from specpilot.pilot.tlv_cost import TlvInputs
+from specpilot.spec.calibration import load_calibration
 from specpilot.pilot.setup import measure_move_ms, measure_verify_ms
 from specpilot.pilot.state import Pilot
 
@@ -77,6 +78,15 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
             feature_verify[layers] = measure_verify_ms(dep.target, prefix_len=200, rows=VERIFY_ROWS, static=static,
                                                        feature_layers=layers)
             move_ms[layers] = measure_move_ms(dep.target, prefix_len=200, feature_layers=layers)
+    if pilot.o.calibration is not None:  # SIMULATED acceptance (the calibrated drafter), told Phase 0's AR outputs
+        pilot.say("cost model", f"recording the calibrated drafter of {pilot.o.calibration} (simulated acceptance)")
+        cal = load_calibration(pilot.o.calibration)
+        for p, out in zip(prompts, ar_out):
+            dep.continuations.add(p, out)
+        cdr = dep.system(SystemConfig(drafter="calibrated", drafter_path=str(pilot.o.calibration), top_k=cal.top_k,
+                                      depth=cal.depth, nodes=cal.depth)).drafter
+        recs[("calibrated", cal.top_k)] = record(cdr, prompts, ar_out, cal.depth, cal.top_k, max_new_tokens=budgets)
+        recs[("calibrated", cal.top_k)].drafter_path = str(pilot.o.calibration)
     report["verify_ms_with_features"] = {",".join(map(str, k)): v for k, v in feature_verify.items()}
     report["move_ms"] = {",".join(map(str, k)): v for k, v in move_ms.items()}
     tlv = tlv_inputs(pilot, recs, max([depth_max] + [r.depth for r in recs.values()]), static)

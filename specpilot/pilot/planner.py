@@ -308,8 +308,10 @@ class Planner:
         blocks = [rec for (kind, _), rec in self.recordings.items() if kind.startswith("block")]
         out = []
 
-        def path(d):
-            return incumbent.drafter_path if d == incumbent.drafter else None
+        paths = {kind: rec.drafter_path for (kind, _), rec in self.recordings.items() if kind == "calibrated"}
+
+        def path(d):  # a calibrated drafter's calibration file goes with it
+            return incumbent.drafter_path if d == incumbent.drafter else paths.get(d)
 
         if direction == "tree":
             for rec in blocks:  # block drafters: kind (checkpoint), block size (depth), builder, N
@@ -321,10 +323,10 @@ class Planner:
             for d, n, k, dep in itertools.product(drafters, NODES, TOP_K, DEPTH):
                 # a best-first tree of n nodes is at most n deep: depth > n is the same system as depth n
                 # (uncapped, N=4 with D=4, 8 and 10 were judged as three candidates), so cap it
-                out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": None, "tree": "best_first",
+                out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": paths.get(d), "tree": "best_first",
                                                         "nodes": n, "top_k": k, "depth": min(dep, n)}))
             for d, dep in itertools.product(drafters, DEPTH):
-                out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": None, "tree": "chain", "nodes": dep, "top_k": 1, "depth": dep}))
+                out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": paths.get(d), "tree": "chain", "nodes": dep, "top_k": 1, "depth": dep}))
             if self.tlv is not None:  # TLV (§4.3) raises tokens per exact pass: each tree candidate with it too
                 out += [c.model_copy(update={"tlv": True, "q_weights": self.tlv.weights}) for c in out
                         if c.drafter != "none" and not c.tlv]

@@ -59,6 +59,7 @@ class PilotOptions:
     agent: str | None = None  # command template with {brief} and {worktree}
     agent_timeout: float = 1800.0  # seconds
     scorer_dtype: str | None = None  # token forcing's scorer body: None = the deployment dtype (§3.4), or float32
+    calibration: Path | None = None  # a calibration file: the planner may propose the SIMULATED 'calibrated' drafter
 
     @property
     def plan(self) -> dict:
@@ -222,8 +223,11 @@ class Pilot:
 
     def deployment(self) -> dict:
         """The deployment as the report and the memory entries record it (batch 1)."""
-        return {"target": str(self.o.target), "drafter": str(self.o.drafter) if self.o.drafter else "ngram",
-                "device": self.o.device, "dtype": self.o.dtype, "batch": 1}
+        dep = {"target": str(self.o.target), "drafter": str(self.o.drafter) if self.o.drafter else "ngram",
+               "device": self.o.device, "dtype": self.o.dtype, "batch": 1}
+        if self.o.calibration is not None:  # every figure of a 'calibrated' system is a simulation of acceptance
+            dep["calibration"] = f"{self.o.calibration} (the calibrated drafter's acceptance is SIMULATED)"
+        return dep
 
     def entry(self, rnd, incumbent, cand, run, forcing, requires, reused_from: str | None = None) -> Entry:
         """A memory entry for an approved candidate (§3.5): delta relative to the incumbent. ``rnd`` is the

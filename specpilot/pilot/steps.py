@@ -83,6 +83,18 @@ def c_of(system: StepStats, ar: StepStats) -> float:
     return system.step_ms / ar.step_ms
 
 
+def prepare_untimed(system, prompt, max_new: int) -> None:
+    """A simulation's untimed setup before a timed run (:meth:`~specpilot.engine.engine.Engine.prepare`: a
+    ``calibrated`` drafter learns the prompt's greedy continuation); nothing for any other system. Callers start
+    their clock after it."""
+    from specpilot.engine.engine import Engine
+
+    while isinstance(system, _Recorded):
+        system = system._system
+    if isinstance(system, Engine):
+        system.prepare(list(prompt), max_new)
+
+
 def interleaved_steps(engines: dict[str, object], requests: Sequence, repeats: int = 2) -> dict[str, StepStats]:
     """Run ``engines`` (name -> object with ``generate(prompt_ids, max_new_tokens) -> Generation``) on the
     same ``requests`` (objects with ``prompt_ids`` and ``max_new_tokens``), in a palindrome per request
@@ -104,6 +116,7 @@ def interleaved_steps(engines: dict[str, object], requests: Sequence, repeats: i
         runs: dict[str, list] = {n: [] for n in names}
         for r in range(repeats):
             for n in (names if r % 2 == 0 else names[::-1]):
+                prepare_untimed(engines[n], req.prompt_ids, req.max_new_tokens)  # a simulation's; the engine times
                 runs[n].append(engines[n].generate(list(req.prompt_ids), req.max_new_tokens))
         for n in names:
             if any(g.steps > 0 for g in runs[n]):  # a request that ended at its first token has no step to time

@@ -88,7 +88,7 @@ def main() -> None:
         _send(out, _error(e))
         return
     _send(out, {"ok": True, "vocab_size": dep.target.args.vocab_size, "specpilot": where, "pid": os.getpid()})
-    systems = {}
+    systems, simulated = {}, {}  # key -> system; key -> built as a 'calibrated' (simulated) system
     for line in inp:
         try:
             msg = json.loads(line)
@@ -98,16 +98,21 @@ def main() -> None:
                 return
             if op == "drop":
                 systems.clear()
+                simulated.clear()
                 _send(out, {"ok": True})
             elif op == "build":
                 before = set(_enum())
-                systems[str(msg.get("key", ""))] = dep.system(SystemConfig(**msg["config"]))  # kept on failure
+                key = str(msg.get("key", ""))
+                systems[key] = dep.system(SystemConfig(**msg["config"]))  # kept on failure
+                simulated[key] = msg["config"].get("drafter") == "calibrated"
                 _send(out, {"ok": True, "outside": sorted(t.name for t in _enum() if t not in before)})
             elif op == "run":
                 system = systems.get(str(msg.get("key", "")))
                 if system is None:
                     raise RuntimeError(f"run before build of system {msg.get('key', '')!r}")
                 prompt, max_new = [int(t) for t in msg["prompt"]], int(msg["max_new"])
+                if simulated.get(str(msg.get("key", ""))):  # a simulation's untimed setup (Engine.prepare)
+                    system.prepare(prompt, max_new)
                 before = set(_enum())
                 t0 = _clock()
                 gen = system.generate(prompt, max_new)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -62,8 +62,11 @@ class Continuations:
     store can serve every engine of a deployment (single-request and batched: no slots involved).
     """
 
-    def __init__(self):
+    def __init__(self, oracle: Callable[[list[int], int], Sequence[int]] | None = None):
         self._by_prompt: dict[tuple[int, ...], list[list[int]]] = {}
+        #: ``oracle(prompt, n)``: the target's greedy continuation of ``prompt``, ``n`` tokens (an AR run of the
+        #: deployment; None: only what :meth:`add` was told is known)
+        self.oracle = oracle
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_prompt.values())
@@ -80,6 +83,19 @@ class Continuations:
         seqs = self._by_prompt.setdefault(tuple(prompt), [])
         if prompt + cont not in seqs:
             seqs.append(prompt + cont)
+
+    def ensure(self, prompt: Sequence[int], n: int) -> bool:
+        """Make ``n`` tokens of the target's greedy continuation of ``prompt`` known, asking the :attr:`oracle`
+        when no known sequence covers them. Untimed work by contract: the pilot's timers call it (through
+        :meth:`~specpilot.engine.engine.Engine.prepare`) before their clock starts. Returns whether they are known."""
+        prompt = [int(t) for t in prompt]
+        found = self.find(prompt)
+        if found is not None and len(found[1]) >= len(prompt) + n:
+            return True
+        if self.oracle is None:
+            return False
+        self.add(prompt, [int(t) for t in self.oracle(prompt, n)])
+        return True
 
     def find(self, committed: list[int]) -> tuple[int, list[int]] | None:
         """``(prompt length, prompt + continuation)`` of a known sequence that extends ``committed`` and whose
@@ -209,6 +225,11 @@ class CalibratedDrafter:
     def expect(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
         """The target's greedy output after ``prompt`` begins with ``continuation`` (:meth:`Continuations.add`)."""
         self.continuations.add(prompt, continuation)
+
+    def prepare(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        """Learn the target's greedy continuation of ``prompt`` (``max_new_tokens``) from the continuations'
+        oracle before a timed request (:meth:`Continuations.ensure`); nothing when there is no oracle."""
+        self.continuations.ensure(prompt, max_new_tokens)
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:
