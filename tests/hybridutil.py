@@ -34,7 +34,13 @@ TOP_K = 4
 
 
 def ar_tokens(target, prompt, n):
-    return Engine(target, SystemConfig.ar(), None, eos_ids=[]).generate(prompt, n).tokens
+    """AR greedy output of ``n`` tokens (the oracle), computed once per target, prompt and length."""
+    return list(_ar(target, tuple(prompt), n))
+
+
+@functools.lru_cache(maxsize=None)
+def _ar(target, prompt, n):
+    return tuple(Engine(target, SystemConfig.ar(), None, eos_ids=[]).generate(list(prompt), n).tokens)
 
 
 def state_matches_prefill(engine, committed):
