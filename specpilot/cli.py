@@ -1,5 +1,5 @@
-"""The ``specpilot`` command line: generate, pilot, audit, memory, replay, bench, train-drafter, zoo, w12,
-import-gguf.
+"""The ``specpilot`` command line: generate, pilot, audit, memory, replay, bench, train-drafter, calibrate, zoo,
+w12, import-gguf.
 
 Thin: parse, check, call, print; ``bench`` and the sub-apps (``zoo``, ``w12``, ``memory``) live beside what they
 run. Every user error (:class:`~specpilot.errors.SpecPilotError`, and text that is not valid UTF-8) is printed as
@@ -20,6 +20,7 @@ from specpilot.errors import SpecPilotError
 from specpilot.fileio import output_dir
 from specpilot.pilot.memory_cli import app as memory_app
 from specpilot.serve.cli import serve
+from specpilot.spec.calibrate_cli import calibrate_cmd
 from specpilot.spec.train_cli import train_drafter_cmd
 from specpilot.w12.cli import app as w12_app
 from specpilot.zoo.cli import app as zoo_app, import_gguf
@@ -31,6 +32,7 @@ app.add_typer(memory_app, name="memory", help="Memory of verified entries (§3.5
 app.command()(bench)
 app.command()(serve)
 app.command("import-gguf")(import_gguf)
+app.command("calibrate")(calibrate_cmd)
 app.command("train-drafter")(train_drafter_cmd)
 CHECKPOINT_DRAFTERS = ("draft_model", "block", "eagle3")  # the drafters read from --drafter-path
 

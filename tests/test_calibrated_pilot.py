@@ -101,3 +101,28 @@ def test_calibration_with_an_agent_is_refused(tmp_path, cal_path):
                           text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
     assert proc.returncode == 2 and "--calibration and --agent" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
+
+
+def test_calibrate_command_writes_a_usable_calibration(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from specpilot.spec.calibration import load_calibration
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "specpilot", "calibrate", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    proc = cli("--out", str(tmp_path / "c.json"), "--per-benchmark", "1", "--max-new-tokens", "12", "--depth", "4",
+               "--top-k", "4")
+    assert proc.returncode == 0, proc.stderr
+    cal = load_calibration(tmp_path / "c.json")
+    assert (cal.depth, cal.top_k) == (4, 4) and cal.cost["kind"] == "draft_model"
+    bad = cli("--drafter", "eagle3", "--out", str(tmp_path / "e.json"))
+    assert bad.returncode == 2 and "calibrate one of" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "e.json").exists()
