@@ -55,6 +55,24 @@ def _sdpa_backends(device: torch.device):
     return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+def grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked grouped-query attention without copying K/V per query head: ``q [B, R, H, D]``, ``keys, vals
+    [B, S, KVH, D]``, ``mask [B, R, S]`` bool (True = may attend) -> ``[B, R, H, D]``. The ``H / KVH`` query heads
+    of one KV head ride as extra rows of one SDPA (the mask repeated for them), so keys are not
+    ``repeat_interleave`` d to ``[B, H, S, D]``: on the CPU that copy and its reads cost as much as the attention
+    (float32 SmolLM2, 32 requests, 1 thread: 555 -> 341 ms of CPU per decode step, docs/peer-vllm-cpu.md).
+    The same math as repeating the keys (query head ``h`` reads KV head ``h // (H / KVH)``); tested against it
+    and the batched-attention reference (``tests/test_grouped_sdpa.py``)."""
+    b, r, h, d = q.shape
+    kvh = keys.shape[2]
+    g = h // kvh
+    qg = q.reshape(b, r, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * r, d)
+    m = mask[:, None, None].expand(b, 1, g, r, mask.shape[-1]).reshape(b, 1, g * r, mask.shape[-1])
+    with _sdpa_backends(q.device):
+        o = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=m)
+    return o.reshape(b, kvh, g, r, d).permute(0, 3, 1, 2, 4).reshape(b, r, h, d)
+
+
 class RMSNorm(nn.Module):
     """RMS norm computed in float32, cast back to the input dtype (HF's LlamaRMSNorm)."""
 
@@ -175,8 +193,9 @@ class Attention(nn.Module):
         """Batched exact pass (:mod:`specpilot.model.batch`): ``x [R, hidden]`` rows of several requests; each row's
         K/V is written to its request's pool slot, then every request's rows attend to that slot's committed
         prefix and, among its own rows, to what its mask allows: rows padded to ``[B, R_max]``, keys gathered to
-        ``[B, span]``, one masked SDPA (the reference); with ``kernel`` the Triton batched tree attention
-        (:mod:`specpilot.kernels.batch_attention`). Returns ``[R, hidden]``."""
+        ``[B, span]``, one masked SDPA with the query heads grouped per KV head (:func:`grouped_sdpa`); with
+        ``kernel`` the Triton batched tree attention (:mod:`specpilot.kernels.batch_attention`). Returns
+        ``[R, hidden]``."""
         a = self.args
         q, k, v = self._qkv(x, cos, sin, prof)
         with region(prof, "attention"):
@@ -189,16 +208,11 @@ class Attention(nn.Module):
                                          p.counts, p.row_off, p.words, p.r_max, a.head_dim**-0.5)
                 with region(prof, "projections"):
                     return self.o_proj(o.reshape(x.shape[0], a.n_heads * a.head_dim).to(x.dtype))
-            keys = pool.k[p.slots, layer, : p.span].transpose(1, 2)  # [B, KVH, span, D]
-            vals = pool.v[p.slots, layer, : p.span].transpose(1, 2)
-            rep = a.n_heads // a.n_kv_heads
-            if rep > 1:
-                keys, vals = keys.repeat_interleave(rep, dim=1), vals.repeat_interleave(rep, dim=1)
+            keys = pool.k[:, layer, : p.span].index_select(0, p.slots)  # [B, span, KVH, D]
+            vals = pool.v[:, layer, : p.span].index_select(0, p.slots)
             qp = q.new_zeros(len(p.slots), p.r_max, a.n_heads, a.head_dim)
             qp[p.req, p.j] = q
-            with _sdpa_backends(x.device):
-                o = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, vals, attn_mask=p.mask[:, None])
-            o = o.transpose(1, 2)[p.req, p.j].reshape(x.shape[0], a.n_heads * a.head_dim)
+            o = grouped_sdpa(qp, keys, vals, p.mask)[p.req, p.j].reshape(x.shape[0], a.n_heads * a.head_dim)
         with region(prof, "projections"):
             return self.o_proj(o)
 

@@ -1,0 +1,67 @@
+"""The batched pass's CPU attention (query heads grouped per KV head, no per-head copy of K/V) against the plain
+repeat-the-keys SDPA and against the batched tree attention's reference, on random trees and real K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specpilot.kernels.batch_attention import batch_tree_attention_reference
+from specpilot.model.layers import grouped_sdpa
+from specpilot.spec.trees import ancestor_mask_of
+
+
+def repeat_sdpa(q, keys, vals, mask):
+    """The plain form: every KV head copied to its query heads, ``q [B, R, H, D]`` -> ``[B, R, H, D]``."""
+    g = q.shape[2] // keys.shape[2]
+    k = keys.transpose(1, 2).repeat_interleave(g, dim=1)
+    v = vals.transpose(1, 2).repeat_interleave(g, dim=1)
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None]).transpose(1, 2)
+
+
+@pytest.mark.parametrize("kvh,g", [(1, 1), (3, 3), (2, 4)])
+@pytest.mark.parametrize("seed", range(3))
+def test_grouped_equals_repeated_keys(kvh, g, seed):
+    gen = torch.Generator().manual_seed(seed)
+    b, r, s, d = 3, 5, 23, 16
+    q = torch.randn(b, r, kvh * g, d, generator=gen)
+    keys, vals = torch.randn(b, s, kvh, d, generator=gen), torch.randn(b, s, kvh, d, generator=gen)
+    mask = torch.rand(b, r, s, generator=gen) > 0.4
+    mask[:, :, 0] = True  # every row sees a key (as the batched pass's padding rows do)
+    torch.testing.assert_close(grouped_sdpa(q, keys, vals, mask), repeat_sdpa(q, keys, vals, mask), atol=1e-6,
+                               rtol=1e-6)
+
+
+def test_models_batched_attention_equals_the_reference(tiny_models):
+    """Attention.forward_batch (grouped) on a real layer: its output equals the batched tree attention reference
+    through o_proj, for two requests with trees over prefixes in their own pool slots."""
+    from specpilot.model.batch import BatchRows
+    from specpilot.model.cache import KVPool
+
+    m = tiny_models[0]
+    a = m.args
+    pool = KVPool(a, 3, 40, m.dtype, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 64, (n,), generator=gen) for n in (7, 4)]
+    m.forward_batch(torch.cat(prompts), torch.cat([torch.arange(7), torch.arange(4)]), pool,
+                    BatchRows([2, 0], [0, 0], [7, 4], [None, None]))
+    masks = [ancestor_mask_of([-1, 0, 0, 1]), None]
+    rows = BatchRows([2, 0], [7, 4], [4, 2], masks)
+    p = rows.prepared("cpu")
+    layer = m.model.layers[0].self_attn
+    x = torch.randn(6, a.hidden_size, generator=gen)
+    pos = torch.tensor([7, 8, 8, 9, 4, 5])
+    _, cos, sin = m._embed(torch.zeros(6, dtype=torch.long), pos, None)
+    with torch.no_grad():
+        out = layer.forward_batch(x, cos, sin, pool, 0, p)
+        q, _, _ = layer._qkv(x, cos, sin, None)
+    own = torch.zeros(2, 4, 4, dtype=torch.bool)
+    own[0] = masks[0]
+    own[1, :2, :2] = torch.ones(2, 2, dtype=torch.bool).tril()
+    own[1, 2:, 2:] = torch.eye(2, dtype=torch.bool)
+    ref = batch_tree_attention_reference(q, pool.k[:, 0], pool.v[:, 0], [2, 0], [7, 4], [4, 2], [0, 4], own,
+                                         a.head_dim ** -0.5)
+    with torch.no_grad():
+        want = layer.o_proj(ref.reshape(6, a.n_heads * a.head_dim))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
