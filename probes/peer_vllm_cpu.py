@@ -166,7 +166,14 @@ def main() -> None:
                     "K/V for it at start: 32 slots x 4096 in float32 is 6 GB a server)")
     ap.add_argument("--port", type=int, default=8301)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--recompare", action="store_true", help="only redo the comparisons and table of --out")
     args = ap.parse_args()
+    if args.recompare:
+        result = json.loads(Path(args.out).read_text())
+        compare(result)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(json.dumps(result["table"], indent=1))
+        return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     sysd = systems(args, out.parent)
@@ -211,13 +218,14 @@ def main() -> None:
 
 
 def compare(result: dict) -> None:
-    """Each measurement's outputs against the references (AR's and vLLM's texts at concurrency 1, round 0), and
-    the table: per system and concurrency, aggregate tok/s of every round."""
+    """Each measurement's outputs against the references (AR's and vLLM's texts at their lowest concurrency, round
+    0: one per prompt), and the table: per system and concurrency, aggregate tok/s of every round."""
     ms = result["measurements"]
+    n = result["args"]["prompts"]
     ref = {}
     for name in ("specpilot_ar", "vllm"):
-        m0 = next((m for m in ms if m["system"] == name and m["concurrency"] == 1 and m["round"] == 0), None)
-        ref[name] = [o["text"] for o in m0["outputs"]] if m0 else None
+        mine = sorted((m for m in ms if m["system"] == name), key=lambda m: (m["concurrency"], m["round"]))
+        ref[name] = [o["text"] for o in mine[0]["outputs"][:n]] if mine else None
     table = {}
     for m in ms:
         for name, texts in ref.items():
