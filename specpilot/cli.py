@@ -201,10 +201,12 @@ PILOT_FILES = ("report.json", "report.md", "system.json", "speedup.png", "tau_vs
 
 def check_report_dir(out: Path) -> None:
     """Raise :class:`SpecPilotError` when ``out`` already holds a file a pilot writes (:data:`PILOT_FILES`) but no
-    earlier pilot's ``report.json``: the run would overwrite a user's own file (``--out .`` in a project). An earlier
-    report is rewritten, as documented; files of other names are never touched."""
+    earlier pilot's ``report.json`` or run marker: the run would overwrite a user's own file (``--out .`` in a project).
+    An earlier report is rewritten, as documented; files of other names are never touched."""
+    from specpilot.pilot.phase0 import RUN_MARKER
+
     clash = [n for n in PILOT_FILES if (out / n).exists()]
-    if not clash:
+    if not clash or (out / RUN_MARKER).is_file():  # a pilot wrote them, maybe in a run that failed before its report
         return
     try:
         ours = {"deployment", "phase0"} <= set(json.loads((out / "report.json").read_text()))

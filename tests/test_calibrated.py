@@ -94,6 +94,7 @@ def _mutations():
         "top1_logp.match": lambda d: d["top1_logp"]["match"].pop(), "rows.": rows_unsorted,
         "p_top1 disagrees": lambda d: d["p_top1"].__setitem__(0, d["p_top1"][0] + 0.1),
         "depth and top_k": setp("depth", "8"), "chain_hits": lambda d: d["chain_hits"].__setitem__(0, 10 ** 9),
+        "cost null or an object": setp("cost", {"kind": "weird"}),  # else it fails only after minutes of a pilot
     }
 
 

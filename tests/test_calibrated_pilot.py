@@ -126,3 +126,22 @@ def test_calibrate_command_writes_a_usable_calibration(tmp_path):
     bad = cli("--drafter", "eagle3", "--out", str(tmp_path / "e.json"))
     assert bad.returncode == 2 and "calibrate one of" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "e.json").exists()
+
+
+@pytest.mark.parametrize("cost", [None, {"kind": "block", "layers": 1, "block_size": 8}])
+def test_the_pilot_records_a_calibrated_drafter_of_any_cost(tiny_dirs, tiny_models, real, tmp_path, cost):  # noqa: F811
+    """The pilot's cost model records the calibrated drafter along Phase 0's AR outputs; with a block network's cost
+    (a calibration of a block drafter, `specpilot calibrate --drafter block`) the recording needs the target, whose
+    hidden states that network reads (a first version passed none and the documented command crashed)."""
+    from specpilot.pilot.costinputs import record_calibrated
+
+    cal = copy.deepcopy(real[1])
+    cal.cost = cost
+    path = save_calibration(cal, tmp_path / "cal.json")
+    dep = Deployment(tiny_dirs[0])
+    prompts = [[3, 8, 1, 9, 4, 4, 2], [7, 7, 1, 30, 2, 5]]
+    ar = [ar_tokens(tiny_models[0], p, 20) for p in prompts]
+    key, rec = record_calibrated(dep, path, prompts, ar, [20, 20])
+    assert key == ("calibrated", cal.top_k) and rec.drafter_path == str(path)
+    cfg = SystemConfig(drafter="calibrated", drafter_path=str(path), tree="best_first", nodes=8, depth=6, top_k=4)
+    assert Planner({key: rec}, {1: 1.0, 8: 1.1}, 1.2).predict(cfg).tau > 1.5

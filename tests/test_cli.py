@@ -273,6 +273,15 @@ def test_pilot_will_not_overwrite_a_users_files(monkeypatch, capsys, tmp_path):
     with pytest.raises(SpecPilotError, match="no earlier pilot report"):
         check_report_dir(proj)
     check_report_dir(tmp_path / "new")  # new or free of the pilot's names: fine
+    failed = tmp_path / "failed"  # a run that failed after Phase 0 left its outputs and its marker: rerunnable
+    (failed / "outputs").mkdir(parents=True)
+    (failed / "outputs" / "stock_phase0.jsonl").write_text("{}\n")
+    with pytest.raises(SpecPilotError, match="no earlier pilot report"):
+        check_report_dir(failed)
+    from specpilot.pilot.phase0 import RUN_MARKER
+
+    (failed / RUN_MARKER).write_text("x")
+    check_report_dir(failed)
 
 
 def test_train_drafter_refuses_bad_numbers_and_token_files(monkeypatch, capsys, tmp_path):

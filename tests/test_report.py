@@ -85,6 +85,10 @@ def test_report_flags_a_sealed_system_slower_than_ar_and_estimator_gaps(tmp_path
                                    "sealed_label": "ngram/chain N=4", "stock_label": "ngram/chain N=3"})
     md = (tmp_path / "ok" / "report.md").read_text()
     assert "slower than AR" not in md and "differ by" not in md and "stock itself" not in md
+    assert "not shown faster than AR" not in md
+    write_report(tmp_path / "lb", {"speedup_vs_ar": 1.127, "speedup_ci_low": 0.971, "sealed_label": "ngram/chain N=4"})
+    md = (tmp_path / "lb" / "report.md").read_text()  # faster in the headline, but not shown faster than AR
+    assert "not shown faster than AR" in md and "0.971" in md and "slower than AR in this run" not in md
     write_report(tmp_path / "st", {"speedup_vs_ar": 1.3, "speedup_vs_stock": 1.016, "speedup_vs_stock_ci_low": 1.003,
                                    "sealed_label": "ngram/chain N=3", "stock_label": "ngram/chain N=3"})
     md = (tmp_path / "st" / "report.md").read_text()  # a seal that is stock read 1.016x stock

@@ -120,6 +120,10 @@ def test_serve_system_file_errors(monkeypatch, capsys, tmp_path):
     f.write_text('{"config": {"drafter": "ngram"}, "deployment": {"target": "x"}}')
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--tree", "chain")
     assert code == 2 and "drop --tree" in err
+    f.write_text('{"config": {"drafter": "ngram", "tree": "best_first", "nodes": 8, "depth": 4, "top_k": 2, '
+                 '"tlv": true}, "deployment": {"target": "x"}}')  # a pilot may seal TLV (batch 1)
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f))
+    assert code == 2 and "uses tlv" in err and '"tlv": false' in err and len(err.strip().splitlines()) == 1
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -19,7 +19,7 @@ from specpilot.errors import SpecPilotError
 from specpilot.pilot.phase0 import Phase0Result
 from specpilot.pilot.planner import VERIFY_ROWS, Planner
 from specpilot.model.qview import q_view
-from specpilot.pilot.replay import record
+from specpilot.pilot.replay import Recording, record
 from specpilot.pilot.replay_tlv import record_q
 from specpilot.pilot.tlv_cost import TlvInputs
 from specpilot.spec.calibration import load_calibration
@@ -80,13 +80,8 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
             move_ms[layers] = measure_move_ms(dep.target, prefix_len=200, feature_layers=layers)
     if pilot.o.calibration is not None:  # SIMULATED acceptance (the calibrated drafter), told Phase 0's AR outputs
         pilot.say("cost model", f"recording the calibrated drafter of {pilot.o.calibration} (simulated acceptance)")
-        cal = load_calibration(pilot.o.calibration)
-        for p, out in zip(prompts, ar_out):
-            dep.continuations.add(p, out)
-        cdr = dep.system(SystemConfig(drafter="calibrated", drafter_path=str(pilot.o.calibration), top_k=cal.top_k,
-                                      depth=cal.depth, nodes=cal.depth)).drafter
-        recs[("calibrated", cal.top_k)] = record(cdr, prompts, ar_out, cal.depth, cal.top_k, max_new_tokens=budgets)
-        recs[("calibrated", cal.top_k)].drafter_path = str(pilot.o.calibration)
+        key, rec = record_calibrated(dep, pilot.o.calibration, prompts, ar_out, budgets)
+        recs[key] = rec
     report["verify_ms_with_features"] = {",".join(map(str, k)): v for k, v in feature_verify.items()}
     report["move_ms"] = {",".join(map(str, k)): v for k, v in move_ms.items()}
     tlv = tlv_inputs(pilot, recs, max([depth_max] + [r.depth for r in recs.values()]), static)
@@ -106,6 +101,22 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
     report["spec_overhead_by_kind_ms"] = dict(pilot.planner.kind_overhead)
     report["spec_overhead_source"] = pilot.planner.spec_overhead_source
     return CostInputs(report, c_model_curve(pilot.planner, verify_ms), tau_curves(pilot))
+
+
+def record_calibrated(dep, path, prompts, ar_out, budgets) -> tuple[tuple[str, int], Recording]:
+    """The calibrated drafter of the calibration file ``path`` recorded along ``ar_out`` (which its deployment's
+    continuations are told first), at the calibration's depth and top-K: ``(("calibrated", K), recording)`` with the
+    recording's ``drafter_path`` the file. A cost drafter that reads target features (a block network) records with
+    the target, as a real block drafter does."""
+    cal = load_calibration(path)
+    for p, out in zip(prompts, ar_out):
+        dep.continuations.add(p, out)
+    cdr = dep.system(SystemConfig(drafter="calibrated", drafter_path=str(path), top_k=cal.top_k, depth=cal.depth,
+                                  nodes=cal.depth)).drafter
+    rec = record(cdr, prompts, ar_out, cal.depth, cal.top_k, max_new_tokens=budgets,
+                 target=dep.target if cdr.target_layers else None)
+    rec.drafter_path = str(path)
+    return ("calibrated", cal.top_k), rec
 
 
 def recorded_requests(reqs: list, p0: Phase0Result) -> list:

@@ -36,11 +36,16 @@ class Phase0Result:
     ar_outputs: list
 
 
+RUN_MARKER = ".specpilot-pilot"  # written first into a pilot's --out (the CLI's check_report_dir reads it)
+
+
 def clear_old_memory(pilot: Pilot) -> None:
     """Remove the entries an earlier run left in ``OUT/memory`` (this run rewrites the report beside them;
     left there, they would be listed, checked and reused as if this run had approved them). Only entry
     directories go (:meth:`Memory.ids`: those holding ``entry.json`` or a delta file); anything else a user
     put there stays (a rule that removed every directory once deleted a user's notes folder)."""
+    pilot.o.out.mkdir(parents=True, exist_ok=True)  # marks the directory as a pilot's before any output, so a run
+    (pilot.o.out / RUN_MARKER).write_text("a specpilot pilot run writes here\n")  # that fails can be rerun here
     mem = pilot.o.out / "memory"
     old = [mem / i for i in Memory(mem).ids()] if mem.is_dir() else []
     if old:

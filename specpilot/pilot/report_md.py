@@ -52,7 +52,8 @@ def _headline(r: dict) -> list[str]:
 
 
 def _headline_warnings(r: dict) -> list[str]:
-    """Lines that flag a sealed system that failed its seal's token-forcing audit, one slower than AR, a seal that is
+    """Lines that flag a sealed system that failed its seal's token-forcing audit, one slower than AR or not shown
+    faster (its lower bound below 1), a seal that is
     stock itself (its speedup vs stock is noise), and a headline that τ / c of the same runs does not back (the two
     weigh requests differently: see the text)."""
     out = []
@@ -79,6 +80,11 @@ def _headline_warnings(r: dict) -> list[str]:
                    "AR (no drafter) may be the better system here; rerun on a quieter machine to decide.")
         out.append(f"- **Warning: the sealed system is slower than AR in this run** ({_num(vs_ar)}x, 95% lower bound "
                    f"{_num(low)}). " + why)
+    elif (isinstance(vs_ar, (int, float)) and isinstance(low, (int, float)) and low < 1
+          and r.get("sealed_label") != "AR"):
+        out.append(f"- **Note: the sealed system is not shown faster than AR** ({_num(vs_ar)}x, 95% lower bound "
+                   f"{_num(low)} < 1): the controller approved it against the incumbent (stock, or what replaced it), "
+                   "not against AR; rerun on a quieter machine, or with more requests, to tell.")
     if r.get("sealed_label") and r.get("sealed_label") == r.get("stock_label"):
         out.append(f"- Note: the sealed system is stock itself (`{r['sealed_label']}`, no change approved): its speedup "
                    f"vs stock ({_num(r.get('speedup_vs_stock'))}, 95% lower bound {_num(r.get('speedup_vs_stock_ci_low'))}) "

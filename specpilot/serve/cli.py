@@ -117,6 +117,10 @@ def serve(
                                  f"{str(e).splitlines()[0]}") from None
         from specpilot.zoo import bundled_target_dir, resolve_recorded
 
+        if cfg.tlv:  # the pilot seals for one request at a time (batch 1); the server batches
+            raise SpecPilotError(f"--system {system} uses tlv, which runs single requests only (`specpilot generate` "
+                                 "runs it); the server batches: serve it with \"tlv\": false in its config, or seal "
+                                 "a system for serving")
         if not dep.get("target"):
             raise SpecPilotError(f"--system {system} names no target (its 'deployment' has no 'target')")
         tdir = resolve_recorded(dep["target"])  # a bundled model recorded under another install: this one's

@@ -46,6 +46,7 @@ from pathlib import Path
 from specpilot.errors import DrafterError
 
 SCHEMA, VERSION = "specpilot-calibration", 1
+COST_KINDS = ("ngram", "block", "draft_model")  # what :func:`specpilot.spec.cost_drafter.cost_drafter` builds
 QUANTILES = 17  # quantile points 0, 1/16, …, 1
 MIN_COUNT = 20  # samples below which a per-position statistic falls back to the pooled one
 ROW_CAP = 256  # recorded score rows kept per class
@@ -297,9 +298,9 @@ def _checked(d, where: str) -> Calibration:
     if "p_top1" in d and not (isinstance(d["p_top1"], list) and len(d["p_top1"]) == D):
         bad(f"p_top1 must list {D} numbers")
     source, cost = d.get("source", {}), d.get("cost")
-    cost_ok = cost is None or isinstance(cost, dict) and isinstance(cost.get("kind"), str)
+    cost_ok = cost is None or isinstance(cost, dict) and cost.get("kind") in COST_KINDS
     if not isinstance(source, dict) or not cost_ok:
-        bad("source must be an object and cost null or an object with a \"kind\"")
+        bad(f"source must be an object and cost null or an object whose \"kind\" is one of {', '.join(COST_KINDS)}")
     cal = Calibration(D, K, regimes, first, trans, reached, hits, first_miss, detour, t1, tc, rows, source, cost)
     if "p_top1" in d and any(abs(a - b) > 1e-6 for a, b in zip(d["p_top1"], cal.p_top1)):
         bad("p_top1 disagrees with chain_hits / chain_reached (it is derived from them: edit the counts)")
