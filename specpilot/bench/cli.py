@@ -57,7 +57,8 @@ def bench(
     threads: Optional[int] = typer.Option(None, help="torch threads on the CPU (default: the pilot's rule)."),
 ):
     """Benchmarks: our AR and speculative systems beside transformers' generate, c(N) and the byte floor (the
-    default systems suite); --suite w12, lm-head or read-floor for the W12, certified-head and read-floor suites."""
+    default systems suite); --suite w12, lm-head, read-floor, drafter-step or tlv for the W12, certified-head,
+    read-floor, learned-drafter-step and TLV-cycle suites."""
     from specpilot.engine.deployment import check_device
     from specpilot.model.checkpoint import DTYPES, read_args
 
