@@ -72,3 +72,18 @@ def test_planner_prices_and_proposes_tlv(tiny_models):
     assert planner.predict(on.model_copy(update={"q_weights": "int8"})) is None  # not recorded
     space = planner.space(SystemConfig.ar(), "tree")
     assert any(c.tlv for c in space) and {c.model_copy(update={"tlv": False}) for c in space if c.tlv} <= set(space)
+
+
+def test_replay_table_prints_the_q_pass_agreement(tmp_path):
+    """`specpilot replay --tlv view8` prints the Q pass's agreement under its table (as the README says), the same
+    figures as tlv.json."""
+    import json
+
+    from specpilot.pilot.replay_table import replay_table
+    from specpilot.zoo import bundled_block_dir, bundled_target_dir
+
+    rows, md = replay_table(bundled_target_dir(), [bundled_block_dir()], per_benchmark=1, max_new_tokens=8,
+                            out=tmp_path, tlv=("view8",))
+    a = json.loads((tmp_path / "tlv.json").read_text())["view8"]
+    assert f"Q pass (view8) agrees with the exact pass at {a['root']:.1%} of root rows" in md and a["positions"] > 0
+    assert any(r.get("q_weights") == "view8" for r in rows)
