@@ -145,3 +145,34 @@ def test_the_pilot_records_a_calibrated_drafter_of_any_cost(tiny_dirs, tiny_mode
     assert key == ("calibrated", cal.top_k) and rec.drafter_path == str(path)
     cfg = SystemConfig(drafter="calibrated", drafter_path=str(path), tree="best_first", nodes=8, depth=6, top_k=4)
     assert Planner({key: rec}, {1: 1.0, 8: 1.1}, 1.2).predict(cfg).tau > 1.5
+
+
+def test_bench_batch_with_the_calibrated_drafter(monkeypatch, capsys, tmp_path, cal_path):
+    """`specpilot bench --batch --drafter calibrated --drafter-path FILE`: the drafter is told AR's outputs of the
+    bench's prompts, drafts in every batch (counts recorded), outputs stay AR's, the JSON says it is a simulation."""
+    import json
+
+    import torch
+
+    from specpilot.zoo import bundled_target_dir
+
+    from .conftest import run_cli
+
+    n = torch.get_num_threads()
+    try:
+        code, out, err = run_cli(monkeypatch, capsys, "bench", "--target", str(bundled_target_dir()), "--batch", "1,2",
+                                 "--device", "cpu", "--dtype", "float32", "--prefix", "16", "--new-tokens", "12",
+                                 "--drafter", "calibrated", "--drafter-path", str(cal_path), "--tree", "best_first",
+                                 "--nodes", "8", "--depth", "4", "--top-k", "4", "--out", str(tmp_path))
+    finally:
+        torch.set_num_threads(n)
+    assert code == 0, err
+    (path,) = tmp_path.glob("batch_bench_*.json")
+    res = json.loads(path.read_text())
+    assert "SIMULATED" in res["simulated"].upper() and "simulat" in out.lower()
+    for b in (1, 2):
+        r = res["runs"][f"spec@{b}"]
+        assert r["outputs_equal_batch1"] == 1.0 and r["drafter_counts"]["proposed"] > 0, r["drafter_counts"]
+    code, _, err = run_cli(monkeypatch, capsys, "bench", "--target", str(bundled_target_dir()), "--batch", "1",
+                           "--drafter", "calibrated", "--device", "cpu")
+    assert code == 2 and "needs --drafter-path" in err

@@ -36,6 +36,7 @@ from specpilot.engine.batch import Request
 from specpilot.engine.deployment import Deployment
 from specpilot.pilot.forcing import Scorer, audit, delta_from_phase0, forcing_verdict
 from specpilot.provenance import git_commit, versions
+from specpilot.spec.calibration import simulation_note
 
 
 def _sync(dev) -> None:
@@ -141,6 +142,11 @@ def run_batch_bench(target, sizes: list[int], spec: SystemConfig, device: str = 
         eng.capture_graphs()
         batch1[name] = run_load(eng, prompts[:n], new_tokens, clients=1)["outputs"]
         del eng
+        if name == "ar" and spec.drafter == "calibrated":  # SIMULATED acceptance: the drafter is told AR's outputs
+            for p, a, b in zip(prompts[:n], single["ar"], batch1["ar"]):  # (both engines': bf16 may part at ties)
+                dep.continuations.add(p, a)
+                dep.continuations.add(p, b)
+            res["simulated"] = simulation_note(systems["spec"])
     res["batch_invariant"] = dep.target.kernels.batch_invariant
     for name, cfg in systems.items():
         for b in sizes:
@@ -157,6 +163,8 @@ def run_batch_bench(target, sizes: list[int], spec: SystemConfig, device: str = 
                                           "graphs": graphs,
                                           "padded_passes": eng.runner.passes if eng.runner is not None else 0,
                                           "_outputs": closed["outputs"]}
+            if name == "spec" and spec.drafter == "calibrated":  # how much of each request the drafter knew
+                res["runs"][f"{name}@{b}"]["drafter_counts"] = dict(eng.drafter.counts)
             print(f"{name} batch {b}: {open_['aggregate_tokens_per_s']:.1f} tok/s open, "
                   f"{closed['aggregate_tokens_per_s']:.1f} closed; outputs equal to batch 1: {same:.2f}", flush=True)
             del eng

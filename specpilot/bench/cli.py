@@ -48,7 +48,8 @@ def bench(
     batch: Optional[str] = typer.Option(None, help="Batch sizes, e.g. 1,2,4,8,16,32: the batched engine under load "
                                         "(open and closed loop), AR beside the speculative system of --drafter, "
                                         "--tree, --nodes, --depth, --top-k; needs --target."),
-    drafter: str = typer.Option("ngram", help="With --batch: ngram | draft_model | block."),
+    drafter: str = typer.Option("ngram", help="With --batch: ngram | draft_model | block | calibrated (--drafter-path "
+                                "a calibration file from `specpilot calibrate`: acceptance SIMULATED)."),
     drafter_path: Optional[Path] = typer.Option(None, help="With --batch: the draft model or block drafter dir."),
     tree: str = typer.Option("best_first", help="With --batch: the speculative system's tree builder."),
     nodes: int = typer.Option(6, help="With --batch: tree budget N."),
@@ -120,8 +121,16 @@ def _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, draft
     args = read_args(target)
     if prefix + new_tokens + 8 > min(args.max_position_embeddings, 4096):
         raise SpecPilotError(f"--prefix {prefix} + --new-tokens {new_tokens} exceeds the target's context")
+    calibration = None
+    if drafter == "calibrated":  # the file is the system's drafter_path, not a drafter checkpoint of the deployment
+        if drafter_path is None:
+            raise SpecPilotError("--drafter calibrated needs --drafter-path, a calibration file (specpilot calibrate)")
+        from specpilot.spec.calibration import load_calibration
+
+        load_calibration(drafter_path)  # a bad file: its one-line CalibrationError now
+        calibration, drafter_path = str(drafter_path), None
     try:
-        spec = SystemConfig(drafter=drafter, tree=tree, nodes=nodes, depth=depth, top_k=top_k)
+        spec = SystemConfig(drafter=drafter, drafter_path=calibration, tree=tree, nodes=nodes, depth=depth, top_k=top_k)
     except ValueError as e:
         raise SpecPilotError(f"invalid option: {str(e).splitlines()[0]}") from None
     dev = check_device(device)
@@ -145,6 +154,8 @@ def _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, draft
                   f"outputs equal batch 1: {r['outputs_equal_batch1']:.2f} "
                   f"(the single-request engine's: {r['outputs_equal_single_engine']:.2f})")
     print(f"single-request engine AR: {res['single_engine']['ar']['tokens_per_s_median']:.1f} tok/s")
+    if res.get("simulated"):
+        print(res["simulated"])
     for key in (k for k in res if k.startswith("forcing_") and isinstance(res[k], dict) and "passed" in res[k]):
         f = res[key]
         print(f"{key}: {'passed' if f['passed'] else 'FAILED'} ({f['mismatches']} mismatches, {f['events']} events "
