@@ -83,3 +83,20 @@ def test_w12_priced_by_rows_when_its_pass_was_measured():
     assert max(rows) > 1  # the chain verifies several rows, where this W12 pass is the slower
     extra = sum(p.verify_time(r, w12=True) - p.verify_time(r) for r in rows) / len(rows)
     assert abs((w12.c - base.c) * 1.2 - extra) < 1e-9  # exactly the pass-time difference at the replayed rows
+
+
+def test_best_first_budgets_beyond_the_lattice_are_one_system():
+    """best_first N=12 D=4 k=1 is a chain of at most 4 nodes: the planner proposes it as N=4 (once), not as a
+    different candidate for every N above what a depth-D, top-K lattice holds; TLV's two drafts hold more."""
+    from specpilot.pilot.planner import _canonical
+
+    assert _canonical(SystemConfig(drafter="ngram", tree="best_first", nodes=12, depth=4, top_k=1)).nodes == 4
+    assert _canonical(SystemConfig(drafter="ngram", tree="best_first", nodes=12, depth=2, top_k=2)).nodes == 6
+    tlv = SystemConfig(drafter="ngram", tree="best_first", nodes=12, depth=4, top_k=1, tlv=True)
+    assert _canonical(tlv) == tlv
+    p = planner("cpu")
+    for direction in ("tree", "outside"):
+        space = p.space(SystemConfig(drafter="ngram", tree="best_first", nodes=16, depth=6, top_k=2), direction)
+        plain = [c for c in space if c.tree == "best_first" and not c.tlv]
+        assert plain and all(c.nodes <= sum(c.top_k ** d for d in range(1, c.depth + 1)) for c in plain)
+        assert len({c.seal() for c in space}) == len(space)

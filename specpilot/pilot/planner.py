@@ -343,7 +343,7 @@ class Planner:
                     if dep < incumbent.depth:
                         nodes = min(incumbent.nodes, dep) if incumbent.tree == "chain" else incumbent.nodes
                         out.append(incumbent.model_copy(update={"drafter": d, "depth": dep, "nodes": nodes, "drafter_path": path(d)}))
-        return list(dict.fromkeys(c for c in out if c != incumbent))
+        return list(dict.fromkeys(c for c in map(_canonical, out) if c != incumbent))
 
     def kernel_why_not(self, incumbent: SystemConfig) -> str | None:
         """Why the ``kernel`` direction has no candidates for ``incumbent`` here, or None when it has.
@@ -382,3 +382,13 @@ class Planner:
             picked += fam[:k]
         picked.sort(key=lambda cp: -cp[1].speedup)
         return picked
+
+
+def _canonical(cfg: SystemConfig) -> SystemConfig:
+    """``cfg`` with a best-first budget above what its lattice can hold cut to it: a depth-D, top-K lattice holds at
+    most K + K² + … + K^D nodes, so a larger N is the same system (best_first N=12 D=4 k=1 is a chain of 4) and
+    would be judged twice. TLV's two drafts hold more, so its configs stay as they are."""
+    if cfg.tree != "best_first" or cfg.tlv:
+        return cfg
+    cap = sum(cfg.top_k ** d for d in range(1, cfg.depth + 1))
+    return cfg.model_copy(update={"nodes": cap}) if cfg.nodes > cap else cfg
