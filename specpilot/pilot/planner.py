@@ -309,7 +309,6 @@ class Planner:
         out = []
 
         paths = {kind: rec.drafter_path for (kind, _), rec in self.recordings.items() if kind == "calibrated"}
-
         def path(d):  # a calibrated drafter's calibration file goes with it
             return incumbent.drafter_path if d == incumbent.drafter else paths.get(d)
 
@@ -327,6 +326,7 @@ class Planner:
                                                         "nodes": n, "top_k": k, "depth": min(dep, n)}))
             for d, dep in itertools.product(drafters, DEPTH):
                 out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": paths.get(d), "tree": "chain", "nodes": dep, "top_k": 1, "depth": dep}))
+            out = _distinct(out)
             if self.tlv is not None:  # TLV (§4.3) raises tokens per exact pass: each tree candidate with it too
                 out += [c.model_copy(update={"tlv": True, "q_weights": self.tlv.weights}) for c in out
                         if c.drafter != "none" and not c.tlv]
@@ -343,7 +343,7 @@ class Planner:
                     if dep < incumbent.depth:
                         nodes = min(incumbent.nodes, dep) if incumbent.tree == "chain" else incumbent.nodes
                         out.append(incumbent.model_copy(update={"drafter": d, "depth": dep, "nodes": nodes, "drafter_path": path(d)}))
-        return list(dict.fromkeys(c for c in map(_canonical, out) if c != incumbent))
+        return [c for c in _distinct(out) if _canonical(c) != _canonical(incumbent)]
 
     def kernel_why_not(self, incumbent: SystemConfig) -> str | None:
         """Why the ``kernel`` direction has no candidates for ``incumbent`` here, or None when it has.
@@ -384,11 +384,17 @@ class Planner:
         return picked
 
 
+def _distinct(cfgs: list[SystemConfig]) -> list[SystemConfig]:
+    """One of each set of equivalent configs (same :func:`_canonical`): the smallest N (a measured row count)."""
+    best: dict[SystemConfig, SystemConfig] = {}
+    for c in cfgs:
+        if (key := _canonical(c)) not in best or c.nodes < best[key].nodes:
+            best[key] = c
+    return list(best.values())
+
+
 def _canonical(cfg: SystemConfig) -> SystemConfig:
-    """``cfg`` with a best-first budget above what its lattice can hold cut to it: a depth-D, top-K lattice holds at
-    most K + K² + … + K^D nodes, so a larger N is the same system (best_first N=12 D=4 k=1 is a chain of 4) and
-    would be judged twice. TLV's two drafts hold more, so its configs stay as they are."""
-    if cfg.tree != "best_first" or cfg.tlv:
-        return cfg
+    """``cfg`` with its best-first N cut to what a depth-D, top-K lattice holds (K + … + K^D: best_first N=12 D=4
+    k=1 is a chain of 4, the same system as N=4); TLV configs unchanged (their two drafts hold more)."""
     cap = sum(cfg.top_k ** d for d in range(1, cfg.depth + 1))
-    return cfg.model_copy(update={"nodes": cap}) if cfg.nodes > cap else cfg
+    return cfg.model_copy(update={"nodes": cap}) if cfg.tree == "best_first" and not cfg.tlv and cfg.nodes > cap else cfg
