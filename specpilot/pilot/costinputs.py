@@ -106,15 +106,13 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
 def record_calibrated(dep, path, prompts, ar_out, budgets) -> tuple[tuple[str, int], Recording]:
     """The calibrated drafter of the calibration file ``path`` recorded along ``ar_out`` (which its deployment's
     continuations are told first), at the calibration's depth and top-K: ``(("calibrated", K), recording)`` with the
-    recording's ``drafter_path`` the file. A cost drafter that reads target features (a block network) records with
-    the target, as a real block drafter does."""
+    recording's ``drafter_path`` the file. The target goes with it: a block network as cost drafter reads its features."""
     cal = load_calibration(path)
     for p, out in zip(prompts, ar_out):
         dep.continuations.add(p, out)
     cdr = dep.system(SystemConfig(drafter="calibrated", drafter_path=str(path), top_k=cal.top_k, depth=cal.depth,
                                   nodes=cal.depth)).drafter
-    rec = record(cdr, prompts, ar_out, cal.depth, cal.top_k, max_new_tokens=budgets,
-                 target=dep.target if cdr.target_layers else None)
+    rec = record(cdr, prompts, ar_out, cal.depth, cal.top_k, max_new_tokens=budgets, target=dep.target)
     rec.drafter_path = str(path)
     return ("calibrated", cal.top_k), rec
 

@@ -63,7 +63,7 @@ def calibrate_cmd(
     ar_engine = dep.system(SystemConfig.ar(dtype=dtype), eos_ids=[])
     with torch.inference_mode():
         ar = [ar_engine.generate(p, max_new_tokens).tokens for p in prompts]
-    rec = record(real, prompts, ar, depth, top_k, target=dep.target if drafter == "block" else None)
+    rec = record(real, prompts, ar, depth, top_k, target=dep.target)  # used by drafters that read target features
     cal = calibrate(rec, cost=cost_spec_of(real), source={
         "drafter": drafter, "drafter_path": str(drafter_path) if drafter_path else None,
         "target": str(dep.target_dir), "requests": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype})
