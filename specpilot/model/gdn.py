@@ -199,12 +199,28 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, state: torch.Tensor, window: torch.Tensor, parents: list[int],
                 record=None, keep: Collection[int] = ()) -> torch.Tensor:
-        """Eager reference pass over a forest of rows: delta-rule steps row by row, except a causal pass of at
-        least :attr:`CHUNKED_ROWS` rows that keeps no state but its last (a prefill), which runs
-        :func:`delta_chunked` (same values up to float32 rounding).
+        """Eager reference pass over a forest of rows: :meth:`inputs`, then :meth:`mix` (delta-rule steps row by
+        row, or the chunked form for a prefill), then :meth:`output`.
 
         Args:
             x: ``[R, hidden]`` (normed layer input).
+            state, window, parents, record, keep: as :meth:`mix`.
+        Returns:
+            ``[R, hidden]`` in ``x``'s dtype.
+        """
+        mixed, z, g, beta = self.inputs(x)
+        return self.output(self.mix(mixed, g, beta, state, window, parents, record, keep), z)
+
+    def mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+            window: torch.Tensor, parents: list[int], record=None, keep: Collection[int] = ()) -> torch.Tensor:
+        """The token mixing of one request's rows (the part that reads its state): conv along each root path, then
+        delta-rule steps row by row, except a causal pass of at least :attr:`CHUNKED_ROWS` rows that keeps no state
+        but its last (a prefill), which runs :func:`delta_chunked` (same values up to float32 rounding). A batched
+        pass (:mod:`specpilot.model.hybrid_batch`) runs :meth:`inputs` and :meth:`output` over every request's rows
+        at once and this per request.
+
+        Args:
+            mixed, g, beta: this request's rows of :meth:`inputs` (``[R, C]``, ``[R, H]``, ``[R, H]``).
             state: ``[H, d_k, d_v]`` float32, the committed recurrent state (read only).
             window: ``[K − 1, C]``, the committed conv inputs (read only).
             parents: ``[R]`` ints, each row's parent row (−1: the committed state), parents before children.
@@ -214,10 +230,9 @@ class GatedDeltaNet(nn.Module):
             keep: rows whose states ``record`` receives; any other row's state is dropped once its last child
                 has read it (a causal prefill holds one state at a time).
         Returns:
-            ``[R, hidden]`` in ``x``'s dtype.
+            ``[R, H, d_v]`` float32, the rows' delta-rule outputs.
         """
-        r = x.shape[0]
-        mixed, z, g, beta = self.inputs(x)
+        r = mixed.shape[0]
         q, k, v = self.qkv(self.conv(window, mixed, parents))
         last_read = {p: j for j, p in enumerate(parents)}  # row -> its last child (parents before children)
         keep = set(keep)
@@ -236,5 +251,10 @@ class GatedDeltaNet(nn.Module):
             outs.append(o)
         if record is not None:
             record(mixed, (q, k, v, g, beta), states)
-        o = self.norm(torch.stack(outs).to(x.dtype), z)
-        return self.out_proj(o.reshape(r, self.hv * self.dv))
+        return torch.stack(outs)
+
+    def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated per-head norm and the out projection: ``o [R, H, d_v]`` float32 (:meth:`mix`), ``z [R, H, d_v]``
+        (:meth:`inputs`) -> ``[R, hidden]`` in ``z``'s dtype."""
+        o = self.norm(o.to(z.dtype), z)
+        return self.out_proj(o.reshape(o.shape[0], self.hv * self.dv))
