@@ -22,6 +22,7 @@ from specpilot.model.args import ModelArgs
 from specpilot.model.cache import PassKind
 from specpilot.model.gdn import GatedDeltaNet, parents_from_mask
 from specpilot.model.hybrid_cache import HybridCache
+from specpilot.model.hybrid_pool import HybridPool
 from specpilot.model.layers import MLP, causal_mask
 from specpilot.model.moe import SparseMoE
 from specpilot.model.transformer import KernelConfig, Transformer
@@ -196,6 +197,15 @@ class HybridTransformer(Transformer):
         """Not available: the hybrid target has the eager path only (raises SpecPilotError)."""
         raise SpecPilotError("hybrid (Gated DeltaNet) targets have no static / CUDA-graph pass yet: run them eagerly")
 
-    def forward_prepared(self, *args, **kwargs):
-        """Not available: no batched pass for hybrid targets yet (raises SpecPilotError)."""
-        raise SpecPilotError("hybrid (Gated DeltaNet) targets have no batched pass yet: run one request at a time")
+    def new_pool(self, num_slots: int, slot_len: int) -> HybridPool:
+        """A zeroed :class:`~specpilot.model.hybrid_pool.HybridPool` (K/V, GDN states and conv windows per slot) in
+        the model's dtype and device, its caches in the model's :attr:`verify` mode."""
+        return HybridPool(self.args, num_slots, slot_len, self.dtype, self.device, self.verify)
+
+    def forward_prepared(self, tokens, positions, pool: HybridPool, p, kernel: bool, prof=None, features=None,
+                         feature_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """The eager batched exact pass over a :class:`HybridPool`
+        (:func:`specpilot.model.hybrid_batch.forward_prepared`; ``kernel`` must be False). Returns ``[R, hidden]``."""
+        from specpilot.model.hybrid_batch import forward_prepared  # it imports this module
+
+        return forward_prepared(self, tokens, positions, pool, p, kernel, prof, features, feature_layers)
