@@ -193,9 +193,12 @@ class HybridTransformer(Transformer):
         return self._layers(x, lambda i, layer, h: layer(h, cos, sin, cache, start, mask, parents, kind, prof),
                             prof, features, feature_layers)
 
-    def forward_static(self, *args, **kwargs):
-        """Not available: the hybrid target has the eager path only (raises SpecPilotError)."""
-        raise SpecPilotError("hybrid (Gated DeltaNet) targets have no static / CUDA-graph pass yet: run them eagerly")
+    def forward_static(self, tokens, positions, cache, start, tree_mask, prof=None, features=None,
+                       feature_layers=()):
+        """The static (CUDA-graph capturable) exact pass: :func:`specpilot.model.hybrid_static.forward_static`."""
+        from specpilot.model.hybrid_static import forward_static
+
+        return forward_static(self, tokens, positions, cache, start, tree_mask, prof, features, feature_layers)
 
     def new_pool(self, num_slots: int, slot_len: int) -> HybridPool:
         """A zeroed :class:`~specpilot.model.hybrid_pool.HybridPool` (K/V, GDN states and conv windows per slot) in

@@ -10,6 +10,10 @@ never changes the committed GDN state; :meth:`HybridCache.commit` moves it along
 - ``replay`` (tree verification without per-node snapshots): the pass kept only its last row's state; commit
   replays the accepted path's delta-rule steps from the committed state, the same steps (so the same bits) the
   pass computed for those rows. The conv window follows the path in both modes.
+
+A static pass (:mod:`~specpilot.model.hybrid_static`, the row-bucket / CUDA-graph path) keeps no per-row state in
+either mode: it writes its rows' step and conv inputs into the bucket's :class:`StaticRecord`, and its commit
+replays the accepted path from them (``gdn_commit`` when :attr:`HybridCache.gdn_kernels`, else the reference).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from specpilot.model.args import ModelArgs
 from specpilot.model.gdn import delta_step
+from specpilot.model.hybrid_static import StaticRecord, commit_path
 
 VERIFY_MODES = ("snapshot", "replay")
 
@@ -29,8 +34,11 @@ class HybridCache:
         k, v: ``[n_attn, max_len, n_kv_heads, head_dim]``, the full-attention layers' K/V (slot = position).
         state: ``[n_gdn, H, d_k, d_v]`` float32, committed GDN states.
         window: ``[n_gdn, K − 1, C]``, committed conv inputs (oldest first), model dtype.
+        gdn_kernels: static passes run the GDN path / commit kernels (else the PyTorch reference); one choice
+            for both, so the commit replays the bits the pass computed.
     Args:
-        args: a hybrid :class:`ModelArgs`; max_len: K/V slots; mode: ``snapshot`` | ``replay`` (module doc).
+        args: a hybrid :class:`ModelArgs`; max_len: K/V slots; mode: ``snapshot`` | ``replay`` (module doc);
+        gdn_kernels: None = on CUDA with triton installed and GDN dims the kernels take (powers of two >= 16).
     Raises:
         ValueError: ``max_len < 1`` or an unknown mode.
     """
@@ -39,7 +47,7 @@ class HybridCache:
     SNAPSHOT_ROWS = 256
 
     def __init__(self, args: ModelArgs, max_len: int, dtype: torch.dtype, device: torch.device | str,
-                 mode: str = "snapshot"):
+                 mode: str = "snapshot", gdn_kernels: bool | None = None):
         if max_len < 1:
             raise ValueError(f"a cache needs at least one slot, got max_len {max_len}")
         if mode not in VERIFY_MODES:
@@ -55,6 +63,15 @@ class HybridCache:
                                  args.linear_value_head_dim, dtype=torch.float32, device=device)
         self.window = torch.zeros(n_gdn, args.linear_conv_kernel_dim - 1, conv_dim, dtype=dtype, device=device)
         self.max_len, self.mode = max_len, mode
+        if gdn_kernels is None:
+            from specpilot.kernels.gdn_tree import triton
+
+            dims = (args.linear_key_head_dim, args.linear_value_head_dim)
+            gdn_kernels = torch.device(device).type == "cuda" and triton is not None and \
+                all(d >= 16 and d & (d - 1) == 0 for d in dims)
+        self.gdn_kernels = gdn_kernels
+        self._records: dict[int, StaticRecord] = {}  # static buffers per row bucket (fixed addresses for graphs)
+        self._bucket: int | None = None  # rows of the recorded static pass's bucket (None: an eager pass)
         self._length = 0
         self._pending: dict[int, tuple] = {}  # GDN layer -> (mixed [R, C], step inputs, {row: state})
         self._pass: tuple[int, int] | None = None  # (start, R) of the recorded exact pass
@@ -66,15 +83,26 @@ class HybridCache:
         return self._length
 
     # -- what an exact pass writes -----------------------------------------------------------------
-    def begin_pass(self, start: int, r: int) -> None:
-        """Start recording an exact pass of ``r`` rows at ``start`` (forgets any earlier record).
+    def begin_pass(self, start: int, r: int, bucket: int | None = None) -> None:
+        """Start recording an exact pass of ``r`` rows at ``start`` (forgets any earlier record): an eager pass
+        (``bucket`` None, recorded through :meth:`recorder`) or a static pass padded to ``bucket`` rows, which
+        records into :meth:`static_record` ``(bucket)``.
 
         Raises:
             ValueError: ``start`` is not the committed length (a GDN pass runs from the committed state only).
         """
         if start != self._length:
             raise ValueError(f"a hybrid exact pass must start at the committed length {self._length}, got {start}")
-        self._pending, self._pass, self._path = {}, (start, r), None
+        self._pending, self._pass, self._path, self._bucket = {}, (start, r), None, bucket
+
+    def static_record(self, rows: int) -> StaticRecord:
+        """The static buffers of a ``rows``-row bucket, allocated on first use and kept (a captured graph writes
+        them at fixed addresses; a 27B-like target holds about 3.4 MB a row)."""
+        if rows not in self._records:
+            layers, h, dk, dv = self.state.shape
+            self._records[rows] = StaticRecord.empty(layers, rows, h, dk, dv, self.window.shape[2],
+                                                     self.window.dtype, self.state.device)
+        return self._records[rows]
 
     def keep_rows(self, r: int) -> range:
         """Rows of an ``r``-row exact pass whose GDN states the pass keeps for :meth:`commit`: every row in
@@ -111,7 +139,7 @@ class HybridCache:
         if n == 0:
             self.state.zero_()
             self.window.zero_()
-            self._pending, self._pass, self._length = {}, None, 0
+            self._pending, self._pass, self._bucket, self._length = {}, None, None, 0
             return
         if n == self._length:
             return
@@ -119,6 +147,13 @@ class HybridCache:
             raise ValueError(f"cannot commit {n} tokens: no recorded pass from {self._length} covers them")
         start = self._pass[0]
         path = (self._path or list(range(self._pass[1])))[: n - start]
+        if self._bucket is not None:  # a static pass: replay from its record
+            rows = torch.full((self._bucket,), -1, dtype=torch.int32)
+            rows[: len(path)] = torch.tensor(path, dtype=torch.int32)
+            commit_path(self.state, self.window, self._records[self._bucket], rows.to(self.state.device),
+                        self.gdn_kernels)
+            self._pass, self._path, self._bucket, self._length = None, None, None, n
+            return
         for layer, (mixed, (q, k, v, g, beta), states) in self._pending.items():
             s = states.get(path[-1])
             if s is None:  # replay the accepted root path from the committed state
@@ -143,7 +178,7 @@ class HybridCache:
         n, state, window = mark
         self.state.copy_(state)
         self.window.copy_(window)
-        self._pending, self._pass, self._path, self._length = {}, None, None, n
+        self._pending, self._pass, self._path, self._bucket, self._length = {}, None, None, None, n
 
     def rewind(self, n: int) -> int:
         """Commit back to ``n`` tokens where the state allows it: ``n`` at or past the length keeps the length; an
