@@ -39,7 +39,6 @@ from specpilot.engine.requests import check_prompt, keep, stop_id_set
 from specpilot.engine.types import Generation
 from specpilot.errors import DrafterError, PromptError, SpecPilotError
 from specpilot.model.batch import BatchRows
-from specpilot.model.cache import KVPool
 from specpilot.model.transformer import Transformer
 from specpilot.spec.drafter import Drafter, DraftRequest, check_fits, draft_depth
 from specpilot.spec.drafter_block import BlockHistory
@@ -113,11 +112,12 @@ class BatchEngine:
         max_num_seqs: requests running at once (KV slots); more wait.
         max_prefill_rows: prompt rows prefilled in one pass (at least one whole prompt is always admitted).
         padded: decode passes padded to buckets through a :class:`BatchRunner` (CUDA graphs on CUDA); default:
-            on CUDA with Triton, without the certified INT8 head (which settles rows on the host).
+            on CUDA with Triton, without the certified INT8 head (which settles rows on the host), on a pool that has
+            padded passes (a hybrid target's :class:`~specpilot.model.hybrid_pool.HybridPool` has none).
     Raises:
         DrafterError: the drafter does not fit the target or holds fewer slots than ``max_num_seqs``.
         SpecPilotError: ``row_selection="shared_budget"`` with ``padded`` (its per-request rows vary past the buckets);
-            ``config.tlv`` (single requests only).
+            ``padded`` on a hybrid target; ``config.tlv`` (single requests only).
         ValueError: ``max_num_seqs < 1``.
 
     Attributes:
@@ -145,11 +145,10 @@ class BatchEngine:
         # the most nodes one request's tree can hold: a shared budget may go to a single request
         tree_rows = max(config.step_budget(n) for n in range(1, max_num_seqs + 1)) if self.shared else config.nodes
         # one slot more than requests: the scratch slot, where padding rows of a bucketed pass write their K/V
-        self.pool = KVPool(target.args, max_num_seqs + 1, self.max_len + tree_rows + 1, target.dtype,
-                           target.device)
+        self.pool = target.new_pool(max_num_seqs + 1, self.max_len + tree_rows + 1)  # KVPool, or a hybrid's
         self.feature_layers = tuple(drafter.target_layers) if drafter is not None else ()
         if padded is None:  # Triton is imported only for a CUDA target (a CPU run may set its interpreter later)
-            padded = target.device.type == "cuda" and target.int8_head is None
+            padded = target.device.type == "cuda" and target.int8_head is None and self.pool.padded_passes
             if padded:
                 from specpilot.kernels.tree_attention import triton
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from specpilot.engine.runner import BUCKETS, bucket_for
+from specpilot.errors import SpecPilotError
 from specpilot.model.batch import Prepared
 from specpilot.model.cache import KVPool
 from specpilot.model.transformer import Transformer
@@ -42,6 +43,7 @@ class BatchRunner:
     Raises:
         ValueError: ``scratch`` outside the pool, ``max_rows < 1``, or a model with the certified INT8 head (its
             fallback reads the host; batched passes with it run eagerly).
+        SpecPilotError: a pool without padded passes (``pool.padded_passes`` False: a hybrid target's).
     """
 
     def __init__(self, model: Transformer, pool: KVPool, scratch: int, max_rows: int,
@@ -51,6 +53,9 @@ class BatchRunner:
             raise ValueError(f"scratch slot {scratch} of {pool.num_slots}, max_rows {max_rows}")
         if model.int8_head is not None:
             raise ValueError("the certified INT8 head settles flagged rows on the host: no padded batched pass")
+        if not pool.padded_passes:
+            raise SpecPilotError("this target's batch (a hybrid target's recurrent states) has no padded batched "
+                                 "pass: run BatchEngine(padded=False)")
         self.model, self.pool, self.scratch, self.max_rows = model, pool, scratch, max_rows
         self.feature_layers = tuple(feature_layers)
         self.row_buckets, self.request_buckets = tuple(row_buckets), tuple(request_buckets)

@@ -113,7 +113,12 @@ class KVPool:
             context plus room for a pass's rows).
     Raises:
         ValueError: ``num_slots < 1`` or ``slot_len < 1``.
+    Attributes:
+        padded_passes: the padded :class:`~specpilot.engine.batch_runner.BatchRunner` (CUDA graphs, padding rows in
+            a scratch slot) runs on this pool (a hybrid target's pool says False).
     """
+
+    padded_passes = True
 
     def __init__(self, args: ModelArgs, num_slots: int, slot_len: int, dtype: torch.dtype,
                  device: torch.device | str):

@@ -115,6 +115,11 @@ class Transformer(nn.Module):
         """A zeroed static cache of ``max_len`` slots in the model's dtype and device."""
         return KVCache(self.args, max_len, self.dtype, self.device)
 
+    def new_pool(self, num_slots: int, slot_len: int) -> KVPool:
+        """A zeroed :class:`KVPool` of ``num_slots`` slots of ``slot_len`` positions in the model's dtype and device:
+        the state the batched engine holds for its requests (a hybrid target's holds recurrent states too)."""
+        return KVPool(self.args, num_slots, slot_len, self.dtype, self.device)
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """``cos, sin [R, head_dim]`` for ``positions [R] long`` (computed in float32)."""
         if self.inv_freq.device != positions.device:
