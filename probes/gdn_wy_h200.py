@@ -43,7 +43,7 @@ DEV = "cuda" if CUDA else "cpu"
 LAYERS, H, DK, DV = (2, 2, 32, 32) if SMOKE else (48, 48, 128, 128)
 WARMUP, REPS = (0, 1) if SMOKE else (10, 60)
 BUDGET_S = 150.0
-#: (d_v tile, d_k chunk, warps) swept at tf32x3, by padded rows; spill-free in the offline sm_90a compile (--ptxas)
+#: (d_v tile, d_k chunk, warps) swept at tf32x3, by padded rows, around the default (registers, spills: --ptxas)
 SWEEP = {16: [(32, 32, 4), (64, 32, 4), (128, 32, 4), (32, 32, 2), (64, 64, 4), (64, 32, 8)],
          32: [(32, 32, 4), (64, 32, 4), (32, 32, 8), (64, 32, 8), (128, 32, 8), (32, 16, 4)],
          64: [(32, 16, 8), (64, 16, 8), (16, 32, 8), (32, 16, 4), (128, 16, 8)]}

@@ -52,7 +52,7 @@ PRECISIONS = ("tf32x3", "bf16x6", "bf16x3", "tf32", "ieee")
 PRECISION = "tf32x3"
 #: padded rows N -> default (d_v tile, d_k chunk, warps): at d_k = d_v = 128 and tf32x3 the largest tiles whose
 #: offline sm_90a compile (Triton, then ptxas) spills nothing; not yet timed against the others on a GPU
-CONFIGS = {16: (32, 32, 4), 32: (32, 32, 4), 64: (32, 16, 8)}
+CONFIGS = {16: (64, 32, 4), 32: (32, 32, 4), 64: (32, 16, 8)}
 
 
 def ancestor_mask(parents, r: int | None = None) -> torch.Tensor:
