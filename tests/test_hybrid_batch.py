@@ -1,11 +1,14 @@
 """The batched engine on hybrid targets (tiny qwen3_5 and qwen3_next, CPU float32): whatever shares its batch, a
-request's output equals AR greedy and its output run alone; one exact pass per step over every running request's
-rows; after every step and when a request ends, each slot's GDN states, conv windows and K/V equal a fresh prefill
-of its committed tokens (R8, R9, R12, R14); the shared budget, prompt admission and the drafter block select rows
-through the same pool; the padded (CUDA-graph) path is a one-line refusal."""
+request's output equals AR greedy and its output run alone (scripted drafters with steps drafting nothing, the n-gram
+drafter, a hybrid draft model, a block drafter reading target features; chain and best_first, snapshot and replay);
+one exact pass per step over every running request's rows; after every step and when a request ends, each slot's
+GDN states, conv windows and K/V equal a fresh prefill of its committed tokens (R8, R9, R12, R14), and the features a
+drafter got equal a causal pass over the request alone; the shared budget, prompt admission and the drafter block
+select rows through the same pool; the padded (CUDA-graph) path and the batched kernel are one-line refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -17,12 +20,14 @@ from specpilot.engine.engine import Engine
 from specpilot.errors import SpecPilotError
 from specpilot.model.batch import BatchRows
 from specpilot.model.checkpoint import load_model
+from specpilot.spec.block import BlockDrafter, BlockNet
 from specpilot.spec.draft_model import DraftModelDrafter
 from specpilot.spec.drafter import SlotFanout
 from specpilot.spec.lattice import TrieLattice
 from specpilot.spec.ngram import NgramDrafter
 
-from .hybridutil import ar_tokens, near_copy, tiny_target, tree_config, verify_mode
+from .blockutil import tiny_config
+from .hybridutil import LAYERS, ar_tokens, near_copy, tiny_target, tree_config, verify_mode
 from .test_qwen3_next import tiny_next
 
 V = 96  # both tiny targets' vocabulary
@@ -222,6 +227,58 @@ def test_row_selection_mechanisms_on_a_hybrid(targets, selection, admission, blo
         assert got[f"r{i}"] == expected(target, p, n, stops), (i, p, n, sorted(stops))
     assert max(accepted) >= 2 and checks[0] > 0
     assert (stats["rides"] > 0) == bool(admission)  # admitted prompts prefilled inside a decode pass
+
+
+class FeatureLog:
+    """A feature-reading drafter that also keeps, per slot, every feature row the engine hands it (by position)."""
+
+    def __init__(self, inner, slots: int, width: int):
+        self.inner, self.rows = inner, torch.zeros(slots, 600, width)
+        self.kind, self.target_layers, self.vocab_size = inner.kind, inner.target_layers, inner.vocab_size
+        self.max_context, self.max_slots = inner.max_context, inner.max_slots
+
+    def reset(self, slot: int = 0) -> None:
+        self.rows[slot].zero_()
+        self.inner.reset(slot)
+
+    def observe(self, slot, features, start) -> None:
+        self.rows[slot, start : start + features.shape[0]] = features
+        self.inner.observe(slot, features, start)
+
+    def propose(self, batch):
+        return self.inner.propose(batch)
+
+
+@pytest.mark.parametrize("model", ["qwen3_5", "qwen3_next"])
+def test_a_feature_drafter_gets_each_request_its_own_committed_features(targets, model):
+    """A block drafter (random weights) reading a GDN, the attention and the last layer: after every step, the
+    features the batched engine handed it for each running request's committed positions equal a causal pass over
+    that request's committed tokens alone (within 1e-5); outputs equal AR."""
+    target = targets[model]
+    rng = random.Random(8)
+    reqs = random_requests(rng, 6)
+    cfg = SystemConfig(drafter="block", tree="best_first", nodes=6, depth=4, top_k=3)
+    torch.manual_seed(0)
+    net = BlockNet(dataclasses.replace(tiny_config(target), target_layers=list(LAYERS))).eval()
+    log = FeatureLog(BlockDrafter(net, target, top_k=3, max_slots=3), 3, len(LAYERS) * target.args.hidden_size)
+    compared = [0]
+
+    def features_match(e):
+        for r in e._running.values():
+            n = e.pool.cache(r.slot).length
+            feats = []
+            target.forward(torch.tensor(r.committed[:n]), torch.arange(n), target.new_cache(n), 0, features=feats,
+                           feature_layers=LAYERS)
+            torch.testing.assert_close(log.rows[r.slot, :n], torch.cat(feats, -1), atol=1e-5, rtol=1e-5)
+            compared[0] += 1
+
+    with verify_mode(target, "replay"):
+        eng = BatchEngine(target, cfg, log, eos_ids=[], max_num_seqs=3)
+        eng.step_hook = features_match
+        got, _, stats = run(eng, reqs)
+    for i, (p, n, stops) in enumerate(reqs):
+        assert got[f"r{i}"] == expected(target, p, n, stops)
+    assert compared[0] > 0 and stats["widest"] >= 2
 
 
 def test_padded_path_and_kernel_are_refused_and_a_pass_must_start_at_the_length(targets):
