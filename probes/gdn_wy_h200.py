@@ -218,7 +218,8 @@ def main(path_out: str) -> None:
 
 
 def ptxas(path_out: str) -> None:
-    """Registers and spills of the WY kernel compiled offline for sm_90a, d_k = d_v = 128, every swept config."""
+    """Registers and spills of the WY kernel compiled offline for sm_90a, d_k = d_v = 128, every swept config (3
+    pipeline stages, Triton's default on CUDA, as the kernel is launched)."""
     from specpilot.kernels.resources import kernel_resources
 
     f = "*fp32"
@@ -228,13 +229,13 @@ def ptxas(path_out: str) -> None:
         cfgs = [(*c, PRECISION) for c in cfgs] + [(*CONFIGS[n], p) for p in PRECISIONS if p != PRECISION]
         for bv, bk, nw, prec in cfgs:
             k = kernel_resources(gdn_wy._gdn_wy_kernel, sig, dict(N=n, DK=128, DV=128, BV=bv, BK=bk, PREC=prec), nw,
-                                 1, divisible_by_16=("s0_ptr", "q_ptr", "k_ptr", "v_ptr", "o_ptr"))
+                                 3, divisible_by_16=("s0_ptr", "q_ptr", "k_ptr", "v_ptr", "o_ptr"))
             rows.append({"padded_rows": n, "block_v": bv, "block_k": bk, "num_warps": nw, "input_precision": prec,
                          "registers": k.registers, "spill_bytes": k.spill_bytes, "shared_bytes": k.shared_bytes,
                          "default": (bv, bk, nw) == CONFIGS[n] and prec == PRECISION})
             print(rows[-1], flush=True)
-    out = {"what": "offline sm_90a compile (Triton, then ptxas -v) of the GDN WY kernel, d_k = d_v = 128; no GPU, no "
-                   "timing", "command": "python probes/gdn_wy_h200.py OUT.json --ptxas",
+    out = {"what": "offline sm_90a compile (Triton, then ptxas -v) of the GDN WY kernel, d_k = d_v = 128, "
+                   "num_stages 3; no GPU, no timing", "command": "python probes/gdn_wy_h200.py OUT.json --ptxas",
            "device": "none (offline compile for sm_90a)", "versions": versions(), "commit": git_commit(),
            "configs": rows}
     with open(path_out, "w") as fh:
