@@ -7,11 +7,11 @@ Inputs as gdn.py feeds its steps (q, k L2-normalised, q scaled by d_k^-½, g < 0
 
 Per tree, on all 48 layers: errors (max abs, max abs / max |reference|, share of outputs within one bf16 ulp of the
 reference) of the path kernel (default tile / warps) and of every WY variant against :func:`gdn_tree_reference`
-(float32, on the GPU); times with CUDA events (warm-up, median of ``REPS``): the path kernel (48 launches, the root
-paths computed once beforehand as a pass would, and timed alone) from one CUDA graph and eager; the WY kernel at
-its default (one launch for all layers) eager and from a graph, 48 per-layer launches from a graph, then a sweep of
-(d_v tile, d_k chunk, warps) at tf32x3 and of the tl.dot precisions at the default tiles (each one launch for all
-layers, from a graph). The sweep stops when ``BUDGET_S`` seconds have passed (later entries say so).
+(float32, on the GPU); times with CUDA events (warm-up, median of ``REPS``) of 48 per-layer launches, as a model's
+pass makes them (a layer's inputs come from the layer below), from one CUDA graph and eager: the path kernel (root
+paths computed once beforehand as a pass would, and timed alone) and the WY kernel at its defaults; the WY kernel
+also in one launch for all layers (eager, graph). Then, while ``BUDGET_S`` seconds last (later entries say they
+were skipped), WY variants per layer from a graph: (d_v tile, d_k chunk, warps) at tf32x3, d_v splits, precisions.
 
 Usage: ``SPECPILOT_COMMIT=$(git rev-parse --short HEAD) PYTHONPATH=. python probes/gdn_wy_h200.py OUT.json`` on a
 CUDA GPU; ``--smoke``: tiny shapes in Triton's interpreter on the CPU (its times mean nothing; bf16x* precisions
@@ -130,72 +130,94 @@ def errors(out, ref) -> dict:
             "share_within_1_bf16_ulp": (diff <= ulp).float().mean().item()}
 
 
-def run_tree(name, parents, s0, gen, t_start) -> dict:
-    r = len(parents)
-    n = max(16, 1 << (r - 1).bit_length())
-    inp = make_inputs(gen, r)
+def setup_tree(parents, s0, gen) -> dict:
+    """Inputs, parents on the device, root paths and the float32 reference outputs ``[L, R, H, d_v]``."""
+    inp = make_inputs(gen, len(parents))
     par = torch.tensor(parents, dtype=torch.int32, device=DEV)
     ref = torch.stack([gdn_tree_reference(s0[i], *(t[i] for t in inp), parents) for i in range(LAYERS)])
+    return {"inp": inp, "par": par, "paths": root_paths(par), "ref": ref}
+
+
+def per_layer(s0, x, **kw):
+    """The WY kernel launched per layer, as a model's pass calls it; returns the 48 outputs."""
+    return [gdn_tree_wy(s0[i], *(t[i] for t in x["inp"]), x["par"], **kw) for i in range(LAYERS)]
+
+
+def essentials(name, parents, s0, x) -> dict:
+    """Path kernel and WY kernel at their defaults: errors against the reference and times."""
+    r = len(parents)
+    n = max(16, 1 << (r - 1).bit_length())
+    inp, par, ref = x["inp"], x["par"], x["ref"]
     entry = {"parents": parents, "rows": r, "padded_rows": n, "depth": max(depth_of(parents, j) for j in range(r)),
              "steps_summed_over_rows": sum(depth_of(parents, j) for j in range(r)),
              "reference_output_max_abs": ref.abs().max().item()}
 
-    paths = root_paths(par)  # once a pass, shared by the layers (timed on its own)
-
     def path():
-        return [gdn_tree(s0[i], *(t[i] for t in inp), paths=paths) for i in range(LAYERS)]
+        return [gdn_tree(s0[i], *(t[i] for t in inp), paths=x["paths"]) for i in range(LAYERS)]
 
     entry["path"] = {"block_v": BLOCK_V, "num_warps": NUM_WARPS,
-                     "error_vs_reference": errors(torch.stack(path()), ref), "all_layers_graph": time_graph(path),
-                     "all_layers_eager": time_ms(path), "root_paths": time_ms(lambda: root_paths(par))}
+                     "error_vs_reference": errors(torch.stack(path()), ref), "per_layer_graph": time_graph(path),
+                     "per_layer_eager": time_ms(path), "root_paths": time_ms(lambda: root_paths(par))}
     print(name, "path", entry["path"], flush=True)
 
-    def wy(**kw):
-        return gdn_tree_wy(s0, *inp, par, **kw)
-
-    def wy_per_layer():
-        for i in range(LAYERS):
-            gdn_tree_wy(s0[i], *(t[i] for t in inp), par)
+    def batched():
+        return gdn_tree_wy(s0, *inp, par)
 
     bv, bk, nw = CONFIGS[n]
     entry["wy_default"] = {"block_v": bv, "block_k": bk, "num_warps": nw, "input_precision": PRECISION,
-                           "error_vs_reference": errors(wy(), ref), "all_layers_one_launch_graph": time_graph(wy),
-                           "all_layers_one_launch_eager": time_ms(wy),
-                           "per_layer_launches_graph": time_graph(wy_per_layer)}
+                           "error_vs_reference": errors(torch.stack(per_layer(s0, x)), ref),
+                           "per_layer_graph": time_graph(lambda: per_layer(s0, x)),
+                           "per_layer_eager": time_ms(lambda: per_layer(s0, x)),
+                           "all_layers_one_launch_error": errors(batched(), ref),
+                           "all_layers_one_launch_graph": time_graph(batched),
+                           "all_layers_one_launch_eager": time_ms(batched)}
     print(name, "wy_default", entry["wy_default"], flush=True)
-    variants = [dict(block_v=a, block_k=b, num_warps=c, input_precision=PRECISION) for a, b, c in SWEEP[n]]
-    variants += [dict(block_v=bv, block_k=bk, num_warps=nw, input_precision=p) for p in PRECISIONS if p != PRECISION]
-    entry["wy_variants"] = []
+    return entry
+
+
+def sweep(name, entry, s0, x, t_start) -> list:
+    """WY variants launched per layer (graph): tiles and warps at tf32x3, d_v splits, precisions."""
+    n = entry["padded_rows"]
+    bv, bk, nw = CONFIGS[n]
+    variants = [dict(block_v=a, block_k=b, num_warps=c) for a, b, c in SWEEP[n] if (a, b, c) != (bv, bk, nw)]
+    variants += [dict(v_split=vs) for vs in (1, 2)]
+    variants += [dict(input_precision=p) for p in PRECISIONS if p != PRECISION]
+    rows = []
     for kw in variants:
         row = dict(kw)
         if time.time() - t_start > BUDGET_S:
             row["skipped"] = f"probe past its {BUDGET_S:.0f} s budget"
         else:
             try:
-                row["error_vs_reference"] = errors(wy(**kw), ref)
-                row["all_layers_one_launch_graph"] = time_graph(lambda kw=kw: wy(**kw))
+                row["error_vs_reference"] = errors(torch.stack(per_layer(s0, x, **kw)), x["ref"])
+                row["per_layer_graph"] = time_graph(lambda kw=kw: per_layer(s0, x, **kw))
             except Exception as e:  # a config that does not compile is a result, not the end of the probe
-                row["failed"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e) else ''}"
-        entry["wy_variants"].append(row)
+                row["failed"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:200]}"
+        rows.append(row)
         print(name, "wy", row, flush=True)
-    return entry
+    return rows
 
 
 def summary(res) -> dict:
     out = {}
+    key = "per_layer_graph" if CUDA else "per_layer_eager"
     for name, t in res["trees"].items():
-        key = "all_layers_graph" if CUDA else "all_layers_eager"
         path_ms = t["path"][key].get("median_ms")
-        wkey = "all_layers_one_launch_graph" if CUDA else "all_layers_one_launch_eager"
-        wy_ms = t["wy_default"][wkey].get("median_ms")
-        timed = [v for v in t["wy_variants"] if v.get("all_layers_one_launch_graph", {}).get("median_ms")]
-        best = min(timed, key=lambda v: v["all_layers_one_launch_graph"]["median_ms"]) if timed else None
-        out[name] = {"path_ms": path_ms, "wy_default_ms": wy_ms, "speedup_default": path_ms / wy_ms if wy_ms else None,
-                     "wy_best_variant": best and {k: best[k] for k in ("block_v", "block_k", "num_warps",
-                                                                       "input_precision")},
-                     "wy_best_ms": best and best["all_layers_one_launch_graph"]["median_ms"],
-                     "path_error": t["path"]["error_vs_reference"], "wy_default_error": t["wy_default"]
-                     ["error_vs_reference"]}
+        wy_ms = t["wy_default"][key].get("median_ms")
+        timed = [v for v in t.get("wy_variants", []) if v.get("per_layer_graph", {}).get("median_ms")]
+        best = min(timed, key=lambda v: v["per_layer_graph"]["median_ms"]) if timed else None
+        out[name] = {"path_per_layer_ms": path_ms, "wy_default_per_layer_ms": wy_ms,
+                     "speedup_default": path_ms / wy_ms if wy_ms else None,
+                     "wy_default_one_launch_ms": t["wy_default"]["all_layers_one_launch_graph" if CUDA else
+                                                                 "all_layers_one_launch_eager"].get("median_ms"),
+                     "wy_best_variant": best and {k: v for k, v in best.items() if k not in ("error_vs_reference",
+                                                                                            "per_layer_graph")},
+                     "wy_best_variant_per_layer_ms": best and best["per_layer_graph"]["median_ms"],
+                     "path_error": t["path"]["error_vs_reference"],
+                     "wy_default_error": t["wy_default"]["error_vs_reference"],
+                     "wy_worst_max_abs_tf32x3_variants": max([t["wy_default"]["error_vs_reference"]["max_abs"]] + [
+                         v["error_vs_reference"]["max_abs"] for v in t.get("wy_variants", [])
+                         if "error_vs_reference" in v and v.get("input_precision", PRECISION) == PRECISION])}
     return out
 
 
@@ -204,11 +226,15 @@ def main(path_out: str) -> None:
     gen = torch.Generator().manual_seed(0)
     s0 = torch.randn(LAYERS, H, DK, DV, generator=gen).to(DEV)
     res = {"device": torch.cuda.get_device_name() if CUDA else "cpu (Triton interpreter)", "versions": versions(),
-           "commit": git_commit(), "smoke": SMOKE, "timing": "CUDA graph" if CUDA else "wall clock, interpreter",
+           "commit": git_commit(), "smoke": SMOKE, "timing": "CUDA events" if CUDA else "wall clock, interpreter",
            "shape": {"gdn_layers": LAYERS, "value_heads": H, "d_k": DK, "d_v": DV, "state": "float32 randn"},
            "warmup": WARMUP, "reps": REPS, "budget_s": BUDGET_S, "trees": {}}
-    for name, parents in TREES.items():
-        res["trees"][name] = run_tree(name, parents, s0, gen, t_start)
+    data = {name: setup_tree(parents, s0, gen) for name, parents in TREES.items()}
+    for name, parents in TREES.items():  # the headline figures first, then the sweeps while the budget lasts
+        res["trees"][name] = essentials(name, parents, s0, data[name])
+    res["essentials_s"] = time.time() - t_start
+    for name in TREES:
+        res["trees"][name]["wy_variants"] = sweep(name, res["trees"][name], s0, data[name], t_start)
     res["summary"] = summary(res)
     res["wall_s"] = time.time() - t_start
     print("summary", json.dumps(res["summary"]), flush=True)
@@ -218,21 +244,25 @@ def main(path_out: str) -> None:
 
 
 def ptxas(path_out: str) -> None:
-    """Registers and spills of the WY kernel compiled offline for sm_90a, d_k = d_v = 128, every swept config (3
-    pipeline stages, Triton's default on CUDA, as the kernel is launched)."""
+    """Registers and spills of the WY kernel compiled offline for sm_90a, d_k = d_v = 128, every swept config with one
+    d_v tile a program (the per-layer default) and the defaults with all tiles in one program; 3 pipeline stages,
+    Triton's default on CUDA, as the kernel is launched."""
     from specpilot.kernels.resources import kernel_resources
 
     f = "*fp32"
     sig = dict(s0_ptr=f, q_ptr=f, k_ptr=f, v_ptr=f, g_ptr=f, b_ptr=f, par_ptr="*i32", o_ptr=f, R="i32", H="i32")
     rows = []
     for n, cfgs in SWEEP.items():
-        cfgs = [(*c, PRECISION) for c in cfgs] + [(*CONFIGS[n], p) for p in PRECISIONS if p != PRECISION]
-        for bv, bk, nw, prec in cfgs:
-            k = kernel_resources(gdn_wy._gdn_wy_kernel, sig, dict(N=n, DK=128, DV=128, BV=bv, BK=bk, PREC=prec), nw,
-                                 3, divisible_by_16=("s0_ptr", "q_ptr", "k_ptr", "v_ptr", "o_ptr"))
+        d = CONFIGS[n]
+        cfgs = [(*c, PRECISION, 1) for c in cfgs] + [(*d, p, 1) for p in PRECISIONS if p != PRECISION]
+        cfgs += [(*d, PRECISION, 128 // d[0])]  # all d_v tiles in one program (the one-launch form's default)
+        for bv, bk, nw, prec, tiles in cfgs:
+            k = kernel_resources(gdn_wy._gdn_wy_kernel, sig, dict(N=n, DK=128, DV=128, BV=bv, BK=bk, TILES=tiles,
+                                                                  PREC=prec),
+                                 nw, 3, divisible_by_16=("s0_ptr", "q_ptr", "k_ptr", "v_ptr", "o_ptr"))
             rows.append({"padded_rows": n, "block_v": bv, "block_k": bk, "num_warps": nw, "input_precision": prec,
-                         "registers": k.registers, "spill_bytes": k.spill_bytes, "shared_bytes": k.shared_bytes,
-                         "default": (bv, bk, nw) == CONFIGS[n] and prec == PRECISION})
+                         "tiles_a_program": tiles, "registers": k.registers, "spill_bytes": k.spill_bytes,
+                         "shared_bytes": k.shared_bytes, "default": (bv, bk, nw) == d and prec == PRECISION})
             print(rows[-1], flush=True)
     out = {"what": "offline sm_90a compile (Triton, then ptxas -v) of the GDN WY kernel, d_k = d_v = 128, "
                    "num_stages 3; no GPU, no timing", "command": "python probes/gdn_wy_h200.py OUT.json --ptxas",

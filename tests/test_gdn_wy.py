@@ -123,9 +123,24 @@ def test_all_layers_in_one_launch_and_chunked_dims():
     s0 = torch.randn(3, 2, 32, 32, generator=gen)
     inputs = step_inputs(gen, len(parents), lead=(3,), h=2, dk=32, dv=32)
     out = gdn_tree_wy(s0.to(DEV), *dev(*inputs), i32(parents), block_v=16, block_k=16, num_warps=2)
+    split = gdn_tree_wy(s0.to(DEV), *dev(*inputs), i32(parents), block_v=16, block_k=16, v_split=2)
     for layer in range(3):
         ref = gdn_tree_reference(s0[layer], *(t[layer] for t in inputs), parents)
         assert err(out[layer], ref) <= TOL
+        assert err(split[layer], ref) <= TOL
+        one = gdn_tree_wy(s0[layer].to(DEV), *dev(*(t[layer] for t in inputs)), i32(parents), v_split=1)
+        assert err(one, ref) <= TOL
+
+
+def test_same_result_as_the_path_kernel():
+    from specpilot.kernels.gdn_tree import gdn_tree
+
+    gen = torch.Generator().manual_seed(11)
+    parents = TREES["random13"]
+    s0 = torch.randn(H, DK, DV, generator=gen).to(DEV)
+    inputs = dev(*step_inputs(gen, len(parents)))
+    path = gdn_tree(s0, *inputs, i32(parents))
+    assert err(gdn_tree_wy(s0, *inputs, i32(parents)), path.cpu()) <= TOL
 
 
 def test_kernel_on_an_equal_keys_chain():
@@ -150,6 +165,8 @@ def test_bad_calls_raise_one_line_errors():
         gdn_tree_wy(s0, *inputs, par.long())
     with pytest.raises(ValueError, match="d_k chunk"):
         gdn_tree_wy(s0, *inputs, par, block_k=8)
+    with pytest.raises(ValueError, match="v_split"):
+        gdn_tree_wy(s0, *inputs, par, block_v=16, v_split=3)
     with pytest.raises(ValueError, match="state"):
         gdn_tree_wy(s0[None], *inputs, par)
     big = MAX_ROWS + 1

@@ -19,9 +19,10 @@ grow like binomials on a chain and cancel.
 
 - :func:`gdn_tree_wy_reference`: the WY form in plain PyTorch (float32, ``solve_triangular``); tested against
   :func:`~specpilot.kernels.gdn_tree.gdn_tree_reference` (the recurrent oracle).
-- :func:`gdn_tree_wy`: the Triton kernel, grid ``(value heads, layers)``: one program builds its head's ``A``, the
-  inverse and ``P = (exp(G_t − G_s) q_t · k_s)`` once, then runs the d_v tiles (``S0`` products, then ``P T`` applied
-  to the right-hand side). One launch serves every GDN layer of a pass (``[L, ...]`` inputs).
+- :func:`gdn_tree_wy`: the Triton kernel, grid ``(value heads, layers, d_v splits)``: a program builds its head's
+  ``A``, the inverse and ``P = (exp(G_t − G_s) q_t · k_s)``, then runs its d_v tiles (``S0`` products, then ``P T``
+  applied to the right-hand side). A model's pass calls it per layer (a layer's inputs come from the layer below);
+  one launch can also take every layer's inputs at once (``[L, ...]``, for replays and timing).
 
 Only the outputs come from the WY form. The committed state is still advanced by
 :func:`~specpilot.kernels.gdn_tree.gdn_commit`'s recurrent replay of the accepted rows, so losslessness of the state
@@ -109,7 +110,7 @@ if triton is not None:
     @triton.jit
     def _gdn_wy_kernel(s0_ptr, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, par_ptr, o_ptr, R, H, N: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-                       PREC: tl.constexpr):
+                       TILES: tl.constexpr, PREC: tl.constexpr):
         h = tl.program_id(0)
         layer = tl.program_id(1)
         t = tl.arange(0, N)
@@ -150,8 +151,8 @@ if triton is not None:
         pinv = tl.dot(p, inv, input_precision=PREC)
         d = tl.where(real, tl.exp(cum), 0.0)  # exp(G_t); padding rows give zero
         s_base = s0_ptr + (layer * H + h) * DK * DV
-        for j in range(DV // BV):
-            offs_v = j * BV + tl.arange(0, BV)
+        for j in range(TILES):  # this program's d_v tiles
+            offs_v = (tl.program_id(2) * TILES + j) * BV + tl.arange(0, BV)
             ks = tl.zeros([N, BV], tl.float32)  # S0ᵀ k_t and S0ᵀ q_t on this d_v tile
             qs = tl.zeros([N, BV], tl.float32)
             for c in range(DK // BK):
@@ -168,7 +169,7 @@ if triton is not None:
 
 
 def gdn_tree_wy(state: torch.Tensor, q, k, v, g, beta, parents: torch.Tensor, *, block_v: int | None = None,
-                block_k: int | None = None, num_warps: int | None = None,
+                block_k: int | None = None, num_warps: int | None = None, v_split: int | None = None,
                 input_precision: str = PRECISION) -> torch.Tensor:
     """Triton WY verification of one GDN layer, or of every layer of a pass in one launch.
 
@@ -181,6 +182,9 @@ def gdn_tree_wy(state: torch.Tensor, q, k, v, g, beta, parents: torch.Tensor, *,
             −1, :data:`PAD` or an earlier real row). Rows are padded to a power of two ≥ 16 inside the kernel.
         block_v: d_v tile of the loop inside a program (capped at d_v); block_k: d_k chunk of the products over
             d_k (capped at d_k; a power of two >= 16); num_warps: warps a program; None: :data:`CONFIGS`' entry;
+        v_split: programs a head's d_v tiles are spread over (each rebuilds the head's ``A`` and inverse); None:
+            one tile a program for a single layer (H programs alone would leave most SMs idle), 1 for all layers
+            in one launch (H L programs);
         input_precision: one of :data:`PRECISIONS` for every tl.dot.
     Returns:
         ``o``, ``v``'s shape, float32 (padding rows zero). Equal to
@@ -206,13 +210,18 @@ def gdn_tree_wy(state: torch.Tensor, q, k, v, g, beta, parents: torch.Tensor, *,
         raise ValueError(f"want parents int32 [{r}], got {parents.dtype} {tuple(parents.shape)}")
     if r > MAX_ROWS:
         raise ValueError(f"the WY kernel takes at most {MAX_ROWS} rows, got {r}")
+    layers = 1 if state.dim() == 3 else state.shape[0]
+    tiles = dv // block_v
+    v_split = (tiles if layers == 1 else 1) if v_split is None else v_split
+    if v_split < 1 or tiles % v_split:
+        raise ValueError(f"v_split {v_split} must divide the {tiles} d_v tiles")
     if input_precision not in PRECISIONS:
         raise ValueError(f"input_precision must be one of {PRECISIONS}, got {input_precision!r}")
-    layers = 1 if state.dim() == 3 else state.shape[0]
     out = torch.empty_like(v)
     if r:
         c = lambda t: t.contiguous()  # noqa: E731
-        _gdn_wy_kernel[(h, layers)](
+        _gdn_wy_kernel[(h, layers, v_split)](
             c(state), c(q), c(k), c(v), c(g), c(beta), c(parents), out, r, h,
-            N=n, DK=dk, DV=dv, BV=block_v, BK=block_k, PREC=input_precision, num_warps=num_warps or nw)
+            N=n, DK=dk, DV=dv, BV=block_v, BK=block_k, TILES=tiles // v_split, PREC=input_precision,
+            num_warps=num_warps or nw)
     return out
