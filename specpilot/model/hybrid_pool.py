@@ -22,11 +22,12 @@ class PooledHybridCache(HybridCache):
     """A :class:`HybridCache` whose committed tensors are slot ``slot`` of ``pool`` (views, no copy).
 
     Built through :class:`HybridCache`'s own constructor on the meta device (so its bookkeeping is the parent's,
-    and no memory is taken), then pointed at the pool's tensors.
+    and no memory is taken), then pointed at the pool's tensors. A batched pass is eager (no static pass, no GDN
+    kernels), so ``gdn_kernels`` is off.
     """
 
     def __init__(self, pool: "HybridPool", slot: int, args: ModelArgs, mode: str):
-        super().__init__(args, 1, pool.k.dtype, "meta", mode)
+        super().__init__(args, 1, pool.k.dtype, "meta", mode, gdn_kernels=False)
         self.k, self.v, self.state, self.window = pool.k[slot], pool.v[slot], pool.state[slot], pool.window[slot]
         self.max_len = pool.slot_len
 
