@@ -30,6 +30,7 @@ from specpilot.engine.runner import BUCKETS, BucketRunner
 from specpilot.engine.tlv import QPass, two_level_tree
 from specpilot.engine.types import Generation
 from specpilot.errors import SpecPilotError
+from specpilot.model.hybrid_cache import HybridCache
 from specpilot.model.layers import region
 from specpilot.model.transformer import Transformer
 from specpilot.spec.calibrated import CalibratedDrafter
@@ -71,6 +72,9 @@ class Engine:
         self.eos_ids = set(target.args.eos_token_ids if eos_ids is None else eos_ids)
         self.max_len = max_len or min(target.args.max_position_embeddings, 4096)
         self.cache = target.new_cache(self.max_len + max(config.nodes + 1, BUCKETS[-1]))
+        # a hybrid target's state holds only the committed tokens: its prefill runs eagerly (one pass, the chunked
+        # delta rule) and its AR steps one by one, each committed before the next; its verify passes use the buckets
+        self._recurrent = isinstance(self.cache, HybridCache)
         # a drafter that reads target hidden states (block drafters, §1.1) names the layers it wants
         self.feature_layers = tuple(drafter.target_layers) if drafter is not None else ()
         self.runner = None
@@ -165,7 +169,7 @@ class Engine:
     def _prefill(self, prompt: list[int]) -> int:
         """The prompt's exact pass (K/V to slots ``[0, P)``); returns the first generated token. Not part of a
         decode step's profile."""
-        if self.runner is not None:  # chunks through the row-bucket graphs, each chunk's features observed
+        if self.runner is not None and not self._recurrent:  # chunks through the row-bucket graphs, features observed
             observe = (lambda f, start: self.drafter.observe(0, f, start)) if self.feature_layers else None
             return self.runner.prefill(prompt, observe)
         dev = self.target.device
@@ -176,9 +180,10 @@ class Engine:
 
     def _pipelined_ar(self, prof) -> bool:
         """AR through the row-bucket runner with steps queued ahead (:meth:`BucketRunner.ar_tokens`): no
-        drafter, no profiler (the cost model profiles plain steps). With the certified INT8 head a flagged
+        drafter, no profiler (the cost model profiles plain steps), not a hybrid target (its steps commit one by
+        one). With the certified INT8 head a flagged
         step is redone and settled there."""
-        return self.runner is not None and self.drafter is None and prof is None
+        return self.runner is not None and self.drafter is None and prof is None and not self._recurrent
 
     def _ar_passes(self, committed: list[int], out: Generation, max_new_tokens: int) -> Iterator[tuple[list[int], int]]:
         """Pipelined AR: ``([token], 1)`` per one-row exact pass, queued on the device ahead of the host read."""

@@ -6,6 +6,12 @@ replays any step. Padding rows attend only to themselves and the prefix, and the
 the real rows, which nothing reads; their outputs are dropped. Row counts above the largest bucket fall
 back to the eager dynamic path (R13). On the CPU the same padded static path runs without graphs, which is
 how CI tests that padding never changes the tokens.
+
+A hybrid target's cache (:class:`~specpilot.model.hybrid_cache.HybridCache`) is told of every pass before it runs
+(``begin_pass(start, rows, bucket)``): the pass records its rows' GDN inputs into that bucket's static buffers and
+the commit replays the accepted path from them. Its passes must start at the committed length, so a
+:meth:`BucketRunner.prefill` of more than one chunk fails at its second (the engine prefills a hybrid eagerly) and
+:meth:`BucketRunner.ar_tokens` (steps queued ahead of their commits) is refused.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import numpy as np
 import torch
 
 from specpilot.model.cache import KVCache
+from specpilot.model.hybrid_cache import HybridCache
 from specpilot.model.transformer import Transformer
 
 #: Default row buckets (rows of one exact pass).
@@ -229,6 +236,8 @@ class BucketRunner:
             return None
         if start + b > self.cache.max_len:
             raise ValueError(f"bucket {b} at prefix {start} exceeds the cache of {self.cache.max_len} slots")
+        if isinstance(self.cache, HybridCache):  # its commit replays this pass's record (module doc)
+            self.cache.begin_pass(start, r, b)
         s = self._buffers(b)
         host = self._host(s)  # numpy view of the pinned buffer: far cheaper per op than torch on the host
         host[:r] = tokens
@@ -299,10 +308,12 @@ class BucketRunner:
         device inputs and queues the next step again (the guessed step's K/V slot is rewritten).
 
         Raises:
-            ValueError: when ``start + limit`` rows would not fit the cache.
+            ValueError: when ``start + limit`` rows would not fit the cache, or on a hybrid target's cache.
         """
         if start + limit + 1 > self.cache.max_len:
             raise ValueError(f"{limit} AR steps from slot {start} exceed the cache of {self.cache.max_len} slots")
+        if isinstance(self.cache, HybridCache):
+            raise ValueError("pipelined AR needs a commit between steps on a hybrid (recurrent) cache: step it instead")
         s = self._buffers(1)
         self._host(s)[:4] = (token, start, start, 1)  # tokens, positions, start, mask of bucket 1
         self._upload(s)

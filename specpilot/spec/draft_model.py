@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from specpilot.errors import SpecPilotError
+from specpilot.model.hybrid_cache import HybridCache
 from specpilot.model.transformer import Transformer
 from specpilot.spec.drafter import OneSlotDrafter
 from specpilot.spec.lattice import PositionalLattice
@@ -32,7 +34,9 @@ class DraftModelDrafter(OneSlotDrafter):
         top_k: candidates kept per position.
         max_len: cache slots wanted (committed prefix + drafted tokens); the drafter never goes past its own
             ``max_position_embeddings`` (:attr:`max_context`): near it, it drafts fewer positions, then none.
-        static: the bucketed static path (None: on CUDA).
+        static: the bucketed static path (None: on CUDA, unless the model is a hybrid).
+    Raises:
+        SpecPilotError: ``static=True`` with a hybrid draft model (its drafting loop would need a commit a position).
     """
 
     kind = "draft_model"
@@ -44,8 +48,11 @@ class DraftModelDrafter(OneSlotDrafter):
         self.vocab_size = model.args.vocab_size
         self.max_context = model.args.max_position_embeddings
         self.capacity = min(max_len, self.max_context)  # positions this drafter reads or drafts at
-        self.static = model.device.type == "cuda" if static is None else static
-        self.cache = model.new_cache(self.capacity + (BUCKETS[-1] if self.static else 0))
+        self.cache = model.new_cache(self.capacity + BUCKETS[-1])
+        recurrent = isinstance(self.cache, HybridCache)  # its drafted positions must be committed one by one
+        if static and recurrent:
+            raise SpecPilotError("a hybrid (Gated DeltaNet) draft model has no static drafting loop: use static=False")
+        self.static = model.device.type == "cuda" and not recurrent if static is None else static
         self.n_seen = 0  # committed tokens whose K/V are in the cache
         self.runner = BucketRunner(model, self.cache, BUCKETS, output="logits") if self.static else None
         if self.runner is not None:
