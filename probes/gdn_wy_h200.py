@@ -8,10 +8,11 @@ Inputs as gdn.py feeds its steps (q, k L2-normalised, q scaled by d_k^-½, g < 0
 Per tree, on all 48 layers: errors (max abs, max abs / max |reference|, share of outputs within one bf16 ulp of the
 reference) of the path kernel (default tile / warps) and of every WY variant against :func:`gdn_tree_reference`
 (float32, on the GPU); times with CUDA events (warm-up, median of ``REPS``) of 48 per-layer launches, as a model's
-pass makes them (a layer's inputs come from the layer below), from one CUDA graph and eager: the path kernel (root
-paths computed once beforehand as a pass would, and timed alone) and the WY kernel at its defaults; the WY kernel
-also in one launch for all layers (eager, graph). Then, while ``BUDGET_S`` seconds last (later entries say they
-were skipped), WY variants per layer from a graph: (d_v tile, d_k chunk, warps) at tf32x3, d_v splits, precisions.
+pass makes them (a layer's inputs come from the layer below), from one CUDA graph and eager: the path kernel and the
+WY kernel at their defaults (their per-pass inputs, root paths / the tree mask, computed once beforehand as a pass
+would, and timed alone); the WY kernel also in one launch for all layers (eager, graph). Then, while ``BUDGET_S``
+seconds last (later entries say they were skipped), WY variants per layer from a graph: (d_v tile, d_k chunk,
+warps) at tf32x3, d_v splits, precisions.
 
 Usage: ``SPECPILOT_COMMIT=$(git rev-parse --short HEAD) PYTHONPATH=. python probes/gdn_wy_h200.py OUT.json`` on a
 CUDA GPU; ``--smoke``: tiny shapes in Triton's interpreter on the CPU (its times mean nothing; bf16x* precisions
@@ -35,7 +36,7 @@ import torch  # noqa: E402
 
 from specpilot.kernels import gdn_wy  # noqa: E402
 from specpilot.kernels.gdn_tree import BLOCK_V, NUM_WARPS, gdn_tree, gdn_tree_reference, root_paths  # noqa: E402
-from specpilot.kernels.gdn_wy import CONFIGS, PRECISION, gdn_tree_wy  # noqa: E402
+from specpilot.kernels.gdn_wy import CONFIGS, PRECISION, gdn_tree_wy, tree_mask  # noqa: E402
 from specpilot.provenance import git_commit, versions  # noqa: E402
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -44,8 +45,8 @@ LAYERS, H, DK, DV = (2, 2, 32, 32) if SMOKE else (48, 48, 128, 128)
 WARMUP, REPS = (0, 1) if SMOKE else (10, 60)
 BUDGET_S = 150.0
 #: (d_v tile, d_k chunk, warps) swept at tf32x3, by padded rows, around the default (registers, spills: --ptxas)
-SWEEP = {16: [(32, 32, 4), (64, 32, 4), (128, 32, 4), (32, 32, 2), (64, 64, 4), (64, 32, 8)],
-         32: [(32, 32, 4), (64, 32, 4), (32, 32, 8), (64, 32, 8), (128, 32, 8), (32, 16, 4)],
+SWEEP = {16: [(16, 32, 4), (32, 32, 4), (64, 32, 4), (128, 32, 4), (32, 32, 2), (64, 64, 4), (64, 32, 8)],
+         32: [(16, 32, 4), (32, 32, 4), (64, 32, 4), (32, 32, 8), (64, 32, 8), (128, 32, 8), (32, 16, 4)],
          64: [(32, 16, 8), (64, 16, 8), (16, 32, 8), (32, 16, 4), (128, 16, 8)]}
 PRECISIONS = ("tf32x3", "ieee", "tf32") if SMOKE else ("tf32x3", "bf16x6", "bf16x3", "tf32", "ieee")
 
@@ -135,12 +136,13 @@ def setup_tree(parents, s0, gen) -> dict:
     inp = make_inputs(gen, len(parents))
     par = torch.tensor(parents, dtype=torch.int32, device=DEV)
     ref = torch.stack([gdn_tree_reference(s0[i], *(t[i] for t in inp), parents) for i in range(LAYERS)])
-    return {"inp": inp, "par": par, "paths": root_paths(par), "ref": ref}
+    return {"inp": inp, "par": par, "paths": root_paths(par), "mask": tree_mask(par), "ref": ref}
 
 
 def per_layer(s0, x, **kw):
-    """The WY kernel launched per layer, as a model's pass calls it; returns the 48 outputs."""
-    return [gdn_tree_wy(s0[i], *(t[i] for t in x["inp"]), x["par"], **kw) for i in range(LAYERS)]
+    """The WY kernel launched per layer, as a model's pass calls it (the tree mask computed once beforehand, as
+    root_paths for the path kernel); returns the 48 outputs."""
+    return [gdn_tree_wy(s0[i], *(t[i] for t in x["inp"]), mask=x["mask"], **kw) for i in range(LAYERS)]
 
 
 def essentials(name, parents, s0, x) -> dict:
@@ -161,7 +163,7 @@ def essentials(name, parents, s0, x) -> dict:
     print(name, "path", entry["path"], flush=True)
 
     def batched():
-        return gdn_tree_wy(s0, *inp, par)
+        return gdn_tree_wy(s0, *inp, mask=x["mask"])
 
     bv, bk, nw = CONFIGS[n]
     entry["wy_default"] = {"block_v": bv, "block_k": bk, "num_warps": nw, "input_precision": PRECISION,
@@ -170,7 +172,8 @@ def essentials(name, parents, s0, x) -> dict:
                            "per_layer_eager": time_ms(lambda: per_layer(s0, x)),
                            "all_layers_one_launch_error": errors(batched(), ref),
                            "all_layers_one_launch_graph": time_graph(batched),
-                           "all_layers_one_launch_eager": time_ms(batched)}
+                           "all_layers_one_launch_eager": time_ms(batched),
+                           "tree_mask": time_ms(lambda: tree_mask(par))}
     print(name, "wy_default", entry["wy_default"], flush=True)
     return entry
 
@@ -180,7 +183,7 @@ def sweep(name, entry, s0, x, t_start) -> list:
     n = entry["padded_rows"]
     bv, bk, nw = CONFIGS[n]
     variants = [dict(block_v=a, block_k=b, num_warps=c) for a, b, c in SWEEP[n] if (a, b, c) != (bv, bk, nw)]
-    variants += [dict(v_split=vs) for vs in (1, 2)]
+    variants += [dict(v_split=vs) for vs in (1, 2) if vs < DV // min(bv, DV)]  # the default: one tile a program
     variants += [dict(input_precision=p) for p in PRECISIONS if p != PRECISION]
     rows = []
     for kw in variants:
@@ -250,7 +253,7 @@ def ptxas(path_out: str) -> None:
     from specpilot.kernels.resources import kernel_resources
 
     f = "*fp32"
-    sig = dict(s0_ptr=f, q_ptr=f, k_ptr=f, v_ptr=f, g_ptr=f, b_ptr=f, par_ptr="*i32", o_ptr=f, R="i32", H="i32")
+    sig = dict(s0_ptr=f, q_ptr=f, k_ptr=f, v_ptr=f, g_ptr=f, b_ptr=f, mask_ptr="*i8", o_ptr=f, R="i32", H="i32")
     rows = []
     for n, cfgs in SWEEP.items():
         d = CONFIGS[n]

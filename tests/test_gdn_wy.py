@@ -10,7 +10,8 @@ import torch
 from .tritonutil import CUDA, DEV, triton  # noqa: F401  (sets up the interpreter on the CPU)
 
 from specpilot.kernels.gdn_tree import PAD, gdn_tree_reference  # noqa: E402
-from specpilot.kernels.gdn_wy import MAX_ROWS, ancestor_mask, gdn_tree_wy, gdn_tree_wy_reference  # noqa: E402
+from specpilot.kernels.gdn_wy import (MAX_ROWS, ancestor_mask, gdn_tree_wy, gdn_tree_wy_reference,  # noqa: E402
+                                      padded_rows, tree_mask)
 
 H, DK, DV = 4, 16, 32
 #: max |difference| / max(1, max |reference output|) (outputs here are up to ~1, so an absolute figure). Measured on
@@ -85,6 +86,15 @@ def test_ancestor_mask_and_bad_parents():
             ancestor_mask(bad)
 
 
+@pytest.mark.parametrize("r", [1, 13, 16, 17, 40, 64])
+def test_tree_mask_on_the_device_is_the_ancestor_mask_padded(r):
+    parents = random_tree(torch.Generator().manual_seed(r), r, pad=0.2)
+    n = padded_rows(r)
+    want = torch.zeros(n, n, dtype=torch.int8)
+    want[:r, :r] = ancestor_mask(parents).to(torch.int8)
+    assert torch.equal(tree_mask(i32(parents)).cpu(), want)
+
+
 @pytest.mark.parametrize("name", sorted(TREES) + ["random64", "chain40", "equal_keys_chain64"])
 def test_wy_reference_matches_the_recurrent_reference(name):
     gen = torch.Generator().manual_seed(len(name))
@@ -111,6 +121,7 @@ def test_kernel_matches_the_reference_and_leaves_the_state(name):
     out = gdn_tree_wy(s0_dev, *dev(*inputs), i32(parents), block_v=16)
     assert torch.equal(s0_dev, before)  # the committed state is read only
     assert err(out, ref) <= TOL
+    assert torch.equal(gdn_tree_wy(s0_dev, *dev(*inputs), mask=tree_mask(i32(parents)), block_v=16), out)
     pads = [j for j, p in enumerate(parents) if p == PAD]
     assert not out[pads].any()  # padding rows give zeros
 
@@ -165,6 +176,10 @@ def test_bad_calls_raise_one_line_errors():
         gdn_tree_wy(s0, *inputs, par.long())
     with pytest.raises(ValueError, match="d_k chunk"):
         gdn_tree_wy(s0, *inputs, par, block_k=8)
+    with pytest.raises(ValueError, match="one of the two"):
+        gdn_tree_wy(s0, *inputs, par, mask=tree_mask(par))
+    with pytest.raises(ValueError, match="tree_mask"):
+        gdn_tree_wy(s0, *inputs, mask=tree_mask(i32(list(range(-1, 20)))))
     with pytest.raises(ValueError, match="v_split"):
         gdn_tree_wy(s0, *inputs, par, block_v=16, v_split=3)
     with pytest.raises(ValueError, match="state"):

@@ -19,6 +19,7 @@ grow like binomials on a chain and cancel.
 
 - :func:`gdn_tree_wy_reference`: the WY form in plain PyTorch (float32, ``solve_triangular``); tested against
   :func:`~specpilot.kernels.gdn_tree.gdn_tree_reference` (the recurrent oracle).
+- :func:`tree_mask`: the ancestor mask on the device (one small launch a pass, shared by the layers).
 - :func:`gdn_tree_wy`: the Triton kernel, grid ``(value heads, layers, d_v splits)``: a program builds its head's
   ``A``, the inverse and ``P = (exp(G_t − G_s) q_t · k_s)``, then runs its d_v tiles (``S0`` products, then ``P T``
   applied to the right-hand side). A model's pass calls it per layer (a layer's inputs come from the layer below);
@@ -108,23 +109,28 @@ def gdn_tree_wy_reference(state: torch.Tensor, q, k, v, g, beta, parents) -> tor
 if triton is not None:
 
     @triton.jit
-    def _gdn_wy_kernel(s0_ptr, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, par_ptr, o_ptr, R, H, N: tl.constexpr,
+    def _tree_mask_kernel(par_ptr, mask_ptr, R, N: tl.constexpr):
+        t = tl.arange(0, N)
+        par = tl.load(par_ptr + t, mask=t < R, other=-2)
+        real = par >= -1
+        anc = (t[:, None] == t[None, :]) & real[:, None]
+        cur = tl.where(real, par, -1)
+        it = 0
+        while (tl.max(cur, 0) >= 0) & (it < N):  # every row's root path at once, one level an iteration
+            anc = anc | (cur[:, None] == t[None, :])
+            cur = tl.load(par_ptr + cur, mask=cur >= 0, other=-1)
+            it += 1
+        tl.store(mask_ptr + t[:, None] * N + t[None, :], anc.to(tl.int8))
+
+    @triton.jit
+    def _gdn_wy_kernel(s0_ptr, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, mask_ptr, o_ptr, R, H, N: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
                        TILES: tl.constexpr, PREC: tl.constexpr):
         h = tl.program_id(0)
         layer = tl.program_id(1)
         t = tl.arange(0, N)
-        offs_k = tl.arange(0, DK)
-        par = tl.load(par_ptr + t, mask=t < R, other=-2)
-        real = par >= -1
-        # inclusive ancestor mask: every row's root path walked at once, one level an iteration (N at most)
-        anc = (t[:, None] == t[None, :]) & real[:, None]
-        cur = tl.where(real, par, -1)
-        it = 0
-        while (tl.max(cur, 0) >= 0) & (it < N):
-            anc = anc | (cur[:, None] == t[None, :])
-            cur = tl.load(par_ptr + cur, mask=cur >= 0, other=-1)
-            it += 1
+        anc = tl.load(mask_ptr + t[:, None] * N + t[None, :]) != 0  # inclusive ancestors (tree_mask)
+        real = tl.sum((anc & (t[:, None] == t[None, :])).to(tl.int32), 1) > 0
         depth = tl.max(tl.sum(anc.to(tl.int32), 1), 0)
         row = (layer * R + t) * H + h  # [N] offsets of the rows in [L, R, H, ...]
         g = tl.load(g_ptr + row, mask=real, other=0.0)
@@ -168,7 +174,32 @@ if triton is not None:
             tl.store(o_ptr + row[:, None] * DV + offs_v[None, :], o, mask=(t < R)[:, None])
 
 
-def gdn_tree_wy(state: torch.Tensor, q, k, v, g, beta, parents: torch.Tensor, *, block_v: int | None = None,
+def padded_rows(r: int) -> int:
+    """Rows ``r`` padded as the kernel pads them: a power of two >= 16."""
+    return max(16, 1 << max(r - 1, 0).bit_length())
+
+
+def tree_mask(parents: torch.Tensor) -> torch.Tensor:
+    """The inclusive ancestor mask of a forest of rows on the device, as the kernel reads it: ``parents [R]`` int32
+    (−1 a root, :data:`PAD` padding) -> ``[N, N]`` int8, ``N`` = :func:`padded_rows` (R), ``[t, s]`` 1 when s is t
+    or an ancestor of t; padding rows and rows past R are all zero. One single-program launch; a pass computes it
+    once and hands it to every layer's :func:`gdn_tree_wy`. Graph-capturable; parents are not checked.
+
+    Raises:
+        ValueError: ``parents`` not int32 ``[R]`` or more than :data:`MAX_ROWS` rows; RuntimeError: no triton.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    if parents.dim() != 1 or parents.dtype != torch.int32 or parents.numel() > MAX_ROWS:
+        raise ValueError(f"parents must be int32 [R], R <= {MAX_ROWS}; got {parents.dtype} {tuple(parents.shape)}")
+    n = padded_rows(parents.numel())
+    out = torch.empty(n, n, dtype=torch.int8, device=parents.device)
+    _tree_mask_kernel[(1,)](parents.contiguous(), out, parents.numel(), N=n, num_warps=1)
+    return out
+
+
+def gdn_tree_wy(state: torch.Tensor, q, k, v, g, beta, parents: torch.Tensor | None = None, *,
+                mask: torch.Tensor | None = None, block_v: int | None = None,
                 block_k: int | None = None, num_warps: int | None = None, v_split: int | None = None,
                 input_precision: str = PRECISION) -> torch.Tensor:
     """Triton WY verification of one GDN layer, or of every layer of a pass in one launch.
@@ -178,8 +209,9 @@ def gdn_tree_wy(state: torch.Tensor, q, k, v, g, beta, parents: torch.Tensor, *,
         q, k: ``[R, H, d_k]`` (``[L, R, H, d_k]`` with a 4-d state); v: ``[(L,) R, H, d_v]``; g, beta:
             ``[(L,) R, H]``; float32, as :func:`~specpilot.kernels.gdn_tree.gdn_tree` takes them (``g`` the log
             decay, not its exp).
-        parents: ``[R]`` int32 on the state's device, shared by the layers; not checked on the host (each must be
-            −1, :data:`PAD` or an earlier real row). Rows are padded to a power of two ≥ 16 inside the kernel.
+        parents: ``[R]`` int32 on the state's device; not checked on the host (each must be −1, :data:`PAD` or an
+            earlier real row); or instead ``mask``, its :func:`tree_mask` (computed once per pass, shared by the
+            layers; from parents it is one more launch a call). Rows are padded to :func:`padded_rows` inside.
         block_v: d_v tile of the loop inside a program (capped at d_v); block_k: d_k chunk of the products over
             d_k (capped at d_k; a power of two >= 16); num_warps: warps a program; None: :data:`CONFIGS`' entry;
         v_split: programs a head's d_v tiles are spread over (each rebuilds the head's ``A`` and inverse); None:
@@ -197,7 +229,7 @@ def gdn_tree_wy(state: torch.Tensor, q, k, v, g, beta, parents: torch.Tensor, *,
     if triton is None:
         raise RuntimeError("triton is not installed")
     r, h, dk, dv = _check_rows(state, q, k, v, g, beta)
-    n = max(16, triton.next_power_of_2(r))
+    n = padded_rows(r)
     bv, bk, nw = CONFIGS[min(n, MAX_ROWS)]
     block_v, block_k = min(block_v or bv, dv), min(block_k or bk, dk)
     _check_dims(dk, dv, block_v)
@@ -206,10 +238,14 @@ def gdn_tree_wy(state: torch.Tensor, q, k, v, g, beta, parents: torch.Tensor, *,
     if state.dim() not in (3, 4) or q.dim() != state.dim() or (state.dim() == 4 and q.shape[0] != state.shape[0]):
         raise ValueError(f"want state [H, d_k, d_v] with q/k/v [R, H, d] or state [L, H, d_k, d_v] with "
                          f"[L, R, H, d]; got {tuple(state.shape)} and {tuple(q.shape)}")
-    if tuple(parents.shape) != (r,) or parents.dtype != torch.int32:
-        raise ValueError(f"want parents int32 [{r}], got {parents.dtype} {tuple(parents.shape)}")
     if r > MAX_ROWS:
         raise ValueError(f"the WY kernel takes at most {MAX_ROWS} rows, got {r}")
+    if (parents is None) == (mask is None):
+        raise ValueError("give the rows' parents or their tree_mask, one of the two")
+    if parents is not None and (tuple(parents.shape) != (r,) or parents.dtype != torch.int32):
+        raise ValueError(f"want parents int32 [{r}], got {parents.dtype} {tuple(parents.shape)}")
+    if mask is not None and (tuple(mask.shape) != (n, n) or mask.dtype != torch.int8):
+        raise ValueError(f"want a tree_mask int8 [{n}, {n}] for {r} rows, got {mask.dtype} {tuple(mask.shape)}")
     layers = 1 if state.dim() == 3 else state.shape[0]
     tiles = dv // block_v
     v_split = (tiles if layers == 1 else 1) if v_split is None else v_split
@@ -221,7 +257,7 @@ def gdn_tree_wy(state: torch.Tensor, q, k, v, g, beta, parents: torch.Tensor, *,
     if r:
         c = lambda t: t.contiguous()  # noqa: E731
         _gdn_wy_kernel[(h, layers, v_split)](
-            c(state), c(q), c(k), c(v), c(g), c(beta), c(parents), out, r, h,
+            c(state), c(q), c(k), c(v), c(g), c(beta), c(tree_mask(parents) if mask is None else mask), out, r, h,
             N=n, DK=dk, DV=dv, BV=block_v, BK=block_k, TILES=tiles // v_split, PREC=input_precision,
             num_warps=num_warps or nw)
     return out
