@@ -52,12 +52,12 @@ MAX_ROWS = 64
 PRECISIONS = ("tf32x3", "bf16x6", "bf16x3", "tf32", "ieee")
 #: default tl.dot precision
 PRECISION = "tf32x3"
-#: padded rows N -> default (d_v tile, d_k chunk, warps): at d_k = d_v = 128 and tf32x3 the largest tiles whose
-#: offline sm_90a compile (Triton, then ptxas) spills nothing; not yet timed against the others on a GPU
+#: padded rows N -> default (d_v tile, d_k chunk, warps), picked from offline sm_90a compiles at d_k = d_v = 128,
+#: tf32x3 (Triton, then ptxas; probes/gdn_wy_h200.py --ptxas): none spills; not yet timed against others on a GPU
 CONFIGS = {16: (64, 32, 4), 32: (32, 32, 4), 64: (32, 16, 8)}
 
 
-def ancestor_mask(parents, r: int | None = None) -> torch.Tensor:
+def ancestor_mask(parents) -> torch.Tensor:
     """Inclusive ancestor mask of a forest of rows: ``[R, R]`` bool, ``[t, s]`` true when s is t or one of its
     ancestors; a padding row (:data:`PAD`) has an empty row. ``parents``: ``[R]`` ints (list or tensor, −1 a root).
 
