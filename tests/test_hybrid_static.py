@@ -71,12 +71,14 @@ def test_parents_and_conv_index_on_device_equal_the_host_forms():
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("parents,bucket", [(CHAIN, 7), (TREE, 8), (TREE, 12)], ids=["chain", "tree", "padded"])
+@pytest.mark.parametrize("parents,bucket", [(CHAIN, 8), (TREE, 8), (TREE, 12)], ids=["chain", "tree", "padded"])
 def test_static_pass_and_commit_equal_eager(model, parents, bucket):
+    check_static(model, parents, bucket)
+
+
+def check_static(model, parents, bucket, kernels=False):
     """Logits of the static pass (padded to ``bucket`` rows) equal the eager pass's within 1e-5; committing a
     branch (rows 0, 3, 4 of the tree; 0..3 of the chain) gives the eager commit's state, window and K/V."""
-    if len(parents) > bucket:
-        parents = parents[:bucket]
     r, v = len(parents), model.args.vocab_size
     g = torch.Generator().manual_seed(r + bucket)
     prompt, toks = torch.randint(0, v, (P,), generator=g), torch.randint(0, v, (r,), generator=g)
@@ -87,6 +89,7 @@ def test_static_pass_and_commit_equal_eager(model, parents, bucket):
     eager = model.logits(model.forward(toks, pos, eager_c, P, mask))
     tk, ps = torch.zeros(bucket, dtype=torch.long), torch.full((bucket,), P)
     tk[:r], ps[:r] = toks, pos
+    static_c.gdn_kernels = kernels
     static_c.begin_pass(P, r, bucket)
     static = model.logits(model.forward_static(tk, ps, static_c, torch.tensor(P), anc))
     torch.testing.assert_close(static[:r], eager, atol=1e-5, rtol=0)
@@ -161,12 +164,16 @@ def test_qwen3_next_spec_equals_ar_on_the_static_path(model):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU's check of the kernel path")
 def test_kernel_path_in_the_interpreter_equals_the_reference():
-    """The GDN path and commit kernels (Triton's interpreter, d_k = d_v = 16) inside the static pass: spec == AR and
-    the cache equals a fresh prefill after every step (tree, partial acceptance)."""
+    """The GDN path and commit kernels (Triton's interpreter, d_k = d_v = 16) inside the static pass: logits and
+    commit equal the eager pass's (chain, tree, padded), spec == AR with the cache equal to a fresh prefill after
+    every step (tree, partial acceptance)."""
     pytest.importorskip("triton")
     from . import tritonutil  # noqa: F401  (the interpreter's numpy fix)
 
     target = load("qwen3_5", linear_key_head_dim=16, linear_value_head_dim=16)
+    with torch.inference_mode():
+        for parents, bucket in ((CHAIN, 8), (TREE, 8), (TREE, 12)):
+            check_static(target, parents, bucket, kernels=True)
     assert max(run_static(target, "best_first", "half", 2, n=10, kernels=True)) > 1
 
 
