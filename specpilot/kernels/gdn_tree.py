@@ -3,10 +3,11 @@
 A GDN value head carries a float32 state ``S [d_k, d_v]``; a row of a verified tree needs the state at the end of its
 root path. Instead of keeping one state per node (stock snapshots: 18 GB at 24 nodes on the paper's target), each
 program recomputes its row's state along the root path from the committed state, in registers, and writes only the
-row's output; the commit replays the accepted path's steps into the committed state. Both run the same delta-rule
-step (:func:`_delta_step`, the operation order of :func:`specpilot.model.gdn.delta_step`) on the same tile shapes, so
-the committed state is the one the path kernel computed for the accepted row, and the next pass's outputs from it
-equal what a longer path from the old state gives (tests/test_gdn_kernels.py checks this bit for bit).
+row's output; the commit replays the accepted path's steps into the committed state. The commit IS the path kernel
+(one compiled kernel, a runtime flag that also writes the final state back), so the committed state is the one the
+path kernel computed for the accepted row, and the next pass's outputs from it equal what a longer path from the old
+state gives (tests/test_gdn_kernels.py checks this bit for bit). A separate commit kernel of the same source did not:
+on the H200 at one warp its state differed in the last bits.
 
 Per row and value head the step is, with ``α = exp(g)`` (taken in PyTorch, as the reference does)
 
@@ -16,11 +17,11 @@ Per row and value head the step is, with ``α = exp(g)`` (taken in PyTorch, as t
 - :func:`gdn_tree`: the path kernel, grid ``(rows, value heads, d_v tiles)``; each program walks its row's root path
   (depth ≤ rows) from the committed state and writes ``o`` only. The committed state is read, never written. The
   paths come from :func:`root_paths` (one launch a pass, shared by every layer).
-- :func:`gdn_commit`: the commit kernel, grid ``(value heads, d_v tiles, layers)``: replays the accepted rows' steps
-  into the committed state of every GDN layer in place, one launch for all layers.
+- :func:`gdn_commit`: the path kernel over one row, the accepted path, grid ``(1, value heads, d_v tiles x layers)``,
+  its state written back into every GDN layer's committed state in place, one launch for all layers.
 
 Padding, so that one CUDA graph per row bucket serves any tree: a row whose parent is :data:`PAD` is skipped (output
-zero, nothing read); a commit's row list may end in entries < 0, skipped. Neither kernel synchronises with the host.
+zero, nothing read); a commit's row list may end in entries < 0 (the path stops there). Neither kernel synchronises with the host.
 """
 
 from __future__ import annotations
@@ -145,47 +146,37 @@ if triton is not None:
                 a = tl.load(par_ptr + a)
         tl.store(paths_ptr + row * W + idx, path)
 
-    @triton.jit
-    def _gdn_path_kernel(s0_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, paths_ptr, o_ptr, H,
+    @triton.jit(do_not_specialize=["COMMIT"])
+    def _gdn_path_kernel(s0_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, paths_ptr, o_ptr, COMMIT, H, R_IN, TILES,
                          DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, W: tl.constexpr):
+        # grid (rows, value heads, d_v tiles x layers); step inputs [L, R_IN, H, d], states [L, H, DK, DV], o [L, rows,
+        # H, DV]. With COMMIT (not specialised on, so one compiled kernel serves both uses) the row's final state is
+        # also written back over its layer's state: the commit, by the very instructions a verify pass runs.
         row = tl.program_id(0)
         h = tl.program_id(1)
+        layer = tl.program_id(2) // TILES
         offs_k = tl.arange(0, DK)
-        offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+        offs_v = (tl.program_id(2) % TILES) * BV + tl.arange(0, BV)
+        out = ((layer * tl.num_programs(0) + row) * H + h) * DV + offs_v
         node = tl.load(paths_ptr + row * W)
         if node >= 0:  # a real row (a padding row writes zeros)
-            s = tl.load(s0_ptr + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :])
+            tile = s0_ptr + (layer * H + h) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+            s = tl.load(tile)
             i = 1
             while node >= 0:  # root first, as many steps as the row's depth; −1 past the row
                 nxt = tl.load(paths_ptr + row * W + i, mask=i < W, other=-1)  # ahead of the step it does not need
-                nh = node * H + h
+                nh = (layer * R_IN + node) * H + h
                 kk = tl.load(k_ptr + nh * DK + offs_k)
                 vv = tl.load(v_ptr + nh * DV + offs_v)
                 s = _delta_step(s, kk, vv, tl.load(a_ptr + nh), tl.load(b_ptr + nh))
                 node = nxt
                 i += 1
-            qq = tl.load(q_ptr + (row * H + h) * DK + offs_k)
-            tl.store(o_ptr + (row * H + h) * DV + offs_v, tl.sum(s * qq[:, None], axis=0))
+            qq = tl.load(q_ptr + ((layer * R_IN + row) * H + h) * DK + offs_k)
+            tl.store(o_ptr + out, tl.sum(s * qq[:, None], axis=0))
+            if COMMIT != 0:
+                tl.store(tile, s)
         else:
-            tl.store(o_ptr + (row * H + h) * DV + offs_v, tl.zeros([BV], tl.float32))
-
-    @triton.jit
-    def _gdn_commit_kernel(s_ptr, k_ptr, v_ptr, a_ptr, b_ptr, rows_ptr, R, H, N: tl.constexpr,
-                           DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
-        h = tl.program_id(0)
-        layer = tl.program_id(2)
-        offs_k = tl.arange(0, DK)
-        offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
-        ptrs = s_ptr + (layer * H + h) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-        s = tl.load(ptrs)
-        for i in range(N):  # a static bound: the rows' count is the list's length, padding skipped
-            node = tl.load(rows_ptr + i)
-            if node >= 0:
-                nh = (layer * R + node) * H + h
-                kk = tl.load(k_ptr + nh * DK + offs_k)
-                vv = tl.load(v_ptr + nh * DV + offs_v)
-                s = _delta_step(s, kk, vv, tl.load(a_ptr + nh), tl.load(b_ptr + nh))
-        tl.store(ptrs, s)
+            tl.store(o_ptr + out, tl.zeros([BV], tl.float32))
 
 
 #: d_v tile (capped at d_v) and warps of both kernels: they must agree for the commit to equal the path kernel's state
@@ -243,7 +234,7 @@ def gdn_tree(state: torch.Tensor, q, k, v, g, beta, parents: torch.Tensor | None
     if r:
         c = lambda t: t.contiguous()  # noqa: E731
         _gdn_path_kernel[(r, h, dv // block_v)](
-            c(state), c(q), c(k), c(v), c(g.exp()), c(beta), c(paths), out, h,
+            c(state), c(q), c(k), c(v), c(g.exp()), c(beta), c(paths), out, 0, h, r, dv // block_v,
             DK=dk, DV=dv, BV=block_v, W=paths.shape[1], num_warps=num_warps)
     return out
 
@@ -252,11 +243,16 @@ def gdn_commit(state: torch.Tensor, k, v, g, beta, rows: torch.Tensor, *, block_
                num_warps: int = NUM_WARPS) -> torch.Tensor:
     """Triton commit: the accepted rows' steps applied to ``state`` **in place** (every layer, one launch).
 
+    It is the path kernel itself, run for one row whose root path is ``rows`` with its state written back: the
+    same compiled instructions as the verify pass (``W`` the pass's own width, ``next_power_of_2(R)``), so the
+    committed state is bit for bit the pass's state of the accepted row (two kernels of the same source can differ:
+    a separate commit kernel did at one warp on the H200).
+
     Args:
         state: ``[L, H, d_k, d_v]`` or ``[H, d_k, d_v]`` float32, contiguous; overwritten with the new state.
         k, v, g, beta: as :func:`gdn_commit_reference`.
-        rows: ``[n]`` int32 tensor on the state's device, the accepted rows root first (each the previous one's
-            child); entries < 0 are skipped, so a fixed ``n`` serves any accepted length.
+        rows: ``[n]`` int32 tensor on the state's device, ``n <= R``: the accepted rows root first (each the previous
+            one's child), then any padding < 0, so a fixed ``n`` serves any accepted length.
     Returns:
         ``state`` (the same tensor).
     Raises:
@@ -273,9 +269,14 @@ def gdn_commit(state: torch.Tensor, k, v, g, beta, rows: torch.Tensor, *, block_
                          f"{tuple(state.shape)} and {tuple(k.shape)}")
     if not state.is_contiguous() or rows.dim() != 1 or rows.dtype != torch.int32:
         raise ValueError(f"want a contiguous state and rows int32 [n]; got rows {rows.dtype} {tuple(rows.shape)}")
+    if rows.numel() > max(r, 1):
+        raise ValueError(f"{rows.numel()} accepted rows for a pass of {r}")
     if rows.numel() and r:
         c = lambda t: t.contiguous()  # noqa: E731
-        _gdn_commit_kernel[(h, dv // block_v, layers)](
-            state, c(k), c(v), c(g.exp()), c(beta), c(rows), r, h, N=rows.numel(),
-            DK=dk, DV=dv, BV=block_v, num_warps=num_warps)
+        w = triton.next_power_of_2(r)
+        path = torch.cat((rows, rows.new_full((w - rows.numel(),), -1)))[None]  # [1, W], −1 past the path
+        scratch = torch.empty(layers, 1, h, dv, dtype=torch.float32, device=state.device)  # its o, unused
+        _gdn_path_kernel[(1, h, dv // block_v * layers)](
+            state, c(k), c(k), c(v), c(g.exp()), c(beta), path, scratch, 1, h, r, dv // block_v,
+            DK=dk, DV=dv, BV=block_v, W=w, num_warps=num_warps)
     return state
