@@ -213,3 +213,30 @@ def test_graphed_equals_eager_equals_ar_on_cuda():
             target.verify = "snapshot"
         assert graphed.tokens == eager.tokens == ar
         assert max(graphed.accepted) > 1
+
+
+@pytest.mark.parametrize("tree", ["chain", "best_first"])
+@pytest.mark.parametrize("kind", ["ngram", "draft_dense", "draft_hybrid", "block", "block_markov", "eagle3"])
+def test_every_drafter_on_the_static_path(kind, tree):
+    """Every drafter kind (the feature-reading ones get the static pass's features: prompt from the eager prefill,
+    then the runner's buffer) on the static path: spec == AR; the first request drafts nothing every third step and
+    checks the cache after every step."""
+    from .hybridutil import Skipping, drafter_nets, make_drafter, requests
+
+    target, nets = tiny_target(), drafter_nets()
+    name, drafter = make_drafter(kind, target, nets)
+    cfg = SystemConfig(drafter=name, tree=tree, nodes=12, depth=5, top_k=4)
+    accepted = []
+    target.verify = "replay"
+    try:
+        for i, (p, n) in enumerate(requests(target.args.vocab_size)):
+            eng = Engine(target, cfg, Skipping(drafter, 3) if i == 0 else drafter, eos_ids=[], buckets=True,
+                         max_len=128)
+            if i == 0:
+                eng.step_hook = state_matches_prefill
+            gen = eng.generate(p, n)
+            assert gen.tokens == ar_tokens(target, p, n), (kind, tree, i)
+            accepted += gen.accepted
+    finally:
+        target.verify = "snapshot"
+    assert 1 in accepted and max(accepted) > 1
