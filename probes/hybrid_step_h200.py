@@ -16,7 +16,8 @@ each padded to the engine's row bucket (:data:`specpilot.engine.runner.BUCKETS`;
 The state moves at every replay of a graph that commits (timing only; values stay bounded). Checked once per shape
 before timing: the graphed pass's tokens equal the same static pass run eagerly (``tokens_equal``); also the share
 of rows whose token the eager reference pass (:meth:`HybridTransformer.forward`) gives too (``eager_forward_agree``,
-informational in bf16). A shape that fails records its error and the others still run. The figure the
+informational in bf16); the commit against the PyTorch reference replay of the same path from the same state
+(``commit_vs_reference_max_abs``, all 48 layers). A shape that fails records its error and the others still run. The figure the
 project wants: ``ratio_tree_over_chain`` = step(tree) / step(chain) ≤ 1.15 (paper §4.2).
 
 Usage: ``SPECPILOT_COMMIT=$(git rev-parse --short HEAD) python probes/hybrid_step_h200.py OUT_DIR`` on an H200 (under
@@ -42,7 +43,7 @@ if "--smoke" in sys.argv and "--kernels" in sys.argv:
 import torch  # noqa: E402
 
 from specpilot.engine.runner import BUCKETS, bucket_for  # noqa: E402
-from specpilot.kernels.gdn_tree import gdn_tree, root_paths  # noqa: E402
+from specpilot.kernels.gdn_tree import gdn_commit_reference, gdn_tree, root_paths  # noqa: E402
 from specpilot.model.args import ModelArgs, rope_inv_freq  # noqa: E402
 from specpilot.model.cache import PassKind  # noqa: E402
 from specpilot.model.hybrid import HybridTransformer  # noqa: E402
@@ -127,6 +128,14 @@ class Shape:
         mask[:, start:] = self.mask[:r, :r]
         hidden = m.forward(self.tokens[:r], self.positions[:r], self.cache, start, mask, kind=PassKind.INSPECT)
         return float((m.greedy(hidden) == static_ids[:r]).float().mean())
+
+    def commit_error(self) -> float:
+        """Max |difference| between one eager :meth:`commit` (the state moves) and the PyTorch reference replay
+        (:func:`gdn_commit_reference`) of the same path from the same state, over every GDN layer."""
+        c, rec = self.cache, self.cache.static_record(self.b)
+        ref = gdn_commit_reference(c.state.clone(), rec.k, rec.v, rec.g, rec.beta, self.rows)
+        self.commit()
+        return float((c.state - ref).abs().max())
 
     def commit(self) -> None:
         c = self.cache
@@ -248,6 +257,7 @@ def main() -> None:
             run, res = capture(s.exact_pass, cuda)
             graphed = run() if res is None else (run(), res)[1]
             rec["tokens_equal"] = bool(torch.equal(graphed[: s.r], eager[: s.r]))
+            rec["commit_vs_reference_max_abs"] = s.commit_error()
             runs[key] = {"pass": run, "commit": capture(s.commit, cuda)[0], "step": capture(s.step, cuda)[0]}
             if cache.gdn_kernels:
                 runs[key]["gdn_kernel"] = capture(s.gdn_kernel, cuda)[0]
