@@ -12,7 +12,8 @@ committed token. This module alone commits the target cache's length (:meth:`KVC
 5. EOS, stop ids and max_new_tokens are checked on every accepted token; output ends at the first stop, and
    only what is kept is committed.
 
-AR is the same loop with one-row passes; on CUDA its passes are queued ahead (:meth:`BucketRunner.ar_tokens`).
+AR is the same loop with one-row passes; on CUDA its passes are queued ahead (:meth:`BucketRunner.ar_tokens`), except
+on a hybrid target, whose recurrent state must be committed before the next pass runs.
 With ``tlv`` (§4.3) step 1 is a TLV cycle's two drafts around a Q pass (:mod:`specpilot.engine.tlv`); steps 2–5
 are unchanged, so TLV changes which rows the exact pass verifies, never what it commits.
 """
@@ -52,7 +53,7 @@ class Engine:
             pass in the row-bucket graphs when those are on.
         buckets: run decode passes padded to row buckets through the static path, replayed as CUDA graphs
             on CUDA (:mod:`specpilot.engine.runner`); rows above the largest bucket run eagerly. The prefill
-            then runs in chunks of the largest bucket. The target features a drafter reads are captured inside
+            then runs in chunks of the largest bucket (a hybrid target's stays one eager pass). The target features a drafter reads are captured inside
             those graphs (:attr:`BucketRunner.features`).
     Raises:
         DrafterError: the drafter does not fit the target (vocabulary, target layers; R16).
