@@ -17,14 +17,14 @@ The state moves at every replay of a graph that commits (timing only; values sta
 before timing: the graphed pass's tokens equal the same static pass run eagerly (``tokens_equal``); also the share
 of rows whose token the eager reference pass (:meth:`HybridTransformer.forward`) gives too (``eager_forward_agree``,
 informational in bf16); the commit against the PyTorch reference replay of the same path from the same state
-(``commit_vs_reference_max_abs``, all 48 layers). A shape that fails records its error and the others still run. The figure the
-project wants: ``ratio_tree_over_chain`` = step(tree) / step(chain) ≤ 1.15 (paper §4.2).
+(``commit_vs_reference_max_abs``, all 48 layers). A shape that fails records its error and the others still run.
+The figure the project wants: ``ratio_tree_over_chain`` = step(tree) / step(chain) ≤ 1.15 (paper §4.2).
 
 Usage: ``SPECPILOT_COMMIT=$(git rev-parse --short HEAD) python probes/hybrid_step_h200.py OUT_DIR`` on an H200 (under
-7 minutes; about 60 GB of GPU memory); ``--smoke``: a tiny hybrid on the CPU (reference GDN path, no graphs, wall
-clock; checks that the script runs, its times mean nothing); ``--smoke --kernels``: the same through the GDN path
-and commit kernels in Triton's interpreter (the CUDA path's code, slowly). Writes ``OUT_DIR/run.json``
-(``smoke.json``).
+7 minutes; about 60 GB of GPU memory). ``--smoke``: a tiny hybrid on the CPU (a 150-token prompt, so the chunked
+prefill runs; reference GDN path, no graphs, wall clock: it checks that the script runs, its times mean nothing);
+``--smoke --kernels``: the same through the GDN path and commit kernels in Triton's interpreter (the CUDA path's
+code, slowly). Writes ``OUT_DIR/run.json`` (``smoke.json``).
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not a.smoke
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     cfg = {**ARCHS["qwen3.5-27b-like"], **(SMOKE if a.smoke else {})}
-    prompt_len, reps = (48, 1 if a.kernels else 5) if a.smoke else (a.prompt, a.reps)
+    prompt_len, reps = (150, 1 if a.kernels else 5) if a.smoke else (a.prompt, a.reps)  # 150: the chunked prefill
     if a.smoke and a.kernels:
         import numpy as np
         from triton.runtime import interpreter as it
