@@ -43,7 +43,7 @@ CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != 
 DEV = "cuda" if CUDA else "cpu"
 LAYERS, H, DK, DV = (2, 2, 32, 32) if SMOKE else (48, 48, 128, 128)
 WARMUP, REPS = (0, 1) if SMOKE else (10, 60)
-BUDGET_S = 120.0
+BUDGET_S = float(os.environ.get("GDN_WY_BUDGET_S", "120"))  # the sweep's time budget, seconds
 #: (d_v tile, d_k chunk, warps) swept at tf32x3, by padded rows, around the default (registers, spills: --ptxas)
 SWEEP = {16: [(16, 32, 4), (32, 32, 4), (64, 32, 4), (128, 32, 4), (32, 32, 2), (64, 64, 4), (64, 32, 8)],
          32: [(16, 32, 4), (32, 32, 4), (64, 32, 4), (32, 32, 8), (64, 32, 8), (128, 32, 8), (32, 16, 4)],
