@@ -93,6 +93,15 @@ class Recording:
                        max_new=None if self.max_new is None else [self.max_new[i] for i in idx])
 
 
+def _start() -> float:
+    """A timer's start once the GPU has finished what was queued before it (the untimed causal pass that gives a
+    block drafter its features, an observation): otherwise the first call after it waits for that work and is timed
+    with it."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None,
            max_new_tokens: list[int] | None = None) -> Recording:
     """Propose a lattice at every committed length of every AR output (one drafter pass per position), timing
@@ -143,11 +152,11 @@ def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None,
         for m in range(1, len(ar)):
             n = len(prompt) + m  # committed tokens; the context is committed[:-1]
             if layers and m > 1:  # the engine observes once per step, after its acceptance (Engine._observe)
-                t0 = time.perf_counter()
+                t0 = _start()
                 drafter.observe(0, feats[n - 2 : n - 1], n - 2)
                 t_obs += time.perf_counter() - t0
                 observes += 1
-            t0 = time.perf_counter()
+            t0 = _start()
             lats[m] = propose_one(drafter, prompt + ar[:m], depth)
             dt = time.perf_counter() - t0
             if m == 1:
@@ -155,7 +164,7 @@ def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None,
             else:
                 t_total, calls = t_total + dt, calls + 1
             if sequential:  # the same prefix again (the drafter rewinds to it), one position
-                t0 = time.perf_counter()
+                t0 = _start()
                 propose_one(drafter, prompt + ar[:m], 1)
                 t_one += time.perf_counter() - t0
         rec.lattices.append(lats)
