@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specpilot.kernels import tree_attention as ta
+from specpilot.kernels.tree_attention import SUPPORTED_HEAD_DIMS, pack_tree_mask, tree_attention
+from specpilot.kernels.tree_attention import triton as _triton  # None without triton
 from specpilot.kernels.gdn_tree import gdn_commit, gdn_commit_reference, gdn_tree, gdn_tree_reference, root_paths
 from specpilot.model.layers import grouped_sdpa, region
 from specpilot.model.moe import SparseMoE
@@ -140,7 +141,7 @@ def _attention(mod, x: torch.Tensor, cos, sin, p: _Pass, slot: int) -> torch.Ten
     cache.k[slot].index_copy_(0, slots, k)
     cache.v[slot].index_copy_(0, slots, v)
     if p.attend is None:
-        o = ta.tree_attention(q.contiguous(), cache.k[slot], cache.v[slot], p.start, p.packed, a.head_dim**-0.5)
+        o = tree_attention(q.contiguous(), cache.k[slot], cache.v[slot], p.start, p.packed, a.head_dim**-0.5)
     else:
         o = grouped_sdpa(q[None], cache.k[slot][None], cache.v[slot][None], p.attend[None])[0]
     return mod.o_proj(o.reshape(r, a.n_heads * a.head_dim) * torch.sigmoid(gate.reshape(r, -1)))
@@ -191,13 +192,13 @@ def forward_static(model, tokens: torch.Tensor, positions: torch.Tensor, cache, 
     a = model.args
     parents = parents_on_device(tree_mask)
     kernels = cache.gdn_kernels
-    attn_kernel = dev.type == "cuda" and ta.triton is not None and a.head_dim in ta.SUPPORTED_HEAD_DIMS
+    attn_kernel = dev.type == "cuda" and _triton is not None and a.head_dim in SUPPORTED_HEAD_DIMS
     p = _Pass(cache=cache, start=start, tree_mask=tree_mask,
               conv_idx=conv_index_on_device(parents, a.linear_conv_kernel_dim),
               parents=parents if kernels else parents.tolist(),  # the CPU reference walks parents on the host
               paths=root_paths(parents.to(torch.int32)) if kernels else None,
               attend=None if attn_kernel else attend_mask(tree_mask, start, cache.max_len),
-              packed=ta.pack_tree_mask(tree_mask) if attn_kernel else None,
+              packed=pack_tree_mask(tree_mask) if attn_kernel else None,
               rec=cache.static_record(b), prof=prof)
     x, cos, sin = model._embed(tokens, positions, prof)
     return model._layers(x, lambda i, layer, h: _layer(layer, h, cos, sin, p), prof, features, feature_layers)
