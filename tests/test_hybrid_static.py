@@ -193,26 +193,34 @@ def cuda_state_matches_prefill(engine, committed):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graphed_equals_eager_equals_ar_on_cuda():
-    """On CUDA in float32: the graphed engine (path / commit kernels, tree attention) == the eager engine == AR."""
-    target = load("qwen3_5", linear_key_head_dim=16, linear_value_head_dim=16).cuda()
+def graphed_vs_eager(target, device: str) -> None:
+    """The engine with row buckets (graphed on CUDA: path / commit kernels, tree attention) == the eager engine == AR,
+    the cache checked after every step, and drafted tokens accepted: a chain gets a branch right for half its
+    positions (it follows the first branch), a tree a wrong branch first and the right one second."""
     prompt = random_prompts(1, target.args.vocab_size, seed=7)[0]
     ar = Engine(target, SystemConfig.ar(), None, eos_ids=[]).generate(prompt, 24).tokens
-    for tree in ("chain", "best_first"):
+    hook = cuda_state_matches_prefill if device == "cuda" else state_matches_prefill
+    for tree, mode in (("chain", "half"), ("best_first", "both")):
         target.verify = "replay"
         try:
-            eager = Engine(target, tree_config(tree, 5), ScriptedDrafter(len(prompt), ar, "both", every=3),
+            eager = Engine(target, tree_config(tree, 5), PartialDrafter(len(prompt), ar, mode, every=3),
                            eos_ids=[]).generate(prompt, 24)
-            eng = Engine(target, tree_config(tree, 5), ScriptedDrafter(len(prompt), ar, "both", every=3),
+            eng = Engine(target, tree_config(tree, 5), PartialDrafter(len(prompt), ar, mode, every=3),
                          eos_ids=[], buckets=True, max_len=128)
-            assert eng.cache.gdn_kernels and eng.runner.graphs
-            eng.step_hook = cuda_state_matches_prefill
+            if device == "cuda":
+                assert eng.cache.gdn_kernels and eng.runner.graphs
+            eng.step_hook = hook
             graphed = eng.generate(prompt, 24)
         finally:
             target.verify = "snapshot"
         assert graphed.tokens == eager.tokens == ar
-        assert max(graphed.accepted) > 1
+        assert graphed.accepted == eager.accepted and max(graphed.accepted) > 1, (tree, graphed.accepted)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_equals_eager_equals_ar_on_cuda():
+    """On CUDA in float32: the graphed engine == the eager engine == AR, drafted tokens accepted."""
+    graphed_vs_eager(load("qwen3_5", linear_key_head_dim=16, linear_value_head_dim=16).cuda(), "cuda")
 
 
 @pytest.mark.parametrize("tree", ["chain", "best_first"])
