@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import zlib
 
 import pytest
 import torch
@@ -170,7 +171,7 @@ CASES = [("qwen3_5", kind, mode, tree) for kind in ("scripted", "ngram", "draft_
 @pytest.mark.parametrize("model,kind,mode,tree", CASES)
 def test_batched_spec_equals_ar_and_state_equals_prefill(targets, model, kind, mode, tree):
     target = targets[model]
-    rng = random.Random(hash((model, kind, mode, tree)) % 1000)
+    rng = random.Random(zlib.crc32("|".join((model, kind, mode, tree)).encode()))  # stable across processes
     reqs = random_requests(rng, 7)  # more requests than slots: they queue, join and leave mid-run
     known = {tuple(p): ar_tokens(target, p, n) for p, n, _ in reqs}
     slots = rng.choice([2, 3, 4])
