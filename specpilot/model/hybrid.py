@@ -1,5 +1,6 @@
-"""A hybrid target (qwen3_5 text model or qwen3_next): Gated DeltaNet layers interleaved with gated full attention,
-in plain PyTorch, eager reference path only (§4.2).
+"""A hybrid target (qwen3_5 text model or qwen3_next): Gated DeltaNet layers interleaved with gated full attention
+(§4.2). This file holds the layers and the eager reference pass; the row-bucket static pass (CUDA graphs, the GDN
+path and commit kernels) is :mod:`specpilot.model.hybrid_static`, the batched pass :mod:`specpilot.model.hybrid_batch`.
 
 Against the dense decoder of :mod:`specpilot.model.layers`: every RMSNorm but the GDN output norm is zero-centred
 (``x̂ · (1 + w)``, computed in float32); full attention has per-head q/k norms, RoPE on the first
@@ -140,7 +141,8 @@ class HybridBackbone(nn.Module):
 
 
 class HybridTransformer(Transformer):
-    """A qwen3_5 text / qwen3_next target over a :class:`HybridCache`: the eager :meth:`forward` only.
+    """A qwen3_5 text / qwen3_next target over a :class:`HybridCache`: the eager :meth:`forward`, the static
+    :meth:`forward_static` (row buckets, CUDA graphs) and the batched :meth:`forward_prepared` over a ``HybridPool``.
 
     Verification mode (:attr:`verify`): ``snapshot`` (every row's GDN state kept by the pass: stock chain
     verification) or ``replay`` (only the last row's; commit replays the accepted path: trees without per-node
@@ -151,7 +153,7 @@ class HybridTransformer(Transformer):
 
     def __init__(self, args: ModelArgs, verify: str = "snapshot"):
         super().__init__(args)
-        self.kernels = KernelConfig(fused=False)  # the eager reference path only
+        self.kernels = KernelConfig(fused=False)  # no fused dense-layer kernels: the static pass has its own
         self.verify = verify
 
     def fused_on(self, x: torch.Tensor) -> bool:
