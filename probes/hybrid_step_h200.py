@@ -20,7 +20,7 @@ informational in bf16); the commit against the PyTorch reference replay of the s
 (``commit_vs_reference_max_abs``, all 48 layers). A shape that fails records its error and the others still run.
 The figure the project wants: ``ratio_tree_over_chain`` = step(tree) / step(chain) ≤ 1.15 (paper §4.2).
 
-Usage: ``SPECPILOT_COMMIT=$(git rev-parse --short HEAD) python probes/hybrid_step_h200.py OUT_DIR`` on an H200 (under
+Usage: ``SPECPILOT_COMMIT=$(git rev-parse --short HEAD) python probes/hybrid_step_h200.py OUT_DIR [--profile]`` on an H200 (under
 7 minutes; about 60 GB of GPU memory). ``--smoke``: a tiny hybrid on the CPU (a 150-token prompt, so the chunked
 prefill runs; reference GDN path, no graphs, wall clock: it checks that the script runs, its times mean nothing);
 ``--smoke --kernels``: the same through the GDN path and commit kernels in Triton's interpreter (the CUDA path's
@@ -110,6 +110,7 @@ class Shape:
         positions = torch.full((b,), start, dtype=torch.long)
         positions[:r] += torch.tensor(depth)
         rows = torch.full((b,), -1, dtype=torch.int32)
+        accept = min(accept, r)  # a one-row (AR) step commits its row
         rows[:accept] = torch.arange(accept, dtype=torch.int32)  # rows 0 .. accept − 1: a path in both shapes
         self.model, self.cache, self.r, self.b = model, cache, r, b
         self.tokens, self.positions, self.mask = tokens.to(dev), positions.to(dev), anc.to(dev)
@@ -204,6 +205,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--reps", type=int, default=60, help="timed replays per figure (in 5 interleaved rounds)")
     ap.add_argument("--accept", type=int, default=9, help="rows of the committed path (root + accepted drafts)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one eager run of the 32-node tree's bucketed pass (torch.profiler, CUDA "
+                         "kernels by total time) into OUT_DIR/profile.txt, and time a one-row (AR) step")
     a = ap.parse_args()
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available() and not a.smoke
@@ -235,9 +239,11 @@ def main() -> None:
         torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
     trees = {"chain16": list(range(-1, 16)), "tree32": bf_tree(33, 8)}
+    if a.profile:
+        trees["ar1"] = [-1]  # one row: the AR step the speculative steps are priced against
     shapes = {}
     for name, parents in trees.items():
-        for padded in (True, False):
+        for padded in ((True,) if len(parents) == 1 else (True, False)):
             b = bucket_for(len(parents)) if padded else len(parents)
             s = Shape(model, cache, parents, b, prompt_len, a.accept, dev)
             s.parents_i32 = torch.tensor(parents + [-1] * (b - len(parents)), dtype=torch.int32, device=dev)
@@ -286,9 +292,22 @@ def main() -> None:
     out["target_met_bucket"] = None if step is None else step <= 1.15
     if cuda:
         out["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    out["wall_s"] = time.perf_counter() - t_start
     path = Path(a.out_dir)
     path.mkdir(parents=True, exist_ok=True)
+    key = next((k for k in shapes if k.startswith("tree32/bucket")), None)
+    if a.profile and key is not None:  # where the step's time goes beyond its weights
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        shapes[key].exact_pass()
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(3):
+                shapes[key].exact_pass()
+            if cuda:
+                torch.cuda.synchronize()
+        sort = "cuda_time_total" if cuda else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=40)
+        (path / "profile.txt").write_text(f"{key}, 3 eager runs of the exact pass + argmax, sorted by {sort}\n{table}\n")
+        out["profile"] = {"shape": key, "file": "profile.txt", "runs": 3}
+    out["wall_s"] = time.perf_counter() - t_start
     (path / ("smoke.json" if a.smoke else "run.json")).write_text(json.dumps(out, indent=1) + "\n")
     for key, r in sh.items():
         print(key, {k: round(v["median_ms"], 3) for k, v in r.items() if isinstance(v, dict)},
