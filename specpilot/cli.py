@@ -242,6 +242,7 @@ def pilot(
     agent_timeout: float = typer.Option(1800.0, help="Seconds the agent may run per round."),
     scorer_dtype: Optional[str] = typer.Option(None, help="Token forcing's scorer body dtype: default the deployment's (the paper: stock's target with an FP32 LM head); float32 loads a float32 copy of the target (compares every system to unrounded arithmetic; needs the memory)."),
     calibration: Optional[Path] = typer.Option(None, help="Calibration file of a real pair (docs/calibrated-drafter.md): the planner may also propose the 'calibrated' drafter, whose acceptance is SIMULATED (for random-weight targets of real shapes); not with --agent."),
+    batch: Optional[str] = typer.Option(None, help="Batch sizes, e.g. 1,4,16: the batched pilot (docs/batch-pilot.md) judges systems by batch runs at these sizes instead; float32 only."),
 ):
     """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
     from specpilot.model.checkpoint import DTYPES
@@ -290,6 +291,12 @@ def pilot(
         from specpilot.spec.calibration import load_calibration
 
         load_calibration(calibration)  # a bad file: its one-line CalibrationError, before any measurement
+    if batch is not None:  # the batched pilot: its own procedure, the same options (bad sizes: fail before loading)
+        from functools import partial
+
+        from specpilot.pilot.batch_pilot import parse_sizes, run_batch_pilot
+
+        run_pilot = partial(run_batch_pilot, sizes=parse_sizes(batch))
     run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
                            blocks=tuple(block or ()), adversarial=adversarial, threads=threads, memory=memory,
                            devices=devs, paired_devices=paired_devices, executor=executor, agent=agent,

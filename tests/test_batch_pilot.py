@@ -1,0 +1,155 @@
+"""The batched pilot (`specpilot pilot --batch`): its gain and bound on synthetic figures, its rule, its candidates,
+one quick end-to-end run on the bundled model (float32 CPU: every output equals AR's) and the CLI's wiring."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from specpilot.config import SystemConfig
+from specpilot.errors import SpecPilotError
+from specpilot.pilot import controller as ctl
+from specpilot.pilot.batch_pilot import MECHANISMS, judge_batch, parse_sizes, run_batch_pilot
+from specpilot.pilot.batch_runs import BatchMeasured, cell_gain, compare, variant_set
+
+from .conftest import run_cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BENCHES, SIZES, ROUNDS = ("gsm8k", "humaneval"), (1, 4, 16), 4
+
+
+def _synthetic(ratio_by_size: dict, noise: float, seed: int) -> BatchMeasured:
+    """A and B throughputs per (benchmark, size, round): B = A x ratio(size) x (1 + uniform noise)."""
+    rng = random.Random(seed)
+    cells = [(b, n, r) for b in BENCHES for n in SIZES for r in range(ROUNDS)]
+    a = {c: 100.0 * c[1] ** 0.5 * (1 + rng.uniform(-noise, noise)) for c in cells}
+    b = {c: a[c] * ratio_by_size[c[1]] * (1 + rng.uniform(-noise, noise)) for c in cells}
+    out = {c: (((1, 2),), ((1, 2),)) for c in cells}
+    return BatchMeasured({"a": a, "b": b}, {"a": out, "b": dict(out)}, {}, {"a": (), "b": ()},
+                         {"a": False, "b": False})
+
+
+def test_gain_is_the_geometric_mean_over_benchmarks_and_sizes():
+    m = _synthetic({1: 1.2, 4: 1.0, 16: 0.9}, noise=0.0, seed=0)
+    gain, low, method = cell_gain(m.tps["a"], m.tps["b"])
+    assert gain == pytest.approx((1.2 * 1.0 * 0.9) ** (1 / 3))
+    assert method == "degenerate" and low == pytest.approx(gain)
+    run = compare(m, "a", "b")
+    assert run.per_size[1]["gain"] == pytest.approx(1.2) and run.per_size[16]["gain"] == pytest.approx(0.9)
+    assert m.tokens_per_s("b", 4) / m.tokens_per_s("a", 4) == pytest.approx(1.0)
+
+
+def test_a_real_gain_is_approved_and_a_vs_a_is_not():
+    aa = compare(_synthetic({n: 1.0 for n in SIZES}, noise=0.004, seed=1), "a", "b")
+    sigma = ctl.noise_from_aa(aa)
+    assert 0 < sigma < 0.01
+    assert not judge_batch(aa, sigma).approved
+    real = compare(_synthetic({1: 1.10, 4: 1.06, 16: 1.04}, noise=0.004, seed=2), "a", "b")
+    assert real.gain == pytest.approx((1.10 * 1.06 * 1.04) ** (1 / 3), rel=0.01)
+    assert 1.04 < real.lower_bound < real.gain
+    v = judge_batch(real, sigma)
+    assert v.approved, v.reason
+    assert v.bar == pytest.approx(ctl.BASE_BAR + 2 * sigma)
+    tiny = compare(_synthetic({n: 1.005 for n in SIZES}, noise=0.004, seed=3), "a", "b")  # below 1% + 2σ
+    assert not judge_batch(tiny, sigma).approved
+
+
+def test_different_output_is_rejected_whatever_the_gain():
+    m = _synthetic({n: 1.5 for n in SIZES}, noise=0.004, seed=4)
+    cell = next(iter(m.outputs["b"]))
+    m.outputs["b"][cell] = (((1, 3),), ((1, 2),))
+    v = judge_batch(compare(m, "a", "b"), 0.001)
+    assert not v.approved and "differs" in v.reason
+
+
+def test_one_round_has_no_bound_and_is_rejected():
+    m = _synthetic({n: 1.5 for n in SIZES}, noise=0.004, seed=5)
+    for k in ("a", "b"):
+        m.tps[k] = {c: t for c, t in m.tps[k].items() if c[2] == 0}
+        m.outputs[k] = {c: o for c, o in m.outputs[k].items() if c[2] == 0}
+    run = compare(m, "a", "b")
+    assert math.isnan(run.lower_bound) and not judge_batch(run, 0.001).approved
+
+
+def test_variant_set_cycles_to_the_batch_size_with_fresh_salts():
+    from specpilot.pilot.paired import Req, _salter
+
+    reqs = [Req("b", i, (10 + i, 20), 4) for i in range(2)]
+    salted = _salter(100, (), random.Random(0))
+    prompts = variant_set(reqs, 5, salted)
+    assert len(prompts) == 5 and len(set(prompts)) == 5
+    assert [p[4:] for p in prompts] == [(10, 20), (11, 20), (10, 20), (11, 20), (10, 20)]
+    assert len(variant_set(reqs, 1, salted)) == 2
+
+
+def test_candidates_follow_the_incumbent():
+    names = [n for n, _, _ in MECHANISMS]
+    stock = SystemConfig.stock("draft_model", depth=6)
+    bf = dict(zip(names, [m(stock) for _, _, m in MECHANISMS]))
+    assert bf["best_first"].tree == "best_first" and bf["best_first"].nodes == stock.nodes
+    assert bf["shared_budget"] is None  # needs the best-first tree
+    assert bf["drafter_block"].drafter_block == (6, 5, 3)
+    assert bf["prompt_admission"].prompt_admission > 0
+    shared = MECHANISMS[names.index("shared_budget")][2](bf["best_first"])
+    assert shared.row_selection == "shared_budget"
+    assert MECHANISMS[2][2](SystemConfig.stock("block", depth=16)).drafter_block == (16, 12, 8)
+    assert all(m(SystemConfig.ar()) is None for n, _, m in MECHANISMS if n != "prompt_admission")
+
+
+@pytest.mark.parametrize("text", ["", "0,2", "1,1", "a", "4,-1"])
+def test_bad_sizes_are_one_line_errors(text):
+    with pytest.raises(SpecPilotError, match="--batch"):
+        parse_sizes(text)
+    assert parse_sizes("1,4,16") == (1, 4, 16)
+
+
+def test_cli_refuses_bfloat16_and_bad_sizes_before_loading(monkeypatch, capsys, tmp_path):
+    code, _, err = run_cli(monkeypatch, capsys, "pilot", "--batch", "1,2", "--dtype", "bfloat16", "--out",
+                           str(tmp_path / "r"))
+    assert code != 0 and "float32 only" in err and "Traceback" not in err
+    code, _, err = run_cli(monkeypatch, capsys, "pilot", "--batch", "1,x", "--out", str(tmp_path / "r2"))
+    assert code != 0 and "--batch" in err and "Traceback" not in err
+
+
+def test_cli_batch_reaches_the_batched_pilot(monkeypatch, capsys, tmp_path):
+    import specpilot.pilot.batch_pilot as bp
+    import specpilot.pilot.run as run
+
+    seen = []
+    monkeypatch.setattr(bp, "run_batch_pilot", lambda opts, sizes: seen.append((opts, sizes)))
+    monkeypatch.setattr(run, "run_pilot", lambda opts: pytest.fail("the single-request pilot ran"))
+    code, _, err = run_cli(monkeypatch, capsys, "pilot", "--batch", "1,4,16", "--quick", "--max-new-tokens", "8",
+                           "--out", str(tmp_path / "r"))
+    assert code == 0, err
+    assert seen[0][1] == (1, 4, 16) and seen[0][0].plan["max_new_tokens"] == 8
+
+
+def test_quick_batch_run_end_to_end(tmp_path):
+    from specpilot.pilot.state import PilotOptions
+    from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
+
+    out = tmp_path / "r"
+    opts = PilotOptions(target=bundled_target_dir(), drafter=bundled_drafter_dir(), out=out, quick=True,
+                        overrides={"per_benchmark": 2, "max_new_tokens": 8, "benchmarks": 2})
+    run_batch_pilot(opts, (1, 2), rounds=2, rng=random.Random(0))
+    rep = json.loads((out / "batch_report.json").read_text())
+    for key in ("device", "versions", "commit", "deployment", "sizes", "rounds", "sigma", "phase0", "per_size",
+                "speedup_vs_ar", "speedup_vs_ar_low", "speedup_vs_stock", "speedup_vs_stock_low", "verdicts",
+                "outputs_equal_ar", "sealed_label", "approval_rule", "method"):
+        assert key in rep, key
+    assert rep["sizes"] == [1, 2] and rep["deployment"]["batch"] == [1, 2]
+    for n in ("1", "2"):
+        row = rep["per_size"][n]
+        assert all(row[f"{k}_tokens_per_s"] > 0 for k in ("ar", "stock", "sealed"))
+        assert row["phase0_stock_vs_ar"] > 0 and row["sealed_vs_stock"] > 0
+    assert rep["outputs_equal_ar"] == {"stock": True, "sealed": True}
+    judged = [v for v in rep["verdicts"] if "skipped" not in v]
+    assert judged and all(not v["run"]["outputs_differ"] for v in judged)  # lossless: every candidate equals AR
+    assert {v["mechanism"] for v in rep["verdicts"]} == {"ar", *(n for n, _, _ in MECHANISMS)}
+    system = json.loads((out / "system.json").read_text())
+    assert system["label"] == rep["sealed_label"] and SystemConfig(**system["config"]).seal() == system["seal"]
+    assert "## 2 requests at once" in (out / "batch_report.md").read_text()
