@@ -105,7 +105,8 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
 
     Args:
         opts: the pilot's options (target, drafter, out, dtype, plan: per_benchmark, max_new_tokens, benchmarks).
-        sizes: batch sizes. rounds: A B B A rounds per (benchmark, size), at least 2 (default 3; ``--quick`` 2).
+        sizes: batch sizes. rounds: A B B A rounds per (benchmark, size), at least 2 (default: ``--rounds``, else
+            3, ``--quick`` 2).
         rng: salts and order (default OS entropy; a seeded Random only for tests).
     Raises:
         SpecPilotError: a dtype other than float32, an option the batched pilot does not take (agent, memory,
@@ -121,7 +122,8 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     if unsupported:
         raise SpecPilotError(f"--batch does not take {', '.join(unsupported)} yet (the batched pilot runs in this "
                              "process, one device, a fixed candidate list)")
-    rounds = rounds if rounds is not None else (2 if opts.quick else 3)
+    if rounds is None:  # --rounds: the A B B A rounds here (the single-request pilot's planner rounds)
+        rounds = (opts.overrides or {}).get("rounds") or (2 if opts.quick else 3)
     if rounds < 2:
         raise SpecPilotError(f"the batched pilot needs at least 2 rounds for a lower bound, got {rounds}")
     t0 = time.perf_counter()
