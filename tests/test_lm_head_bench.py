@@ -78,3 +78,17 @@ def test_cpu_run_without_triton_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(SpecPilotError, match="install triton"):
         run_suite("lm-head", "cpu", tmp_path / "r")
     assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def test_the_cli_and_the_engines_do_not_import_triton():
+    """`bench --suite lm-head --device cpu` sets TRITON_INTERPRET before Triton's first import, so nothing the CLI,
+    the deployment or the engines import at module level may import Triton (a kernel module loads only where a fast
+    path runs). Twice a module-level import crept in through the engine's imports and failed the benchmark."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT))
+    code = ("import sys, specpilot.cli, specpilot.bench.cli, specpilot.engine.deployment, specpilot.engine.engine, "
+            "specpilot.engine.batch, specpilot.model.hybrid, specpilot.model.hybrid_cache, specpilot.model.hybrid_pool; "
+            "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.')))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

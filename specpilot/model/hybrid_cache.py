@@ -18,11 +18,15 @@ replays the accepted path from them (``gdn_commit`` when :attr:`HybridCache.gdn_
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from specpilot.model.args import ModelArgs
 from specpilot.model.gdn import delta_step
-from specpilot.model.hybrid_static import StaticRecord, commit_path
+
+if TYPE_CHECKING:  # the static pass imports the Triton kernels: only a static pass loads it (a CPU benchmark must
+    from specpilot.model.hybrid_static import StaticRecord  # choose Triton's interpreter before Triton is imported)
 
 VERIFY_MODES = ("snapshot", "replay")
 
@@ -98,6 +102,8 @@ class HybridCache:
     def static_record(self, rows: int) -> StaticRecord:
         """The static buffers of a ``rows``-row bucket, allocated on first use and kept (a captured graph writes
         them at fixed addresses; a 27B-like target holds about 3.4 MB a row)."""
+        from specpilot.model.hybrid_static import StaticRecord
+
         if rows not in self._records:
             layers, h, dk, dv = self.state.shape
             self._records[rows] = StaticRecord.empty(layers, rows, h, dk, dv, self.window.shape[2],
@@ -148,6 +154,8 @@ class HybridCache:
         start = self._pass[0]
         path = (self._path or list(range(self._pass[1])))[: n - start]
         if self._bucket is not None:  # a static pass: replay from its record
+            from specpilot.model.hybrid_static import commit_path
+
             rows = torch.full((self._bucket,), -1, dtype=torch.int32)
             rows[: len(path)] = torch.tensor(path, dtype=torch.int32)
             commit_path(self.state, self.window, self._records[self._bucket], rows.to(self.state.device),
