@@ -91,7 +91,7 @@ def test_candidates_follow_the_incumbent():
     stock = SystemConfig.stock("draft_model", depth=6)
     bf = dict(zip(names, [m(stock) for _, _, m in MECHANISMS]))
     assert bf["best_first"].tree == "best_first" and bf["best_first"].nodes == stock.nodes
-    assert bf["shared_budget"] is None  # needs the best-first tree
+    assert bf["shared_budget"].tree == "best_first" and bf["shared_budget"].row_selection == "shared_budget"
     assert bf["drafter_block"].drafter_block == (6, 5, 3)
     assert bf["prompt_admission"].prompt_admission > 0
     shared = MECHANISMS[names.index("shared_budget")][2](bf["best_first"])

@@ -68,8 +68,9 @@ def _best_first(inc: SystemConfig):
 
 
 def _shared(inc: SystemConfig):
-    if inc.tree != "best_first" or inc.row_selection == "shared_budget":
+    if inc.drafter == "none" or inc.row_selection == "shared_budget":
         return None
+    inc = _best_first(inc) or inc  # the shared budget fills best-first trees: a chain incumbent gets one too
     return inc.apply({"row_selection": "shared_budget"})  # budget nodes x n: the equal split's total, redistributed
 
 
@@ -90,8 +91,8 @@ MECHANISMS = (
     ("best_first", "the stock drafter's top-4 lattice verified as a best-first tree of the same nodes as the "
                    "chain (§4.2): no more rows per request, more accepted tokens where the drafter is unsure",
      _best_first),
-    ("shared_budget", "one node budget of nodes x n per step filled best-first across requests (§4.4); needs the "
-                      "best-first tree", _shared),
+    ("shared_budget", "one node budget of nodes x n per step filled best-first across requests (§4.4); on a chain "
+                      "incumbent it comes with the best-first tree it needs", _shared),
     ("drafter_block", "each request drafts one of (16, 12, 8) positions, picked from its own acceptance (§4.4); a "
                       "drafter of depth D < 16 gets (D, 3D/4, D/2) rounded up", _block),
     ("prompt_admission", f"prompts admitted while requests run ride in the step's exact pass, up to "

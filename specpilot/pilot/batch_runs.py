@@ -9,7 +9,7 @@ prompt. Its throughput is generated tokens / wall seconds of the timed region: t
 token read to the host and the device synced, with the clock, the sync and the thread listing bound when this
 module is imported. A simulated drafter's untimed preparation (``calibrated``) runs before the clock starts.
 
-**Order.** Per size, each system is built once (untimed) and warmed by one untimed batch run; then per round and
+**Order.** Per size, each system is built once (untimed, its CUDA graphs captured) and warmed by one untimed batch run; then per round and
 benchmark (benchmarks shuffled) two fresh variant sets run in a palindrome: A B on the first, B A on the second
 (A B B A; with three systems A S X, X S A), so slow drift cancels within every (benchmark, size, round) cell. A
 system's throughput in a cell is the higher of its two runs (interference only lowers throughput). Per size,
@@ -125,6 +125,7 @@ def measure_batches(makers: dict[str, BatchFactory], groups: dict[str, list[Req]
         for k in names:  # build and warm untimed
             before = set(threading.enumerate())
             engines[k] = makers[k](n)
+            engines[k].capture_graphs()  # every (requests, rows) bucket's CUDA graph now, not in a timed run
             m.outside[k] |= {t.name for t in threading.enumerate() if t not in before}
             reqs = groups[rng.choice(list(groups))]
             m.outside[k] |= timed_batch(engines[k], variant_set(reqs, n, salted), reqs[0].max_new_tokens)[2]
