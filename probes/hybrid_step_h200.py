@@ -30,6 +30,7 @@ code, slowly). Writes ``OUT_DIR/run.json`` (``smoke.json``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -205,6 +206,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--reps", type=int, default=60, help="timed replays per figure (in 5 interleaved rounds)")
     ap.add_argument("--accept", type=int, default=9, help="rows of the committed path (root + accepted drafts)")
+    ap.add_argument("--wy", action="store_true", help="GDN layers verified by the WY kernel (KernelConfig.gdn_wy; "
+                    "the gdn_kernel figure stays the path kernel's)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one eager run of the 32-node tree's bucketed pass (torch.profiler, CUDA "
                          "kernels by total time) into OUT_DIR/profile.txt, and time a one-row (AR) step")
@@ -226,6 +229,8 @@ def main() -> None:
                 scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
             it._patch_lang_tensor = patched
     model = build(cfg, dev, dtype)
+    if a.wy:
+        model.kernels = dataclasses.replace(model.kernels, gdn_wy=True)
     n_params = sum(p.numel() for p in model.parameters())
     cache = model.new_cache(prompt_len + BUCKETS[-1] + 64)
     if a.smoke and a.kernels:
@@ -252,7 +257,8 @@ def main() -> None:
            ("kernels in the Triton interpreter)" if cache.gdn_kernels else "reference path)"),
            "versions": versions(), "commit": git_commit(), "arch": "qwen3.5-27b-like" + (" (smoke: shrunk)" if
                                                                                         a.smoke else ""),
-           "dtype": str(dtype), "params": n_params, "prompt_tokens": prompt_len, "accepted_rows": a.accept,
+           "dtype": str(dtype), "gdn_wy": model.kernels.gdn_wy, "params": n_params, "prompt_tokens": prompt_len,
+           "accepted_rows": a.accept,
            "gdn_kernels": cache.gdn_kernels, "prefill_eager_s": prefill_s, "trees": trees, "shapes": {}}
     runs = {}
     for key, s in shapes.items():  # check the graphed pass against the same pass run eagerly, then capture the rest

@@ -6,6 +6,7 @@ graphed == eager == AR."""
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 
 import pytest
@@ -163,14 +164,16 @@ def test_qwen3_next_spec_equals_ar_on_the_static_path(model):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU's check of the kernel path")
-def test_kernel_path_in_the_interpreter_equals_the_reference():
-    """The GDN path and commit kernels (Triton's interpreter, d_k = d_v = 16) inside the static pass: logits and
-    commit equal the eager pass's (chain, tree, padded), spec == AR with the cache equal to a fresh prefill after
-    every step (tree, partial acceptance)."""
+@pytest.mark.parametrize("wy", [False, True], ids=["path_kernel", "wy_kernel"])
+def test_kernel_path_in_the_interpreter_equals_the_reference(wy):
+    """The GDN path (or WY) and commit kernels (Triton's interpreter, d_k = d_v = 16) inside the static pass: logits
+    and commit equal the eager pass's (chain, tree, padded), spec == AR with the cache equal to a fresh prefill
+    after every step (tree, partial acceptance)."""
     pytest.importorskip("triton")
     from . import tritonutil  # noqa: F401  (the interpreter's numpy fix)
 
     target = load("qwen3_5", linear_key_head_dim=16, linear_value_head_dim=16)
+    target.kernels = dataclasses.replace(target.kernels, gdn_wy=wy)
     with torch.inference_mode():
         for parents, bucket in ((CHAIN, 8), (TREE, 8), (TREE, 12)):
             check_static(target, parents, bucket, kernels=True)

@@ -9,8 +9,9 @@ to the device:
   root paths (the K − 1 inputs before a row: its ancestors, then the committed window);
 - a GDN layer's delta rule runs through the path kernel :func:`~specpilot.kernels.gdn_tree.gdn_tree` (root paths
   computed once a pass, shared by every GDN layer) when the cache says so (:attr:`HybridCache.gdn_kernels`: on CUDA
-  with triton), else the plain reference :func:`~specpilot.kernels.gdn_tree.gdn_tree_reference` (CPU; it reads the
-  parents on the host). No per-row state is kept: the pass writes its rows' step inputs (k, v, g, β) and conv
+  with triton; with :attr:`KernelConfig.gdn_wy` the WY-form kernel :func:`~specpilot.kernels.gdn_wy.gdn_tree_wy`
+  instead, up to 64 rows), else the plain reference :func:`~specpilot.kernels.gdn_tree.gdn_tree_reference` (CPU;
+  it reads the parents on the host). No per-row state is kept: the pass writes its rows' step inputs (k, v, g, β) and conv
   inputs into the cache's static buffers of the bucket (:class:`StaticRecord`), from which :func:`commit_path`
   replays the accepted path (``gdn_commit``, one launch for every GDN layer, or the reference replay);
 - an attention layer writes its rows' K/V at ``start + arange(B)`` (padding rows' K/V land past the real rows,
@@ -34,6 +35,9 @@ import torch.nn.functional as F
 from specpilot.kernels.tree_attention import SUPPORTED_HEAD_DIMS, pack_tree_mask, tree_attention
 from specpilot.kernels.tree_attention import triton as _triton  # None without triton
 from specpilot.kernels.gdn_tree import gdn_commit, gdn_commit_reference, gdn_tree, gdn_tree_reference, root_paths
+from specpilot.kernels.gdn_wy import MAX_ROWS as WY_MAX_ROWS
+from specpilot.kernels.gdn_wy import gdn_tree_wy
+from specpilot.kernels.gdn_wy import tree_mask as wy_tree_mask
 from specpilot.model.layers import grouped_sdpa, region
 from specpilot.model.moe import SparseMoE
 
@@ -102,6 +106,7 @@ class _Pass:
     conv_idx: torch.Tensor
     parents: torch.Tensor | list[int]
     paths: torch.Tensor | None
+    wy_mask: torch.Tensor | None  # the WY kernel's ancestor mask (KernelConfig.gdn_wy), else None
     attend: torch.Tensor | None  # [B, S] mask of the SDPA path, or None when the tree attention kernel runs
     packed: torch.Tensor | None  # the kernel's packed tree mask
     rec: StaticRecord
@@ -120,7 +125,9 @@ def _gdn(mod, x: torch.Tensor, p: _Pass, slot: int) -> torch.Tensor:
     rec.v[slot].copy_(v)
     rec.g[slot].copy_(g)
     rec.beta[slot].copy_(beta)
-    if p.paths is not None:
+    if p.wy_mask is not None:
+        o = gdn_tree_wy(cache.state[slot], q, rec.k[slot], rec.v[slot], rec.g[slot], rec.beta[slot], mask=p.wy_mask)
+    elif p.paths is not None:
         o = gdn_tree(cache.state[slot], q, rec.k[slot], rec.v[slot], rec.g[slot], rec.beta[slot], paths=p.paths)
     else:
         o = gdn_tree_reference(cache.state[slot], q, k, v, g, beta, p.parents)
@@ -192,11 +199,13 @@ def forward_static(model, tokens: torch.Tensor, positions: torch.Tensor, cache, 
     a = model.args
     parents = parents_on_device(tree_mask)
     kernels = cache.gdn_kernels
+    wy = kernels and model.kernels.gdn_wy and b <= WY_MAX_ROWS
     attn_kernel = dev.type == "cuda" and _triton is not None and a.head_dim in SUPPORTED_HEAD_DIMS
     p = _Pass(cache=cache, start=start, tree_mask=tree_mask,
               conv_idx=conv_index_on_device(parents, a.linear_conv_kernel_dim),
               parents=parents if kernels else parents.tolist(),  # the CPU reference walks parents on the host
-              paths=root_paths(parents.to(torch.int32)) if kernels else None,
+              paths=root_paths(parents.to(torch.int32)) if kernels and not wy else None,
+              wy_mask=wy_tree_mask(parents.to(torch.int32)) if wy else None,
               attend=None if attn_kernel else attend_mask(tree_mask, start, cache.max_len),
               packed=pack_tree_mask(tree_mask) if attn_kernel else None,
               rec=cache.static_record(b), prof=prof)
