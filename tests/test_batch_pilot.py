@@ -134,7 +134,7 @@ def test_quick_batch_run_end_to_end(tmp_path):
 
     out = tmp_path / "r"
     opts = PilotOptions(target=bundled_target_dir(), drafter=bundled_drafter_dir(), out=out, quick=True,
-                        overrides={"per_benchmark": 2, "max_new_tokens": 8, "benchmarks": 2})
+                        overrides={"per_benchmark": 2, "max_new_tokens": 8, "benchmarks": 1})
     run_batch_pilot(opts, (1, 2), rounds=2, rng=random.Random(0))
     rep = json.loads((out / "batch_report.json").read_text())
     for key in ("device", "versions", "commit", "deployment", "sizes", "rounds", "sigma", "phase0", "per_size",
