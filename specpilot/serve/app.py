@@ -10,6 +10,8 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: tr
   ``max_tokens`` beyond the context; 401; 404 for another model name or path; 413 for a body over
   ``max_body_bytes``; 500 when the engine failed on a step holding the request. The server keeps serving.
 - A client that disconnects, mid-stream or while waiting, has its request aborted in the engine (slot freed).
+- Shutdown (Ctrl-C, :class:`Server`): requests still running near the end of the grace period get a 503 (an error
+  event mid-stream) from the driver, rather than being cancelled by uvicorn (a bare 500 and a traceback).
 - Completion prompts are tokenized without special tokens (as ``specpilot generate`` does); chat messages through
   the chat template (:mod:`specpilot.serve.chat`).
 """
@@ -21,6 +23,7 @@ import contextlib
 import json
 import secrets
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -204,3 +207,37 @@ def create_app(ctx: ServeContext) -> FastAPI:
         return await respond(request, req, spec, chat=True)
 
     return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server for :func:`create_app`'s app, whose shutdown fails the requests still held near the end of
+    its grace period with the driver's 503 (``{"error": ...}``; an error event and ``[DONE]`` mid-stream).
+
+    Plain uvicorn waits ``timeout_graceful_shutdown`` seconds for running requests and then cancels them: a
+    non-streamed one got a bare ``500 Internal Server Error`` and the log a ``CancelledError`` traceback, and the
+    app's lifespan, which stops the driver (its 503), ran only after that. Here the driver stops ``margin_s`` before
+    the wait ends, so every request still held answers with the 503 in time and uvicorn has nothing to cancel.
+
+    Args:
+        app: the FastAPI app of ``ctx`` (:func:`create_app`).
+        ctx: its :class:`~specpilot.serve.run.ServeContext` (the driver to stop).
+        log_level: uvicorn's log level.
+        grace_s: seconds requests may still finish normally after a shutdown begins (> ``margin_s``).
+        margin_s: seconds before the end of ``grace_s`` at which held requests are failed.
+    """
+
+    def __init__(self, app: FastAPI, ctx: ServeContext, log_level: str = "info", grace_s: float = 5.0,
+                 margin_s: float = 1.0):
+        super().__init__(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s))
+        self.ctx, self.fail_after_s = ctx, max(grace_s - margin_s, 0.0)
+
+    async def shutdown(self, sockets=None) -> None:
+        late = asyncio.create_task(self._fail_held())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            late.cancel()
+
+    async def _fail_held(self) -> None:
+        await asyncio.sleep(self.fail_after_s)
+        await asyncio.to_thread(self.ctx.driver.stop)

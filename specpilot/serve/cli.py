@@ -177,10 +177,8 @@ def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_
         SpecPilotError: a checkpoint that cannot be loaded, a target without tokenizer files, ``max_len`` past the
             target's positions, a system the batched engine cannot build, an unreadable chat template (one line each).
     """
-    import uvicorn
-
     from specpilot.engine.deployment import Deployment, check_device
-    from specpilot.serve.app import create_app
+    from specpilot.serve.app import Server, create_app
     from specpilot.serve.chat import choose_template
     from specpilot.serve.driver import EngineDriver
     from specpilot.serve.metrics import ServerMetrics
@@ -210,5 +208,4 @@ def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"specpilot serve: warning: listening on {host} without --api-key: anyone who can reach this port can "
               "use it", file=sys.stderr)
-    server = uvicorn.Server(uvicorn.Config(create_app(ctx), log_level=log_level, timeout_graceful_shutdown=5))
-    server.run(sockets=[sock])
+    Server(create_app(ctx), ctx, log_level=log_level).run(sockets=[sock])

@@ -1,0 +1,66 @@
+"""Shutting the server down (Ctrl-C) while requests run: those that outlast the grace period get the driver's 503
+(a JSON error; mid-stream an error event and ``[DONE]``), not uvicorn's bare 500 after cancelling them; a request
+that ends within the grace period completes normally."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+
+from specpilot.serve.app import Server
+
+from .test_serve import EOS, TOK, make_app
+from .serve_fake import FakeBatchEngine
+
+
+def _serve(app, ctx, grace_s):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = Server(app, ctx, log_level="warning", grace_s=grace_s, margin_s=0.5)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    t0 = time.time()
+    while not server.started:
+        assert time.time() - t0 < 30 and thread.is_alive(), "the test server did not start"
+        time.sleep(0.01)
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_requests_held_at_shutdown_get_a_503_and_short_ones_finish():
+    eng = FakeBatchEngine(TOK, EOS, num_slots=4, step_delay_s=0.05)  # ~2 tokens / 50 ms: 200 tokens take ~5 s
+    ctx, app = make_app(eng)
+    server, thread, url = _serve(app, ctx, grace_s=2.0)
+    got = {}
+
+    def post(name, body):
+        try:
+            r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "hi", **body}, timeout=30)
+            got[name] = (r.status_code, r.text)
+        except httpx.HTTPError as e:  # pragma: no cover - reported by the asserts below
+            got[name] = (None, repr(e))
+
+    jobs = [threading.Thread(target=post, args=a) for a in (("long", {"max_tokens": 200}),
+                                                            ("stream", {"max_tokens": 200, "stream": True}),
+                                                            ("short", {"max_tokens": 4}))]
+    for j in jobs:
+        j.start()
+    while len(eng.added) < 3:
+        time.sleep(0.01)
+    server.should_exit = True  # what uvicorn's SIGINT handler does
+    for j in jobs:
+        j.join(30)
+    thread.join(30)
+    assert not thread.is_alive()
+    status, text = got["short"]
+    assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] == "length"
+    status, text = got["long"]
+    assert status == 503, (status, text)
+    assert "shutting down" in json.loads(text)["error"]["message"]
+    status, text = got["stream"]
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]", text[-300:]
+    assert "shutting down" in json.loads(events[-2])["error"]["message"]
