@@ -12,7 +12,7 @@ import pytest
 from specpilot.config import SystemConfig
 from specpilot.errors import SpecPilotError
 from specpilot.pilot import controller as ctl
-from specpilot.pilot.batch_pilot import MECHANISMS, judge_batch, parse_sizes, run_batch_pilot
+from specpilot.pilot.batch_pilot import MECHANISMS, BatchForcing, judge_batch, parse_sizes, run_batch_pilot
 from specpilot.pilot.batch_runs import BatchMeasured, cell_gain, compare, variant_set
 
 from .conftest import run_cli
@@ -66,6 +66,42 @@ def test_different_output_is_rejected_whatever_the_gain():
     assert not v.approved and "differs" in v.reason
 
 
+def test_outside_float32_a_different_output_needs_forcing_and_the_3_percent_bar():
+    m = _synthetic({n: 1.10 for n in SIZES}, noise=0.004, seed=6)
+    cell = next(iter(m.outputs["b"]))
+    m.outputs["b"][cell] = (((1, 3),), ((1, 2),))
+    run = compare(m, "a", "b")
+    assert not judge_batch(run, 0.001, exact=False).approved  # forcing not run
+    assert not judge_batch(run, 0.001, exact=False, forcing_passed=False).approved
+    v = judge_batch(run, 0.001, exact=False, forcing_passed=True)
+    assert v.approved and v.bar == pytest.approx(ctl.CHANGED_OUTPUT_BAR)
+    small = compare(_synthetic({n: 1.02 for n in SIZES}, noise=0.002, seed=7), "a", "b")
+    small = type(small)(**{**small.__dict__, "outputs_differ": True})
+    assert not judge_batch(small, 0.001, exact=False, forcing_passed=True).approved  # 2% < the 3% bar
+
+
+def test_batch_forcing_catches_a_planted_wrong_token():
+    """δ and stock's figures from batched AR and stock outputs; a candidate whose outputs carry a token the
+    scorer rates far below its argmax fails the events rule."""
+    from specpilot.engine.deployment import Deployment
+    from specpilot.pilot.forcing import Scorer
+    from specpilot.zoo import bundled_target_dir
+
+    dep = Deployment(bundled_target_dir())
+    prompts = ((5, 6, 7, 8), (9, 10, 11))
+    ar = tuple(tuple(g.tokens) for g in dep.batch_system(SystemConfig.ar(), max_num_seqs=2).generate_all(
+        [list(p) for p in prompts], 8))
+    cell = ("b", 2, 0)
+    bad = (ar[0][:3] + ((ar[0][3] + 1) % 4096,) + ar[0][4:], ar[1])
+    p0 = BatchMeasured({}, {"ar": {cell: (ar, ar)}, "stock": {cell: (ar, ar)}, "x": {cell: (bad, bad)}},
+                       {cell: (prompts, prompts)}, {}, {})
+    f = BatchForcing(Scorer(dep.target), p0)
+    assert f.delta == 0.125 and f.stock.mismatches == 0
+    assert f.check(p0, "stock")["passed"]
+    res = f.check(p0, "x")
+    assert not res["passed"] and res["events"] >= 2
+
+
 def test_one_round_has_no_bound_and_is_rejected():
     m = _synthetic({n: 1.5 for n in SIZES}, noise=0.004, seed=5)
     for k in ("a", "b"):
@@ -107,10 +143,10 @@ def test_bad_sizes_are_one_line_errors(text):
     assert parse_sizes("1,4,16") == (1, 4, 16)
 
 
-def test_cli_refuses_bfloat16_and_bad_sizes_before_loading(monkeypatch, capsys, tmp_path):
-    code, _, err = run_cli(monkeypatch, capsys, "pilot", "--batch", "1,2", "--dtype", "bfloat16", "--out",
+def test_cli_refuses_bad_sizes_and_options_before_loading(monkeypatch, capsys, tmp_path):
+    code, _, err = run_cli(monkeypatch, capsys, "pilot", "--batch", "1,2", "--adversarial", "--out",
                            str(tmp_path / "r"))
-    assert code != 0 and "float32 only" in err and "Traceback" not in err
+    assert code != 0 and "--adversarial" in err and "Traceback" not in err
     code, _, err = run_cli(monkeypatch, capsys, "pilot", "--batch", "1,x", "--out", str(tmp_path / "r2"))
     assert code != 0 and "--batch" in err and "Traceback" not in err
 
@@ -126,6 +162,26 @@ def test_cli_batch_reaches_the_batched_pilot(monkeypatch, capsys, tmp_path):
                            "--out", str(tmp_path / "r"))
     assert code == 0, err
     assert seen[0][1] == (1, 4, 16) and seen[0][0].plan["max_new_tokens"] == 8
+
+
+def test_bfloat16_batch_run_is_token_forced(tmp_path):
+    """Outside float32 outputs may differ from AR's; every differing candidate is token-forced, the sealed system
+    too, with δ and stock's figures from Phase 0's batched outputs."""
+    from specpilot.pilot.state import PilotOptions
+    from specpilot.zoo import bundled_target_dir
+
+    out = tmp_path / "bf16"
+    opts = PilotOptions(target=bundled_target_dir(), out=out, quick=True, dtype="bfloat16",
+                        overrides={"per_benchmark": 2, "max_new_tokens": 8, "benchmarks": 1})
+    rep = run_batch_pilot(opts, (1, 2), rounds=2, rng=random.Random(1))
+    tf = rep["token_forcing"]
+    assert tf["delta"] >= 0.125 and tf["stock"]["tokens"] > 0 and tf["sealed"]["tokens"] > 0
+    for v in rep["verdicts"]:
+        if "run" in v:  # audited exactly when the output differed from the incumbent's
+            assert (v["token_forcing"] is not None) == v["run"]["outputs_differ"]
+            if v["run"]["outputs_differ"]:
+                assert v["bar"] >= ctl.CHANGED_OUTPUT_BAR
+    assert "Token forcing" in (out / "batch_report.md").read_text()
 
 
 def test_quick_batch_run_end_to_end(tmp_path):
@@ -146,7 +202,7 @@ def test_quick_batch_run_end_to_end(tmp_path):
         row = rep["per_size"][n]
         assert all(row[f"{k}_tokens_per_s"] > 0 for k in ("ar", "stock", "sealed"))
         assert row["phase0_stock_vs_ar"] > 0 and row["sealed_vs_stock"] > 0
-    assert rep["outputs_equal_ar"] == {"stock": True, "sealed": True}
+    assert rep["outputs_equal_ar"] == {"stock": True, "sealed": True} and rep["token_forcing"] is None
     judged = [v for v in rep["verdicts"] if "skipped" not in v]
     assert judged and all(not v["run"]["outputs_differ"] for v in judged)  # lossless: every candidate equals AR
     assert {v["mechanism"] for v in rep["verdicts"]} == {"ar", *(n for n, _, _ in MECHANISMS)}

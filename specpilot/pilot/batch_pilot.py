@@ -17,11 +17,13 @@ judges systems by batch runs at every asked size (:mod:`specpilot.pilot.batch_ru
 
 **Approval rule** (:func:`specpilot.pilot.controller.approve`, the single-request rule): the one-sided 95% lower
 bound of the gain (geometric mean over benchmarks and sizes, paired bootstrap over the (benchmark, size, round)
-cells) minus 1 must exceed 1% + 2σ; no thread left running, no nondeterminism. A candidate whose output differs
-from the incumbent's on any variant is rejected outright: the incumbent's outputs equal AR's (stock's are checked
-against AR in Phase 0, and each approved candidate equalled its incumbent), so it differs from AR, which a
-lossless system never does in float32. In bfloat16 that test needs token forcing (§3.4), which is not wired into
-the batched pilot yet, so ``--batch`` refuses bfloat16.
+cells) minus 1 must exceed 1% + 2σ; no thread left running, no nondeterminism. In float32 a candidate whose
+output differs from the incumbent's on any variant is rejected outright: the incumbent's outputs equal AR's
+(stock's are checked against AR in Phase 0, and each approved candidate equalled its incumbent), so it differs
+from AR, which a lossless system never does in float32. In bfloat16 / float16 rounding may differ with the rows a
+pass holds, so a candidate whose output differs is token-forced (§3.4: every output of its batch runs against the
+scorer, δ and stock's figures fixed in Phase 0 from the batched AR and stock outputs) and faces the bar for
+changed output, max(3%, 1% + 2σ), as in the single-request pilot; the seal audits the sealed system's outputs.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from specpilot.config import SystemConfig
 from specpilot.errors import SpecPilotError
 from specpilot.pilot import controller as ctl
 from specpilot.pilot.batch_runs import compare, measure_batches
-from specpilot.pilot.phase0 import RUN_MARKER, requests_for
+from specpilot.pilot.forcing import Scorer, audit, delta_from_phase0, forcing_verdict
+from specpilot.pilot.phase0 import RUN_MARKER, requests_for, scorer_model
 from specpilot.pilot.state import Pilot, PilotOptions
 from specpilot.provenance import versions
 
@@ -110,15 +113,12 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
             3, ``--quick`` 2).
         rng: salts and order (default OS entropy; a seeded Random only for tests).
     Raises:
-        SpecPilotError: a dtype other than float32, an option the batched pilot does not take (agent, memory,
-            devices, adversarial, calibration, scorer dtype, worker executor), fewer than 2 rounds, no prompt that fits.
+        SpecPilotError: an option the batched pilot does not take (agent, memory, devices, adversarial,
+            calibration, worker executor), fewer than 2 rounds, no prompt that fits, float32 stock output not AR's.
     """
-    if opts.dtype != "float32":
-        raise SpecPilotError(f"--batch runs float32 only for now: in {opts.dtype} a candidate's output must pass token "
-                             "forcing (§3.4), which the batched pilot does not run yet")
     unsupported = [f for f, on in (("--agent", opts.agent), ("--memory", opts.memory), ("--devices", opts.devices),
                                    ("--adversarial", opts.adversarial), ("--calibration", opts.calibration),
-                                   ("--scorer-dtype", opts.scorer_dtype), ("--executor workers", opts.executor == "workers"))
+                                   ("--executor workers", opts.executor == "workers"))
                    if on]
     if unsupported:
         raise SpecPilotError(f"--batch does not take {', '.join(unsupported)} yet (the batched pilot runs in this "
@@ -154,12 +154,18 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     stock_equal = p0.equal_outputs("ar", "stock")
     pilot.say("batch", f"stock {ar_stock.gain:.3f}x AR (lower bound {ar_stock.lower_bound:.3f}); A/A {aa.gain:.4f}: "
                        f"σ = {sigma:.4f}; stock outputs {'equal' if stock_equal else 'DIFFER FROM'} AR")
-    if not stock_equal:
+    exact = opts.dtype == "float32"
+    if exact and not stock_equal:
         raise SpecPilotError("stock's batched outputs differ from AR's in float32: the engine is broken, nothing to judge")
+    if not exact:
+        pilot.say("batch", "token forcing: δ and stock's figures from Phase 0's batched outputs")
+    forcing = None if exact else BatchForcing(Scorer(scorer_model(pilot)), p0)
     verdicts, entries, incumbent = [], [], pilot.stock
     back = compare(p0, "stock", "ar")  # round 0: AR against stock on Phase 0's own runs
-    v = judge_batch(back, sigma)
-    verdicts.append(_verdict("ar", "round 0: AR against stock (Phase 0's runs)", pilot.stock, pilot.ar, back, v))
+    audited = forcing.check(p0, "ar") if forcing is not None and back.outputs_differ else None
+    v = judge_batch(back, sigma, exact, audited and audited["passed"])
+    verdicts.append(_verdict("ar", "round 0: AR against stock (Phase 0's runs)", pilot.stock, pilot.ar, back, v,
+                             audited))
     if v.approved:
         incumbent = pilot.ar
     for name, why, make in MECHANISMS:  # with AR the incumbent, the drafter's mechanisms start from stock
@@ -167,37 +173,64 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
         if cand is None:
             verdicts.append({"mechanism": name, "why": why, "skipped": f"does not apply to {incumbent.label()}"})
             continue
-        run = compare(measure({"a": incumbent, "b": cand}, f"{cand.label()} vs {incumbent.label()}"), "a", "b")
-        v = judge_batch(run, sigma)
-        verdicts.append(_verdict(name, why, incumbent, cand, run, v))
+        m = measure({"a": incumbent, "b": cand}, f"{cand.label()} vs {incumbent.label()}")
+        run = compare(m, "a", "b")
+        audited = forcing.check(m, "b") if forcing is not None and run.outputs_differ else None
+        v = judge_batch(run, sigma, exact, audited and audited["passed"])
+        verdicts.append(_verdict(name, why, incumbent, cand, run, v, audited))
         pilot.say("batch", f"{name}: {v.reason}")
         if v.approved:
             entries.append({"mechanism": name, "delta": cand.delta(incumbent)})
             incumbent = cand
     final = measure({"ar": pilot.ar, "stock": pilot.stock, "sealed": incumbent}, "seal: AR, stock, sealed")
     report = _report(pilot, sizes, rounds, groups, plan, ar_stock, aa, sigma, verdicts, entries, incumbent, final, t0)
+    report["token_forcing"] = None if forcing is None else {**forcing.phase0, "sealed": forcing.check(final, "sealed")}
     _write(opts.out, report, incumbent, entries, pilot)
     pilot.say("done", f"sealed {incumbent.label()}; report in {opts.out}/batch_report.md")
     return report
 
 
-def judge_batch(run, sigma: float) -> ctl.Verdict:
+def judge_batch(run, sigma: float, exact: bool = True, forcing_passed: bool | None = None) -> ctl.Verdict:
     """The batched pilot's approval rule (module doc) for a :class:`~specpilot.pilot.batch_runs.BatchPaired` of B
-    against the incumbent A: output different from A's rejects (float32: A's equals AR's); else
-    :func:`specpilot.pilot.controller.approve` with no token forcing (bar 1% + 2σ, threads, nondeterminism).
+    against the incumbent A. ``exact`` (float32): output different from A's rejects (A's equals AR's). Otherwise
+    :func:`specpilot.pilot.controller.approve`: bar 1% + 2σ, or max(3%, 1% + 2σ) with token forcing passed
+    (``forcing_passed``; None = not run = reject) when the output differs; threads, nondeterminism reject.
 
     Raises:
         ValueError: negative or non-finite ``sigma``.
     """
-    if run.outputs_differ:
+    if exact and run.outputs_differ:
         return ctl.Verdict(False, "rejected: output differs from the incumbent's, so from AR's (float32)", run.gain,
                            run.lower_bound, ctl.BASE_BAR + 2 * sigma)
-    return ctl.approve(run, sigma, None)
+    return ctl.approve(run, sigma, forcing_passed)
 
 
-def _verdict(name, why, inc, cand, run, v) -> dict:
+class BatchForcing:
+    """Token forcing of batch runs (§3.4, outside float32): ``scorer`` (a :class:`~specpilot.pilot.forcing.Scorer`),
+    δ from the batched AR and stock outputs of ``p0`` (a :class:`~specpilot.pilot.batch_runs.BatchMeasured` with
+    systems ``ar`` and ``stock``; :func:`~specpilot.pilot.forcing.delta_from_phase0`), stock's figures, and
+    :meth:`check`."""
+
+    def __init__(self, scorer: Scorer, p0):
+        self.scorer = scorer
+        ar, st = p0.samples("ar"), p0.samples("stock")
+        self.delta = delta_from_phase0(self.scorer, [p for p, _, _ in ar], [o for _, o, _ in ar], [o for _, o, _ in st])
+        self.stock = audit(self.scorer, st, self.delta)
+        self.phase0 = {"delta": self.delta, "scorer_dtype": str(self.scorer.model.dtype).removeprefix("torch."),
+                       "stock": self.stock.to_dict()}
+
+    def check(self, m, name: str) -> dict:
+        """Every output ``name`` produced in ``m`` against the scorer; ``{passed, reasons, figures}``."""
+        fs = audit(self.scorer, m.samples(name), self.delta)
+        passed, reasons = forcing_verdict(fs, self.stock)
+        return {"passed": passed, "reasons": reasons, "mismatch_rate": fs.mismatch_rate, "events": fs.events,
+                "tokens": fs.tokens, "stock_mismatch_rate": self.stock.mismatch_rate}
+
+
+def _verdict(name, why, inc, cand, run, v, forcing=None) -> dict:
     return {"mechanism": name, "why": why, "incumbent": inc.label(), "candidate": cand.label(),
-            "delta": cand.delta(inc), "run": run.to_dict(), "approved": v.approved, "reason": v.reason,
+            "delta": cand.delta(inc), "run": run.to_dict(), "token_forcing": forcing, "approved": v.approved,
+            "reason": v.reason,
             "gain": v.gain, "lower_bound": v.lower_bound if math.isfinite(v.lower_bound) else None, "bar": v.bar}
 
 
@@ -232,7 +265,8 @@ def _report(pilot, sizes, rounds, groups, plan, ar_stock, aa, sigma, verdicts, e
         "verdicts": verdicts, "entries": entries,
         "approval_rule": "approve iff the 95% lower bound of the gain - 1 > 1% + 2σ (lossless row choices); a "
                          "candidate whose output differs from the incumbent's (= AR's) on any variant is rejected "
-                         "(float32); threads left running or nondeterminism reject",
+                         "in float32, token-forced and held to max(3%, 1% + 2σ) otherwise; threads left running or "
+                         "nondeterminism reject",
         "method": "batch run = a benchmark's requests (salted variants, cycled to at least n) queued at once in a "
                   "BatchEngine of n slots; tokens/s = generated tokens / wall s of generate_all (device synced); "
                   "per (benchmark, size, round) two fresh variant sets in a palindrome (A B, B A), a system's "
@@ -264,6 +298,11 @@ def render_md(report: dict) -> str:
     if report["sealed_is"]:
         lines.append(f"The sealed system is {report['sealed_is']}'s own config: its ratio to {report['sealed_is']} is an "
                      "A/A of the seal run (noise).")
+    tf = report.get("token_forcing")
+    if tf:
+        lines.append(f"Token forcing ({tf['scorer_dtype']} scorer, δ = {tf['delta']}): stock mismatch rate "
+                     f"{tf['stock']['mismatch_rate']:.3%}; sealed {tf['sealed']['mismatch_rate']:.3%}, "
+                     f"{'passed' if tf['sealed']['passed'] else 'FAILED: ' + '; '.join(tf['sealed']['reasons'])}.")
     lines.append("")
     for n, r in report["per_size"].items():
         lines += [f"## {n} request{'s' if n != '1' else ''} at once", "",

@@ -93,6 +93,12 @@ class BatchMeasured:
                 by_bench.setdefault(b, []).append(math.log(t))
         return math.exp(sum(sum(v) / len(v) for v in by_bench.values()) / len(by_bench))
 
+    def samples(self, name: str) -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
+        """``(prompt_ids, output_ids, benchmark)`` of every prompt ``name`` ran timed: token forcing's input
+        (:func:`specpilot.pilot.forcing.audit`)."""
+        return [(p, o, cell[0]) for cell, sets in sorted(self.prompts.items())
+                for ps, os_ in zip(sets, self.outputs[name][cell]) for p, o in zip(ps, os_)]
+
     def equal_outputs(self, a: str, b: str) -> bool:
         """Whether ``b``'s tokens equal ``a``'s on every variant of every cell."""
         return all(self.outputs[a][c] == self.outputs[b][c] for c in self.outputs[a])
