@@ -6,7 +6,7 @@ judges systems by batch runs at every asked size (:mod:`specpilot.pilot.batch_ru
 1. **Phase 0.** AR vs stock (stock batching: each request verifies its own top-1 chain of the stock drafter) and
    stock vs stock (A/A), each A B B A per (benchmark, size) over a few rounds with fresh salts. Stock's gain over
    AR is reported per size; the noise σ comes from the A/A as in the single-request Phase 0
-   (:func:`specpilot.pilot.controller.noise_from_aa`). Stock's outputs must equal AR's.
+   (:func:`specpilot.pilot.controller.noise_from_aa`). In float32 stock's outputs must equal AR's.
 2. **Round 0.** When the A/A-bounded Phase 0 shows AR faster than stock over the sizes (the same approval rule,
    B = AR against A = stock, on the Phase 0 runs themselves), AR becomes the incumbent.
 3. **Candidates**, a fixed list judged greedily against the incumbent, each built from the incumbent of that
