@@ -196,7 +196,7 @@ def generate(
 
 #: files a pilot run writes into its --out (rewritten by the next run into the same directory)
 PILOT_FILES = ("report.json", "report.md", "system.json", "speedup.png", "tau_vs_n.png", "c_vs_n.png", "ceiling.png",
-               "outputs/stock_phase0.jsonl", "outputs/sealed.jsonl")
+               "outputs/stock_phase0.jsonl", "outputs/sealed.jsonl", "batch_report.json", "batch_report.md")
 
 
 def check_report_dir(out: Path) -> None:

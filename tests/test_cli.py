@@ -282,6 +282,11 @@ def test_pilot_will_not_overwrite_a_users_files(monkeypatch, capsys, tmp_path):
 
     (failed / RUN_MARKER).write_text("x")
     check_report_dir(failed)
+    batch = tmp_path / "batch"  # the batched pilot's report names are the pilot's too
+    batch.mkdir()
+    (batch / "batch_report.md").write_text("my notes\n")
+    with pytest.raises(SpecPilotError, match="batch_report.md"):
+        check_report_dir(batch)
 
 
 def test_train_drafter_refuses_bad_numbers_and_token_files(monkeypatch, capsys, tmp_path):
