@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jinja2
+
 from specpilot.errors import PromptError
 from specpilot.serve.protocol import APIError
 from specpilot.text import check_text
@@ -24,17 +26,40 @@ ROLES = ("system", "developer", "user", "assistant")
 def choose_template(tokenizer, path: str | Path | None = None) -> tuple[str, str]:
     """The chat template to use and where it comes from: ``(template, "file PATH" | "tokenizer" | "fallback")``.
 
+    A template that is not valid Jinja is refused here, when the server starts: rendered per request, its syntax
+    error would reach every chat client as a 400 blaming their messages, from a server that can never serve chat.
+
     Raises:
-        PromptError: ``path`` cannot be read or is not UTF-8 (one line).
+        PromptError: ``path`` cannot be read or is not UTF-8; the template has a Jinja syntax error (one line).
     """
     if path is not None:
         from specpilot.text import read_text
 
-        return read_text(path, f"--chat-template {path}"), f"file {path}"
+        template = read_text(path, f"--chat-template {path}")
+        _check_syntax(tokenizer, template, f"--chat-template {path}")
+        return template, f"file {path}"
     own = getattr(tokenizer, "chat_template", None)
     if isinstance(own, str) and own.strip():
+        _check_syntax(tokenizer, own, "the tokenizer's chat template (pass --chat-template FILE instead)")
         return own, "tokenizer"
     return FALLBACK_TEMPLATE, "fallback"
+
+
+def _check_syntax(tokenizer, template: str, where: str) -> None:
+    """Render one user message through ``template`` the way :func:`render_chat` does; only a syntax error (an
+    unknown tag or filter, an unclosed block) is an error here: anything else, e.g. the template's own
+    ``raise_exception`` for a message list it does not take, belongs to the requests that send such lists.
+
+    Raises:
+        PromptError: ``template`` is not valid Jinja (``where``, the line and jinja's message; one line).
+    """
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template, tokenize=False,
+                                      add_generation_prompt=True)
+    except jinja2.TemplateSyntaxError as e:
+        raise PromptError(f"{where} is not a valid Jinja template: line {e.lineno}: {e.message}") from None
+    except Exception:  # noqa: BLE001 - not a syntax error: the requests' concern (render_chat answers a 400)
+        pass
 
 
 def _content(i: int, content) -> str:
