@@ -5,21 +5,16 @@ batched engine's hybrid pool; a completion's text equals the single-request engi
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 
 from specpilot.engine.deployment import Deployment
 from specpilot.zoo import bundled_target_dir
 
 from .hybridutil import ar_tokens
+from .serveutil import served
 from .test_hybrid import tiny_hybrid
 
 
@@ -33,24 +28,10 @@ def test_specpilot_serve_answers_on_a_hybrid_target(tmp_path):
     want = [dep.tokenizer.decode(ar_tokens(dep.target, dep.tokenizer(p, add_special_tokens=False)["input_ids"], 8),
                                  skip_special_tokens=True) for p in prompts]
     env = dict(os.environ, SPECPILOT_API_KEY="k", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "specpilot", "serve", "--target", str(tdir), "--port", "0",
-                             "--drafter", "ngram", "--tree", "best_first", "--nodes", "4", "--depth", "3",
-                             "--max-num-seqs", "2", "--log-level", "warning"], env=env, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        line, t0 = "", time.time()
-        while "specpilot serve:" not in line:
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, "serve exited"
-            assert time.time() - t0 < 120
-        url = re.search(r"at (http://\S+/v1)", line).group(1)
+    args = ["--target", str(tdir), "--drafter", "ngram", "--tree", "best_first", "--nodes", "4", "--depth", "3",
+            "--max-num-seqs", "2", "--log-level", "warning"]
+    with served(args, env) as (url, line):
         assert "tiny-qwen3_5" in line and "2 slots" in line
-        for _ in range(100):
-            try:
-                if httpx.get(url[:-3] + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         client = openai.OpenAI(base_url=url, api_key="k", max_retries=0, timeout=120)
         chat = client.chat.completions.create(model="tiny-qwen3_5", max_tokens=6,
                                               messages=[{"role": "user", "content": "Say hello."}])
@@ -60,10 +41,3 @@ def test_specpilot_serve_answers_on_a_hybrid_target(tmp_path):
             got = list(pool.map(lambda p: client.completions.create(model="tiny-qwen3_5", prompt=p, max_tokens=8),
                                 prompts))
         assert [r.choices[0].text for r in got] == want
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

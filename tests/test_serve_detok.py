@@ -8,15 +8,9 @@ import copy
 import json
 import os
 import random
-import re
-import signal
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -27,6 +21,7 @@ from specpilot.serve.protocol import Message
 from specpilot.zoo import bundled_target_dir
 
 from .conftest import run_cli
+from .serveutil import served
 
 TOK = load_tokenizer(bundled_target_dir())
 TEXTS = ["héllo wörld 日本語 🙂 The answer is 42.", "def f(x):\n    return x * 2  # ½ → ∞\n",
@@ -134,34 +129,12 @@ def test_serve_system_file_errors(monkeypatch, capsys, tmp_path):
 def test_specpilot_serve_command_serves_the_bundled_pair():
     """The command as a user runs it: --port 0, read the address it prints, ask it, stop it with Ctrl-C."""
     env = dict(os.environ, SPECPILOT_API_KEY="k")
-    proc = subprocess.Popen([sys.executable, "-m", "specpilot", "serve", "--port", "0", "--drafter", "draft_model",
-                             "--max-num-seqs", "2", "--log-level", "warning"], env=env, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        line, t0 = "", time.time()
-        while "specpilot serve:" not in line:
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, "serve exited"
-            assert time.time() - t0 < 120
-        url = re.search(r"at (http://\S+/v1)", line).group(1)
+    with served(["--drafter", "draft_model", "--max-num-seqs", "2", "--log-level", "warning"], env) as (url, line):
         assert "API key: required" in line and "chat template: tokenizer" in line
-        for _ in range(100):
-            try:
-                if httpx.get(url[:-3] + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
         assert client.models.list().data[0].id == "specpilot-bundled"
         r = client.completions.create(model="specpilot-bundled", prompt="def add(a, b):", max_tokens=8)
         assert r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("stop", "length")
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_serve_reads_a_sealed_system(monkeypatch, capsys, tmp_path):
