@@ -54,3 +54,15 @@ def test_serve_with_a_broken_template_exits_with_one_line(monkeypatch, capsys, t
     monkeypatch.setattr("specpilot.serve.app.Server.run", started)
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--port", "0", "--chat-template", str(f))
     assert code == 2 and "is not a valid Jinja template" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_message_without_content_is_a_400_but_an_assistant_turn_may_have_none():
+    """OpenAI answers 400 for a user or system message without content; the server took it as empty text."""
+    template, _ = choose_template(TOK)
+    for role in ("user", "system"):
+        with pytest.raises(APIError, match=r"messages\[0\] \(" + role + r"\) has no content") as e:
+            render_chat(TOK, template, [Message(role=role, content=None)])
+        assert e.value.status == 400
+    ids = render_chat(TOK, template, [Message(role="user", content="hi"), Message(role="assistant", content=None),
+                                      Message(role="user", content="again")])
+    assert ids

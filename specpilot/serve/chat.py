@@ -81,14 +81,17 @@ def render_chat(tokenizer, template: str, messages, add_generation_prompt: bool 
     """Prompt token ids of ``messages`` (the request's :class:`~specpilot.serve.protocol.Message` list).
 
     Raises:
-        APIError: 400 for a role other than system / developer / user / assistant, a non-text content part, text
-            that is not valid UTF-8, or a template that fails to render (its message named).
+        APIError: 400 for a role other than system / developer / user / assistant, a message other than an
+            assistant's without content, a non-text content part, text that is not valid UTF-8, or a template that
+            fails to render (its message named).
     """
     msgs = []
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise APIError(400, f"messages[{i}].role {m.role!r} is not supported (use {', '.join(ROLES)})",
                            param="messages", code="invalid_value")
+        if m.content is None and m.role != "assistant":  # only an assistant turn may come without content
+            raise APIError(400, f"messages[{i}] ({m.role}) has no content", param="messages", code="invalid_value")
         try:
             text = check_text(_content(i, m.content), f"messages[{i}].content")
         except PromptError as e:
