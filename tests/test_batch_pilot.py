@@ -16,6 +16,7 @@ from specpilot.pilot.batch_pilot import MECHANISMS, BatchForcing, judge_batch, p
 from specpilot.pilot.batch_runs import BatchMeasured, cell_gain, compare, variant_set
 
 from .conftest import run_cli
+from .test_calibrated import real  # noqa: F401  (the bundled pair's calibration, a module fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -209,3 +210,29 @@ def test_quick_batch_run_end_to_end(tmp_path):
     system = json.loads((out / "system.json").read_text())
     assert system["label"] == rep["sealed_label"] and SystemConfig(**system["config"]).seal() == system["seal"]
     assert "## 2 requests at once" in (out / "batch_report.md").read_text()
+
+
+def test_a_calibration_adds_the_simulated_drafter_first(real, tmp_path):  # noqa: F811
+    """--calibration: the calibrated drafter (SIMULATED acceptance) is the first candidate, a best-first tree of
+    stock's nodes within what the calibration measured; lossless in float32, so its batched outputs equal AR's."""
+    import copy
+
+    from specpilot.pilot.batch_pilot import calibrated_mechanism
+    from specpilot.pilot.state import PilotOptions
+    from specpilot.spec.calibration import save_calibration
+    from specpilot.zoo import bundled_target_dir
+
+    cal = copy.deepcopy(real[1])
+    cal.cost = None  # acceptance only: nothing here is a timing figure
+    path = save_calibration(cal, tmp_path / "cal.json")
+    stock = SystemConfig.stock("ngram", depth=6)
+    name, _, make = calibrated_mechanism(path, stock)
+    cfg = make(stock)
+    assert name == "calibrated" and cfg.drafter == "calibrated" and cfg.tree == "best_first"
+    assert cfg.nodes == stock.nodes and cfg.depth <= cal.depth and cfg.top_k <= cal.top_k and make(cfg) is None
+    opts = PilotOptions(target=bundled_target_dir(), out=tmp_path / "r", quick=True, calibration=path,
+                        overrides={"per_benchmark": 2, "max_new_tokens": 8, "benchmarks": 1})
+    rep = run_batch_pilot(opts, (1, 2), rounds=2, rng=random.Random(2))
+    (v,) = [v for v in rep["verdicts"] if v["mechanism"] == "calibrated"]
+    assert "run" in v and not v["run"]["outputs_differ"]
+    assert rep["outputs_equal_ar"] == {"stock": True, "sealed": True}

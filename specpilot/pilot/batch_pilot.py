@@ -103,6 +103,26 @@ MECHANISMS = (
 )
 
 
+def calibrated_mechanism(path, stock: SystemConfig) -> tuple:
+    """The ``calibrated`` entry of the candidate list when the run has a calibration (``--calibration``): the
+    SIMULATED drafter of that file as a best-first tree of stock's node count (its depth and top-K capped at what
+    the calibration measured), judged first so that the row-selection mechanisms then apply to it. Its figures are
+    a simulation of the real pair's acceptance at the real drafter's cost (docs/calibrated-drafter.md).
+
+    Raises:
+        SpecPilotError: an unreadable calibration (CalibrationError).
+    """
+    from specpilot.spec.calibration import load_calibration
+
+    cal = load_calibration(path)
+    cfg = SystemConfig(drafter="calibrated", drafter_path=str(path), tree="best_first", nodes=max(stock.nodes, 2),
+                       depth=min(cal.depth, max(stock.depth, 2)), top_k=min(cal.top_k, BEST_FIRST_TOP_K),
+                       dtype=stock.dtype)
+    why = (f"the calibrated drafter of {path} (SIMULATED acceptance) as a best-first tree of {cfg.nodes} nodes, depth "
+           f"{cfg.depth}, top-{cfg.top_k}")
+    return "calibrated", why, lambda inc: None if inc.drafter == "calibrated" else cfg
+
+
 def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | None = None, rng=None) -> dict:
     """The batched pilot end to end (module doc); writes ``batch_report.json``, ``batch_report.md`` and the sealed
     ``system.json`` into ``opts.out`` and returns the report dict.
@@ -113,12 +133,11 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
             3, ``--quick`` 2).
         rng: salts and order (default OS entropy; a seeded Random only for tests).
     Raises:
-        SpecPilotError: an option the batched pilot does not take (agent, memory, devices, adversarial,
-            calibration, worker executor), fewer than 2 rounds, no prompt that fits, float32 stock output not AR's.
+        SpecPilotError: an option the batched pilot does not take (agent, memory, devices, adversarial, worker
+            executor), fewer than 2 rounds, no prompt that fits, float32 stock output not AR's.
     """
     unsupported = [f for f, on in (("--agent", opts.agent), ("--memory", opts.memory), ("--devices", opts.devices),
-                                   ("--adversarial", opts.adversarial), ("--calibration", opts.calibration),
-                                   ("--executor workers", opts.executor == "workers"))
+                                   ("--adversarial", opts.adversarial), ("--executor workers", opts.executor == "workers"))
                    if on]
     if unsupported:
         raise SpecPilotError(f"--batch does not take {', '.join(unsupported)} yet (the batched pilot runs in this "
@@ -168,7 +187,9 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
                              audited))
     if v.approved:
         incumbent = pilot.ar
-    for name, why, make in MECHANISMS:  # with AR the incumbent, the drafter's mechanisms start from stock
+    mechanisms = MECHANISMS if opts.calibration is None else (calibrated_mechanism(opts.calibration, pilot.stock),
+                                                                  *MECHANISMS)
+    for name, why, make in mechanisms:  # with AR the incumbent, the drafter's mechanisms start from stock
         cand = make(incumbent if incumbent.drafter != "none" or name == "prompt_admission" else pilot.stock)
         if cand is None:
             verdicts.append({"mechanism": name, "why": why, "skipped": f"does not apply to {incumbent.label()}"})
