@@ -24,7 +24,7 @@ from specpilot.model.cache import PassKind
 from specpilot.model.gdn import GatedDeltaNet, parents_from_mask
 from specpilot.model.hybrid_cache import HybridCache
 from specpilot.model.hybrid_pool import HybridPool
-from specpilot.model.layers import MLP, causal_mask
+from specpilot.model.layers import MLP, apply_partial_rope, causal_mask
 from specpilot.model.moe import SparseMoE
 from specpilot.model.transformer import KernelConfig, Transformer
 
@@ -42,15 +42,6 @@ class ZeroCentredRMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``rot`` dims of ``x [R, H, D]`` by ``cos, sin [R, rot]`` (rotate-half); the rest pass."""
-    rot = cos.shape[-1]
-    xr, xp = x[..., :rot], x[..., rot:]
-    x1, x2 = xr.chunk(2, dim=-1)
-    xr = xr * cos[:, None, :] + torch.cat((-x2, x1), dim=-1) * sin[:, None, :]
-    return torch.cat((xr, xp), dim=-1)
 
 
 class GatedAttention(nn.Module):

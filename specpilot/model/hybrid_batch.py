@@ -25,9 +25,8 @@ import torch
 from specpilot.errors import SpecPilotError
 from specpilot.model.batch import Prepared
 from specpilot.model.gdn import parents_from_mask
-from specpilot.model.hybrid import apply_partial_rope
 from specpilot.model.hybrid_pool import HybridPool
-from specpilot.model.layers import grouped_sdpa
+from specpilot.model.layers import apply_partial_rope, grouped_sdpa
 
 
 def forward_prepared(model, tokens: torch.Tensor, positions: torch.Tensor, pool: HybridPool, p: Prepared,

@@ -38,7 +38,7 @@ from specpilot.kernels.gdn_tree import gdn_commit, gdn_commit_reference, gdn_tre
 from specpilot.kernels.gdn_wy import MAX_ROWS as WY_MAX_ROWS
 from specpilot.kernels.gdn_wy import gdn_tree_wy
 from specpilot.kernels.gdn_wy import tree_mask as wy_tree_mask
-from specpilot.model.layers import grouped_sdpa, region
+from specpilot.model.layers import apply_partial_rope, grouped_sdpa, region
 from specpilot.model.moe import SparseMoE
 
 
@@ -137,8 +137,6 @@ def _gdn(mod, x: torch.Tensor, p: _Pass, slot: int) -> torch.Tensor:
 
 def _attention(mod, x: torch.Tensor, cos, sin, p: _Pass, slot: int) -> torch.Tensor:
     """One gated attention over the prefix and the rows' tree (:meth:`GatedAttention.forward`'s math)."""
-    from specpilot.model.hybrid import apply_partial_rope
-
     a, r, cache = mod.args, x.shape[0], p.cache
     q, gate = mod.q_proj(x).reshape(r, a.n_heads, 2 * a.head_dim).chunk(2, dim=-1)
     q = apply_partial_rope(mod.q_norm(q), cos, sin)

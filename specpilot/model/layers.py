@@ -37,6 +37,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``rot`` dims of ``x [R, H, D]`` by ``cos, sin [R, rot]`` (rotate-half); the rest pass (a hybrid's
+    partial RoPE: ``head_dim · partial_rotary_factor`` dims)."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    xr = xr * cos[:, None, :] + torch.cat((-x2, x1), dim=-1) * sin[:, None, :]
+    return torch.cat((xr, xp), dim=-1)
+
+
 def causal_mask(start: int, r: int, device) -> torch.Tensor:
     """``[r, start + r]`` bool: row i sees slots ``[0, start + i]`` (prefill / chain rows)."""
     cols = torch.arange(start + r, device=device)
