@@ -37,6 +37,9 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}  # Qwen3-8B, (N, K)
 CASES = [f"{impl}-{proj}-{rows}" for proj in SHAPES for rows in (1, 8, 16, 32) for impl in ("w12", "cublas")]
 CASES += ["head-int8-1", "head-bf16-1"]
+#: GDN tree verification at the Qwen3.5-27B-like GDN shape (48 value heads of 128), the 32-node best-first tree of
+#: probes/gdn_wy_h200.py: the path kernel and the WY kernel on one layer, and the WY kernel on all 48 layers in one launch
+CASES += ["gdn-path-32", "gdn-wy-32", "gdn-wyall-32"]
 HEAD = (151936, 4096)  # Qwen3-8B LM head (V, K)
 
 
@@ -97,7 +100,9 @@ def run_case(case: str) -> None:
         raise SystemExit("ncu_profile: --run-case needs a CUDA GPU")
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
-    if case.startswith("head-"):
+    if case.startswith("gdn-"):
+        fn = gdn_case(case)
+    elif case.startswith("head-"):
         from specpilot.head.certified import CertifiedInt8Head
 
         v, k = HEAD
@@ -130,6 +135,28 @@ def run_case(case: str) -> None:
     fn()
     torch.cuda.synchronize()
     torch.cuda.nvtx.range_pop()
+
+
+def gdn_case(case: str):
+    """The launch of a ``gdn-*`` case, its inputs made and its root paths / tree mask computed beforehand."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gdn_wy_h200 as g  # noqa: E402  (a sibling probe: its tree and input makers)
+    from specpilot.kernels.gdn_tree import gdn_tree, root_paths
+    from specpilot.kernels.gdn_wy import gdn_tree_wy, tree_mask
+
+    gen = torch.Generator().manual_seed(0)
+    parents = g.TREES["bf32"]
+    s0 = (torch.randn(g.LAYERS, g.H, g.DK, g.DV, generator=gen) * 0.1).to("cuda")
+    inp = g.make_inputs(gen, len(parents))
+    par = torch.tensor(parents, dtype=torch.int32, device="cuda")
+    paths, mask = root_paths(par), tree_mask(par)
+    if case == "gdn-path-32":
+        return lambda: gdn_tree(s0[0], *(t[0] for t in inp), paths=paths)
+    if case == "gdn-wy-32":
+        return lambda: gdn_tree_wy(s0[0], *(t[0] for t in inp), mask=mask)
+    return lambda: gdn_tree_wy(s0, *inp, mask=mask)
 
 
 def main() -> int:
