@@ -16,12 +16,12 @@ m = load_model(bundled_target_dir(), "bfloat16", "cuda")
 cache = m.new_cache(2048)
 import contextlib
 
-import specpilot.model.layers as model_mod  # the attention layer enters _sdpa_backends per call
+import specpilot.model.layers as model_mod  # the attention layer enters sdpa_backends per call
 
-ours = model_mod._sdpa_backends
+ours = model_mod.sdpa_backends
 with torch.inference_mode():
     for backends, lengths in (("default", (97, 131, 163, 201, 97, 131)), ("ours", (99, 133, 167, 203, 99, 133))):
-        model_mod._sdpa_backends = ours if backends == "ours" else (lambda dev: contextlib.nullcontext())
+        model_mod.sdpa_backends = ours if backends == "ours" else (lambda dev: contextlib.nullcontext())
         for n in lengths:
             ids = torch.randint(0, m.args.vocab_size, (n,), device="cuda")
             torch.cuda.synchronize()

@@ -24,7 +24,7 @@ from specpilot.model.cache import PassKind
 from specpilot.model.gdn import GatedDeltaNet, parents_from_mask
 from specpilot.model.hybrid_cache import HybridCache
 from specpilot.model.hybrid_pool import HybridPool
-from specpilot.model.layers import MLP, apply_partial_rope, causal_mask
+from specpilot.model.layers import MLP, apply_partial_rope, causal_mask, sdpa_backends
 from specpilot.model.moe import SparseMoE
 from specpilot.model.transformer import KernelConfig, Transformer
 
@@ -77,7 +77,8 @@ class GatedAttention(nn.Module):
         vals = vals.transpose(0, 1)[None].repeat_interleave(rep, dim=1)
         if mask is None:
             mask = causal_mask(start, r, x.device)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, attn_mask=mask)
+        with sdpa_backends(x.device):
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, attn_mask=mask)
         o = o[0].transpose(0, 1).reshape(r, a.n_heads * a.head_dim)
         return self.o_proj(o * torch.sigmoid(gate.reshape(r, -1)))
 

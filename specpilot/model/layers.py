@@ -54,10 +54,13 @@ def causal_mask(start: int, r: int, device) -> torch.Tensor:
     return cols[None, :] <= rows[:, None]
 
 
-def _sdpa_backends(device: torch.device):
-    """SDPA backends for the eager path (prefill, eager fallback): on CUDA, memory-efficient attention or the
-    math kernel, not cuDNN, which builds a plan per new sequence length (a fresh prompt length would pay it on
-    its first request). A no-op context on the CPU."""
+def sdpa_backends(device: torch.device):
+    """SDPA backends for every attention whose key length changes from call to call (the target's eager prefill
+    and fallback, the block / EAGLE-3 drafters' context attention, the hybrid's attention layers): on CUDA,
+    memory-efficient attention or the math kernel, not cuDNN, which builds a plan per new sequence length (a
+    fresh prompt length paid ~85 ms on its first request; a calibrated block drafter recorded along AR outputs,
+    whose context grows by one each call, timed 163 ms per propose against 6.5 ms once the lengths were seen,
+    H200). A no-op context on the CPU."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -78,7 +81,7 @@ def grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: 
     g = h // kvh
     qg = q.reshape(b, r, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * r, d)
     m = mask[:, None, None].expand(b, 1, g, r, mask.shape[-1]).reshape(b, 1, g * r, mask.shape[-1])
-    with _sdpa_backends(q.device):
+    with sdpa_backends(q.device):
         o = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=m)
     return o.reshape(b, kvh, g, r, d).permute(0, 3, 1, 2, 4).reshape(b, r, h, d)
 
@@ -175,7 +178,7 @@ class Attention(nn.Module):
                 vals = vals.repeat_interleave(rep, dim=1)
             if mask is None:
                 mask = causal_mask(start, r, x.device)
-            with _sdpa_backends(x.device):
+            with sdpa_backends(x.device):
                 o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, attn_mask=mask)
             o = o[0].transpose(0, 1).reshape(r, a.n_heads * a.head_dim)
         with region(prof, "projections"):

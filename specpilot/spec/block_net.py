@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpilot.model.args import ModelArgs
-from specpilot.model.layers import MLP, RMSNorm
+from specpilot.model.layers import MLP, RMSNorm, sdpa_backends
 
 
 @dataclass
@@ -124,8 +124,9 @@ class BlockLayer(nn.Module):
         keys, vals = torch.cat((ctx_k, k), 1), torch.cat((ctx_v, v), 1)
         rep = a.n_heads // a.n_kv_heads
         keys, vals = keys.repeat_interleave(rep, 2), vals.repeat_interleave(rep, 2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                           attn_mask=mask[:, None])
+        with sdpa_backends(x.device):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+                                               attn_mask=mask[:, None])
         x = x + self.o_proj(o.transpose(1, 2).reshape(*x.shape[:-1], a.n_heads * a.head_dim))
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpilot.model.args import ModelArgs, rope_inv_freq
-from specpilot.model.layers import MLP, RMSNorm
+from specpilot.model.layers import MLP, RMSNorm, sdpa_backends
 
 
 @dataclass
@@ -163,8 +163,9 @@ class Eagle3Net(nn.Module):
         attend; every row must see at least one key) -> ``[B, R, heads * D]``."""
         rep = self.cfg.heads // self.cfg.kv_heads
         keys, vals = keys.repeat_interleave(rep, 2), vals.repeat_interleave(rep, 2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                           attn_mask=mask[:, None])
+        with sdpa_backends(q.device):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+                                               attn_mask=mask[:, None])
         return o.transpose(1, 2).reshape(*q.shape[:2], -1)
 
     def finish(self, attn: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
