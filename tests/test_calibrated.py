@@ -30,6 +30,7 @@ from specpilot.pilot.replay import record, replay
 from specpilot.spec.calibrated import CalibratedDrafter, Continuations
 from specpilot.spec.calibration import (CalibrationError, calibrate, load_calibration, save_calibration,
                                         simulation_note)
+from specpilot.spec.block_step import StaticBlockStep
 from specpilot.spec.cost_drafter import cost_drafter, cost_spec_of
 from specpilot.spec.drafter import DraftRequest, propose_one
 
@@ -165,13 +166,15 @@ COSTS = {"none": None, "ngram": {"kind": "ngram"}, "block": {"kind": "block", "l
 
 
 @pytest.mark.parametrize("tree", ["chain", "best_first"])
-@pytest.mark.parametrize("cost", sorted(COSTS) + ["draft_model"])
+@pytest.mark.parametrize("cost", sorted(COSTS) + ["draft_model", "block_static"])
 def test_spec_equals_ar_single_request(tiny_models, real, tree, cost):
     target, small = tiny_models
     cfg = SystemConfig(drafter="calibrated", drafter_path="-", tree=tree, nodes=6 if tree == "chain" else 12,
                        depth=6, top_k=1 if tree == "chain" else 4)
-    spec = {"kind": "draft_model", "args": asdict(small.args)} if cost == "draft_model" else COSTS[cost]
-    made = cost_drafter(spec, target, cfg.top_k, 1)
+    spec = {"kind": "draft_model", "args": asdict(small.args)} if cost == "draft_model" else COSTS[cost.split("_")[0]]
+    made = cost_drafter(spec, target, cfg.top_k, 1, static_step=cost == "block_static")
+    if cost == "block_static":  # the graphed engine's cost drafter: the block network's static step (a graph on CUDA)
+        assert isinstance(made._step, StaticBlockStep)
     prompts = random_prompts(4, length=10, seed=11)
     d = CalibratedDrafter(real[1], 64, top_k=cfg.top_k, cost=made, max_slots=1)
     for p in prompts[:3]:  # the last prompt has no known continuation: no proposals, still AR

@@ -216,7 +216,7 @@ class Deployment:
         if config.drafter == "eagle3":  # sequential drafting, top_k children per node, top_k nodes expanded per depth
             return Eagle3Drafter(self.eagle3_net(config.drafter_path), target, top_k=config.top_k, max_slots=slots)
         if config.drafter == "calibrated":  # simulated acceptance; feed dep.continuations from an AR run first
-            return build_calibrated(config, target, self.continuations, slots)
+            return build_calibrated(config, target, self.continuations, slots, static_step=static_step)
         return None
 
 
