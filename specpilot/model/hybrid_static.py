@@ -35,11 +35,16 @@ import torch.nn.functional as F
 from specpilot.kernels.tree_attention import SUPPORTED_HEAD_DIMS, pack_tree_mask, tree_attention
 from specpilot.kernels.tree_attention import triton as _triton  # None without triton
 from specpilot.kernels.gdn_tree import gdn_commit, gdn_commit_reference, gdn_tree, gdn_tree_reference, root_paths
-from specpilot.kernels.gdn_wy import MAX_ROWS as WY_MAX_ROWS
 from specpilot.kernels.gdn_wy import gdn_tree_wy
 from specpilot.kernels.gdn_wy import tree_mask as wy_tree_mask
 from specpilot.model.layers import apply_partial_rope, grouped_sdpa, region
 from specpilot.model.moe import SparseMoE
+
+#: The largest bucket whose GDN layers the WY kernel verifies (KernelConfig.gdn_wy); larger ones use the path kernel.
+#: The WY kernel pads rows to a power of two: on the H200 it beat the path kernel at 16 and 32 rows (48 layers, 32
+#: nodes: 0.95 vs 1.65 ms) and lost at 64 (4.08 vs 3.22 ms), and a whole step verifying a 32-node tree (bucket 40,
+#: padded to 64) took 31.2 ms with it against 29.2 with the path kernel (results/hybrid_gpu_h200_2026-12-04_915283a/).
+WY_ROWS = 32
 
 
 @dataclass
@@ -197,7 +202,7 @@ def forward_static(model, tokens: torch.Tensor, positions: torch.Tensor, cache, 
     a = model.args
     parents = parents_on_device(tree_mask)
     kernels = cache.gdn_kernels
-    wy = kernels and model.kernels.gdn_wy and b <= WY_MAX_ROWS
+    wy = kernels and model.kernels.gdn_wy and b <= WY_ROWS
     attn_kernel = dev.type == "cuda" and _triton is not None and a.head_dim in SUPPORTED_HEAD_DIMS
     p = _Pass(cache=cache, start=start, tree_mask=tree_mask,
               conv_idx=conv_index_on_device(parents, a.linear_conv_kernel_dim),

@@ -47,10 +47,12 @@ class KernelConfig:
             weight's shape alone), so a request's output does not depend on the requests it shares steps with.
             Off: cuBLAS, which picks its algorithm by the step's rows (outputs then vary with the batch in bf16).
         gdn_wy: a hybrid target's static pass verifies its GDN layers with the WY-form kernel
-            (:func:`~specpilot.kernels.gdn_wy.gdn_tree_wy`, buckets of at most 64 rows) instead of the path kernel;
-            the commit still replays the accepted path recurrently. Off: on the H200 it verified 48 layers of a
-            32-node tree in 0.95 ms against the path kernel's 1.65 (results/gdn_wy_h200_2026-12-04_b5f1f3c/), but
-            it is not yet timed inside a whole step, and its outputs match the committed state only up to rounding.
+            (:func:`~specpilot.kernels.gdn_wy.gdn_tree_wy`) in buckets of at most
+            :data:`~specpilot.model.hybrid_static.WY_ROWS` rows, the path kernel above; the commit still replays
+            the accepted path recurrently. Off by default: on the H200 it verified 48 layers of a 32-node tree in
+            0.95 ms against the path kernel's 1.65 (results/gdn_wy_h200_2026-12-04_b5f1f3c/), but a whole step
+            with it has not been timed at a bucket it verifies, and its outputs match the committed state only up
+            to rounding.
     """
 
     fused: bool | None = None
