@@ -91,7 +91,7 @@ def build(cfg: dict, dev: str, dtype: torch.dtype) -> HybridTransformer:
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     model.inv_freq = rope_inv_freq(args).to(dev)
-    return model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False).fuse_projections()  # as load_model does (results before 30b8cfe: unfused)
 
 
 class Shape:

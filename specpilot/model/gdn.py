@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpilot.model.args import ModelArgs
+from specpilot.model.layers import fused_linear
 
 
 def parents_from_mask(mask: torch.Tensor | None, start: int, r: int) -> list[int]:
@@ -167,15 +168,25 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, args.rms_norm_eps)
         self.out_proj = nn.Linear(vd, h, bias=False)
 
+    def fuse(self) -> None:
+        """Replace the four input projections by one ``in_proj`` (weights concatenated on the output dim: one GEMM
+        instead of four, two of them only ``hv`` wide), same results up to GEMM blocking. Idempotent."""
+        if "in_proj" in self._modules:
+            return
+        self.in_proj = fused_linear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
     def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Projections of ``x [R, hidden]``: ``(mixed [R, C]`` (the conv's input, model dtype), ``z [R, H, d_v]``,
         ``g [R, H]`` float32 (log decay), ``beta [R, H]`` float32)."""
         r = x.shape[0]
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).reshape(r, self.hv, self.dv)
-        beta = self.in_proj_b(x).sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        return mixed, z, g, beta
+        if "in_proj" in self._modules:
+            mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.hv * self.dv, self.hv, self.hv], dim=-1)
+        else:
+            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return mixed, z.reshape(r, self.hv, self.dv), g, beta
 
     def conv(self, window: torch.Tensor, mixed: torch.Tensor, parents: list[int]) -> torch.Tensor:
         """Depthwise causal conv + SiLU along each row's root path. ``window [K − 1, C]`` (the committed inputs,

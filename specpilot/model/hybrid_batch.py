@@ -26,7 +26,7 @@ from specpilot.errors import SpecPilotError
 from specpilot.model.batch import Prepared
 from specpilot.model.gdn import parents_from_mask
 from specpilot.model.hybrid_pool import HybridPool
-from specpilot.model.layers import apply_partial_rope, grouped_sdpa
+from specpilot.model.layers import grouped_sdpa
 
 
 def forward_prepared(model, tokens: torch.Tensor, positions: torch.Tensor, pool: HybridPool, p: Prepared,
@@ -86,10 +86,7 @@ def _attention(attn, slot: int, x: torch.Tensor, cos, sin, pool: HybridPool, p: 
     :meth:`GatedAttention.forward` computes it for one: K/V written to each row's slot and position, then each
     request's rows attend to their slot (``p.mask``). ``x [R, hidden]`` -> ``[R, hidden]``."""
     a, r = attn.args, x.shape[0]
-    q, gate = attn.q_proj(x).reshape(r, a.n_heads, 2 * a.head_dim).chunk(2, dim=-1)
-    q = apply_partial_rope(attn.q_norm(q), cos, sin)
-    k = apply_partial_rope(attn.k_norm(attn.k_proj(x).reshape(r, a.n_kv_heads, a.head_dim)), cos, sin)
-    v = attn.v_proj(x).reshape(r, a.n_kv_heads, a.head_dim)
+    q, k, v, gate = attn.project(x, cos, sin)
     pool.k[p.slot, slot, p.pos] = k.to(pool.k.dtype)
     pool.v[p.slot, slot, p.pos] = v.to(pool.v.dtype)
     keys = pool.k[:, slot, : p.span].index_select(0, p.slots)  # [B, span, KVH, D]

@@ -37,7 +37,7 @@ from specpilot.kernels.tree_attention import triton as _triton  # None without t
 from specpilot.kernels.gdn_tree import gdn_commit, gdn_commit_reference, gdn_tree, gdn_tree_reference, root_paths
 from specpilot.kernels.gdn_wy import gdn_tree_wy
 from specpilot.kernels.gdn_wy import tree_mask as wy_tree_mask
-from specpilot.model.layers import apply_partial_rope, grouped_sdpa, region
+from specpilot.model.layers import grouped_sdpa, region
 from specpilot.model.moe import SparseMoE
 
 #: The largest bucket whose GDN layers the WY kernel verifies (KernelConfig.gdn_wy); larger ones use the path kernel.
@@ -143,10 +143,7 @@ def _gdn(mod, x: torch.Tensor, p: _Pass, slot: int) -> torch.Tensor:
 def _attention(mod, x: torch.Tensor, cos, sin, p: _Pass, slot: int) -> torch.Tensor:
     """One gated attention over the prefix and the rows' tree (:meth:`GatedAttention.forward`'s math)."""
     a, r, cache = mod.args, x.shape[0], p.cache
-    q, gate = mod.q_proj(x).reshape(r, a.n_heads, 2 * a.head_dim).chunk(2, dim=-1)
-    q = apply_partial_rope(mod.q_norm(q), cos, sin)
-    k = apply_partial_rope(mod.k_norm(mod.k_proj(x).reshape(r, a.n_kv_heads, a.head_dim)), cos, sin)
-    v = mod.v_proj(x).reshape(r, a.n_kv_heads, a.head_dim)
+    q, k, v, gate = mod.project(x, cos, sin)
     slots = p.start + torch.arange(r, device=x.device)
     cache.k[slot].index_copy_(0, slots, k)
     cache.v[slot].index_copy_(0, slots, v)

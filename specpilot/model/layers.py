@@ -102,7 +102,7 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dt)
 
 
-def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One ``nn.Linear`` whose weight (and bias) are ``parts``' concatenated on the output dim."""
     p0 = parts[0]
     with torch.device("meta"):  # no initialisation: it would only be overwritten (and draw from torch's RNG)
@@ -138,7 +138,7 @@ class Attention(nn.Module):
             return
         parts = [self.q_proj, self.k_proj, self.v_proj]
         self.qkv_split = [p.out_features for p in parts]
-        self.qkv_proj = _fused_linear(parts)
+        self.qkv_proj = fused_linear(parts)
         del self.q_proj, self.k_proj, self.v_proj
 
     def _qkv(self, x, cos, sin, prof):
@@ -246,7 +246,7 @@ class MLP(nn.Module):
         """Replace gate/up_proj by one ``gate_up_proj`` (one GEMM instead of two). Idempotent."""
         if hasattr(self, "gate_up_proj"):
             return
-        self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+        self.gate_up_proj = fused_linear([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
     def forward(self, x, prof=None):
