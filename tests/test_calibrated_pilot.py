@@ -123,6 +123,9 @@ def test_calibrate_command_writes_a_usable_calibration(tmp_path):
     assert proc.returncode == 0, proc.stderr
     cal = load_calibration(tmp_path / "c.json")
     assert (cal.depth, cal.top_k) == (4, 4) and cal.cost["kind"] == "draft_model"
+    qa = cal.q_agreement  # the pair's Q-view agreement along the same outputs (TLV's simulated Q pass)
+    assert qa["weights"] == "view8" and len(qa["reached"]) == 5 and qa["reached"][0] == 4 * 11
+    assert "Q agreement" in proc.stdout
     bad = cli("--drafter", "eagle3", "--out", str(tmp_path / "e.json"))
     assert bad.returncode == 2 and "calibrate one of" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "e.json").exists()

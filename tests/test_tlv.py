@@ -87,8 +87,8 @@ class LyingQ:
     def __init__(self, real: QPass, mode: str, k: int = 2):
         self.real, self.mode, self.k, self.features = real, mode, k, None
 
-    def run(self, tok_list, pos_list, start, tree, prof=None):
-        out = self.real.run(tok_list, pos_list, start, tree, prof)
+    def run(self, tok_list, pos_list, start, tree, prof=None, committed=None):
+        out = self.real.run(tok_list, pos_list, start, tree, prof, committed)
         self.features = self.real.features
         depth = [0] + list(tree.depths)
         return [(t + 1) % V if self.mode == "first" or depth[r] >= self.k else t for r, t in enumerate(out)]

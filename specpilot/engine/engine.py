@@ -35,6 +35,7 @@ from specpilot.model.hybrid_cache import HybridCache
 from specpilot.model.layers import region
 from specpilot.model.transformer import Transformer
 from specpilot.spec.calibrated import CalibratedDrafter
+from specpilot.spec.calibrated_q import simulated_q
 from specpilot.spec.drafter import Drafter, check_fits, draft_depth, propose_one
 from specpilot.spec.trees import Tree, build_tree
 
@@ -92,8 +93,10 @@ class Engine:
             # lm-head bench picks Triton's interpreter before its first import) must be able to import the engine without
             from specpilot.model.qview import q_view
 
-            self.tlv = QPass(q_view(target, config.q_weights), self.cache, self.feature_layers, buckets,
-                             config.nodes + 1)
+            # a calibrated drafter whose calibration measured the Q agreement: the real Q pass runs (its time),
+            # its argmax along the known greedy path is the simulated one (specpilot.spec.calibrated_q)
+            self.tlv = simulated_q(QPass(q_view(target, config.q_weights), self.cache, self.feature_layers, buckets,
+                                         config.nodes + 1), drafter, config.q_weights)
         self.logits_hook = logits_hook
         self.step_hook = None
         self._feats: torch.Tensor | None = None  # the last pass's target features [R, F] (drafters that read them)
@@ -274,7 +277,8 @@ class Engine:
         start, root = len(committed) - 1, committed[-1]
 
         def q_pass(tree: Tree) -> list[int]:
-            return self.tlv.run([root] + tree.tokens, [start] + [start + d for d in tree.depths], start, tree, prof)
+            return self.tlv.run([root] + tree.tokens, [start] + [start + d for d in tree.depths], start, tree, prof,
+                                committed=committed)
 
         def observe(rows: list[int]) -> None:  # the Q pass's features of C's committed-to-be slots
             self.drafter.observe(0, self.tlv.features[torch.tensor(rows, device=self.tlv.features.device)], start)

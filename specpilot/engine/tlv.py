@@ -103,9 +103,12 @@ class QPass:
             self.runner.capture_all()
         self.features: torch.Tensor | None = None
 
-    def run(self, tok_list: list[int], pos_list: list[int], start: int, tree: Tree, prof=None) -> list[int]:
+    def run(self, tok_list: list[int], pos_list: list[int], start: int, tree: Tree, prof=None,
+            committed: list[int] | None = None) -> list[int]:
         """The Q pass over rows ``tok_list`` at positions ``pos_list`` after ``start`` committed slots, ``tree``
-        giving their ancestor mask; returns the argmax per row (one host read). Commits nothing."""
+        giving their ancestor mask; returns the argmax per row (one host read). Commits nothing. ``committed``: the
+        committed tokens, unused here; a simulated Q pass (:class:`~specpilot.spec.calibrated_q.SimulatedQPass`,
+        same interface) reads them to find the known greedy path."""
         with region(prof, "q_pass"):
             out = None
             if self.runner is not None:

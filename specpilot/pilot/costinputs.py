@@ -20,8 +20,10 @@ from specpilot.pilot.phase0 import Phase0Result
 from specpilot.pilot.planner import VERIFY_ROWS, Planner
 from specpilot.model.qview import q_view
 from specpilot.pilot.replay import Recording, record
-from specpilot.pilot.replay_tlv import record_q
+from specpilot.pilot.replay_tlv import QRecording, record_q
 from specpilot.pilot.tlv_cost import TlvInputs
+from specpilot.spec.calibrated import SEED
+from specpilot.spec.calibrated_q import QSimulation, is_simulated, q_simulation_note, simulated_chains
 from specpilot.spec.calibration import load_calibration
 from specpilot.pilot.setup import measure_move_ms, measure_verify_ms
 from specpilot.pilot.state import Pilot
@@ -87,6 +89,9 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
     tlv = tlv_inputs(pilot, recs, max([depth_max] + [r.depth for r in recs.values()]), static)
     report["tlv"] = None if tlv is None else {"weights": tlv.weights, "q_verify_ms": tlv.q_ms,
                                               "agreement": tlv.agreement}
+    if tlv is not None and tlv.simulated is not None:  # the calibrated drafter's TLV: its Q agreement is SIMULATED
+        report["tlv"].update(simulated_agreement=tlv.simulated_agreement, simulated_path=tlv.simulated_path,
+                             simulated=q_simulation_note(load_calibration(tlv.simulated_path)))
     kind_steps = []
     if pilot.stock.drafter != "ngram":  # the step's own work, calibrated where all the drafting is timed host work
         ngram_cfg = SystemConfig.stock("ngram", depth=pilot.stock.depth, dtype=pilot.stock.dtype)
@@ -135,8 +140,11 @@ def recorded_requests(reqs: list, p0: Phase0Result) -> list:
 def tlv_inputs(pilot: Pilot, recs: dict, depth: int, static: bool) -> TlvInputs | None:
     """What the planner prices TLV with (§4.3): the Q pass of the target's 8-bit view (``view8``; the bf16 rounding
     of a float32 target) recorded along the AR outputs the recordings hold, ``depth`` chain rows past each root, and
-    the Q pass's time by rows, measured as the exact pass's (:func:`measure_verify_ms`). None (said, and TLV is
-    neither priced nor proposed) for a target without a Q view (:func:`q_view` refuses it: a hybrid target)."""
+    the Q pass's time by rows, measured as the exact pass's (:func:`measure_verify_ms`). With a calibration that
+    measured the real pair's Q agreement (``--calibration``), also the calibrated drafter's SIMULATED Q chains
+    (:func:`~specpilot.spec.calibrated_q.simulated_chains`, the draws of the engine's simulated Q pass). None (said,
+    and TLV is neither priced nor proposed) for a target without a Q view (:func:`q_view` refuses it: a hybrid
+    target)."""
     dep = pilot.dep
     try:
         q = q_view(dep.target, "view8")
@@ -147,7 +155,14 @@ def tlv_inputs(pilot: Pilot, recs: dict, depth: int, static: bool) -> TlvInputs 
     rec = next(iter(recs.values()))
     qrec = record_q(dep.target, q, rec, depth, "view8")
     q_ms = measure_verify_ms(q, prefix_len=200, rows=VERIFY_ROWS, static=static)
-    return TlvInputs(qrec, q_ms, "view8", qrec.agreement(rec))
+    out = TlvInputs(qrec, q_ms, "view8", qrec.agreement(rec))
+    cal = load_calibration(pilot.o.calibration) if pilot.o.calibration is not None else None
+    if cal is not None and is_simulated(cal, "view8"):  # the chains the engine's SimulatedQPass answers, same draws
+        pilot.say("cost model", "the calibrated drafter's Q agreement (TLV) is SIMULATED from its calibration")
+        sim = QSimulation(cal.q_agreement, dep.target.args.vocab_size, SEED)
+        out.simulated = QRecording(simulated_chains(rec.prompts, rec.ar, sim, depth), depth, "view8")
+        out.simulated_path, out.simulated_agreement = str(pilot.o.calibration), out.simulated.agreement(rec)
+    return out
 
 
 def c_model_curve(planner: Planner, verify_ms: dict) -> dict:

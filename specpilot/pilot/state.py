@@ -226,7 +226,11 @@ class Pilot:
         dep = {"target": str(self.o.target), "drafter": str(self.o.drafter) if self.o.drafter else "ngram",
                "device": self.o.device, "dtype": self.o.dtype, "batch": 1}
         if self.o.calibration is not None:  # every figure of a 'calibrated' system is a simulation of acceptance
-            dep["calibration"] = f"{self.o.calibration} (the calibrated drafter's acceptance is SIMULATED)"
+            from specpilot.spec.calibration import load_calibration
+
+            q = load_calibration(self.o.calibration).q_agreement is not None  # then its TLV Q agreement is too
+            dep["calibration"] = (f"{self.o.calibration} (the calibrated drafter's acceptance"
+                                  f"{' and TLV Q-pass agreement are' if q else ' is'} SIMULATED)")
         return dep
 
     def entry(self, rnd, incumbent, cand, run, forcing, requires, reused_from: str | None = None) -> Entry:

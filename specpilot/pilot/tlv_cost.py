@@ -26,12 +26,27 @@ from specpilot.pilot.replay_tlv import QRecording, replay_tlv_steps
 class TlvInputs:
     """What the planner needs to price TLV: the Q passes along the recorded AR outputs (``qrec``, of the Q view
     ``weights``), the Q pass's measured time by rows (``q_ms``, ``{rows: ms}``) and its agreement with the exact
-    pass (``agreement``, :meth:`QRecording.agreement`)."""
+    pass (``agreement``, :meth:`QRecording.agreement`).
+
+    A calibrated deployment whose calibration measured the real pair's Q agreement adds ``simulated``: the Q chains
+    a :class:`~specpilot.spec.calibrated_q.SimulatedQPass` answers along the same AR outputs, used for configs of
+    the ``calibrated`` drafter of that calibration file (``simulated_path``); ``simulated_agreement`` is their
+    agreement, labelled SIMULATED in the report. Every other config is priced with the real Q view's ``qrec``."""
 
     qrec: QRecording
     q_ms: dict[int, float]
     weights: str = "view8"
     agreement: dict | None = None
+    simulated: QRecording | None = None
+    simulated_path: str | None = None
+    simulated_agreement: dict | None = None
+
+    def qrec_for(self, cfg: SystemConfig) -> QRecording:
+        """The Q chains ``cfg`` is replayed over: the simulated ones for the calibrated drafter of
+        :attr:`simulated_path`, else the real Q view's."""
+        if self.simulated is not None and cfg.drafter == "calibrated" and cfg.drafter_path == self.simulated_path:
+            return self.simulated
+        return self.qrec
 
     def q_time(self, rows: float) -> float:
         """Q-pass time for ``rows`` rows, ms (the measured times made monotone, interpolated); 0 for no rows."""
@@ -42,9 +57,9 @@ class TlvInputs:
         xs = np.array(sorted(self.q_ms), dtype=float)
         return float(np.interp(rows, xs, monotone([self.q_ms[r] for r in sorted(self.q_ms)])))
 
-    def subset(self, requests: list[int] | None) -> QRecording:
-        """The Q recording of ``requests`` (None: all)."""
-        q = self.qrec
+    def subset(self, requests: list[int] | None, cfg: SystemConfig | None = None) -> QRecording:
+        """The Q recording of ``requests`` (None: all), the one :meth:`qrec_for` ``cfg`` picks (None: the real)."""
+        q = self.qrec if cfg is None else self.qrec_for(cfg)
         return q if requests is None else QRecording([q.chains[i] for i in requests], q.depth, q.weights)
 
 
@@ -62,7 +77,7 @@ def predict_tlv(planner, cfg: SystemConfig, tlv: TlvInputs, requests: list[int] 
     rec = planner.recording(cfg)
     if rec is None or cfg.q_weights != tlv.weights or cfg.depth > tlv.qrec.depth:
         return None
-    steps = replay_tlv_steps(rec if requests is None else rec.subset(requests), tlv.subset(requests), cfg)
+    steps = replay_tlv_steps(rec if requests is None else rec.subset(requests), tlv.subset(requests, cfg), cfg)
     if not steps:
         return None
     n = len(steps)

@@ -1,8 +1,9 @@
 """The ``specpilot calibrate`` command: a calibration of a real pair's drafter for the simulated ``calibrated`` drafter
 (:mod:`specpilot.spec.calibration`, docs/calibrated-drafter.md). It records the drafter's lattice at every committed
 length of the target's AR greedy outputs on bundled benchmark prompts (exact replay, §2.4), measures the calibration
-from it and stores the drafter's cost spec, so that ``specpilot pilot --calibration FILE`` or a ``calibrated``
-SystemConfig on a random-weight target of a real shape drafts with this pair's acceptance at this drafter's cost.
+from it and stores the drafter's cost spec and the target's Q-view agreement along the same outputs (TLV, §4.3), so
+that ``specpilot pilot --calibration FILE`` or a ``calibrated`` SystemConfig on a random-weight target of a real shape
+drafts with this pair's acceptance at this drafter's cost (and simulates the pair's Q agreement under TLV).
 Registered by :mod:`specpilot.cli`; user errors are :class:`~specpilot.errors.SpecPilotError` (one line)."""
 
 from __future__ import annotations
@@ -67,6 +68,24 @@ def calibrate_cmd(
     cal = calibrate(rec, cost=cost_spec_of(real), source={
         "drafter": drafter, "drafter_path": str(drafter_path) if drafter_path else None,
         "target": str(dep.target_dir), "requests": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype})
+    q_note = q_agreement_of(dep.target, rec, cal)
     path = save_calibration(cal, out)
     print(f"wrote {path} ({len(prompts)} requests x {max_new_tokens} tokens, depth {depth}, top-{top_k}; "
-          f"cost {cal.cost['kind'] if cal.cost else 'none'})")
+          f"cost {cal.cost['kind'] if cal.cost else 'none'}; {q_note})")
+
+
+def q_agreement_of(target, rec, cal) -> str:
+    """Store in ``cal`` the real pair's Q-view (``view8``) agreement along ``rec``'s AR outputs (TLV, §4.3), so a
+    calibrated system's TLV Q pass can be simulated (:mod:`specpilot.spec.calibrated_q`); returns a line for the
+    user. A target without a Q view (a hybrid) leaves it unset and says so."""
+    from specpilot.model.qview import q_view
+    from specpilot.pilot.replay_tlv import record_q
+    from specpilot.spec.calibrated_q import measure_q_agreement
+
+    try:
+        q = q_view(target, "view8")
+    except SpecPilotError as e:
+        return f"no Q agreement ({e})"
+    qrec = record_q(target, q, rec, cal.depth, "view8")
+    cal.q_agreement = measure_q_agreement(rec.ar, qrec.chains, cal.depth, "view8")
+    return f"view8 Q agreement {qrec.agreement(rec)['root']:.3f} of root rows"

@@ -42,6 +42,7 @@ from specpilot.spec.drafter import DraftRequest
 from specpilot.spec.lattice import Lattice
 
 PRIOR = 4.0  # pseudo-counts pulling a sparse per-position rank distribution toward the pooled one
+SEED = 0  # the draws' seed of a deployment's calibrated drafters (the pilot's replay of their Q agreement uses it too)
 
 
 class RowsLattice(Lattice):
@@ -334,7 +335,7 @@ def prompt_key(prompt: Sequence[int]) -> str:
     return hashlib.blake2b(str(list(prompt)).encode(), digest_size=16).hexdigest()
 
 
-def build_calibrated(config, target, continuations: Continuations, slots: int = 1, seed: int = 0,
+def build_calibrated(config, target, continuations: Continuations, slots: int = 1, seed: int = SEED,
                      static_step: bool = False) -> CalibratedDrafter:
     """The ``calibrated`` drafter of a :class:`~specpilot.config.SystemConfig` (its ``drafter_path`` names the
     calibration file) for ``target``, holding ``slots`` requests, reading ``continuations``; ``static_step``: a block

@@ -30,6 +30,10 @@ row of scores. What it keeps (counts, not probabilities, so nothing is lost in t
   width, top-1 score and the gaps a tree builder compares stay together (the top-1 quantiles above summarise
   the same scores for readers and tests).
 - **cost**: how to build a network of the real drafter's shape for timing (see :mod:`specpilot.spec.calibrated`).
+- **q_agreement** (optional; absent in files written before it, and then TLV's Q pass is not simulated): how often
+  the real pair's Q view (TLV, §4.3; ``weights``, e.g. ``view8``) agreed with the exact pass along the AR outputs, per
+  chain row ``j`` (0 = the root row): ``reached [D + 1]`` rows whose earlier chain rows all agreed, ``hits [D + 1]``
+  those that agreed too (:mod:`specpilot.spec.calibrated_q`).
 
 File: JSON with ``"schema": "specpilot-calibration"`` and ``"version": 1``; :func:`load_calibration` checks every
 field and raises :class:`CalibrationError` (one line) on a malformed file. Floats are rounded to 4 decimals when
@@ -47,6 +51,7 @@ from specpilot.errors import DrafterError
 
 SCHEMA, VERSION = "specpilot-calibration", 1
 COST_KINDS = ("ngram", "block", "draft_model")  # what :func:`specpilot.spec.cost_drafter.cost_drafter` builds
+Q_WEIGHTS = ("view8", "int8", "int6")  # the Q views (:func:`specpilot.model.qview.q_view`) an agreement names
 QUANTILES = 17  # quantile points 0, 1/16, …, 1
 MIN_COUNT = 20  # samples below which a per-position statistic falls back to the pooled one
 ROW_CAP = 256  # recorded score rows kept per class
@@ -64,6 +69,7 @@ class Calibration:
         depth / top_k: D positions and K candidates a position that were recorded.
         source: what it was measured on (drafter kind, requests, lattices, free notes).
         cost: the cost network's spec (:func:`specpilot.spec.calibrated.cost_drafter`), or None (no cost).
+        q_agreement: the real pair's Q-view agreement per chain row (module docstring), or None (not measured).
     """
 
     depth: int
@@ -80,6 +86,7 @@ class Calibration:
     rows: dict[str, dict[str, list]]
     source: dict = field(default_factory=dict)
     cost: dict | None = None
+    q_agreement: dict | None = None  # {"weights", "reached" [D + 1], "hits" [D + 1]}; None: not measured
 
     @property
     def p_top1(self) -> list[float]:
@@ -93,8 +100,12 @@ class Calibration:
         return self.regime_counts[0] / max(sum(self.regime_counts), 1)
 
     def to_dict(self) -> dict:
-        """The JSON object of the file (``p_top1`` included for readers; it is checked on load)."""
-        return {"schema": SCHEMA, "version": VERSION, **asdict(self), "p_top1": self.p_top1}
+        """The JSON object of the file (``p_top1`` included for readers; it is checked on load; ``q_agreement`` only
+        when measured, so a file without it reads as before)."""
+        d = {"schema": SCHEMA, "version": VERSION, **asdict(self), "p_top1": self.p_top1}
+        if d["q_agreement"] is None:
+            del d["q_agreement"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "calibration") -> "Calibration":
@@ -301,7 +312,14 @@ def _checked(d, where: str) -> Calibration:
     cost_ok = cost is None or isinstance(cost, dict) and cost.get("kind") in COST_KINDS
     if not isinstance(source, dict) or not cost_ok:
         bad(f"source must be an object and cost null or an object whose \"kind\" is one of {', '.join(COST_KINDS)}")
-    cal = Calibration(D, K, regimes, first, trans, reached, hits, first_miss, detour, t1, tc, rows, source, cost)
+    qa = d.get("q_agreement")
+    if qa is not None and not (isinstance(qa, dict) and qa.get("weights") in Q_WEIGHTS and _grid(
+            qa.get("reached"), (D + 1,), lambda x: _int(x) and x >= 0) and _grid(qa.get("hits"), (D + 1,), _int)
+            and all(0 <= h <= n for h, n in zip(qa["hits"], qa["reached"])) and qa["reached"][0] > 0):
+        bad(f"q_agreement must be null or {{\"weights\": one of {', '.join(Q_WEIGHTS)}, \"reached\", \"hits\": "
+            f"{D + 1} counts each, 0 <= hits <= reached, reached[0] > 0}}")
+    cal = Calibration(D, K, regimes, first, trans, reached, hits, first_miss, detour, t1, tc, rows, source, cost,
+                      None if qa is None else {"weights": qa["weights"], "reached": qa["reached"], "hits": qa["hits"]})
     if "p_top1" in d and any(abs(a - b) > 1e-6 for a, b in zip(d["p_top1"], cal.p_top1)):
         bad("p_top1 disagrees with chain_hits / chain_reached (it is derived from them: edit the counts)")
     return cal
