@@ -209,6 +209,8 @@ def test_quick_batch_run_end_to_end(tmp_path):
     assert {v["mechanism"] for v in rep["verdicts"]} == {"ar", *(n for n, _, _ in MECHANISMS)}
     system = json.loads((out / "system.json").read_text())
     assert system["label"] == rep["sealed_label"] and SystemConfig(**system["config"]).seal() == system["seal"]
+    assert system == json.loads((out / "system_n1.json").read_text())  # system.json: the smallest size's
+    assert json.loads((out / "system_n2.json").read_text())["batch_size"] == 2
     assert "## 2 requests at once" in (out / "batch_report.md").read_text()
 
 
@@ -233,6 +235,7 @@ def test_a_calibration_adds_the_simulated_drafter_first(real, tmp_path):  # noqa
     opts = PilotOptions(target=bundled_target_dir(), out=tmp_path / "r", quick=True, calibration=path,
                         overrides={"per_benchmark": 2, "max_new_tokens": 8, "benchmarks": 1})
     rep = run_batch_pilot(opts, (1, 2), rounds=2, rng=random.Random(2))
-    (v,) = [v for v in rep["verdicts"] if v["mechanism"] == "calibrated"]
-    assert "run" in v and not v["run"]["outputs_differ"]
+    vs = [v for v in rep["verdicts"] if v["mechanism"] == "calibrated"]
+    assert sorted(v["size"] for v in vs) == [1, 2]  # judged at each size
+    assert all("run" in v and not v["run"]["outputs_differ"] for v in vs)
     assert rep["outputs_equal_ar"] == {"stock": True, "sealed": True}

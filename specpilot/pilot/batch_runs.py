@@ -103,6 +103,36 @@ class BatchMeasured:
         """Whether ``b``'s tokens equal ``a``'s on every variant of every cell."""
         return all(self.outputs[a][c] == self.outputs[b][c] for c in self.outputs[a])
 
+    def at(self, size: int) -> "BatchMeasured":
+        """The cells of batch size ``size`` only (thread and determinism flags as measured, over every size)."""
+        keep = lambda d: {c: v for c, v in d.items() if c[1] == size}  # noqa: E731
+        return BatchMeasured({k: keep(v) for k, v in self.tps.items()}, {k: keep(v) for k, v in self.outputs.items()},
+                             keep(self.prompts), dict(self.outside), dict(self.nondeterministic))
+
+    @staticmethod
+    def merged(parts: Sequence["BatchMeasured"]) -> "BatchMeasured":
+        """One measurement from several over disjoint cells (e.g. one per batch size) of the same system names:
+        cells united, threads left running united, nondeterminism if any part saw it.
+
+        Raises:
+            ValueError: no parts, parts of different names, or a cell measured twice.
+        """
+        if not parts or any(set(p.tps) != set(parts[0].tps) for p in parts):
+            raise ValueError("merge measurements of the same systems")
+        names = list(parts[0].tps)
+        m = BatchMeasured({k: {} for k in names}, {k: {} for k in names}, {}, {k: () for k in names},
+                          {k: False for k in names})
+        for p in parts:
+            if set(p.prompts) & set(m.prompts):
+                raise ValueError("a (benchmark, size, round) cell is measured twice")
+            m.prompts.update(p.prompts)
+            for k in names:
+                m.tps[k].update(p.tps[k])
+                m.outputs[k].update(p.outputs[k])
+                m.outside[k] = tuple(sorted({*m.outside[k], *p.outside[k]}))
+                m.nondeterministic[k] |= p.nondeterministic[k]
+        return m
+
 
 def measure_batches(makers: dict[str, BatchFactory], groups: dict[str, list[Req]], sizes: Sequence[int],
                     rounds: int, vocab_size: int, *, avoid_ids=(), rng=None,

@@ -1,0 +1,137 @@
+"""Per-batch-size node budgets for the shared budget (§4.4): the flat region of the target's batched pass.
+
+In batching every verified row costs, but not every row costs the same: while the pass is bound by streaming the
+weights, rows added to it are nearly free, and past some total they are not (§2.2). A step over ``n`` requests
+carries ``n`` rows anyway (each request's root, AR's step); the shared budget of that step is the drafted rows it
+can add before the pass gets dearer. This module measures the batched pass by total rows at each batch size,
+untimed (outside every batch run), and picks that edge:
+
+- :func:`measure_pass_ms`: median ms of one batched exact pass of ``m`` requests (``Transformer.forward_batch``
+  over a :class:`~specpilot.model.batch.BatchRows` of ``m`` pool slots, each with ``PREFIX`` committed positions,
+  the rows spread evenly over the requests, causal among a request's rows, + the batched greedy head and the host
+  read: the eager pass a ``shared_budget`` engine runs) by total rows, each total timed interleaved with the
+  ``m``-row pass it is compared to. Ascending, it stops at the first total past the flat region.
+- :func:`flat_budget`: the largest measured total ``R`` such that every measured total from ``m`` to ``R`` costs at
+  most ``1 + FLAT_TOLERANCE`` times the ``m``-row pass; the budget is ``R - m`` drafted nodes (roots excluded),
+  at least 1 (a pass that is not flat at all still verifies one drafted node: the shared budget's smallest step).
+- :func:`shared_budgets`: the ``SystemConfig.shared_budget`` tuple, entry ``m - 1`` for every ``m`` in
+  ``1..max_size`` (steps over fewer requests than the batch's slots happen at its tail).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from specpilot.model.batch import BatchRows
+
+FLAT_TOLERANCE = 0.05  # "within a few percent": a pass at most 5% dearer than the m-row pass is flat
+EXTRA_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # drafted rows tried on top of the m roots (the budget's grid)
+PREFIX = 128  # committed positions per request in the measured pass (a benchmark prompt's order of length)
+REPEATS = 7  # timed passes per total (median), after 2 warm-up passes
+
+
+def _device_sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+@torch.inference_mode()
+def measure_pass_ms(target, m: int, extras=EXTRA_ROWS, tolerance: float = FLAT_TOLERANCE, prefix: int = PREFIX,
+                    repeats: int = REPEATS, _clock=time.perf_counter) -> dict[int, float]:
+    """Ms of one batched exact pass of ``m`` requests by total rows (module doc), ``{m: ms, m + e: ms, ...}`` for
+    ``e`` in ``extras`` ascending, stopping after the first total whose cost passes ``1 + tolerance`` times the
+    ``m``-row pass's (the totals past it are outside the flat region whatever they cost).
+
+    Each ``m + e`` is timed in ``repeats`` rounds interleaved with the ``m``-row pass; its figure is the ``m``-row
+    median of the whole run times the ratio of the two medians of its own rounds, so drift between totals cancels.
+    Args:
+        target: a :class:`~specpilot.model.transformer.Transformer` (its ``new_pool``, ``forward_batch``,
+            ``batch_greedy``). m: requests in the pass (>= 1). prefix: committed positions per request.
+    Raises:
+        ValueError: ``m < 1``, ``repeats < 1``, or rows past the target's context.
+    """
+    if m < 1 or repeats < 1:
+        raise ValueError(f"a pass has at least one request and one repeat, got m={m}, repeats={repeats}")
+    extras = sorted(set(int(e) for e in extras if e >= 1))
+    dev = target.device
+    most = -(-(m + (extras[-1] if extras else 0)) // m)  # rows of the fullest request at the largest total
+    if prefix + most + 1 > target.args.max_position_embeddings:
+        raise ValueError(f"{prefix} + {most} rows pass the target's {target.args.max_position_embeddings} positions")
+    pool = target.new_pool(m, prefix + most + 1)
+    target.forward_batch(torch.zeros(m * prefix, dtype=torch.long, device=dev),
+                         torch.arange(prefix, device=dev).repeat(m), pool,
+                         BatchRows(list(range(m)), [0] * m, [prefix] * m, [None] * m))
+    for s in range(m):  # the prefix committed, as the engine's prefill leaves it
+        pool.cache(s).commit(prefix)
+
+    def make(total: int):
+        counts = [total // m + (i < total % m) for i in range(m)]
+        toks = torch.tensor([(7 * i) % target.args.vocab_size for i in range(total)], device=dev)
+        pos = torch.tensor([prefix + j for c in counts for j in range(c)], device=dev)
+        kernel = target.kernels.batch_kernel
+
+        def one() -> float:
+            rows = BatchRows(list(range(m)), [prefix] * m, counts, [None] * m)  # prepared per pass, as the engine
+            _device_sync(dev)
+            t0 = _clock()
+            hidden = target.forward_batch(toks, pos, pool, rows, kernel=kernel)
+            target.batch_greedy(hidden, kernel).tolist()
+            _device_sync(dev)
+            return 1e3 * (_clock() - t0)
+        return one
+
+    base = make(m)
+    for _ in range(2):
+        base()
+    base_all: list[float] = []
+    out = {}
+    for e in extras:
+        one = make(m + e)
+        for _ in range(2):
+            one()
+        b, t = [], []
+        for _ in range(repeats):
+            b.append(base())
+            t.append(one())
+        base_all += b
+        out[m + e] = sorted(t)[len(t) // 2] / max(sorted(b)[len(b) // 2], 1e-9)  # a ratio for now
+        if out[m + e] > 1 + tolerance:
+            break
+    if not base_all:  # no extras: the m-row pass alone
+        base_all = [base() for _ in range(repeats)]
+    base_ms = sorted(base_all)[len(base_all) // 2]
+    return {m: base_ms, **{r: x * base_ms for r, x in out.items()}}
+
+
+def flat_budget(costs: dict[int, float], m: int, tolerance: float = FLAT_TOLERANCE) -> int:
+    """Drafted nodes a step over ``m`` requests may verify inside the flat region (module doc): ``R - m`` for the
+    largest total ``R`` of ``costs`` (total rows -> ms, ``m`` among them) such that every total from ``m`` up to
+    ``R`` costs at most ``(1 + tolerance) * costs[m]``; at least 1.
+
+    Raises:
+        ValueError: ``costs`` lacks the ``m``-row pass, holds a total below ``m``, or a cost <= 0.
+    """
+    if m not in costs:
+        raise ValueError(f"the cost table has no {m}-row pass to compare with")
+    if min(costs) < m or min(costs.values()) <= 0:
+        raise ValueError(f"a pass of {m} requests has at least {m} rows and costs more than 0 ms")
+    edge = m
+    for total in sorted(costs):
+        if costs[total] > (1 + tolerance) * costs[m]:
+            break
+        edge = total
+    return max(edge - m, 1)
+
+
+def shared_budgets(max_size: int, pass_ms: Callable[[int], dict[int, float]],
+                   tolerance: float = FLAT_TOLERANCE) -> tuple[tuple[int, ...], dict[int, dict[int, float]]]:
+    """The per-size budgets ``(budget for 1 request, ..., for max_size)`` (``SystemConfig.shared_budget``) and the
+    cost tables they came from, ``{m: {total rows: ms}}``; ``pass_ms(m)`` measures one table
+    (:func:`measure_pass_ms` on the deployment's target). Raises ValueError: ``max_size < 1``."""
+    if max_size < 1:
+        raise ValueError(f"budgets for at least one batch size, got {max_size}")
+    tables = {m: pass_ms(m) for m in range(1, max_size + 1)}
+    return tuple(flat_budget(tables[m], m, tolerance) for m in range(1, max_size + 1)), tables

@@ -1,0 +1,125 @@
+"""The batched pilot per batch size: one incumbent and one seal per size, and the shared budget per size from the
+flat region of the batched pass. Verdicts here come from throughputs set by config through the pilot's ``adjust``
+seam (real runs, real outputs, no timing in any assertion); budgets from synthetic cost tables."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from specpilot.config import SystemConfig
+from specpilot.pilot.batch_budget import flat_budget, measure_pass_ms, shared_budgets
+from specpilot.pilot.batch_runs import BatchMeasured, compare
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_flat_budget_is_the_edge_of_the_flat_region():
+    # 4 requests: flat (within 5% of the 4-row pass) up to 12 rows, then dearer; a later dip does not count
+    costs = {4: 10.0, 5: 10.1, 6: 9.9, 8: 10.3, 12: 10.4, 20: 13.0, 36: 10.0}
+    assert flat_budget(costs, 4) == 12 - 4
+    assert flat_budget(costs, 4, tolerance=0.02) == 6 - 4
+    assert flat_budget({1: 5.0, 2: 6.0, 3: 7.0}, 1) == 1  # not flat at all: one drafted node, the smallest budget
+    assert flat_budget({16: 5.0}, 16) == 1
+    for bad in ({5: 1.0}, {3: 1.0, 4: 1.0}, {4: 0.0, 5: 1.0}):
+        with pytest.raises(ValueError):
+            flat_budget(bad, 4)
+
+
+def test_shared_budgets_give_each_batch_size_its_own_budget():
+    def table(m):  # a pass flat up to 8 m rows
+        return {m: 1.0, **{m + e: (1.0 if m + e <= 8 * m else 2.0) for e in (1, 2, 4, 8, 16, 32, 64)}}
+
+    budgets, tables = shared_budgets(4, table)
+    assert budgets == tuple(max(e for e in (1, 2, 4, 8, 16, 32, 64) if m + e <= 8 * m) for m in range(1, 5))
+    assert budgets == (4, 8, 16, 16) and set(tables) == {1, 2, 3, 4}
+    cfg = SystemConfig(tree="best_first", top_k=4, row_selection="shared_budget", shared_budget=budgets)
+    assert [cfg.step_budget(m) for m in (1, 4, 5)] == [4, 16, cfg.nodes * 5]  # past the table: nodes x m
+
+
+def test_measure_pass_ms_times_the_batched_pass_by_total_rows():
+    from specpilot.engine.deployment import Deployment
+    from specpilot.zoo import bundled_target_dir
+
+    target = Deployment(bundled_target_dir()).target
+    costs = measure_pass_ms(target, 3, extras=(1, 5), tolerance=1e9, prefix=16, repeats=1)
+    assert set(costs) == {3, 4, 8} and all(t > 0 for t in costs.values())  # 3 roots, + 1 and + 5 drafted rows
+    assert flat_budget(costs, 3, tolerance=1e9) == 5
+    with pytest.raises(ValueError):
+        measure_pass_ms(target, 0)
+
+
+def test_measured_cells_split_by_size_and_merge_back():
+    cells = [("b", n, r) for n in (1, 4) for r in range(2)]
+    m = BatchMeasured({"a": {c: 10.0 for c in cells}, "b": {c: 10.0 * c[1] for c in cells}},
+                      {k: {c: (((1,),), ((1,),)) for c in cells} for k in "ab"}, {c: (((0,),), ((0,),)) for c in cells},
+                      {"a": (), "b": ("t",)}, {"a": False, "b": True})
+    at4 = m.at(4)
+    assert set(at4.tps["b"]) == {("b", 4, 0), ("b", 4, 1)} and compare(at4, "a", "b").gain == pytest.approx(4.0)
+    back = BatchMeasured.merged([m.at(1), at4])
+    assert back.tps == m.tps and back.outside == {"a": (), "b": ("t",)} and back.nondeterministic["b"]
+    with pytest.raises(ValueError):
+        BatchMeasured.merged([at4, at4])
+
+
+def _speed(cfg: SystemConfig, n: int) -> float:
+    """Throughput by config and size: the best-first tree (per request) wins at one request and loses at two; AR is
+    slower than stock at both; everything else runs at stock's speed."""
+    if cfg.drafter == "none":
+        return 90.0
+    if cfg.tree == "best_first" and cfg.row_selection == "per_request":
+        return 120.0 if n == 1 else 80.0
+    return 100.0
+
+
+def _set_speeds(systems: dict, m: BatchMeasured) -> None:
+    for name, cfg in systems.items():
+        m.tps[name] = {cell: _speed(cfg, cell[1]) for cell in m.tps[name]}
+
+
+def test_a_candidate_that_wins_at_one_size_and_loses_at_the_other_seals_per_size(tmp_path):
+    from specpilot.engine.deployment import Deployment
+    from specpilot.pilot.batch_pilot import run_batch_pilot
+    from specpilot.pilot.state import PilotOptions
+    from specpilot.zoo import bundled_target_dir
+
+    out = tmp_path / "r"
+    opts = PilotOptions(target=bundled_target_dir(), out=out, quick=True,
+                        overrides={"per_benchmark": 2, "max_new_tokens": 8, "benchmarks": 1})
+    flat = lambda m: {m: 1.0, m + 1: 1.0, m + 2: 1.02, m + 4: 1.04, m + 8: 1.5}  # noqa: E731  flat up to m + 4
+    rep = run_batch_pilot(opts, (1, 2), rounds=2, rng=random.Random(3), pass_ms=flat, adjust=_set_speeds)
+
+    bf = {v["size"]: v for v in rep["verdicts"] if v["mechanism"] == "best_first"}
+    assert bf[1]["approved"] and bf[1]["gain"] == pytest.approx(1.2)
+    assert not bf[2]["approved"] and bf[2]["gain"] == pytest.approx(0.8)
+    assert not any(v.get("approved") for v in rep["verdicts"] if v["mechanism"] == "ar")  # AR loses at both sizes
+    shared = {v["size"]: v for v in rep["verdicts"] if v["mechanism"] == "shared_budget"}
+    assert rep["shared_budget"]["budgets"] == [4, 4]
+    assert all(tuple(v["delta"]["shared_budget"]) == (4, 4) for v in shared.values())
+    assert shared[1]["incumbent"] == bf[1]["candidate"] and shared[2]["incumbent"] == rep["stock_label"]
+
+    ps = rep["per_size"]
+    assert ps["1"]["sealed_label"] == bf[1]["candidate"] and ps["1"]["entries"] == ["best_first"]
+    assert ps["2"]["sealed_is"] == "stock" and ps["2"]["entries"] == []
+    assert ps["1"]["sealed_vs_stock"] == pytest.approx(1.2) and ps["2"]["sealed_vs_stock"] == pytest.approx(1.0)
+    assert ps["1"]["sigma"] == 0.0 and ps["1"]["sealed_vs_ar_low"] is not None
+
+    dep = Deployment(bundled_target_dir())
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [11, 12, 13, 11, 12, 13, 11]]
+    ar = [g.tokens for g in dep.batch_system(SystemConfig.ar(), max_num_seqs=2).generate_all(prompts, 12)]
+    systems = {}
+    for n in (1, 2):
+        s = json.loads((out / f"system_n{n}.json").read_text())
+        cfg = SystemConfig(**s["config"])
+        assert cfg.seal() == s["seal"] == ps[str(n)]["sealed_seal"] and s["batch_size"] == n
+        assert s["deployment"]["batch"] == [n]
+        assert ps[str(n)]["outputs_equal_ar"] == {"stock": True, "sealed": True}  # the seal's batch runs
+        got = [g.tokens for g in dep.batch_system(cfg, max_num_seqs=n).generate_all(prompts, 12)]
+        assert got == ar  # the sealed system, loaded from its file, equals AR in float32
+        systems[n] = cfg
+    assert systems[1] != systems[2] and systems[1].tree == "best_first" and systems[2] == SystemConfig.stock(depth=6)
+    assert json.loads((out / "system.json").read_text()) == json.loads((out / "system_n1.json").read_text())
+    md = (out / "batch_report.md").read_text()
+    assert "system_n1.json" in md and "system_n2.json" in md and "| 2 | best_first |" in md
