@@ -176,17 +176,24 @@ class GatedDeltaNet(nn.Module):
         self.in_proj = fused_linear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
         del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
-    def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Projections of ``x [R, hidden]``: ``(mixed [R, C]`` (the conv's input, model dtype), ``z [R, H, d_v]``,
-        ``g [R, H]`` float32 (log decay), ``beta [R, H]`` float32)."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The raw input projections of ``x [R, hidden]``, model dtype: ``(mixed [R, C], z [R, H, d_v], b [R, H],
+        a [R, H])`` (column views of one GEMM's output when fused; the static pass's fused kernel takes the gates
+        from here, :func:`~specpilot.kernels.hybrid_glue.gdn_premix`)."""
         r = x.shape[0]
         if "in_proj" in self._modules:
             mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.hv * self.dv, self.hv, self.hv], dim=-1)
         else:
             mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        return mixed, z.reshape(r, self.hv, self.dv), b, a
+
+    def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projections of ``x [R, hidden]``: ``(mixed [R, C]`` (the conv's input, model dtype), ``z [R, H, d_v]``,
+        ``g [R, H]`` float32 (log decay), ``beta [R, H]`` float32)."""
+        mixed, z, b, a = self.project(x)
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return mixed, z.reshape(r, self.hv, self.dv), g, beta
+        return mixed, z, g, beta
 
     def conv(self, window: torch.Tensor, mixed: torch.Tensor, parents: list[int]) -> torch.Tensor:
         """Depthwise causal conv + SiLU along each row's root path. ``window [K − 1, C]`` (the committed inputs,

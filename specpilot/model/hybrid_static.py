@@ -14,6 +14,9 @@ to the device:
   it reads the parents on the host). No per-row state is kept: the pass writes its rows' step inputs (k, v, g, β) and conv
   inputs into the cache's static buffers of the bucket (:class:`StaticRecord`), from which :func:`commit_path`
   replays the accepted path (``gdn_commit``, one launch for every GDN layer, or the reference replay);
+- with the cache's GDN kernels the glue between the GEMMs runs fused (:mod:`specpilot.kernels.hybrid_glue`): one
+  launch for a GDN layer's conv, SiLU, L2 norms and gates, which writes the record directly, one for its gated output
+  norm, one for each zero-centred layer norm (the second with the residual add); the CPU keeps the PyTorch glue;
 - an attention layer writes its rows' K/V at ``start + arange(B)`` (padding rows' K/V land past the real rows,
   which nothing reads) and attends to the prefix plus its tree-mask ancestors: the Triton tree attention on CUDA for
   head dims it supports, else one masked grouped SDPA over the whole cache with a mask built on the device (head
@@ -37,6 +40,7 @@ from specpilot.kernels.tree_attention import triton as _triton  # None without t
 from specpilot.kernels.gdn_tree import gdn_commit, gdn_commit_reference, gdn_tree, gdn_tree_reference, root_paths
 from specpilot.kernels.gdn_wy import gdn_tree_wy
 from specpilot.kernels.gdn_wy import tree_mask as wy_tree_mask
+from specpilot.kernels.hybrid_glue import gated_rmsnorm, gdn_premix, zc_rmsnorm
 from specpilot.model.layers import grouped_sdpa, region
 from specpilot.model.moe import SparseMoE
 
@@ -121,6 +125,8 @@ class _Pass:
 def _gdn(mod, x: torch.Tensor, p: _Pass, slot: int) -> torch.Tensor:
     """One GDN token mixer over the pass's rows (:meth:`GatedDeltaNet.forward`'s math). ``x [B, hidden]``."""
     r, rec, cache = x.shape[0], p.rec, p.cache
+    if cache.gdn_kernels:
+        return _gdn_fused(mod, x, p, slot)
     mixed, z, g, beta = mod.inputs(x)
     seq = torch.cat((cache.window[slot].to(mixed.dtype), mixed))
     conv = F.silu((seq[p.conv_idx] * mod.conv1d.weight[:, 0, :].t()[None]).sum(1))
@@ -138,6 +144,23 @@ def _gdn(mod, x: torch.Tensor, p: _Pass, slot: int) -> torch.Tensor:
         o = gdn_tree_reference(cache.state[slot], q, k, v, g, beta, p.parents)
     o = mod.norm(o.to(x.dtype), z)
     return mod.out_proj(o.reshape(r, mod.hv * mod.dv))
+
+
+def _gdn_fused(mod, x: torch.Tensor, p: _Pass, slot: int) -> torch.Tensor:
+    """:func:`_gdn` through the fused glue kernels (the cache runs the GDN kernels): the projections, one
+    :func:`~specpilot.kernels.hybrid_glue.gdn_premix` (conv, SiLU, L2 norms, gates; k, v, g, β and the conv inputs
+    written into the record), the path or WY kernel, one :func:`~specpilot.kernels.hybrid_glue.gated_rmsnorm`, the
+    out projection."""
+    rec, cache = p.rec, p.cache
+    mixed, z, b, a = mod.project(x)
+    k, v, g, beta = rec.k[slot], rec.v[slot], rec.g[slot], rec.beta[slot]
+    q = gdn_premix(mixed, cache.window[slot], p.conv_idx, mod.conv1d.weight, b, a, mod.A_log, mod.dt_bias, mod.hk,
+                   mod.dk, k, v, g, beta, rec.mixed[slot])
+    if p.wy_mask is not None:
+        o = gdn_tree_wy(cache.state[slot], q, k, v, g, beta, mask=p.wy_mask)
+    else:
+        o = gdn_tree(cache.state[slot], q, k, v, g, beta, paths=p.paths)
+    return mod.out_proj(gated_rmsnorm(o, z, mod.norm.weight, mod.norm.eps))
 
 
 def _attention(mod, x: torch.Tensor, cos, sin, p: _Pass, slot: int) -> torch.Tensor:
@@ -169,13 +192,19 @@ def moe_static(moe: SparseMoE, x: torch.Tensor, prof=None) -> torch.Tensor:
 
 
 def _layer(layer, x: torch.Tensor, cos, sin, p: _Pass) -> torch.Tensor:
-    h = layer.input_layernorm(x)
+    """One decoder layer; with the cache's GDN kernels its two zero-centred norms (the second with the residual add)
+    run as :func:`~specpilot.kernels.hybrid_glue.zc_rmsnorm`, one launch each."""
+    ln1, ln2, fused = layer.input_layernorm, layer.post_attention_layernorm, p.cache.gdn_kernels
+    h = zc_rmsnorm(x, None, ln1.weight, ln1.eps)[0] if fused else ln1(x)
     if layer.kind == "linear_attention":
         h = _gdn(layer.linear_attn, h, p, layer.slot)
     else:
         h = _attention(layer.self_attn, h, cos, sin, p, layer.slot)
-    x = x + h
-    h = layer.post_attention_layernorm(x)
+    if fused:
+        h, x = zc_rmsnorm(x, h, ln2.weight, ln2.eps)
+    else:
+        x = x + h
+        h = ln2(x)
     return x + (moe_static(layer.mlp, h, p.prof) if isinstance(layer.mlp, SparseMoE) else layer.mlp(h, p.prof))
 
 
