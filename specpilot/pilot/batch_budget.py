@@ -47,19 +47,23 @@ def measure_pass_ms(target, m: int, extras=EXTRA_ROWS, tolerance: float = FLAT_T
 
     Each ``m + e`` is timed in ``repeats`` rounds interleaved with the ``m``-row pass; its figure is the ``m``-row
     median of the whole run times the ratio of the two medians of its own rounds, so drift between totals cancels.
+
     Args:
         target: a :class:`~specpilot.model.transformer.Transformer` (its ``new_pool``, ``forward_batch``,
-            ``batch_greedy``). m: requests in the pass (>= 1). prefix: committed positions per request.
+            ``batch_greedy``). m: requests in the pass (>= 1). prefix: committed positions per request (less when
+            the target's context is shorter than it and the rows).
     Raises:
-        ValueError: ``m < 1``, ``repeats < 1``, or rows past the target's context.
+        ValueError: ``m < 1``, ``repeats < 1``, or rows that leave no prefix in the target's context.
     """
     if m < 1 or repeats < 1:
         raise ValueError(f"a pass has at least one request and one repeat, got m={m}, repeats={repeats}")
     extras = sorted(set(int(e) for e in extras if e >= 1))
     dev = target.device
     most = -(-(m + (extras[-1] if extras else 0)) // m)  # rows of the fullest request at the largest total
-    if prefix + most + 1 > target.args.max_position_embeddings:
-        raise ValueError(f"{prefix} + {most} rows pass the target's {target.args.max_position_embeddings} positions")
+    prefix = min(prefix, target.args.max_position_embeddings - most - 1)  # a short context: a shorter prefix
+    if prefix < 1:
+        raise ValueError(f"{most} rows per request leave no prefix in the target's "
+                         f"{target.args.max_position_embeddings} positions")
     pool = target.new_pool(m, prefix + most + 1)
     target.forward_batch(torch.zeros(m * prefix, dtype=torch.long, device=dev),
                          torch.arange(prefix, device=dev).repeat(m), pool,
