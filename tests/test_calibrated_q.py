@@ -196,3 +196,9 @@ def test_pilot_prices_simulated_tlv_as_the_live_engine_runs_it(tiny_dirs, tiny_m
     live = sum(sum(g.accepted) for g in gens) / sum(g.steps for g in gens)
     assert planner.predict(cfg).tau == pytest.approx(live) and live > planner.predict(
         cfg.model_copy(update={"tlv": False})).tau
+    from specpilot.pilot.state import Pilot
+
+    o = SimpleNamespace(target="T", drafter=None, device="cpu", dtype="float32", calibration=path)
+    assert "TLV Q-pass agreement are SIMULATED" in Pilot.deployment(SimpleNamespace(o=o))["calibration"]
+    o.calibration = save_calibration(real[1], tmp_path / "old.json")  # no Q agreement: acceptance alone
+    assert Pilot.deployment(SimpleNamespace(o=o))["calibration"].endswith("acceptance is SIMULATED)")
