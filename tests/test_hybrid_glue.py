@@ -92,16 +92,17 @@ def test_premix_kernel_equals_its_reference_and_writes_the_record(name, heads, d
 
 @torch.inference_mode()
 def test_premix_gates_at_softplus_extremes():
-    """``a + dt_bias`` past softplus's threshold (20) and far below 0 (log1p of tiny values), β near 0 and 1."""
+    """``a + dt_bias`` past softplus's threshold (20) and far below 0 (log1p of tiny values), β near 0 and 1: g to
+    1e-6 relative in the interpreter (1e-5 compiled, whose exp / log are approximate)."""
     layer = gdn_layer()
     gen = torch.Generator().manual_seed(3)
     _, mixed, _, b, a, window, idx = premix_inputs(layer, TREES["tree"], gen)
     a, b = a.clone(), b.clone()
     a[:, 0], a[:, 1], a[:, 2], b[:, 0], b[:, 1] = 30.0, -30.0, 19.9, 40.0, -40.0
-    a[0, 3], a[1, 3] = -90.0, -1e-4
+    a[0, 3], a[1, 3] = -60.0, -1e-4  # e^-60 stays a normal float32 (no flush to zero compiled)
     ref = gdn_premix_reference(mixed, window, idx, layer.conv1d.weight, b, a, layer.A_log, layer.dt_bias, 2, 16)
     got = run_premix(layer, mixed, window, idx, b, a)
-    torch.testing.assert_close(got[3], ref[3], atol=0, rtol=1e-6)  # g: relative, down to e^-90
+    torch.testing.assert_close(got[3], ref[3], atol=0, rtol=1e-5 if CUDA else 1e-6)  # g: relative, to e^-60
     torch.testing.assert_close(got[4], ref[4], **TOL)
 
 
