@@ -234,3 +234,29 @@ def test_reset_after_a_failed_step_frees_every_slot(tiny_models, monkeypatch):
     assert eng.free_slots() == 2 and eng.num_waiting() == 0 and not eng.has_work()
     gens = eng.generate_all([[1, 2, 3]], 4)
     assert gens[0].tokens == ar(target, [1, 2, 3], 4)
+
+
+@pytest.mark.parametrize("kind,tree", [("none", "chain"), ("ngram", "best_first"), ("ngram", "chain")])
+def test_llama_target_batched_output_equals_ar(tmp_path, kind, tree):
+    """A Llama target (no q/k norm: its fused projection rotates q and k in one RoPE call, the batched pass places
+    its rows with ``batch_sdpa``): outputs equal AR greedy whatever the batch, caches equal a fresh prefill."""
+    from specpilot.model.checkpoint import load_model
+
+    from .conftest import save_tiny
+
+    target = load_model(save_tiny(tmp_path / "llama", "llama", hidden=96, layers=2, heads=6, kv_heads=2, seed=4))
+    assert not target.args.qk_norm and hasattr(target.model.layers[0].self_attn, "qkv_proj")
+    rng = random.Random(zlib.crc32(f"llama|{kind}|{tree}".encode()))
+    cfg = SystemConfig.ar() if kind == "none" else SystemConfig(drafter=kind, tree=tree, nodes=4, depth=3,
+                                                                top_k=1 if tree == "chain" else 3)
+    eng = BatchEngine(target, cfg, drafter_of(kind, target, None, 3, cfg), eos_ids=[], max_num_seqs=3)
+    eng.step_hook = cache_matches_prefill
+    reqs = random_requests(rng, 7)
+    got = {f"r{i}": [] for i in range(len(reqs))}
+    for i, (p, n, stops) in enumerate(reqs):
+        eng.add_request(Request(f"r{i}", p, n, stops))
+    while eng.has_work():
+        for o in eng.step():
+            got[o.request_id] += o.new_tokens
+    for i, (p, n, stops) in enumerate(reqs):
+        assert got[f"r{i}"] == ar(target, p, n, stops), (i, p, n, sorted(stops))

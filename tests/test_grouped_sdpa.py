@@ -65,3 +65,53 @@ def test_models_batched_attention_equals_the_reference(tiny_models):
     with torch.no_grad():
         want = layer.o_proj(ref.reshape(6, a.n_heads * a.head_dim))
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("counts", [(1, 1, 1, 1), (3, 3), (1, 4, 2), (5,)])
+def test_batch_sdpa_equals_grouped_on_padded_rows(counts):
+    """batch_sdpa (rows placed by one index_copy_, the grouped mask built once per pass) returns exactly what
+    grouped_sdpa returns on the rows padded by advanced indexing, for dense (every AR step) and ragged batches,
+    and for q a row-strided view (as the fused projection's RoPE hands it over)."""
+    from specpilot.model.batch import BatchRows
+    from specpilot.model.layers import batch_sdpa
+
+    gen = torch.Generator().manual_seed(sum(counts))
+    kvh, g, d = 3, 3, 16
+    starts = [6 + 2 * i for i in range(len(counts))]
+    masks = [ancestor_mask_of([-1] + list(range(c - 1))) if c % 2 else None for c in counts]
+    p = BatchRows(list(range(len(counts)))[::-1], starts, list(counts), masks).prepared("cpu")
+    assert p.dense == (len(set(counts)) == 1)
+    r = sum(counts)
+    wide = torch.randn(r, kvh * g + 5, d, generator=gen)
+    q = wide[:, 2:2 + kvh * g]  # a view: rows strided
+    keys = torch.randn(len(counts), p.span, kvh, d, generator=gen)
+    vals = torch.randn(len(counts), p.span, kvh, d, generator=gen)
+    qp = q.new_zeros(len(counts), p.r_max, kvh * g, d)
+    qp[p.req, p.j] = q
+    want = grouped_sdpa(qp, keys, vals, p.mask)[p.req, p.j]
+    assert torch.equal(batch_sdpa(q, keys, vals, p), want)
+    assert torch.equal(batch_sdpa(q.contiguous(), keys, vals, p), want)
+
+
+def test_fused_rope_equals_rotating_q_and_k_apart(tiny_models):
+    """With the fused projection and no q/k norm (a Llama's attention), RoPE over q's and k's heads at once equals
+    rotating q and k apart, bit for bit."""
+    import dataclasses
+
+    from specpilot.model.layers import Attention, apply_rope
+
+    m = tiny_models[0]
+    a = dataclasses.replace(m.args, qk_norm=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        layer = Attention(a)
+    layer.fuse()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, a.hidden_size, generator=gen)
+    _, cos, sin = m._embed(torch.zeros(5, dtype=torch.long), torch.arange(3, 8), None)
+    with torch.no_grad():
+        q, k, v = layer._qkv(x, cos, sin, None)
+        qr, kr, vr = layer.qkv_proj(x).split(layer.qkv_split, dim=-1)
+    assert torch.equal(q, apply_rope(qr.reshape(5, a.n_heads, a.head_dim), cos, sin))
+    assert torch.equal(k, apply_rope(kr.reshape(5, a.n_kv_heads, a.head_dim), cos, sin))
+    assert torch.equal(v, vr.reshape(5, a.n_kv_heads, a.head_dim))

@@ -53,6 +53,8 @@ class Prepared:
         mask: ``[B, r_max, span] bool``: what each (padded) row may attend to; a padding row sees slot 0 only.
         starts, counts, row_off: ``[B] int32`` (with ``slots``, the batched kernel's per-request arguments);
         words: ``[B, r_max, ceil(r_max / 32)] int32``, each request's mask among its rows, bit-packed.
+        flat: ``[R] long``, each row's place ``req * r_max + j`` among the padded ``[B * r_max]`` rows (None: not
+            built, as in the padded runner's pass); dense: every request has ``r_max`` rows (padding is a reshape).
     """
 
     req: torch.Tensor
@@ -67,6 +69,18 @@ class Prepared:
     counts: torch.Tensor
     row_off: torch.Tensor
     words: torch.Tensor
+    flat: torch.Tensor | None = None
+    dense: bool = False
+    _grouped: dict = field(default_factory=dict, repr=False)
+
+    def grouped_mask(self, g: int) -> torch.Tensor:
+        """``[B, 1, g * r_max, span]`` bool: :attr:`mask` with each padded row repeated for the ``g`` query heads
+        of a KV head (the layout of :func:`~specpilot.model.layers.grouped_sdpa`), built once per pass rather than
+        once per layer."""
+        if g not in self._grouped:
+            b, r, s = self.mask.shape
+            self._grouped[g] = self.mask[:, None, None].expand(b, 1, g, r, s).reshape(b, 1, g * r, s)
+        return self._grouped[g]
 
     @classmethod
     def of(cls, rows: BatchRows, device: torch.device) -> "Prepared":
@@ -92,4 +106,5 @@ class Prepared:
 
         return cls(req.to(device), j.to(device), torch.tensor(rows.slots)[req].to(device), (starts[req] + j).to(device),
                    torch.tensor(rows.slots, device=device), span, r_max, mask.to(device), starts.to(**i32),
-                   counts.to(**i32), (counts.cumsum(0) - counts).to(**i32), pack_batch_masks(own).to(device))
+                   counts.to(**i32), (counts.cumsum(0) - counts).to(**i32), pack_batch_masks(own).to(device),
+                   (req * r_max + j).to(device), min(rows.counts) == r_max)

@@ -86,6 +86,24 @@ def grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: 
     return o.reshape(b, kvh, g, r, d).permute(0, 3, 1, 2, 4).reshape(b, r, h, d)
 
 
+def batch_sdpa(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, p: Prepared) -> torch.Tensor:
+    """:func:`grouped_sdpa` on a batched pass's packed rows: ``q [R, H, D]`` (request 0's rows, then request 1's,
+    ...), ``keys, vals [B, span, KVH, D]`` gathered per request -> ``[R, H, D]``. The rows go to their padded places
+    by one ``index_copy_`` over ``p.flat`` (a reshape when ``p.dense``, as in every AR step) and come back by one
+    ``index_select``; the grouped mask is built once per pass (:meth:`~specpilot.model.batch.Prepared.grouped_mask`).
+    The SDPA sees the same inputs as :func:`grouped_sdpa` on the padded rows, so the outputs are equal bit for bit
+    (``tests/test_grouped_sdpa.py``)."""
+    (_, h, d), b, rm = q.shape, keys.shape[0], p.r_max
+    kvh = keys.shape[2]
+    g = h // kvh
+    qp = q if p.dense else q.new_zeros(b * rm, h, d).index_copy_(0, p.flat, q)
+    qg = qp.reshape(b, rm, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * rm, d)
+    with sdpa_backends(q.device):
+        o = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=p.grouped_mask(g))
+    o = o.reshape(b, kvh, g, rm, d).permute(0, 3, 1, 2, 4).reshape(b * rm, h, d)
+    return o if p.dense else o.index_select(0, p.flat)
+
+
 class RMSNorm(nn.Module):
     """RMS norm computed in float32, cast back to the input dtype (HF's LlamaRMSNorm)."""
 
@@ -142,8 +160,11 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def _qkv(self, x, cos, sin, prof):
-        """Projections, Qwen3's q/k norm and RoPE: ``q [R, H, D]``, ``k, v [R, KVH, D]``."""
+        """Projections, Qwen3's q/k norm and RoPE: ``q [R, H, D]``, ``k, v [R, KVH, D]`` (q and k may be views of
+        one rotated tensor: last dim contiguous, rows strided)."""
         a, r = self.args, x.shape[0]
+        if hasattr(self, "qkv_proj") and not a.qk_norm:
+            return self._qkv_fused(x, cos, sin, prof)
         with region(prof, "projections"):
             if hasattr(self, "qkv_proj"):
                 q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
@@ -156,6 +177,19 @@ class Attention(nn.Module):
             if a.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _qkv_fused(self, x, cos, sin, prof):
+        """:meth:`_qkv` for the fused projection without q/k norm: q's and k's heads sit side by side in its output,
+        so RoPE rotates ``[R, H + KVH, D]`` at once (the same elementwise ops as rotating q and k apart, half the
+        calls: on the CPU each small op costs its dispatch)."""
+        a, r = self.args, x.shape[0]
+        nq = a.n_heads + a.n_kv_heads
+        with region(prof, "projections"):
+            qkv = self.qkv_proj(x)
+        with region(prof, "norms_elementwise"):
+            qk = apply_rope(qkv[:, : nq * a.head_dim].reshape(r, nq, a.head_dim), cos, sin)
+        v = qkv[:, nq * a.head_dim:].reshape(r, a.n_kv_heads, a.head_dim)
+        return qk[:, : a.n_heads], qk[:, a.n_heads:], v
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask, kind: PassKind, prof=None):
         """Eager path: ``x [R, hidden]`` at prefix ``start`` (int); ``mask [R, start + R]`` bool (True = may
@@ -206,7 +240,7 @@ class Attention(nn.Module):
         """Batched exact pass (:mod:`specpilot.model.batch`): ``x [R, hidden]`` rows of several requests; each row's
         K/V is written to its request's pool slot, then every request's rows attend to that slot's committed
         prefix and, among its own rows, to what its mask allows: rows padded to ``[B, R_max]``, keys gathered to
-        ``[B, span]``, one masked SDPA with the query heads grouped per KV head (:func:`grouped_sdpa`); with
+        ``[B, span]``, one masked SDPA with the query heads grouped per KV head (:func:`batch_sdpa`); with
         ``kernel`` the Triton batched tree attention (:mod:`specpilot.kernels.batch_attention`). Returns
         ``[R, hidden]``."""
         a = self.args
@@ -223,9 +257,7 @@ class Attention(nn.Module):
                     return self.o_proj(o.reshape(x.shape[0], a.n_heads * a.head_dim).to(x.dtype))
             keys = pool.k[:, layer, : p.span].index_select(0, p.slots)  # [B, span, KVH, D]
             vals = pool.v[:, layer, : p.span].index_select(0, p.slots)
-            qp = q.new_zeros(len(p.slots), p.r_max, a.n_heads, a.head_dim)
-            qp[p.req, p.j] = q
-            o = grouped_sdpa(qp, keys, vals, p.mask)[p.req, p.j].reshape(x.shape[0], a.n_heads * a.head_dim)
+            o = batch_sdpa(q, keys, vals, p).reshape(x.shape[0], a.n_heads * a.head_dim)
         with region(prof, "projections"):
             return self.o_proj(o)
 
