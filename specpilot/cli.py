@@ -205,7 +205,7 @@ def check_report_dir(out: Path) -> None:
     An earlier report is rewritten, as documented; files of other names are never touched."""
     from specpilot.pilot.phase0 import RUN_MARKER
 
-    clash = [n for n in PILOT_FILES if (out / n).exists()]
+    clash = [n for n in PILOT_FILES if (out / n).exists()] + sorted(p.name for p in out.glob("system_n*.json"))
     if not clash or (out / RUN_MARKER).is_file():  # a pilot wrote them, maybe in a run that failed before its report
         return
     try:

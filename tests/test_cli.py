@@ -287,6 +287,11 @@ def test_pilot_will_not_overwrite_a_users_files(monkeypatch, capsys, tmp_path):
     (batch / "batch_report.md").write_text("my notes\n")
     with pytest.raises(SpecPilotError, match="batch_report.md"):
         check_report_dir(batch)
+    sized = tmp_path / "sized"  # and so are the per-size sealed systems of a batched pilot
+    sized.mkdir()
+    (sized / "system_n16.json").write_text("{}\n")
+    with pytest.raises(SpecPilotError, match="system_n16.json"):
+        check_report_dir(sized)
 
 
 def test_train_drafter_refuses_bad_numbers_and_token_files(monkeypatch, capsys, tmp_path):
