@@ -93,8 +93,11 @@ def _row_block(d: int) -> int:
     return triton.next_power_of_2(d)
 
 
-def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """Triton ``(rmsnorm(x + delta), x + delta)`` in one pass over each row.
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                zero_centred: bool = False):
+    """Triton ``(rmsnorm(x + delta), x + delta)`` in one pass over each row; ``zero_centred``: the hybrids' norm,
+    ``float32 normed · (1 + float(w))`` cast once at the end (:class:`~specpilot.model.hybrid.ZeroCentredRMSNorm`;
+    ``weight`` then of any float dtype), else HF's ``w · normed.to(dtype)``.
 
     Args:
         x: ``[R, D]`` contiguous, the residual stream (bf16 / fp16 / fp32).
@@ -103,7 +106,8 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     Returns: ``(normed [R, D], new_x [R, D])``; new_x is x itself when delta is None.
     Raises: ValueError on shape / dtype / layout mismatch.
     """
-    if x.dim() != 2 or not x.is_contiguous() or weight.shape != (x.shape[1],) or weight.dtype != x.dtype:
+    if x.dim() != 2 or not x.is_contiguous() or weight.shape != (x.shape[1],) or (
+            weight.dtype != x.dtype and not zero_centred):
         raise ValueError(f"want contiguous x [R, D] and weight [D] of one dtype, got {tuple(x.shape)} "
                          f"{x.dtype}, {tuple(weight.shape)} {weight.dtype}")
     if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype or not delta.is_contiguous()):
@@ -112,7 +116,8 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     normed = torch.empty_like(x)
     new_x = x if delta is None else torch.empty_like(x)
     _add_rmsnorm_kernel[(r,)](x, x if delta is None else delta, weight, normed, new_x, d, eps,
-                              HAS_DELTA=delta is not None, BLOCK=_row_block(d), num_warps=8 if d >= 4096 else 4)
+                              HAS_DELTA=delta is not None, ZERO_CENTRED=zero_centred, BLOCK=_row_block(d),
+                              num_warps=8 if d >= 4096 else 4)
     return normed, new_x
 
 
@@ -167,7 +172,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _add_rmsnorm_kernel(X, Delta, W, Normed, NewX, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rmsnorm_kernel(X, Delta, W, Normed, NewX, D, eps, HAS_DELTA: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+                            BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         ok = offs < D
@@ -177,7 +183,11 @@ if triton is not None:
             tl.store(NewX + row * D + offs, x, mask=ok)
         xf = x.to(tl.float32)
         rstd = rms_rstd(tl.sum(xf * xf, 0), D, eps)
-        tl.store(Normed + row * D + offs, rmsnorm_values(x, tl.load(W + offs, mask=ok, other=0.0), rstd), mask=ok)
+        w = tl.load(W + offs, mask=ok, other=0.0)
+        if ZERO_CENTRED:
+            tl.store(Normed + row * D + offs, (xf * rstd * (1.0 + w.to(tl.float32))).to(x.dtype), mask=ok)
+        else:
+            tl.store(Normed + row * D + offs, rmsnorm_values(x, w, rstd), mask=ok)
 
     @triton.jit
     def rms_rstd(sum_sq, D, eps):

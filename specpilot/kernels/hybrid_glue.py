@@ -32,7 +32,7 @@ try:
     import triton
     import triton.language as tl
 
-    from specpilot.kernels.fused import rms_rstd, rmsnorm_values
+    from specpilot.kernels.fused import add_rmsnorm, rms_rstd, rmsnorm_values
 except ImportError:  # CPU installs without triton: the references still work
     triton = None
 
@@ -147,7 +147,8 @@ def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
 
 
 def zc_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """Triton :func:`zc_rmsnorm_reference` in one pass over each row.
+    """Triton :func:`zc_rmsnorm_reference` in one pass over each row: the dense path's fused add + norm
+    (:func:`~specpilot.kernels.fused.add_rmsnorm`) with its zero-centred weight.
 
     Args:
         x: ``[R, D]`` contiguous (the residual stream); delta: ``[R, D]`` contiguous, same dtype, added to x first
@@ -155,17 +156,7 @@ def zc_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
     Returns: ``(normed [R, D], new_x [R, D])`` in x's dtype; new_x is x itself when delta is None.
     Raises: ValueError on shape / dtype / layout mismatch.
     """
-    if x.dim() != 2 or not x.is_contiguous() or weight.shape != (x.shape[1],):
-        raise ValueError(f"want contiguous x [R, D] and weight [D], got {tuple(x.shape)}, {tuple(weight.shape)}")
-    if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype or not delta.is_contiguous()):
-        raise ValueError(f"delta must match x {tuple(x.shape)} {x.dtype}, got {tuple(delta.shape)} {delta.dtype}")
-    r, d = x.shape
-    normed = torch.empty_like(x)
-    new_x = x if delta is None else torch.empty_like(x)
-    _zc_rmsnorm_kernel[(r,)](x, x if delta is None else delta, weight, normed, new_x, d, eps,
-                             HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(d),
-                             num_warps=8 if d >= 4096 else 4)
-    return normed, new_x
+    return add_rmsnorm(x, delta, weight, eps, zero_centred=True)
 
 
 if triton is not None:
@@ -248,16 +239,3 @@ if triton is not None:
         z = tl.load(Z + row * sz + head * DV + offs).to(tl.float32)
         tl.store(Out + (row * H + head) * DV + offs, (y.to(tl.float32) * _silu(z)).to(dt))
 
-    @triton.jit
-    def _zc_rmsnorm_kernel(X, Delta, W, Normed, NewX, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
-        ok = offs < D
-        x = tl.load(X + row * D + offs, mask=ok, other=0.0)
-        if HAS_DELTA:
-            x = x + tl.load(Delta + row * D + offs, mask=ok, other=0.0)  # rounded to the dtype, as x + h is
-            tl.store(NewX + row * D + offs, x, mask=ok)
-        xf = x.to(tl.float32)
-        h = xf * rms_rstd(tl.sum(xf * xf, 0), D, eps)
-        w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(Normed + row * D + offs, (h * (1.0 + w)).to(x.dtype), mask=ok)
