@@ -260,3 +260,21 @@ def test_llama_target_batched_output_equals_ar(tmp_path, kind, tree):
             got[o.request_id] += o.new_tokens
     for i, (p, n, stops) in enumerate(reqs):
         assert got[f"r{i}"] == ar(target, p, n, stops), (i, p, n, sorted(stops))
+
+
+def test_cpu_batched_head_pads_two_and_three_rows_to_four(tiny_models):
+    """On the CPU a batched pass's 2- or 3-row LM head runs on 4 rows (zero rows added, their ids dropped); its
+    argmax equals the unpadded head's (full_greedy, the reference), and other row counts run unpadded."""
+    target = tiny_models[0]
+    seen = []
+    hook = target.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[0]))
+    try:
+        gen = torch.Generator().manual_seed(7)
+        for r in (1, 2, 3, 4, 5, 9):
+            h = torch.randn(r, target.args.hidden_size, generator=gen)
+            seen.clear()
+            got = target.batch_greedy(h, False)
+            assert seen[0] == (4 if r in (2, 3) else r)
+            assert torch.equal(got, target.full_greedy(h)), r
+    finally:
+        hook.remove()
