@@ -37,12 +37,27 @@ def timed_region(prof, name):
         ACC[name] += time.process_time() - c
 
 
+def profile_ops(eng, steps: int, top: int = 14) -> dict:
+    """Self CPU ms per step of the ``top`` aten ops over ``steps`` engine steps under torch.profiler, and the rest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            eng.step()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    out = {e.key: round(e.self_cpu_time_total / 1e3 / steps, 2) for e in ops[:top]}
+    out["(all other ops)"] = round(sum(e.self_cpu_time_total for e in ops[top:]) / 1e3 / steps, 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="/work/smollm2")
     ap.add_argument("--requests", default="1,8,32")
     ap.add_argument("--system", choices=("ar", "sealed"), default="ar", help="sealed: ngram/best_first N=2 D=2 k=2")
     ap.add_argument("--label", default="", help="a name for the source tree timed")
+    ap.add_argument("--ops", type=int, default=0, help="after timing, profile this many more steps (torch.profiler) "
+                    "and record the top aten ops' self CPU ms per step (the profiler's overhead inflates small ops)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import specpilot.model.layers as layers
@@ -79,6 +94,8 @@ def main() -> None:
                "rows_per_step": rows / steps, "tokens_per_step": toks / steps, "cpu_ms_per_step": round(total, 1),
                "wall_ms_per_step": round(wall, 1), "tokens_per_cpu_s": round(1e3 * toks / steps / total, 1),
                "by_region_cpu_ms": parts, "loadavg": os.getloadavg(), "torch": torch.__version__}
+        if args.ops:
+            row["ops_self_cpu_ms_per_step"] = profile_ops(eng, args.ops)
         print(json.dumps(row), flush=True)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
