@@ -271,7 +271,7 @@ class Transformer(nn.Module):
         """:meth:`greedy` for the rows of a batched pass (:meth:`forward_prepared` with the same ``kernel``):
         the LM head through the batch-invariant GEMM where :meth:`batch_invariant_on`; on the CPU, 2 or 3 rows
         (:data:`SLOW_HEAD_ROWS`) padded with zero rows to 4, which MKL's sgemm multiplies in half the time (float32
-        SmolLM2 head, 1 thread: 3 rows 36 ms, 4 rows 17 ms; ``probes/lm_head_rows.py``); the padding rows' ids are
+        SmolLM2 head, 1 thread: 2 rows 21.8 ms, 3 rows 32.6 ms, 4 rows 16.7 ms; ``probes/lm_head_rows.py``); the padding rows' ids are
         dropped, the real rows' logits agree to float32 rounding. ``hidden [R, hidden]`` -> ``[R] long``."""
         if self.int8_head is None and self.batch_invariant_on(hidden, kernel):
             from specpilot.kernels.gemm import invariant_linear
