@@ -193,3 +193,32 @@ def test_max_model_len_sizes_the_engines_context_and_its_cache(monkeypatch):
         assert eng.pool.slot_len == 96 + eng.config.nodes + 1  # each slot: the context and one step's tree rows
         with pytest.raises(SpecPilotError, match="past the target's"):
             run_server(*args, 10 ** 7)
+
+
+def test_serve_system_takes_its_sealed_batch_size_and_refuses_tree_options(monkeypatch, capsys, tmp_path):
+    """A per-size seal (`pilot --batch`: system_n4.json, batch_size 4) is served with the slots it was judged at
+    unless --max-num-seqs says otherwise (then a warning); --nodes / --depth / --top-k with --system are refused, not
+    silently dropped; a file without batch_size (the single-request pilot's) keeps the default 16 slots."""
+    from specpilot.config import SystemConfig
+    from specpilot.serve import cli as serve_cli
+
+    seen = {}
+    monkeypatch.setattr(serve_cli, "run_server", lambda sock, tdir, ddir, cfg, device, slots, *a: seen.update(
+        slots=slots))
+    sealed = {"config": SystemConfig.ar().model_dump(), "deployment": {"target": str(bundled_target_dir()),
+                                                                      "device": "cpu", "batch": [4]}}
+    f = tmp_path / "system_n4.json"
+    f.write_text(json.dumps({**sealed, "batch_size": 4}))
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0")
+    assert code == 0 and seen["slots"] == 4 and "warning" not in err, err
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0", "--max-num-seqs", "8")
+    assert code == 0 and seen["slots"] == 8 and "sealed for 4 requests at once" in err, err
+    for opt in ("--nodes", "--depth", "--top-k"):
+        code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), opt, "8")
+        assert code == 2 and f"drop {opt}" in err and err.count("\n") == 1, err
+    f.write_text(json.dumps({**sealed, "batch_size": "four"}))
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0")
+    assert code == 2 and "'batch_size' must be a positive integer" in err, err
+    f.write_text(json.dumps(sealed))
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0")
+    assert code == 0 and seen["slots"] == 16, err

@@ -36,11 +36,15 @@ def _listen(host: str, port: int) -> socket.socket:
         raise SpecPilotError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def read_system(path: Path) -> tuple[dict, dict]:
-    """``(config, deployment)`` of a sealed ``system.json`` written by ``specpilot pilot``.
+def read_system(path: Path) -> tuple[dict, dict, Optional[int]]:
+    """``(config, deployment, batch_size)`` of a sealed ``system.json`` written by ``specpilot pilot``.
+
+    ``batch_size``: the number of requests at once the system was sealed for (``specpilot pilot --batch`` writes it
+    into each ``system_n{n}.json``); None where the file does not say (the single-request pilot's).
 
     Raises:
-        SpecPilotError: the file is missing, not JSON, or has no ``config`` object (one line).
+        SpecPilotError: the file is missing, not JSON, has no ``config`` object, or a ``batch_size`` that is not a
+            positive integer (one line).
     """
     from specpilot.text import read_text
 
@@ -52,7 +56,10 @@ def read_system(path: Path) -> tuple[dict, dict]:
         raise SpecPilotError(f"--system {path} is not a sealed system (no 'config' object; `specpilot pilot` writes "
                              "one as <out>/system.json)")
     dep = sysd.get("deployment") if isinstance(sysd.get("deployment"), dict) else {}
-    return sysd["config"], dep
+    size = sysd.get("batch_size")
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise SpecPilotError(f"--system {path}: 'batch_size' must be a positive integer, got {size!r}")
+    return sysd["config"], dep, size
 
 
 def serve(
@@ -61,14 +68,17 @@ def serve(
     drafter_path: Optional[Path] = typer.Option(None, help="Draft model or block drafter checkpoint directory."),
     tree: Optional[str] = typer.Option(None, help="chain | best_first | ddtree_marginal | eagle2_topk | sequoia "
                                        "(default chain)."),
-    nodes: int = typer.Option(6, help="Tree budget N (drafted nodes per request per exact pass)."),
-    depth: int = typer.Option(6, help="Draft positions per step."),
-    top_k: int = typer.Option(4, help="Candidates per draft position (a chain takes 1)."),
+    nodes: Optional[int] = typer.Option(None, help="Tree budget N (drafted nodes per request per exact pass; "
+                                        "default 6)."),
+    depth: Optional[int] = typer.Option(None, help="Draft positions per step (default 6)."),
+    top_k: Optional[int] = typer.Option(None, help="Candidates per draft position (a chain takes 1; default 4)."),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default float32)."),
     device: Optional[str] = typer.Option(None, help="torch device (default cpu; with --system, its deployment's)."),
     system: Optional[Path] = typer.Option(None, help="A system sealed by `specpilot pilot` (its system.json): "
                                           "serves its config on its deployment; not with the system options."),
-    max_num_seqs: int = typer.Option(16, help="Requests decoded at once (engine slots); more wait in a queue."),
+    max_num_seqs: Optional[int] = typer.Option(None, help="Requests decoded at once (engine slots); more wait in a "
+                                               "queue (default 16; with --system, the batch size it was sealed "
+                                               "for where the file names one: system_n4.json, 4)."),
     max_model_len: Optional[int] = typer.Option(None, help="Context per request in tokens, prompt + output (default: "
                                                 "the target's, at most 4096). Every slot's K/V cache is allocated "
                                                 "for it at start: float32 SmolLM2, 32 slots x 4096 is 6 GB."),
@@ -92,7 +102,7 @@ def serve(
     from specpilot.config import SystemConfig
     from specpilot.spec.trees import BUILDERS
 
-    if max_num_seqs < 1:
+    if max_num_seqs is not None and max_num_seqs < 1:
         raise SpecPilotError(f"--max-num-seqs must be at least 1, got {max_num_seqs}")
     if max_model_len is not None and max_model_len < 2:
         raise SpecPilotError(f"--max-model-len must be at least 2, got {max_model_len}")
@@ -106,10 +116,16 @@ def serve(
         raise SpecPilotError(f"--threads must be at least 1, got {threads}")
     if system is not None:
         given = [f"--{n}" for n, v in (("target", target), ("drafter", drafter), ("drafter-path", drafter_path),
-                                        ("tree", tree), ("dtype", dtype)) if v is not None]
+                                        ("tree", tree), ("nodes", nodes), ("depth", depth), ("top-k", top_k),
+                                        ("dtype", dtype)) if v is not None]
         if given:
             raise SpecPilotError(f"--system gives the whole system: drop {', '.join(given)}")
-        cfg_d, dep = read_system(system)
+        cfg_d, dep, sealed_size = read_system(system)
+        if max_num_seqs is None:
+            max_num_seqs = sealed_size or 16
+        elif sealed_size is not None and sealed_size != max_num_seqs:  # served, but not as it was judged
+            print(f"specpilot serve: warning: {system} was sealed for {sealed_size} requests at once; serving it "
+                  f"with {max_num_seqs} slots (nothing was measured at that size)", file=sys.stderr)
         try:
             cfg = SystemConfig(**cfg_d)
         except (TypeError, ValueError) as e:
@@ -145,8 +161,9 @@ def serve(
             raise SpecPilotError(f"--drafter-path is for --drafter draft_model or block; drafter {drafter!r} reads "
                                  "no checkpoint")
         try:
-            cfg = SystemConfig(drafter=drafter, tree=tree, nodes=nodes, depth=depth,
-                               top_k=1 if tree == "chain" else top_k, dtype=dtype or "float32")
+            cfg = SystemConfig(drafter=drafter, tree=tree, nodes=6 if nodes is None else nodes,
+                               depth=6 if depth is None else depth,
+                               top_k=1 if tree == "chain" else (4 if top_k is None else top_k), dtype=dtype or "float32")
         except ValueError as e:
             raise SpecPilotError(f"invalid option: {_pydantic_message(e)}") from None
         bundled = target is None
@@ -155,6 +172,7 @@ def serve(
             cfg = cfg.model_copy(update={"drafter_path": str(ddir)})
         device = device or "cpu"
         served_model_name = served_model_name or ("specpilot-bundled" if bundled else None)
+        max_num_seqs = 16 if max_num_seqs is None else max_num_seqs
     sock = _listen(host, port)
     try:
         import torch
