@@ -12,9 +12,11 @@ by :meth:`commit` / :meth:`compact`.
 from __future__ import annotations
 
 import enum
+import math
 
 import torch
 
+from specpilot.errors import SpecPilotError
 from specpilot.model.args import ModelArgs
 
 
@@ -113,6 +115,8 @@ class KVPool:
             context plus room for a pass's rows).
     Raises:
         ValueError: ``num_slots < 1`` or ``slot_len < 1``.
+        SpecPilotError: the pool's two tensors cannot be allocated on ``device`` (one line with their size and what
+            to lower: the slots are ``--max-num-seqs`` / ``--batch`` sizes, the length ``--max-model-len``).
     Attributes:
         padded_passes: the padded :class:`~specpilot.engine.batch_runner.BatchRunner` (CUDA graphs, padding rows in
             a scratch slot) runs on this pool (a hybrid target's pool says False).
@@ -125,8 +129,14 @@ class KVPool:
         if num_slots < 1 or slot_len < 1:
             raise ValueError(f"a KV pool needs at least one slot of one position, got {num_slots} x {slot_len}")
         shape = (num_slots, args.num_layers, slot_len, args.n_kv_heads, args.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        try:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        except RuntimeError:  # the CPU allocator's refusal; torch.OutOfMemoryError (a RuntimeError) on a GPU
+            gib = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size() / 2**30
+            raise SpecPilotError(f"cannot allocate the K/V pool on {device}: {num_slots} slots x {slot_len} positions "
+                                 f"is {gib:,.1f} GiB; hold fewer requests at once (--max-num-seqs, --batch) or a "
+                                 "shorter context (--max-model-len)") from None
         self.num_slots, self.slot_len = num_slots, slot_len
         self._caches = [KVCache(args, slot_len, dtype, device, storage=(self.k[i], self.v[i])) for i in range(num_slots)]
 
