@@ -384,7 +384,12 @@ def main() -> None:
         sys.exit(130)
     except Exception as e:  # usage errors of the parser (click's or typer's vendored click) in non-standalone mode
         if hasattr(e, "show") and isinstance(getattr(e, "exit_code", None), int):
-            e.show()
+            if type(e).__name__ == "NoArgsIsHelpError" or not hasattr(e, "format_message"):
+                e.show()  # the help text itself
+            else:  # one line, as every other error: click's usage block is four
+                ctx = getattr(e, "ctx", None)
+                hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+                print(f"error: {e.format_message()}{hint}", file=sys.stderr)
             sys.exit(e.exit_code)
         raise
     if isinstance(code, int) and code:

@@ -294,6 +294,17 @@ def test_pilot_will_not_overwrite_a_users_files(monkeypatch, capsys, tmp_path):
         check_report_dir(sized)
 
 
+@pytest.mark.parametrize("args, says", [(("pilot", "--per-benchmark", "1"), "Invalid value for '--per-benchmark'"),
+                                        (("pilot", "--max-new-tokens", "abc"), "Invalid value for '--max-new-tokens'"),
+                                        (("nosuch",), "No such command"),
+                                        (("memory", "show", "."), "Missing argument")])
+def test_usage_errors_are_one_line(monkeypatch, capsys, args, says):
+    """Fresh-user run: the parser's own errors printed click's four-line usage block; now one ``error:`` line that
+    names the command's --help, exit 2, as every other error."""
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    _one_line_error(code, err, says, "--help')")
+
+
 def test_train_drafter_refuses_bad_numbers_and_token_files(monkeypatch, capsys, tmp_path):
     """Fresh-user run 26: zero / negative counts and learning rate, a non-.npy, 2-D or out-of-vocabulary token
     file gave raw tracebacks (or, --steps -1, an untrained drafter). Now refused before any work, no --out left."""
