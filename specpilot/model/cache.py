@@ -103,6 +103,26 @@ class KVCache:
         self.v[:, start : start + k] = self.v[:, src]
 
 
+def allocate_pool(what: str, specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device | str,
+                  num_slots: int, slot_len: int) -> list[torch.Tensor]:
+    """Zeroed tensors of a batch's pool (:class:`KVPool`, :class:`~specpilot.model.hybrid_pool.HybridPool`), one
+    per ``(shape, dtype)`` of ``specs``, on ``device``.
+
+    Raises:
+        SpecPilotError: a tensor cannot be allocated (the CPU allocator's refusal, or ``torch.OutOfMemoryError``, a
+            RuntimeError, on a GPU): one line naming ``what``, ``num_slots`` x ``slot_len`` and the GiB of all of
+            ``specs`` together, and what to lower (the slots are ``--max-num-seqs`` / ``--batch``, the length
+            ``--max-model-len``), instead of the allocator's traceback.
+    """
+    try:
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
+    except RuntimeError:
+        gib = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs) / 2**30
+        raise SpecPilotError(f"cannot allocate the {what} on {device}: {num_slots} slots x {slot_len} positions "
+                             f"is {gib:,.1f} GiB; hold fewer requests at once (--max-num-seqs, --batch) or a "
+                             "shorter context (--max-model-len)") from None
+
+
 class KVPool:
     """The K/V of every request a batch can hold: ``k, v [num_slots, num_layers, slot_len, n_kv_heads, head_dim]``.
 
@@ -129,14 +149,7 @@ class KVPool:
         if num_slots < 1 or slot_len < 1:
             raise ValueError(f"a KV pool needs at least one slot of one position, got {num_slots} x {slot_len}")
         shape = (num_slots, args.num_layers, slot_len, args.n_kv_heads, args.head_dim)
-        try:
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
-        except RuntimeError:  # the CPU allocator's refusal; torch.OutOfMemoryError (a RuntimeError) on a GPU
-            gib = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size() / 2**30
-            raise SpecPilotError(f"cannot allocate the K/V pool on {device}: {num_slots} slots x {slot_len} positions "
-                                 f"is {gib:,.1f} GiB; hold fewer requests at once (--max-num-seqs, --batch) or a "
-                                 "shorter context (--max-model-len)") from None
+        self.k, self.v = allocate_pool("K/V pool", [(shape, dtype)] * 2, device, num_slots, slot_len)
         self.num_slots, self.slot_len = num_slots, slot_len
         self._caches = [KVCache(args, slot_len, dtype, device, storage=(self.k[i], self.v[i])) for i in range(num_slots)]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from specpilot.model.args import ModelArgs
+from specpilot.model.cache import allocate_pool
 from specpilot.model.hybrid_cache import HybridCache
 
 
@@ -47,6 +48,8 @@ class HybridPool:
         dtype / device: of K/V and windows; mode: ``snapshot`` | ``replay`` (:class:`HybridCache`), every slot's.
     Raises:
         ValueError: ``num_slots < 1``, ``slot_len < 1`` or an unknown mode.
+        SpecPilotError: the pool's tensors cannot be allocated on ``device`` (one line with their size, K/V, states
+            and windows together, and what to lower; :func:`~specpilot.model.cache.allocate_pool`).
     """
 
     padded_passes = False
@@ -57,15 +60,14 @@ class HybridPool:
             raise ValueError(f"a hybrid pool needs at least one slot of one position, got {num_slots} x {slot_len}")
         n_attn = args.layer_types.count("full_attention")
         n_gdn = len(args.layer_types) - n_attn
-        shape = (num_slots, n_attn, slot_len, args.n_kv_heads, args.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        kv = (num_slots, n_attn, slot_len, args.n_kv_heads, args.head_dim)
         conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + \
             args.linear_num_value_heads * args.linear_value_head_dim
-        self.state = torch.zeros(num_slots, n_gdn, args.linear_num_value_heads, args.linear_key_head_dim,
-                                 args.linear_value_head_dim, dtype=torch.float32, device=device)
-        self.window = torch.zeros(num_slots, n_gdn, args.linear_conv_kernel_dim - 1, conv_dim, dtype=dtype,
-                                  device=device)
+        state = (num_slots, n_gdn, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
+        window = (num_slots, n_gdn, args.linear_conv_kernel_dim - 1, conv_dim)
+        self.k, self.v, self.state, self.window = allocate_pool(
+            "hybrid pool (K/V, GDN states, conv windows)",
+            [(kv, dtype), (kv, dtype), (state, torch.float32), (window, dtype)], device, num_slots, slot_len)
         self.num_slots, self.slot_len = num_slots, slot_len
         self._caches = [PooledHybridCache(self, i, args, mode) for i in range(num_slots)]
 
