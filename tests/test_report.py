@@ -125,3 +125,27 @@ def test_duration_line_compares_the_estimate_with_the_wall_time(tmp_path):
             "phase0 45 s (40), seal 116 s (100)); --quick plan: max_new_tokens 32 -> 16") in md
     write_report(tmp_path / "n", REPORT, {})
     assert "Duration:" not in (tmp_path / "n" / "report.md").read_text()  # no duration in the report: no line
+
+
+def test_calibrated_rows_say_their_acceptance_is_simulated(tmp_path):
+    """A calibrated drafter's rows in the Predictions and Candidates tables carry [SIMULATED] and the tables a
+    legend; other rows do not, and a report with no calibrated row has neither."""
+    from specpilot.config import SystemConfig
+
+    cal = SystemConfig(drafter="calibrated", drafter_path="cal.json", tree="best_first", nodes=8, depth=4, top_k=2)
+    ngram = SystemConfig(drafter="ngram", tree="chain", nodes=4, depth=4, top_k=1)
+    screened = [{"round": 1, "name": c.label(), "tau_replay": 2.0, "tau_live": 2.0, "c_predicted": 1.1, "c_live": 1.2}
+                for c in (cal, ngram)]
+    cands = [{"round": 1, "name": c.label(), "config": c.model_dump(), "gain": 1.1, "approved": False}
+             for c in (cal, ngram)]
+    rep = {**REPORT, "candidates": cands, "predictions": {"candidates": 2, "holds": True, "screened": screened}}
+    write_report(tmp_path / "cal", rep, {})
+    md = (tmp_path / "cal" / "report.md").read_text()
+    pred = md[md.index("## Predictions"):md.index("## Candidates")]
+    table = md[md.index("## Candidates"):md.index("## Rounds")]
+    for part in (pred, table):
+        assert f"| {cal.label()} [SIMULATED] |" in part and f"| {ngram.label()} |" in part
+        assert f"{ngram.label()} [SIMULATED]" not in part
+        assert "\n[SIMULATED] marks the `calibrated` drafter, whose acceptance is simulated" in part
+    write_report(tmp_path / "real", {**REPORT, "predictions": {"candidates": 1, "holds": True, "screened": screened[1:]}})
+    assert "SIMULATED" not in (tmp_path / "real" / "report.md").read_text()

@@ -159,6 +159,32 @@ def _forcing_cell(c: dict) -> str:
     return f"{'passed' if c['forcing_passed'] else 'failed'} ({_pct(c.get('mismatch_rate'))})"
 
 
+#: the marker after a candidate whose drafter is ``calibrated`` (its acceptance is simulated, §2.4), and its legend
+SIMULATED = " [SIMULATED]"
+SIMULATED_LEGEND = ("[SIMULATED] marks the `calibrated` drafter, whose acceptance is simulated from a real pair's "
+                    "calibration (it is told the target's greedy continuations): its τ and gains are not a real "
+                    "drafter's.")
+
+
+def _simulated(row: dict) -> bool:
+    """Whether a candidates / predictions row is a ``calibrated`` drafter's: its ``config`` says so, or (prediction
+    rows carry no config) its label, which :meth:`SystemConfig.label` starts with the drafter kind."""
+    cfg = row.get("config")
+    if isinstance(cfg, dict) and cfg.get("drafter"):
+        return cfg["drafter"] == "calibrated"
+    return str(row.get("name", "")).startswith("calibrated/")
+
+
+def _name_cell(row: dict) -> str:
+    """A row's candidate cell: its label, with :data:`SIMULATED` for a calibrated drafter's."""
+    return str(row.get("name", "—")) + (SIMULATED if _simulated(row) else "")
+
+
+def _legend(rows: list) -> list[str]:
+    """The one-line legend under a table any of whose ``rows`` carries :data:`SIMULATED`, else nothing."""
+    return ["", SIMULATED_LEGEND] if any(isinstance(x, dict) and _simulated(x) for x in rows) else []
+
+
 def _candidates(cands: list) -> list[str]:
     md = ["## Candidates (§3.3)", "",
           "Gain = geometric mean over benchmarks of the throughput ratio vs the incumbent; 95% low = paired-bootstrap "
@@ -168,11 +194,11 @@ def _candidates(cands: list) -> list[str]:
           "|---|---|---:|---:|---:|---|---|---:|---:|---:|---|"]
     for c in cands:
         p = c.get("predicted") or {}
-        md.append(f"| {c.get('round', '—')} | {c.get('name', '—')} | {_num(c.get('gain'))} | "
+        md.append(f"| {c.get('round', '—')} | {_name_cell(c)} | {_num(c.get('gain'))} | "
                   f"{_num(c.get('lower_bound'))} | {_pct(c.get('bar'))} | {_num(c.get('outputs_differ'))} | "
                   f"{_forcing_cell(c)} | {_num(p.get('tau', c.get('tau')))} | {_num(p.get('c', c.get('c')))} | "
                   f"{_num(p.get('c_screened'))} | {_verdict(c)} |")
-    return md + [""]
+    return md + _legend(cands) + [""]
 
 
 def _reuse(r: dict) -> list[str]:
@@ -220,10 +246,10 @@ def _predictions(p: dict, inputs: dict) -> list[str]:
           "every request.",
           "", "| round | candidate | replay τ | live τ | model c | live c |", "|---:|---|---:|---:|---:|---:|"]
     for row in p.get("screened") or []:
-        md.append(f"| {row.get('round') if row.get('round') is not None else '—'} | {row.get('name', '—')} | "
+        md.append(f"| {row.get('round') if row.get('round') is not None else '—'} | {_name_cell(row)} | "
                   f"{_num(row.get('tau_replay'))} | {_num(row.get('tau_live'))} | {_num(row.get('c_predicted'))} | "
                   f"{_num(row.get('c_live'))} |")
-    return md + [""]
+    return md + _legend(p.get("screened") or []) + [""]
 
 
 def render_markdown(r: dict, images: list[str]) -> str:
