@@ -16,7 +16,7 @@ from typing import List, Optional
 import typer
 
 from specpilot.bench.cli import bench, check_float16_device
-from specpilot.errors import SpecPilotError
+from specpilot.errors import SpecPilotError, validation_message
 from specpilot.fileio import output_dir
 from specpilot.pilot.memory_cli import app as memory_app
 from specpilot.serve.cli import serve
@@ -35,15 +35,6 @@ app.command("import-gguf")(import_gguf)
 app.command("calibrate")(calibrate_cmd)
 app.command("train-drafter")(train_drafter_cmd)
 CHECKPOINT_DRAFTERS = ("draft_model", "block", "eagle3")  # the drafters read from --drafter-path
-
-
-def _pydantic_message(e: ValueError) -> str:
-    """One line naming each invalid field and its constraint, e.g. ``--nodes: Input should be >= 1``."""
-    errors = getattr(e, "errors", None)
-    if not callable(errors):
-        return str(e).splitlines()[0]
-    return "; ".join((f"--{'.'.join(map(str, err['loc'])).replace('_', '-')}: " if err["loc"] else "")
-                     + err["msg"].removeprefix("Value error, ") for err in errors())
 
 
 def _default_dirs(target: Optional[Path], drafter: str, drafter_path: Optional[Path]):
@@ -164,7 +155,7 @@ def generate(
         cfg = SystemConfig(drafter=drafter, tree=tree, nodes=nodes, depth=depth,
                            top_k=1 if tree == "chain" else top_k, dtype=dtype, tlv=tlv, q_weights=q_weights)
     except ValueError as e:
-        raise SpecPilotError(f"invalid option: {_pydantic_message(e)}") from None
+        raise SpecPilotError(f"invalid option: {validation_message(e)}") from None
     if drafter_path is not None and drafter in ("none", "ngram"):
         raise SpecPilotError(f"--drafter-path is for --drafter draft_model, block or eagle3; drafter {drafter!r} reads no "
                              "checkpoint")

@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 DrafterKind = Literal["none", "ngram", "draft_model", "block", "eagle3", "calibrated"]
 TreeKind = Literal["chain", "best_first", "ddtree_marginal", "eagle2_topk", "sequoia"]
@@ -68,28 +68,33 @@ class SystemConfig(BaseModel):
             asked of the drafter changes. Single-request engines ignore it (one request: no other request's
             drafter rows to make room for).
 
+    Fields are strict: a value is taken as given or refused, never converted (``w12="yes"``, ``nodes=6.0`` or
+    ``nodes="6"`` are errors, not ``True`` / ``6``); JSON's ints, bools and lists (for the tuples) are already
+    typed, so system.json files and memory entries read as they were written.
+
     Raises:
-        pydantic.ValidationError: on out-of-range values (e.g. ``nodes < 1``).
+        pydantic.ValidationError: on out-of-range values (e.g. ``nodes < 1``) or values of another type
+            (:func:`specpilot.errors.validation_message` turns it into one line).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     drafter: DrafterKind = "ngram"
-    drafter_path: str | None = None
+    drafter_path: StrictStr | None = None
     tree: TreeKind = "chain"
-    nodes: int = Field(default=6, ge=1, le=256)
-    depth: int = Field(default=6, ge=1, le=64)
-    top_k: int = Field(default=1, ge=1, le=64)
-    ngram_max: int = Field(default=4, ge=1, le=16)
-    ngram_min: int = Field(default=1, ge=1, le=16)
+    nodes: StrictInt = Field(default=6, ge=1, le=256)
+    depth: StrictInt = Field(default=6, ge=1, le=64)
+    top_k: StrictInt = Field(default=1, ge=1, le=64)
+    ngram_max: StrictInt = Field(default=4, ge=1, le=16)
+    ngram_min: StrictInt = Field(default=1, ge=1, le=16)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    w12: bool = False
-    lm_head_int8: bool = False
+    w12: StrictBool = False
+    lm_head_int8: StrictBool = False
     row_selection: RowSelection = "per_request"
-    shared_budget: tuple[int, ...] = ()
-    prompt_admission: int = Field(default=0, ge=0, le=8192)
-    drafter_block: tuple[int, ...] = ()
-    tlv: bool = False
+    shared_budget: tuple[StrictInt, ...] = ()  # a JSON list is a tuple; its entries stay strict
+    prompt_admission: StrictInt = Field(default=0, ge=0, le=8192)
+    drafter_block: tuple[StrictInt, ...] = ()
+    tlv: StrictBool = False
     q_weights: QWeights = "view8"
 
     @model_validator(mode="after")

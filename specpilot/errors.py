@@ -21,3 +21,18 @@ class PromptError(SpecPilotError):
 
 class DrafterError(SpecPilotError):
     """A drafter does not fit the target (vocabulary, tokenizer) or is unknown."""
+
+
+def validation_message(e: ValueError, flags: bool = True) -> str:
+    """One line for a pydantic ``ValidationError`` (or any ValueError), naming each invalid field and what it should
+    be: ``--nodes: Input should be >= 1; --w12: Input should be a valid boolean`` with ``flags`` (the field as its
+    command-line option), ``nodes: ...`` without (a field of a file). Any other ValueError: its first line."""
+    errors = getattr(e, "errors", None)
+    if not callable(errors):
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    out = []
+    for err in errors():
+        loc = ".".join(map(str, err["loc"]))
+        name = f"--{loc.replace('_', '-')}" if flags else loc
+        out.append((f"{name}: " if loc else "") + err["msg"].removeprefix("Value error, "))
+    return "; ".join(out)

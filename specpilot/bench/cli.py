@@ -20,7 +20,7 @@ from typing import Optional
 
 import typer
 
-from specpilot.errors import SpecPilotError
+from specpilot.errors import SpecPilotError, validation_message
 from specpilot.fileio import output_dir
 
 SUITES = ("systems", "w12", "lm-head", "read-floor", "drafter-step", "tlv")
@@ -132,7 +132,7 @@ def _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, draft
     try:
         spec = SystemConfig(drafter=drafter, drafter_path=calibration, tree=tree, nodes=nodes, depth=depth, top_k=top_k)
     except ValueError as e:
-        raise SpecPilotError(f"invalid option: {str(e).splitlines()[0]}") from None
+        raise SpecPilotError(f"invalid option: {validation_message(e)}") from None
     dev = check_device(device)
     check_float16_device(dtype, dev)
     try:

@@ -18,7 +18,7 @@ from typing import Optional
 
 import typer
 
-from specpilot.errors import SpecPilotError
+from specpilot.errors import SpecPilotError, validation_message
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -130,7 +130,7 @@ def serve(
             cfg = SystemConfig(**cfg_d)
         except (TypeError, ValueError) as e:
             raise SpecPilotError(f"--system {system}: its config is not a SystemConfig: "
-                                 f"{str(e).splitlines()[0]}") from None
+                                 f"{validation_message(e, flags=False)}") from None
         from specpilot.zoo import bundled_target_dir, resolve_recorded
 
         if cfg.tlv:  # the pilot seals for one request at a time (batch 1); the server batches
@@ -148,7 +148,7 @@ def serve(
         if tdir == bundled_target_dir():
             served_model_name = served_model_name or "specpilot-bundled"
     else:
-        from specpilot.cli import _default_dirs, _pydantic_message
+        from specpilot.cli import _default_dirs
 
         drafter, tree = drafter or "ngram", tree or "chain"
         if drafter not in ("none", "ngram", "draft_model", "block"):
@@ -165,7 +165,7 @@ def serve(
                                depth=6 if depth is None else depth,
                                top_k=1 if tree == "chain" else (4 if top_k is None else top_k), dtype=dtype or "float32")
         except ValueError as e:
-            raise SpecPilotError(f"invalid option: {_pydantic_message(e)}") from None
+            raise SpecPilotError(f"invalid option: {validation_message(e)}") from None
         bundled = target is None
         tdir, ddir = _default_dirs(target, drafter, drafter_path)
         if ddir is not None:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from specpilot.errors import SpecPilotError
+from specpilot.errors import SpecPilotError, validation_message
 
 KINDS = ("ngram", "draft_model", "block")
 
@@ -52,12 +52,15 @@ def calibrate_cmd(
         drafter_path = bundled_drafter_dir() if drafter == "draft_model" else bundled_block_dir()
     if drafter != "ngram" and drafter_path is None:
         raise SpecPilotError(f"--drafter {drafter} needs --drafter-path with --target")
+    try:  # before loading anything: a bad --depth or --dtype is named by its flag
+        cfg = SystemConfig(drafter=drafter, drafter_path=str(drafter_path) if drafter == "block" else None,
+                           tree="chain", depth=depth, nodes=depth, top_k=top_k, dtype=dtype)
+    except ValueError as e:
+        raise SpecPilotError(f"invalid option: {validation_message(e)}") from None
     dep = Deployment(target or bundled_target_dir(), drafter_path if drafter == "draft_model" else None,
                      dtype=dtype, device=device, block_dirs=[drafter_path] if drafter == "block" else ())
     if dep.tokenizer is None:
         raise SpecPilotError(f"the target {dep.target_dir} has no tokenizer: calibrate needs the benchmark prompts")
-    cfg = SystemConfig(drafter=drafter, drafter_path=str(drafter_path) if drafter == "block" else None, tree="chain",
-                       depth=depth, nodes=depth, top_k=top_k, dtype=dtype)
     real = dep.system(cfg).drafter
     reqs = load_mix(per_benchmark, dep.tokenizer)
     prompts = [dep.tokenizer(r.text, add_special_tokens=False)["input_ids"] for r in reqs]
