@@ -19,7 +19,9 @@ KINDS = ("ngram", "draft_model", "block")
 
 
 def calibrate_cmd(
-    out: Path = typer.Option(..., help="Calibration file to write (JSON)."),
+    out: Path = typer.Option(..., help="Calibration file to write (JSON). Missing parent directories are created, as "
+                             "pilot's and bench's --out are; a path under a file or in a place this user cannot "
+                             "write is refused before any work."),
     drafter: str = typer.Option("draft_model", help="The real drafter: ngram | draft_model | block."),
     drafter_path: Optional[Path] = typer.Option(None, help="Its checkpoint directory (draft_model, block; default with the bundled target: the bundled draft model / block drafter)."),
     target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: bundled)."),
