@@ -30,3 +30,33 @@ def test_calibrate_out_creates_missing_parents_as_pilot_and_bench_do(monkeypatch
                               "--max-new-tokens", "4", "--depth", "2", "--top-k", "2", "--out", str(out))
     assert code == 0 and out.is_file() and f"wrote {out}" in text, err
     assert json.loads(out.read_text())["depth"] == 2
+
+
+def test_bench_picks_threads_as_the_pilot_does(monkeypatch, capsys):
+    """The systems suite on a CPU with <= 2 cores runs on 1 thread (the pilot's and generate's rule, one helper),
+    ``--threads N`` overrides, and the count is printed; set before the timing starts."""
+    import pytest
+    import torch
+
+    import specpilot.bench.engine as engine
+    import specpilot.pilot.setup as setup
+    from specpilot.zoo import bundled_target_dir
+
+    keep = torch.get_num_threads()
+    seen = []
+    monkeypatch.setattr(setup, "available_cores", lambda: 2)
+    monkeypatch.setattr(engine, "run_bench", lambda *a, **k: seen.append(torch.get_num_threads()) or {
+        "device": "cpu", "threads": torch.get_num_threads(), "ar_ms_per_step": 1.0, "ar_tokens_per_s": 1e3,
+        "byte_floor_ms": 0.5, "percent_of_floor": 50.0, "c": {1: 1.0}})
+    args = ["bench", "--device", "cpu", "--dtype", "float32", "--target", str(bundled_target_dir()), "--no-transformers"]
+    try:
+        torch.set_num_threads(2)
+        for flag, want in ((None, 1), ("3", 3)):
+            code, out, err = run_cli(monkeypatch, capsys, *args, *(["--threads", flag] if flag else []))
+            assert code == 0 and json.loads(out)["threads"] == want and seen[-1] == want, err
+        code, _, err = run_cli(monkeypatch, capsys, *args, "--threads", "0")
+        _one_line(code, err, "--threads")
+        if len(seen) != 2:
+            pytest.fail(f"bench ran with --threads 0: {seen}")
+    finally:
+        torch.set_num_threads(keep)

@@ -55,7 +55,8 @@ def bench(
     nodes: int = typer.Option(6, help="With --batch: tree budget N."),
     depth: int = typer.Option(4, help="With --batch: draft positions."),
     top_k: int = typer.Option(2, help="With --batch: candidates a position."),
-    threads: Optional[int] = typer.Option(None, help="torch threads on the CPU (default: the pilot's rule)."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: the pilot's rule: 1 on a CPU device "
+                                          "with <= 2 cores, else torch's default)."),
 ):
     """Benchmarks: our AR and speculative systems beside transformers' generate, c(N) and the byte floor (the
     default systems suite); --suite w12, lm-head, read-floor, drafter-step or tlv for the W12, certified-head,
@@ -72,6 +73,7 @@ def bench(
         if target is not None:
             raise SpecPilotError(f"--target applies to the systems suite only (--suite {suite} uses random "
                                  "Qwen3-8B / 32B-shaped weights)")
+        use_threads(check_device(device), threads)
         raise typer.Exit(run_suite(suite, check_device(device), out))
     if target is None:
         raise SpecPilotError("--target is required by the systems suite (a checkpoint directory, e.g. from "
@@ -86,11 +88,12 @@ def bench(
         raise SpecPilotError(f"--prefix {prefix} + max(--new-tokens {new_tokens}, 256 rows) exceeds the target's "
                              f"context of {context} tokens")
     check_float16_device(dtype, check_device(device))
+    n_threads = use_threads(check_device(device), threads)
     output_dir(out, "--out")
     from specpilot.bench.engine import run_bench
 
     res = run_bench(target, check_device(device), dtype, prefix, new_tokens, out, with_transformers=transformers_generate)
-    print(json.dumps({k: res[k] for k in ("device", "ar_ms_per_step", "ar_tokens_per_s", "byte_floor_ms", "percent_of_floor")}
+    print(json.dumps({"device": res["device"], "threads": n_threads} | {k: res[k] for k in ("ar_ms_per_step", "ar_tokens_per_s", "byte_floor_ms", "percent_of_floor")}
                      | {"c_33": res["c"].get(33), "c_64": res["c"].get(64)}
                      | ({"step_over_kernels": res["ar_step_profile"]["wall_over_kernels"]} if "ar_step_profile" in res else {})
                      | ({"ar_equals_transformers": res["ar_equals_transformers"]} if "ar_equals_transformers" in res else {}),
@@ -101,12 +104,9 @@ def _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, draft
            threads) -> None:
     """``specpilot bench --batch``: check the options, run :func:`specpilot.bench.batch.run_batch_bench`, print a
     table."""
-    import torch
-
     from specpilot.config import SystemConfig
     from specpilot.engine.deployment import check_device
     from specpilot.model.checkpoint import read_args
-    from specpilot.pilot.setup import available_cores, choose_threads
 
     if target is None:
         raise SpecPilotError("--batch needs --target (a checkpoint directory, e.g. from `specpilot zoo random`)")
@@ -135,11 +135,7 @@ def _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, draft
         raise SpecPilotError(f"invalid option: {validation_message(e)}") from None
     dev = check_device(device)
     check_float16_device(dtype, dev)
-    try:
-        n, _ = choose_threads(dev, threads, available_cores(), torch.get_num_threads())
-    except ValueError as e:
-        raise SpecPilotError(f"invalid option: {e}") from None
-    torch.set_num_threads(n)
+    use_threads(dev, threads)
     output_dir(out, "--out")
     from specpilot.bench.batch import run_batch_bench
 
@@ -161,6 +157,26 @@ def _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, draft
         print(f"{key}: {'passed' if f['passed'] else 'FAILED'} ({f['mismatches']} mismatches, {f['events']} events "
               f"in {f['tokens']} tokens, δ {f['delta']:g}){'; ' + '; '.join(f['reasons']) if f['reasons'] else ''}")
     print(f"wrote {res['path']}")
+
+
+def use_threads(device: str, threads: Optional[int]) -> int:
+    """Set torch's CPU threads for a bench run as the pilot and ``generate`` pick them
+    (:func:`specpilot.pilot.setup.choose_threads`: ``--threads``, else 1 on a CPU device with <= 2 cores, where
+    2 threads made an AR step several times slower on a loaded machine, else torch's default); returns the count.
+
+    Raises:
+        SpecPilotError: ``threads < 1``.
+    """
+    import torch
+
+    from specpilot.pilot.setup import available_cores, choose_threads
+
+    try:
+        n, _ = choose_threads(device, threads, available_cores(), torch.get_num_threads())
+    except ValueError as e:
+        raise SpecPilotError(f"invalid option: {e}") from None
+    torch.set_num_threads(n)
+    return n
 
 
 def check_float16_device(dtype: str, device: str) -> None:

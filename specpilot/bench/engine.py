@@ -145,7 +145,7 @@ def run_bench(ckpt, device: str = "cuda", dtype: str = "bfloat16", prefix_len: i
     res = {
         "device": peaks.device_name, "versions": versions(), "commit": git_commit(),
         "date": _dt.datetime.now().isoformat(timespec="seconds"), "checkpoint": str(ckpt), "dtype": dtype,
-        "prefix_len": prefix_len, "new_tokens": new_tokens, "peaks": peaks.to_dict(),
+        "prefix_len": prefix_len, "new_tokens": new_tokens, "threads": torch.get_num_threads(), "peaks": peaks.to_dict(),
         "ar_ms_per_step": ar_ms, "ar_tokens_per_s": 1e3 / ar_ms, "byte_floor_ms": floor,
         "percent_of_floor": 100 * floor / ar_ms, "pass_ms": pass_ms,
         "c": {r: ms / pass_ms[min(pass_ms)] for r, ms in pass_ms.items()},
