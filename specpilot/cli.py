@@ -308,7 +308,8 @@ def audit(
 ):
     """Token forcing (§3.4) of any engine's outputs: mismatches, events (margin >= 2δ), both reject rules.
 
-    Exit status 0 when the outputs pass, 1 when they are rejected or hold no token to audit, 2 on bad input.
+    Exit status 0 when the outputs pass, 1 when they are rejected, 2 on bad input (outputs without a token to
+    audit included).
     """
     from specpilot.engine.deployment import check_device
     from specpilot.pilot.audit import audit_outputs, render

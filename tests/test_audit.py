@@ -127,14 +127,14 @@ def test_bad_input_is_one_line_error(monkeypatch, capsys, tmp_path, case, needle
     assert needle in lines[0] and "Traceback" not in err
 
 
-def test_all_empty_outputs_are_not_a_pass(monkeypatch, capsys, tmp_path):
-    """Fourth fresh-user test: outputs with 0 tokens in all passed the audit, vouching for nothing."""
+def test_all_empty_outputs_are_bad_input(monkeypatch, capsys, tmp_path):
+    """Outputs with 0 tokens in all give no verdict (a pass would vouch for nothing, a reject would blame an engine
+    for a file without its tokens): bad input, one line, exit 2."""
     f = write(tmp_path / "empty.jsonl", [{"prompt_ids": [5, 6, 7], "output_ids": []}] * 2)
-    code, res = audit_json(monkeypatch, capsys, "--outputs", f)
-    assert code == 1 and not res["passed"] and res["audited"]["tokens"] == 0
-    assert res["reasons"] == [f"nothing audited: all 2 output_ids in {f} are empty (0 tokens)"]
-    code, out, err = run_cli(monkeypatch, capsys, "audit", "--target", TARGET, "--outputs", f)
-    assert code == 1 and "REJECTED: nothing audited" in out
+    for extra in ((), ("--json",)):
+        code, out, err = run_cli(monkeypatch, capsys, "audit", "--target", TARGET, "--outputs", f, *extra)
+        assert code == 2 and out == "" and err.count("\n") == 1, (code, out, err)
+        assert err.startswith(f"error: --outputs {f}: all 2 output_ids are empty (0 tokens)"), err
 
 
 def test_a_reference_without_tokens_is_bad_input(monkeypatch, capsys, tmp_path):

@@ -123,11 +123,10 @@ def audit_outputs(target: str | Path, outputs: str | Path, delta: float | None =
         JSON-ready dict: ``target``, ``outputs``, ``delta``, ``event_margin`` (2δ), ``audited``
         (:meth:`ForcingStats.to_dict`: tokens, mismatches, events, rates, top margins, per benchmark),
         ``baseline`` (the same figures of the reference, or zeros) and ``baseline_kind``, ``passed``,
-        ``reasons`` (every failed rule). Outputs with 0 tokens in all (every ``output_ids`` empty) are
-        never passed: ``passed`` is False with the reason "nothing audited".
+        ``reasons`` (every failed rule).
     Raises:
-        AuditInputError: bad outputs / reference file (a reference without any token included) or ``delta`` not
-            finite and > 0.
+        AuditInputError: bad outputs / reference file (one whose every ``output_ids`` is empty included: 0 tokens
+            give no verdict and no baseline) or ``delta`` not finite and > 0.
         CheckpointError: the target cannot be loaded.
     """
     from specpilot.model.checkpoint import load_model
@@ -139,15 +138,16 @@ def audit_outputs(target: str | Path, outputs: str | Path, delta: float | None =
     vocab, ctx = model.args.vocab_size, model.args.max_position_embeddings
     rows = read_outputs(outputs, vocab, ctx)
     ref_rows = read_outputs(reference, vocab, ctx, "reference") if reference is not None else None
+    if not any(out for _, out, _ in rows):  # a verdict on nothing would vouch for nothing: bad input, not a reject
+        raise AuditInputError(f"--outputs {outputs}: all {len(rows)} output_ids are empty (0 tokens), so there is "
+                              "nothing to audit; give the engine's outputs with their tokens")
+    if ref_rows is not None and not any(out for _, out, _ in ref_rows):  # "0.00%" would read as if measured
+        raise AuditInputError(f"--reference {reference}: all {len(ref_rows)} output_ids are empty (0 tokens), so it "
+                              "gives no baseline; pass a reference with tokens, or none (the scorer's zero baseline)")
     scorer = Scorer(model)
     stats = audit(scorer, rows, delta)
     base = audit(scorer, ref_rows, delta) if ref_rows is not None else ForcingStats(delta=delta)
-    if ref_rows is not None and base.tokens == 0:  # a baseline of nothing would read "0.00%" as if measured
-        raise AuditInputError(f"--reference {reference}: all {len(ref_rows)} output_ids are empty (0 tokens), so it "
-                              "gives no baseline; pass a reference with tokens, or none (the scorer's zero baseline)")
     passed, reasons = forcing_verdict(stats, base, "the reference" if ref_rows is not None else "the scorer")
-    if stats.tokens == 0:  # nothing was audited: a pass would vouch for nothing
-        passed, reasons = False, [f"nothing audited: all {len(rows)} output_ids in {outputs} are empty (0 tokens)"]
     return {
         "target": str(target), "outputs": str(outputs), "lines": len(rows), "delta": delta, "event_margin": 2 * delta,
         "audited": stats.to_dict(), "baseline": base.to_dict(),
