@@ -228,6 +228,8 @@ def test_memory_cli_list_show_check(monkeypatch, capsys, code, tmp_path):
     (["memory", "show", "MEM", "broken"], "corrupted"),
     (["memory", "check", "REPORT"], "its memory/ directory may"),  # a pilot's report dir, not its memory
     (["memory", "check", "EMPTY"], "nothing to check"),  # 0 of 0 used to pass
+    (["memory", "show", "MEM", "../mem/ok"], "'../mem/ok' is not a memory entry id"),  # read outside DIR before
+    (["memory", "show", "MEM", ".."], "is not a memory entry id"),
 ])
 def test_memory_cli_errors(monkeypatch, capsys, tmp_path, args, needle):
     m = Memory(tmp_path / "mem")
@@ -267,3 +269,20 @@ def test_a_delta_that_does_not_apply_names_its_fields(tmp_path):
     m.add(entry("bad", {"nodes": -4, "bogus": 1}))
     with pytest.raises(MemoryEntryError, match=r"delta does not apply: nodes: .*greater than or equal to 1; bogus: Extra"):
         m.apply(STOCK, ["bad"])
+
+
+def test_memory_list_of_nothing_is_an_answer_a_check_of_nothing_is_not(monkeypatch, capsys, tmp_path):
+    """``list`` is an inventory: an empty directory answers "no entries" (status 0, as ls); ``check`` is a verdict:
+    nothing checked is no pass (status 2); a missing directory is bad input (status 2) for both."""
+    (tmp_path / "empty").mkdir()
+    rc, out, err = run_cli(monkeypatch, capsys, "memory", "list", str(tmp_path / "empty"))
+    assert rc == 0 and out.strip() == f"no entries in {tmp_path / 'empty'}" and err == ""
+    rc, out, err = run_cli(monkeypatch, capsys, "memory", "list", str(tmp_path / "empty"), "--json")
+    assert rc == 0 and json.loads(out) == []
+    rc, _, err = run_cli(monkeypatch, capsys, "memory", "check", str(tmp_path / "empty"))
+    assert rc == 2 and "nothing to check" in err
+    for cmd in ("list", "check"):
+        rc, _, err = run_cli(monkeypatch, capsys, "memory", cmd, str(tmp_path / "nope"))
+        assert rc == 2 and err.strip() == f"error: memory directory {tmp_path / 'nope'}: not found"
+    rc, out, _ = run_cli(monkeypatch, capsys, "memory", "list", "--help")
+    assert "also for a directory without entries" in " ".join(out.replace("│", " ").split())

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -41,6 +42,10 @@ DELTA_FILES = {"config": "delta.json", "patch": "delta.patch"}
 
 class MemoryEntryError(SpecPilotError):
     """A memory entry is missing, corrupted, requires a missing entry, or its requirements form a cycle."""
+
+
+#: an entry id: its directory's plain name (no path separators, no leading dot: never ``..`` or ``a/../b``)
+ENTRY_ID = r"^[a-z0-9][a-z0-9_.-]*$"
 
 
 class Evidence(BaseModel):
@@ -84,7 +89,7 @@ class Entry(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    id: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$", max_length=100)
+    id: str = Field(pattern=ENTRY_ID, max_length=100)
     title: str
     mechanism: str
     requires: list[str] = Field(default_factory=list)
@@ -207,7 +212,11 @@ class Memory:
         return [self.get(i) for i in self.ids()]
 
     def get(self, entry_id: str) -> Entry:
-        """The entry ``entry_id`` with its delta. Raises MemoryEntryError if missing or corrupted."""
+        """The entry ``entry_id`` with its delta. Raises MemoryEntryError if missing or corrupted, or if
+        ``entry_id`` is not a plain entry id (:data:`ENTRY_ID`: a path such as ``../x`` never leaves ``root``)."""
+        if not re.fullmatch(ENTRY_ID, entry_id) or len(entry_id) > 100:
+            raise MemoryEntryError(f"{entry_id!r} is not a memory entry id (lowercase letters, digits and ._-, "
+                                   "starting with a letter or digit: the entry's directory name)")
         d = self.root / entry_id
         f = d / "entry.json"
         if not f.is_file():

@@ -1,9 +1,12 @@
 """``specpilot memory list|show|check DIR``: read and verify a memory directory (paper §3.5).
 
 ``check`` exits with status 1 when an entry fails its reproduction check (differs, does not apply,
-broken), and 2 when the directory holds no entry; entries that are honestly *not checkable* (a code
-entry whose stock commit is not in the repository) are reported as such and do not fail it. Bad input
-(no such directory or entry) is a one-line error with status 2 (:class:`~specpilot.errors.SpecPilotError`).
+broken), and 2 when the directory holds no entry (a check of nothing must not read as a pass); entries that are
+honestly *not checkable* (a code entry whose stock commit is not in the repository) are reported as such and do
+not fail it. ``list`` is an inventory: a directory without entries is a true answer ("no entries", ``[]`` with
+``--json``, status 0, as ``ls`` of an empty directory). Bad input (no such directory, an id that is not a plain
+entry id, no such entry) is a one-line error with status 2 (:class:`~specpilot.errors.SpecPilotError`) for all
+three.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ def _check_repo(repo: Path) -> None:
 @app.command("list")
 def list_cmd(directory: Path = typer.Argument(..., help="Memory directory (one sub-directory per entry)."),
              as_json: bool = typer.Option(False, "--json", help="Print a JSON list.")):
-    """One line per entry: id, kind, mechanism, requirements, evidence, origin. Exit code 1 when an entry
-    is corrupted (listed with its error), so scripts notice."""
+    """One line per entry: id, kind, mechanism, requirements, evidence, origin. Exit status 0, also for a
+    directory without entries ("no entries", as ls; check exits 2 there: a check of nothing is no pass); 1 when an
+    entry is corrupted (listed with its error), so scripts notice; 2 when the directory does not exist."""
     mem = _memory(directory)
     rows = []
     for i in mem.ids():
