@@ -60,3 +60,15 @@ def test_bench_picks_threads_as_the_pilot_does(monkeypatch, capsys):
             pytest.fail(f"bench ran with --threads 0: {seen}")
     finally:
         torch.set_num_threads(keep)
+
+
+def test_w12_verify_json_error_is_an_object_on_stdout(monkeypatch, capsys, tmp_path):
+    """A script reading ``w12 verify --json``'s stdout gets an object naming the error (and status 2), not nothing."""
+    (tmp_path / "plain").mkdir()
+    for d, needle in ((tmp_path / "nope", "directory not found"), (tmp_path / "plain", "no w12.json")):
+        code, out, err = run_cli(monkeypatch, capsys, "w12", "verify", str(d), "--json")
+        _one_line(code, err, needle)
+        res = json.loads(out)
+        assert res == {"directory": str(d), "bit_exact": False, "error": err.strip().removeprefix("error: ")}
+    code, out, err = run_cli(monkeypatch, capsys, "w12", "verify", str(tmp_path / "plain"))
+    assert code == 2 and out == ""

@@ -1,7 +1,8 @@
 """``specpilot w12``: pack a checkpoint directory to W12 and verify one (§4.1; typer sub-app).
 
 ``verify`` exits 0 when every tensor and copied file is bit-exact, 1 when one is not (each mismatch is named); errors (missing manifest, truncated
-or unreadable file) are one line with exit status 2 (see :mod:`specpilot.cli`).
+or unreadable file) are one line with exit status 2 (see :mod:`specpilot.cli`); with ``--json`` stdout also gets one
+object naming the error.
 """
 
 from __future__ import annotations
@@ -33,13 +34,21 @@ def pack(
 def verify(
     directory: Path = typer.Argument(..., help="W12 directory written by `specpilot w12 pack`."),
     source: Optional[Path] = typer.Option(None, "--source", help="Also compare every tensor with this source directory."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (on an error too: "
+                                 "{\"directory\", \"bit_exact\": false, \"error\"}, besides the error line)."),
 ):
     """Restore every tensor and compare it bit for bit with its stored sha256 (and --source); check every copied
     tensor and file against its sha256 in w12.json."""
+    from specpilot.errors import SpecPilotError
     from specpilot.w12.verify import verify_dir
 
-    rep = verify_dir(directory, source)
+    try:
+        rep = verify_dir(directory, source)
+    except (SpecPilotError, UnicodeError) as e:
+        err = e if isinstance(e, SpecPilotError) else SpecPilotError(f"not valid UTF-8: {e}")
+        if as_json:  # a script reading stdout gets an object with the reason, not nothing (the status stays 2)
+            print(json.dumps({"directory": str(directory), "bit_exact": False, "error": str(err)}))
+        raise err from None
     if as_json:
         print(json.dumps(rep))
     else:
