@@ -37,19 +37,23 @@ class Deployment:
         device: torch device string.
         block_dirs: block drafter directories (DFlash-style, with or without a Markov head); the first is
             the default of ``SystemConfig(drafter="block")`` without ``drafter_path``.
+        pack: target and draft model project through oneDNN-prepacked weights
+            (:mod:`specpilot.kernels.cpu_linear`); None = on the CPU in float32 (twice the projections' weight
+            memory there).
     Raises:
         CheckpointError: target or drafter checkpoint missing / unsupported / corrupted.
         DrafterError: the drafter's vocabulary does not fit the target's (or a block drafter's hidden size /
             vocabulary / layer indices do not fit).
     """
 
-    def __init__(self, target_dir, drafter_dir=None, dtype: str = "float32", device: str = "cpu", block_dirs=()):
+    def __init__(self, target_dir, drafter_dir=None, dtype: str = "float32", device: str = "cpu", block_dirs=(),
+                 pack: bool | None = None):
         if not isinstance(target_dir, (str, Path)):
             raise CheckpointError(f"the target must be a checkpoint directory path, got {type(target_dir).__name__}")
         self.target_dir = Path(target_dir)
         self.drafter_dir = Path(drafter_dir) if drafter_dir else None
         self.dtype, self.device = dtype, check_device(device)
-        self.target = load_model(self.target_dir, dtype, device)
+        self.target = load_model(self.target_dir, dtype, device, pack=pack)
         self.tokenizer = load_tokenizer(self.target_dir)  # None: the checkpoint has no tokenizer files
         self.draft_model = None
         self.block_dirs = [Path(b) for b in block_dirs]
@@ -72,7 +76,7 @@ class Deployment:
         self._ar_engine = None
         if self.drafter_dir is not None:
             check_drafter_fits(self.target_dir, self.drafter_dir, self.tokenizer)
-            self.draft_model = load_model(self.drafter_dir, dtype, device)
+            self.draft_model = load_model(self.drafter_dir, dtype, device, pack=pack)
 
     def _greedy(self, prompt: list[int], n: int) -> list[int]:
         """The target's greedy continuation of ``prompt``, ``n`` tokens (no EOS stop): the oracle of

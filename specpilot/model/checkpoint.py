@@ -156,7 +156,8 @@ def build_model(args: ModelArgs) -> Transformer:
 
 
 def load_model(
-    path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu", fuse: bool = True
+    path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu", fuse: bool = True,
+    pack: bool | None = None,
 ) -> Transformer:
     """Build our :class:`Transformer` from checkpoint directory ``path``.
 
@@ -166,6 +167,9 @@ def load_model(
         dtype: ``float32`` | ``bfloat16`` | ``float16`` for weights and activations.
         device: torch device.
         fuse: fuse q/k/v and gate/up into one GEMM each (:meth:`Transformer.fuse_projections`).
+        pack: every projection and the LM head read a oneDNN-prepacked copy of their weight
+            (:func:`specpilot.kernels.cpu_linear.pack_linears`: 1.2-2.6x faster at decoding's row counts, twice the
+            projections' weight memory); None = on the CPU in float32.
     Raises:
         CheckpointError: missing files, unsupported model_type, missing or mis-shaped tensors.
     """
@@ -198,7 +202,13 @@ def load_model(
     model = model.to(DTYPES[dtype])
     model.inv_freq = rope_inv_freq(args).to(device)  # built on the meta device above
     model = model.eval().requires_grad_(False)
-    return model.fuse_projections() if fuse else model
+    if fuse:
+        model = model.fuse_projections()
+    if pack if pack is not None else (model.device.type == "cpu" and dtype == "float32"):
+        from specpilot.kernels.cpu_linear import pack_linears
+
+        pack_linears(model)
+    return model
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")

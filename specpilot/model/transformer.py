@@ -23,10 +23,6 @@ from specpilot.model.batch import BatchRows, Prepared
 from specpilot.model.cache import KVCache, KVPool, PassKind
 from specpilot.model.layers import Backbone, region
 
-#: Row counts of a batched pass whose LM head the CPU pads to 4 rows (:meth:`Transformer.batch_greedy`): MKL's sgemm
-#: takes a slow path for 2 and 3 rows (one request's tree of 2 nodes, or 2-3 AR requests as a batch drains).
-SLOW_HEAD_ROWS = (2, 3)
-
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -269,17 +265,13 @@ class Transformer(nn.Module):
 
     def batch_greedy(self, hidden: torch.Tensor, kernel: bool) -> torch.Tensor:
         """:meth:`greedy` for the rows of a batched pass (:meth:`forward_prepared` with the same ``kernel``):
-        the LM head through the batch-invariant GEMM where :meth:`batch_invariant_on`; on the CPU, 2 or 3 rows
-        (:data:`SLOW_HEAD_ROWS`) padded with zero rows to 4, which MKL's sgemm multiplies in half the time (float32
-        SmolLM2 head, 1 thread: 2 rows 21.8 ms, 3 rows 32.6 ms, 4 rows 16.7 ms; ``probes/lm_head_rows.py``); the padding rows' ids are
-        dropped, the real rows' logits agree to float32 rounding. ``hidden [R, hidden]`` -> ``[R] long``."""
+        the LM head through the batch-invariant GEMM where :meth:`batch_invariant_on`. ``hidden [R, hidden]`` ->
+        ``[R] long``. (On the CPU the head's cost at 2-3 rows, MKL's slow path, is gone with the prepacked head of
+        :mod:`specpilot.kernels.cpu_linear`.)"""
         if self.int8_head is None and self.batch_invariant_on(hidden, kernel):
             from specpilot.kernels.gemm import invariant_linear
 
             return invariant_linear(hidden, self.lm_head).argmax(dim=-1)
-        r = hidden.shape[0]
-        if self.int8_head is None and hidden.device.type == "cpu" and r in SLOW_HEAD_ROWS:
-            return self.full_greedy(torch.cat((hidden, hidden.new_zeros(4 - r, hidden.shape[1]))))[:r]
         return self.greedy(hidden)
 
     def full_greedy(self, hidden: torch.Tensor) -> torch.Tensor:

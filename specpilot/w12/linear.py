@@ -16,6 +16,7 @@ from torch import nn
 from specpilot.w12.dense import w12_decode_dense
 from specpilot.w12.escapes import W12GemmError, escape_table
 from specpilot.w12.format import W12FormatError, W12Tensor, approx_view, decode, encode
+from specpilot.kernels.cpu_linear import PackedLinear, packing_available
 from specpilot.w12.gemm import _linear_f32, _w12_gemm
 from specpilot.w12.launch import MAX_ROWS
 
@@ -76,8 +77,9 @@ class W12Linear(nn.Module):
                              persistent=False)
         self.use_kernel: bool | None = None
         #: CPU only (see the class docstring): the reference weights once computed, keyed by ``view`` (False: the
-        #: decoded weight of :meth:`forward`; True: ``approx_view``'s of :meth:`view_forward`)
-        self._kept: dict[bool, torch.Tensor] = {}
+        #: decoded weight of :meth:`forward`; True: ``approx_view``'s of :meth:`view_forward`; "packed": the float32
+        #: layer that multiplies by the decoded weight, :meth:`_reference`)
+        self._kept: dict = {}
         self.register_load_state_dict_post_hook(W12Linear._after_load)
 
     @classmethod
@@ -91,14 +93,27 @@ class W12Linear(nn.Module):
 
         Raises:
             W12FormatError: the weight is not made of bfloat16 values (W12 is lossless only for bf16; a
-                float32 / float16 weight qualifies when every value is exactly a bf16 value, e.g. a bf16
-                checkpoint loaded in float32).
+                float32 / float16 weight qualifies when every value is bit for bit a bf16 value, e.g. a bf16
+                checkpoint loaded in float32, NaN and inf included, which W12 keeps as it keeps a bf16 weight's).
+                The message names a NaN that bf16 cannot hold apart from other values.
         """
         w = layer.weight.detach()
-        wb = w.to(torch.bfloat16)
-        if w.dtype != torch.bfloat16 and not torch.equal(wb.to(w.dtype), w):
+        if w.dtype == torch.bfloat16:
+            return cls(encode(w, device=w.device), layer.bias)
+        if w.dtype == torch.float32:  # a bf16 value is a float32 whose low 16 bits are 0: compare bits, since
+            bits = w.view(torch.int32)  # NaN != NaN and torch's cast rewrites a NaN's bits
+            bad = (bits & 0xFFFF) != 0
+            wb = (bits >> 16).to(torch.int16).view(torch.bfloat16)
+        else:
+            wb = w.to(torch.bfloat16)
+            bad = wb.to(w.dtype) != w
+        if bad.any():
+            where = [int(i) for i in bad.nonzero()[0]]
+            what = (f"{int(bad.sum())} NaN value(s) whose bits are not a bfloat16 NaN (the first at {where}; NaN and "
+                    "inf are kept when they are bf16 values, as a bf16 checkpoint's are)" if bool(w[bad].isnan().all())
+                    else f"values that are not bfloat16 values (the first at {where}: {w[tuple(where)].item()!r})")
             raise W12FormatError(f"W12 needs bfloat16 weights: this {str(w.dtype).removeprefix('torch.')} weight "
-                                 f"{tuple(w.shape)} has values that are not bfloat16 values (use a bf16 checkpoint)")
+                                 f"{tuple(w.shape)} has {what} (use a bf16 checkpoint)")
         return cls(encode(wb, device=w.device), layer.bias)
 
     def w12(self) -> W12Tensor:
@@ -129,14 +144,23 @@ class W12Linear(nn.Module):
 
     def _reference(self, x2: torch.Tensor, view: bool) -> torch.Tensor:
         """The reference path of :meth:`forward` (``view`` False) / :meth:`view_forward` (True): ``x2 [M, K]`` times
-        the decoded / ``approx_view`` weight in float32, kept after the first call on the CPU only."""
+        the decoded / ``approx_view`` weight in float32, kept after the first call on the CPU only. On the CPU in
+        float32 the exact product runs as the plain model's own layer does there (a prepacked oneDNN GEMM,
+        :class:`~specpilot.kernels.cpu_linear.PackedLinear`, over the decoded weight, kept too: 8 more bytes a weight),
+        so a W12 target's logits equal the plain target's bit for bit."""
         w = self._kept.get(view)
         if w is None or w.device != self.records.device:
             w = approx_view(self.w12()) if view else self.decoded_weight()
+            self._kept.pop("packed", None)
             if w.is_cuda:
                 self._kept.pop(view, None)
             else:
                 self._kept[view] = w
+        if not view and not w.is_cuda and x2.dtype == torch.float32 and packing_available():
+            lin = self._kept.get("packed")
+            if lin is None:
+                lin = self._kept["packed"] = PackedLinear.of(w.float(), None if self.bias is None else self.bias.float())
+            return lin(x2)
         return _linear_f32(x2, w, self.bias)
 
     def _kernel(self, x2: torch.Tensor, view: bool) -> torch.Tensor:
