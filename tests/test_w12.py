@@ -337,7 +337,8 @@ def test_truncated_file_one_line_error(monkeypatch, capsys, tmp_path, packed_tar
     raw = f.read_bytes()
     f.write_bytes(raw[: len(raw) - 1000] if cut == "data" else raw[:100])
     code, so, err = run_cli(monkeypatch, capsys, "w12", "verify", str(d), "--json")
-    assert code == 2 and so == ""
+    assert code == 2 and json.loads(so) == {"directory": str(d), "bit_exact": False,
+                                           "error": err.strip().removeprefix("error: ")}
     assert err.startswith("error: cannot read model.safetensors: corrupted or truncated") and err.count("\n") == 1
     with pytest.raises(W12FormatError, match="truncated"):
         load_w12_state_dict(d)
