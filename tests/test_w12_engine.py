@@ -192,6 +192,40 @@ def test_w12_refuses_non_bf16_target(tiny_dirs):
     assert not is_w12(target)  # left as it was
 
 
+def test_to_w12_takes_a_model_and_names_nan_weights(tiny_dirs):
+    """A fresh user's calls: ``to_w12(nn.Linear)`` was an AttributeError; a float32 NaN that bf16 cannot hold was
+    "not bfloat16 values". A NaN or inf that is a bf16 value (a bf16 checkpoint's, loaded in float32) stays, bit for
+    bit, as W12 keeps a bf16 weight's (the kernels' non-finite tests)."""
+    from torch import nn
+
+    from specpilot.errors import SpecPilotError
+
+    with pytest.raises(SpecPilotError, match="to_w12 takes a model .* not Linear: encode one layer with W12Linear"):
+        to_w12(nn.Linear(8, 8))
+    layer = nn.Linear(64, 8, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight.to(torch.bfloat16).float())
+        layer.weight[1, 3], layer.weight[2, 5], layer.weight[3, 7] = float("nan"), float("inf"), -float("nan")
+    got = W12Linear.from_linear(layer).w12()
+    from specpilot.w12.format import decode
+
+    assert torch.equal(decode(got).float().view(torch.int32), layer.weight.detach().view(torch.int32))
+    with torch.no_grad():
+        layer.weight.view(torch.int32)[4, 1] = 0x7F800001  # a NaN whose payload lies in bits bf16 drops
+    with pytest.raises(W12FormatError, match=r"1 NaN value\(s\) whose bits are not a bfloat16 NaN \(the first at \[4"):
+        W12Linear.from_linear(layer)
+    with torch.no_grad():
+        layer.weight[4, 1] = 0.1
+    with pytest.raises(W12FormatError, match=r"values that are not bfloat16 values \(the first at \[4, 1\]: 0.1"):
+        W12Linear.from_linear(layer)
+    target = load_model(tiny_dirs[0])
+    with torch.no_grad():
+        for p in target.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+        target.lm_head.weight[0, 0] = float("nan")  # the head of the fresh user's call
+    assert w12_head(to_w12(target))
+
+
 def test_load_model_reads_w12_dir_like_its_source(packed):
     src = load_model(bundled_target_dir(), dtype="bfloat16")
     got = load_model(packed, dtype="bfloat16")

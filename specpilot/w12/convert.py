@@ -18,6 +18,7 @@ import copy
 
 from torch import nn
 
+from specpilot.errors import SpecPilotError
 from specpilot.w12.linear import W12Linear
 
 
@@ -32,8 +33,9 @@ def to_w12(model: nn.Module, inplace: bool = False, head: bool = True) -> nn.Mod
     """``model`` with its decoder layers' projections in W12 (module docstring), encoded on their device.
 
     Args:
-        model: a :class:`~specpilot.model.transformer.Transformer` (fused or not; its weights must be bfloat16
-            values). W12 sits below the model (the model's fused path calls its kernels), so it is typed here by duck.
+        model: a :class:`~specpilot.model.transformer.Transformer` (fused or not, hybrid included; its weights must
+            be bfloat16 values). W12 sits below the model (the model's fused path calls its kernels), so the class is
+            imported when called, not at import time.
         inplace: replace the layers in ``model`` itself; otherwise return a new model object that shares
             every other parameter (embeddings, norms, a tied or kept LM head) with ``model``, which stays
             unchanged. Shared means the same tensors: an in-place change of either model's shared parameters,
@@ -43,9 +45,17 @@ def to_w12(model: nn.Module, inplace: bool = False, head: bool = True) -> nn.Mod
             W12 weight ``[vocab, hidden]``; :func:`w12_head` says whether it happened).
     Returns: the W12 model (``model`` when ``inplace``).
     Raises:
+        SpecPilotError: ``model`` is not a Transformer (e.g. one ``nn.Linear``: use
+            :meth:`W12Linear.from_linear <specpilot.w12.linear.W12Linear.from_linear>`).
         W12FormatError: a projection weight is not made of bfloat16 values (W12 is lossless only for bf16;
             a bf16 checkpoint loaded in float32 qualifies, a float32 checkpoint in general does not).
     """
+    from specpilot.model.transformer import Transformer
+
+    if not isinstance(model, Transformer):
+        raise SpecPilotError(f"to_w12 takes a model (a specpilot Transformer, e.g. from load_model), not "
+                             f"{type(model).__name__}" + (": encode one layer with W12Linear.from_linear"
+                                                          if isinstance(model, nn.Linear) else ""))
     lm = model.lm_head
     untied = head and isinstance(lm, nn.Linear) and lm.weight is not model.model.embed_tokens.weight
     return map_projections(model, lambda child: W12Linear.from_linear(child) if isinstance(child, nn.Linear) else child,
