@@ -72,3 +72,23 @@ def test_w12_verify_json_error_is_an_object_on_stdout(monkeypatch, capsys, tmp_p
         assert res == {"directory": str(d), "bit_exact": False, "error": err.strip().removeprefix("error: ")}
     code, out, err = run_cli(monkeypatch, capsys, "w12", "verify", str(tmp_path / "plain"))
     assert code == 2 and out == ""
+
+
+def test_train_drafter_quiet_hides_transformers_loading_bar(tmp_path, tiny_dirs, capsys):
+    """``train-drafter --quiet`` (``quiet`` down to :func:`make_sequences`) showed transformers' "Loading weights" bar
+    while the target loads for generation; now it is off for that load only (transformers' switch is restored)."""
+    import numpy as np
+    from transformers.utils import logging as hf_logging
+
+    from specpilot.spec.train_block import make_sequences
+
+    tokens = tmp_path / "t.npy"
+    np.save(tokens, np.arange(400, dtype=np.int64) % 64)
+    assert hf_logging.is_progress_bar_enabled()
+    seen = {}
+    for quiet in (False, True):
+        capsys.readouterr()
+        seqs = make_sequences(tiny_dirs[0], tokens, 2, 4, 2, 0, quiet=quiet)
+        seen[quiet] = capsys.readouterr().err
+        assert seqs.shape == (2, 6) and hf_logging.is_progress_bar_enabled()
+    assert "Loading weights" in seen[False] and "Loading weights" not in seen[True], seen

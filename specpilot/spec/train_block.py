@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,11 +28,12 @@ from specpilot.spec.block_net import BlockConfig, BlockNet
 
 
 def make_sequences(target_dir, tokens_path, n_seqs: int, prompt_len: int, gen_len: int, seed: int,
-                   batch: int = 256, device: str = "cpu", val_fraction: float = 0.01) -> torch.Tensor:
+                   batch: int = 256, device: str = "cpu", val_fraction: float = 0.01, quiet: bool = False) -> torch.Tensor:
     """``[n_seqs, prompt_len + gen_len] long``: training-text snippets + the target's greedy continuation.
 
     Snippets start at random offsets of the first ``1 - val_fraction`` of ``tokens_path`` (the zoo's
-    held-out tail is never used). Raises SpecPilotError when the token file is missing, not a 1-D integer .npy
+    held-out tail is never used). ``quiet``: no transformers progress bar while it loads the target
+    (:func:`hf_progress_bars`). Raises SpecPilotError when the token file is missing, not a 1-D integer .npy
     array, too short, or holds ids outside the target's vocabulary.
     """
     from transformers import AutoModelForCausalLM
@@ -58,7 +60,8 @@ def make_sequences(target_dir, tokens_path, n_seqs: int, prompt_len: int, gen_le
     g = np.random.default_rng(seed)
     starts = g.integers(0, usable, n_seqs)
     prompts = torch.from_numpy(np.stack([arr[s : s + prompt_len] for s in starts]).astype(np.int64))
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
+    with hf_progress_bars(not quiet):
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
     model.generation_config.eos_token_id = None  # continue past EOS: every row gets gen_len greedy tokens
     out = []
     with torch.no_grad():
@@ -68,6 +71,22 @@ def make_sequences(target_dir, tokens_path, n_seqs: int, prompt_len: int, gen_le
                                min_new_tokens=gen_len, do_sample=False, pad_token_id=0)
             out.append(y.cpu())
     return torch.cat(out)
+
+
+@contextmanager
+def hf_progress_bars(show: bool):
+    """transformers' progress bars (its "Loading weights" bar) shown or not for the enclosed calls only: its switch
+    is process-wide, so the state it had is restored on exit."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if was != show:
+        (hf_logging.enable_progress_bar if show else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        if was != show:
+            (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
 
 
 @torch.no_grad()
@@ -176,7 +195,7 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
         d = torch.load(cp)
         seqs, feats = d["seqs"], d["feats"]
     else:
-        seqs = make_sequences(target_dir, tokens_path, n_seqs, prompt_len, gen_len, seed, device=device)
+        seqs = make_sequences(target_dir, tokens_path, n_seqs, prompt_len, gen_len, seed, device=device, quiet=quiet)
         feats = target_features(target, seqs, list(target_layers))
         if cp is not None:
             cp.parent.mkdir(parents=True, exist_ok=True)

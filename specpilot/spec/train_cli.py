@@ -32,7 +32,7 @@ def train_drafter_cmd(
     data_cache: Optional[Path] = typer.Option(None, help="Cache file for the generated data (.pt)."),
     device: str = typer.Option("cpu", help="torch device (cpu, cuda)."),
     seed: int = typer.Option(0, help="Seed."),
-    quiet: bool = typer.Option(False, help="No progress bar."),
+    quiet: bool = typer.Option(False, help="No progress bars (ours, and transformers' while it loads the target)."),
     draft_vocab: Optional[int] = typer.Option(None, min=1, help="Draft vocabulary size: the most frequent target ids of the training data (eagle3 default: min(vocab, 32000); block default: the whole vocabulary)."),
     ttt_steps: int = typer.Option(4, min=1, help="eagle3: training-time-test steps (the drafter unrolled on its own hidden states)."),
 ):
