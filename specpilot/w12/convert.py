@@ -6,8 +6,9 @@ holding the same bf16 weight, encoded losslessly, and so does an untied LM head 
 as ``specpilot w12 pack`` converts it, and as the paper does on the RTX PRO 6000, §4.1: the head is the
 largest single projection, 1.24 GB of bf16 in Qwen3-8B). A head tied to the embeddings stays bf16 (the
 embedding lookup reads that tensor), as do the embeddings and norms. The decoded weights are bit for bit the originals, so the model computes the same function: on the CPU the
-W12 layers run the reference (decode, then the very ``F.linear`` ``nn.Linear`` calls), so in float32 a
-``w12`` model gives the same logits as the original bit for bit; on CUDA the W12 GEMM differs from cuBLAS
+W12 layers run the reference (decode, then the GEMM the plain layer runs there: in float32 the prepacked oneDNN one of
+:mod:`specpilot.kernels.cpu_linear`), so in float32 a ``w12`` model gives the same logits as the original bit for
+bit; on CUDA the W12 GEMM differs from cuBLAS
 only by float32 accumulation order. AR and speculative decoding both run through the same W12 layers, so
 speculative output equals AR output with ``w12`` on as with it off.
 """
