@@ -37,7 +37,7 @@ class Deployment:
         device: torch device string.
         block_dirs: block drafter directories (DFlash-style, with or without a Markov head); the first is
             the default of ``SystemConfig(drafter="block")`` without ``drafter_path``.
-        pack: target and draft model project through oneDNN-prepacked weights
+        pack: target, draft model and drafter networks project through oneDNN-prepacked weights
             (:mod:`specpilot.kernels.cpu_linear`); None = on the CPU in float32 (twice the projections' weight
             memory there).
     Raises:
@@ -62,12 +62,13 @@ class Deployment:
             self._block_given_as_drafter = self.drafter_dir
             self.block_dirs.insert(0, self.drafter_dir)
             self.drafter_dir = None
-        self._blocks = {str(b.resolve()): load_block(b, self.target) for b in self.block_dirs}
+        self.pack = pack if pack is not None else (torch.device(self.device).type == "cpu" and dtype == "float32")
+        self._blocks = {str(b.resolve()): self._packed(load_block(b, self.target)) for b in self.block_dirs}
         self.eagle3_dirs: list[Path] = []
         if self.drafter_dir is not None and is_eagle3_dir(self.drafter_dir):
             self.eagle3_dirs.append(self.drafter_dir)
             self.drafter_dir = None
-        self._eagle3 = {str(d.resolve()): load_eagle3(d, self.target) for d in self.eagle3_dirs}
+        self._eagle3 = {str(d.resolve()): self._packed(load_eagle3(d, self.target)) for d in self.eagle3_dirs}
         self._w12_target = None
         self._int8: dict[int, object] = {}  # id(base target) -> that target with the certified INT8 head
         self._int8_head = None
@@ -77,6 +78,14 @@ class Deployment:
         if self.drafter_dir is not None:
             check_drafter_fits(self.target_dir, self.drafter_dir, self.tokenizer)
             self.draft_model = load_model(self.drafter_dir, dtype, device, pack=pack)
+
+    def _packed(self, net):
+        """``net`` (a drafter network) with its projections prepacked when :attr:`pack` (as the target's)."""
+        if self.pack:
+            from specpilot.kernels.cpu_linear import pack_linears
+
+            pack_linears(net)
+        return net
 
     def _greedy(self, prompt: list[int], n: int) -> list[int]:
         """The target's greedy continuation of ``prompt``, ``n`` tokens (no EOS stop): the oracle of
@@ -142,7 +151,7 @@ class Deployment:
             path = self.block_dirs[0]
         key = str(Path(path).resolve())
         if key not in self._blocks:
-            self._blocks[key] = load_block(path, self.target)
+            self._blocks[key] = self._packed(load_block(path, self.target))
         return self._blocks[key]
 
     def eagle3_net(self, path=None):
@@ -157,7 +166,7 @@ class Deployment:
             path = self.eagle3_dirs[0]
         key = str(Path(path).resolve())
         if key not in self._eagle3:
-            self._eagle3[key] = load_eagle3(path, self.target)
+            self._eagle3[key] = self._packed(load_eagle3(path, self.target))
         return self._eagle3[key]
 
     def system(self, config: SystemConfig, **engine_kw) -> Engine:
