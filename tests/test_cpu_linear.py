@@ -76,11 +76,12 @@ def test_pack_linears_keeps_ties_and_skips_others():
             self.bf16 = nn.Linear(16, 16).to(torch.bfloat16)
 
     m = M()
-    assert pack_linears(m) == 2
+    assert pack_linears(m) == 0  # all below MIN_PACK_WEIGHTS: oneDNN's call overhead loses there
+    assert pack_linears(m, min_weights=0) == 2
     assert isinstance(m.proj, PackedLinear) and isinstance(m.head, PackedLinear)
     assert type(m.bf16) is nn.Linear
     assert m.head.weight is m.emb.weight
-    assert pack_linears(m) == 0  # idempotent
+    assert pack_linears(m, min_weights=0) == 0  # idempotent
     h = torch.randn(3, 16)
     with torch.no_grad():
         torch.testing.assert_close(m.head(h), h @ m.emb.weight.T, rtol=1e-5, atol=1e-5)

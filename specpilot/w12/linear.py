@@ -16,7 +16,7 @@ from torch import nn
 from specpilot.w12.dense import w12_decode_dense
 from specpilot.w12.escapes import W12GemmError, escape_table
 from specpilot.w12.format import W12FormatError, W12Tensor, approx_view, decode, encode
-from specpilot.kernels.cpu_linear import PackedLinear, packing_available
+from specpilot.kernels.cpu_linear import PackedLinear, packs
 from specpilot.w12.gemm import _linear_f32, _w12_gemm
 from specpilot.w12.launch import MAX_ROWS
 
@@ -146,7 +146,8 @@ class W12Linear(nn.Module):
         """The reference path of :meth:`forward` (``view`` False) / :meth:`view_forward` (True): ``x2 [M, K]`` times
         the decoded / ``approx_view`` weight in float32, kept after the first call on the CPU only. On the CPU in
         float32 the exact product runs as the plain model's own layer does there (a prepacked oneDNN GEMM,
-        :class:`~specpilot.kernels.cpu_linear.PackedLinear`, over the decoded weight, kept too: 8 more bytes a weight),
+        :class:`~specpilot.kernels.cpu_linear.PackedLinear`, over the decoded weight, kept too: 8 more bytes a weight,
+        where :func:`~specpilot.kernels.cpu_linear.packs` says the plain layer is packed),
         so a W12 target's logits equal the plain target's bit for bit."""
         w = self._kept.get(view)
         if w is None or w.device != self.records.device:
@@ -156,11 +157,12 @@ class W12Linear(nn.Module):
                 self._kept.pop(view, None)
             else:
                 self._kept[view] = w
-        if not view and not w.is_cuda and x2.dtype == torch.float32 and packing_available():
-            lin = self._kept.get("packed")
-            if lin is None:
-                lin = self._kept["packed"] = PackedLinear.of(w.float(), None if self.bias is None else self.bias.float())
-            return lin(x2)
+        if not view and x2.dtype == torch.float32 and not w.is_cuda:
+            if "packed" not in self._kept:  # None: the plain layer would not be packed either
+                wf, b = w.float(), None if self.bias is None else self.bias.float()
+                self._kept["packed"] = PackedLinear.of(wf, b) if packs(wf) else None
+            if self._kept["packed"] is not None:
+                return self._kept["packed"](x2)
         return _linear_f32(x2, w, self.bias)
 
     def _kernel(self, x2: torch.Tensor, view: bool) -> torch.Tensor:
