@@ -44,7 +44,7 @@ def systems(args, workdir: Path) -> dict[str, dict]:
     """name -> {cmd, env, port} of every server of the run."""
     sp = [sys.executable, "-m", "specpilot", "serve", "--threads", str(args.threads), "--max-num-seqs",
           str(args.max_num_seqs), "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
-    sealed = json.loads(SEALED.read_text())
+    sealed = json.loads(Path(args.sealed).read_text())
     sealed["deployment"]["target"] = str(Path(args.target).resolve())  # recorded under /tmp by the pilot run
     (workdir / "sealed_system.json").write_text(json.dumps(sealed, indent=2))
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -157,6 +157,7 @@ def main() -> None:
     ap.add_argument("--vllm-python", default="/work/venv-vllm/bin/python")
     ap.add_argument("--systems", default="vllm,specpilot_ar,specpilot_sealed,specpilot_ngram_chain6")
     ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--sealed", default=str(SEALED), help="the sealed system.json our 'specpilot_sealed' serves")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
