@@ -279,3 +279,32 @@ def test_cpu_batched_head_runs_every_row_count_unpadded_and_matches_reference(ti
             assert torch.equal(got, want), r
     finally:
         hook.remove()
+
+
+@pytest.mark.parametrize("kind", ["ngram", "block"])
+def test_speculation_off_above_spec_max_requests_stays_lossless(tiny_models, kind):
+    """``spec_max_requests=2``: steps with more running requests draft nothing (an AR step for each), steps with at
+    most 2 draft; every output equals AR. The drafters keep their state across the steps they sit out."""
+    target, small = tiny_models
+    cfg = SystemConfig(drafter=kind, tree="best_first", nodes=6, depth=4, top_k=2)
+    rng = random.Random(zlib.crc32(kind.encode()))
+    reqs = [(p, 24, s) for p, _, s in random_requests(rng, 5)] + [([3, 4, 5, 3, 4, 5, 3, 4], 24, frozenset())]
+    eng = BatchEngine(target, cfg, drafter_of(kind, target, small, 5, cfg), eos_ids=[], max_num_seqs=5,
+                      spec_max_requests=2)
+    for i, (p, n, stops) in enumerate(reqs):
+        eng.add_request(Request(f"r{i}", p, n, stop_ids=stops))
+    got, drafted_small = {f"r{i}": [] for i in range(len(reqs))}, 0
+    while eng.has_work():
+        running = len(eng._running)
+        outs = eng.step()
+        if running > 2:
+            assert all(o.drafted == 0 for o in outs), running
+        else:
+            drafted_small += sum(o.drafted for o in outs)
+        for o in outs:
+            got[o.request_id] += o.new_tokens
+    assert drafted_small > 0  # the tail of the run, at 1-2 requests, drafted
+    for i, (p, n, stops) in enumerate(reqs):
+        assert got[f"r{i}"] == ar(target, p, n, stops), i
+    with pytest.raises(ValueError, match="spec_max_requests"):
+        BatchEngine(target, cfg, drafter_of(kind, target, small, 5, cfg), spec_max_requests=0, max_num_seqs=5)

@@ -101,6 +101,7 @@ def test_chat_template_and_the_named_fallback():
     (["--system", "/nonexistent/system.json"], "cannot read"),
     (["--drafter", "none", "--tree", "best_first"], "needs a drafter"),
     (["--nodes", "0"], "--nodes"), (["--threads", "0"], "--threads"), (["--max-model-len", "1"], "--max-model-len"),
+    (["--speculative-disable-by-batch-size", "0"], "--speculative-disable-by-batch-size"),
 ])
 def test_serve_option_errors_are_one_line(monkeypatch, capsys, args, msg):
     code, out, err = run_cli(monkeypatch, capsys, "serve", *args)

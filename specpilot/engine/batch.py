@@ -8,19 +8,18 @@ per request, exactly as in :class:`~specpilot.engine.engine.Engine`, so a reques
 shares its batch (R12, R18): in float32 it equals its batch-1 output and AR greedy. A request that ends (stop,
 length, abort) frees its slot at once (R14). This module alone commits the lengths of the pool's caches.
 
-Decode passes run padded to (requests, rows) buckets through :class:`~specpilot.engine.batch_runner.BatchRunner`
-(one CUDA graph per bucket, the Triton batched tree attention) on CUDA; prefill passes, steps past the largest
-bucket run the eager pass through the same kernels (prefills round as decode steps do); the CPU (unless
-``padded``) runs masked SDPA unless the target's ``batch_kernel``. On the fused path every GEMM is batch-invariant
-(the target's ``KernelConfig.batch_invariant``) and the attention is per request, so in bf16 too a request's output
-is bit for bit its batch-1 output from this engine, whatever shares its steps (given a drafter whose proposals do
-not depend on the batch: n-gram always).
-Row selection (§4.4; only the verified rows change, never the output): ``per_request`` builds each request's own
-tree of ``nodes`` nodes; ``shared_budget`` fills one budget of ``config.step_budget(n)`` nodes for the step's n
-requests best-first across their lattices (:func:`~specpilot.spec.trees_batch.build_shared`; each slot reserves
-rows for the largest budget, so the padded path refuses it). ``prompt_admission``: prompts admitted while requests
-run ride in that step's exact pass (causal rows over their own slots) when their rows fit the cap. ``drafter_block``:
-each request asks the drafter for one of the allowed depths, picked from its own history
+Decode passes run padded to (requests, rows) buckets through :class:`~specpilot.engine.batch_runner.BatchRunner` (one
+CUDA graph per bucket, the Triton batched tree attention) on CUDA; prefill passes, steps past the largest bucket run
+the eager pass through the same kernels (prefills round as decode steps do); the CPU (unless ``padded``) runs masked
+SDPA unless the target's ``batch_kernel``. On the fused path every GEMM is batch-invariant (the target's
+``KernelConfig.batch_invariant``) and the attention is per request, so in bf16 too a request's output is bit for bit
+its batch-1 output from this engine, whatever shares its steps (given a drafter whose proposals do not depend on the
+batch: n-gram always). Row selection (§4.4; only the verified rows change, never the output): ``per_request`` builds
+each request's own tree of ``nodes`` nodes; ``shared_budget`` fills one budget of ``config.step_budget(n)`` nodes for
+the step's n requests best-first across their lattices (:func:`~specpilot.spec.trees_batch.build_shared`; each slot
+reserves rows for the largest budget, so the padded path refuses it). ``prompt_admission``: prompts admitted while
+requests run ride in that step's exact pass (causal rows over their own slots) when their rows fit the cap.
+``drafter_block``: each request asks the drafter for one of the allowed depths, picked from its own history
 (:mod:`specpilot.spec.drafter_block`: recent acceptance, its last draft's confidence); a block drafter drafts the
 batch in one pass and cuts each request's lattice to its own depth.
 """
@@ -114,11 +113,13 @@ class BatchEngine:
         padded: decode passes padded to buckets through a :class:`BatchRunner` (CUDA graphs on CUDA); default:
             on CUDA with Triton, without the certified INT8 head (which settles rows on the host), on a pool that has
             padded passes (a hybrid target's :class:`~specpilot.model.hybrid_pool.HybridPool` has none).
+        spec_max_requests: draft only in steps with at most this many running requests; in larger steps every
+            request verifies its root alone, an AR step (vLLM's ``disable_by_batch_size``). None: always draft.
     Raises:
         DrafterError: the drafter does not fit the target or holds fewer slots than ``max_num_seqs``.
         SpecPilotError: ``row_selection="shared_budget"`` with ``padded`` (its per-request rows vary past the buckets);
             ``padded`` on a hybrid target; ``config.tlv`` (single requests only).
-        ValueError: ``max_num_seqs < 1``.
+        ValueError: ``max_num_seqs`` or ``spec_max_requests`` below 1.
 
     Attributes:
         exact_passes / prefill_passes: decode-step and prefill passes run so far (one decode pass per step).
@@ -127,9 +128,10 @@ class BatchEngine:
 
     def __init__(self, target: Transformer, config: SystemConfig, drafter: Drafter | None = None,
                  eos_ids: list[int] | None = None, max_len: int | None = None, max_num_seqs: int = 8,
-                 max_prefill_rows: int = 2048, padded: bool | None = None):
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+                 max_prefill_rows: int = 2048, padded: bool | None = None, spec_max_requests: int | None = None):
+        if min(max_num_seqs, 1 if spec_max_requests is None else spec_max_requests) < 1:
+            raise ValueError(f"max_num_seqs and spec_max_requests must be at least 1, got {max_num_seqs}, "
+                             f"{spec_max_requests}")
         if config.tlv:  # in batching its Q pass cost more than it saved: a 13% loss in the paper (§6)
             raise SpecPilotError("tlv runs single requests only (in batching its Q pass costs more than it saves)")
         if drafter is not None:
@@ -141,6 +143,7 @@ class BatchEngine:
         self.eos_ids = set(target.args.eos_token_ids if eos_ids is None else eos_ids)
         self.max_len = max_len or min(target.args.max_position_embeddings, 4096)
         self.num_slots, self.max_prefill_rows = max_num_seqs, max_prefill_rows
+        self.spec_max_requests = spec_max_requests
         self.shared = config.row_selection == "shared_budget"
         # the most nodes one request's tree can hold: a shared budget may go to a single request
         tree_rows = max(config.step_budget(n) for n in range(1, max_num_seqs + 1)) if self.shared else config.nodes
@@ -153,9 +156,8 @@ class BatchEngine:
                 from specpilot.kernels.tree_attention import triton
 
                 padded = triton is not None and not self.shared
-        if padded and self.shared:
-            raise SpecPilotError("row_selection shared_budget runs on the eager batched path only (padded=False): "
-                                 "the padded runner's row buckets hold nodes + 1 rows per request")
+        if padded and self.shared:  # the padded runner's row buckets hold nodes + 1 rows per request
+            raise SpecPilotError("row_selection shared_budget runs on the eager batched path only (padded=False)")
         self.runner = BatchRunner(target, self.pool, max_num_seqs, 1 + (config.nodes if drafter is not None else 0),
                                   self.feature_layers) if padded else None
         self._free = list(range(max_num_seqs - 1, -1, -1))
@@ -282,7 +284,7 @@ class BatchEngine:
         """Each request's tree: one propose call for the batch (requests with one token left draft nothing); under
         ``shared_budget`` the step's budget for ``len(rs)`` requests is shared across their lattices (§4.4)."""
         trees = [Tree() for _ in rs]
-        if self.drafter is None:
+        if self.drafter is None or len(rs) > (self.spec_max_requests or len(rs)):  # spec off at this load: AR
             return trees
         cfg, asks = self.config, []
         for i, r in enumerate(rs):

@@ -97,6 +97,9 @@ def serve(
     log_level: str = typer.Option("info", help="uvicorn's log level (critical, error, warning, info, debug)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: as `generate` picks them: 1 on a "
                                           "CPU device with <= 2 cores, else torch's default)."),
+    speculative_disable_by_batch_size: Optional[int] = typer.Option(
+        None, help="Draft only in steps with at most this many running requests; larger steps decode as AR (vLLM's "
+                   "disable_by_batch_size). Default: always draft."),
 ):
     """Serve a speculative system over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
     Greedy only: temperature > 0, n > 1 and other sampling fields get a 400."""
@@ -115,6 +118,9 @@ def serve(
         raise SpecPilotError(f"--log-level: unknown level {log_level!r}")
     if threads is not None and threads < 1:
         raise SpecPilotError(f"--threads must be at least 1, got {threads}")
+    if speculative_disable_by_batch_size is not None and speculative_disable_by_batch_size < 1:
+        raise SpecPilotError(f"--speculative-disable-by-batch-size must be at least 1, got "
+                             f"{speculative_disable_by_batch_size}")
     if system is not None:
         given = [f"--{n}" for n, v in (("target", target), ("drafter", drafter), ("drafter-path", drafter_path),
                                         ("tree", tree), ("nodes", nodes), ("depth", depth), ("top-k", top_k),
@@ -182,7 +188,7 @@ def serve(
 
         torch.set_num_threads(choose_threads(device, threads, available_cores(), torch.get_num_threads())[0])
         run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, served_model_name or tdir.resolve().name,
-                   chat_template, max_body_bytes, log_level, host, max_model_len)
+                   chat_template, max_body_bytes, log_level, host, max_model_len, speculative_disable_by_batch_size)
     finally:
         sock.close()
 
@@ -212,9 +218,10 @@ def in_passing_thread(fn):
 
 
 def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_template, max_body_bytes,
-               log_level, host, max_len: int | None = None) -> None:
+               log_level, host, max_len: int | None = None, spec_max_requests: int | None = None) -> None:
     """Load the deployment, build the batched system, and serve on ``sock`` until interrupted. ``max_len``: the
-    engine's context in tokens (None: the target's ``max_position_embeddings``, at most 4096).
+    engine's context in tokens (None: the target's ``max_position_embeddings``, at most 4096); ``spec_max_requests``:
+    the engine's (:class:`~specpilot.engine.batch.BatchEngine`).
 
     Raises:
         SpecPilotError: a checkpoint that cannot be loaded, a target without tokenizer files, ``max_len`` past the
@@ -234,7 +241,7 @@ def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_
         if max_len is not None and max_len > dep.target.args.max_position_embeddings:
             raise SpecPilotError(f"--max-model-len {max_len} is past the target's "
                                  f"{dep.target.args.max_position_embeddings} positions")
-        engine = dep.batch_system(cfg, max_num_seqs, max_len=max_len)
+        engine = dep.batch_system(cfg, max_num_seqs, max_len=max_len, spec_max_requests=spec_max_requests)
         engine.capture_graphs()  # CUDA graphs of every bucket before the first request, not inside it
         return dep, engine
 
@@ -246,7 +253,9 @@ def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_
                        eos_ids=frozenset(dep.eos_ids()), metrics=metrics, chat_template=template, chat_source=source,
                        api_key=api_key, max_body_bytes=max_body_bytes)
     addr = sock.getsockname()
-    print(f"specpilot serve: {name!r} ({cfg.label()}) at http://{host}:{addr[1]}/v1, {engine.num_slots} slots, "
+    drafting = "" if spec_max_requests is None else f" (drafting while at most {spec_max_requests} run)"
+    print(f"specpilot serve: {name!r} ({cfg.label()}) at http://{host}:{addr[1]}/v1, {engine.num_slots} slots"
+          f"{drafting}, "
           f"context {engine.max_len} tokens, chat template: {source}, API key: {'required' if api_key else 'off'}",
           file=sys.stderr)
     if source == "fallback":
