@@ -54,8 +54,10 @@ def systems(args, workdir: Path) -> dict[str, dict]:
                          "smollm2", "--disable-uvicorn-access-log"],
                  "env": dict(env, VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_KVCACHE_SPACE="2")},
         "specpilot_ar": {"cmd": sp + ["--target", args.target, "--drafter", "none"], "env": env},
-        "specpilot_sealed": {"cmd": sp + ["--system", str(workdir / "sealed_system.json")], "env": env,
-                             "label": sealed["label"]},
+        "specpilot_sealed": {"cmd": sp + ["--system", str(workdir / "sealed_system.json")]
+                             + ([] if args.sealed_spec_max is None else
+                                ["--speculative-disable-by-batch-size", str(args.sealed_spec_max)]),
+                             "env": env, "label": sealed["label"]},
         "specpilot_ngram_chain6": {"cmd": sp + ["--target", args.target, "--drafter", "ngram", "--tree", "chain",
                                                 "--nodes", "6", "--depth", "6"], "env": env},
     }
@@ -158,6 +160,8 @@ def main() -> None:
     ap.add_argument("--systems", default="vllm,specpilot_ar,specpilot_sealed,specpilot_ngram_chain6")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--sealed", default=str(SEALED), help="the sealed system.json our 'specpilot_sealed' serves")
+    ap.add_argument("--sealed-spec-max", type=int, default=None,
+                    help="serve the sealed system with --speculative-disable-by-batch-size N (AR above N requests)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
