@@ -79,6 +79,7 @@ def test_pack_linears_keeps_ties_and_skips_others():
     assert pack_linears(m) == 0  # all below MIN_PACK_WEIGHTS: oneDNN's call overhead loses there
     assert pack_linears(m, min_weights=0) == 2
     assert isinstance(m.proj, PackedLinear) and isinstance(m.head, PackedLinear)
+    assert m.proj._pack is not None and m.head._pack is not None  # packed at load, not on the first request
     assert type(m.bf16) is nn.Linear
     assert m.head.weight is m.emb.weight
     assert pack_linears(m, min_weights=0) == 0  # idempotent

@@ -61,7 +61,7 @@ class PackedLinear(nn.Linear):
     @classmethod
     def from_linear(cls, lin: nn.Linear) -> "PackedLinear":
         """A PackedLinear over ``lin``'s own ``weight`` and ``bias`` Parameters (no copy of them; the pack is built
-        on the first forward). Raises TypeError if ``lin`` is not an ``nn.Linear``."""
+        by :meth:`packed`, on the first forward at the latest). Raises TypeError if ``lin`` is not an ``nn.Linear``."""
         if not isinstance(lin, nn.Linear):
             raise TypeError(f"PackedLinear.from_linear takes an nn.Linear, got {type(lin).__name__}")
         new = cls.__new__(cls)
@@ -133,6 +133,8 @@ def pack_linears(model: nn.Module, min_weights: int = MIN_PACK_WEIGHTS) -> int:
         for name, child in list(parent.named_children()):
             w = child.weight if type(child) is nn.Linear else None
             if w is not None and w.device.type == "cpu" and w.dtype == torch.float32 and w.numel() >= min_weights:
-                setattr(parent, name, PackedLinear.from_linear(child))
+                packed = PackedLinear.from_linear(child)
+                packed.packed()  # now: its memory shows at load, and no first request pays for it
+                setattr(parent, name, packed)
                 n += 1
     return n

@@ -186,7 +186,12 @@ def serve(
 
         from specpilot.pilot.setup import available_cores, choose_threads
 
-        torch.set_num_threads(choose_threads(device, threads, available_cores(), torch.get_num_threads())[0])
+        n_threads = choose_threads(device, threads, available_cores(), torch.get_num_threads())[0]
+        if device.split(":")[0] == "cpu" and threads is not None and threads >= available_cores():
+            print(f"specpilot serve: warning: {threads} torch threads on {available_cores()} cores: every parallel op "
+                  "waits for all of them, so another job on this machine can slow the server 10x or more (the default "
+                  "on <= 2 cores is 1 thread)", file=sys.stderr)
+        torch.set_num_threads(n_threads)
         run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, served_model_name or tdir.resolve().name,
                    chat_template, max_body_bytes, log_level, host, max_model_len, speculative_disable_by_batch_size)
     finally:
@@ -264,4 +269,7 @@ def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"specpilot serve: warning: listening on {host} without --api-key: anyone who can reach this port can "
               "use it", file=sys.stderr)
-    Server(create_app(ctx), ctx, log_level=log_level).run(sockets=[sock])
+    try:
+        Server(create_app(ctx), ctx, log_level=log_level).run(sockets=[sock])
+    finally:  # a forced quit (a second Ctrl-C) skips the app's shutdown, which stops the engine thread: stop it
+        ctx.driver.stop()  # here, or the interpreter exits inside one of its torch calls and aborts (exit 134)
