@@ -23,6 +23,7 @@ from specpilot.errors import CheckpointError, DrafterError, SpecPilotError
 from specpilot.model.checkpoint import load_model, load_tokenizer, read_args
 from specpilot.engine.batch import BatchEngine
 from specpilot.engine.engine import Engine
+from specpilot.kernels.cpu_linear import pack_by_default, pack_linears
 
 
 class Deployment:
@@ -62,7 +63,7 @@ class Deployment:
             self._block_given_as_drafter = self.drafter_dir
             self.block_dirs.insert(0, self.drafter_dir)
             self.drafter_dir = None
-        self.pack = pack if pack is not None else (torch.device(self.device).type == "cpu" and dtype == "float32")
+        self.pack = pack if pack is not None else pack_by_default(self.device, dtype)
         self._blocks = {str(b.resolve()): self._packed(load_block(b, self.target)) for b in self.block_dirs}
         self.eagle3_dirs: list[Path] = []
         if self.drafter_dir is not None and is_eagle3_dir(self.drafter_dir):
@@ -82,8 +83,6 @@ class Deployment:
     def _packed(self, net):
         """``net`` (a drafter network) with its projections prepacked when :attr:`pack` (as the target's)."""
         if self.pack:
-            from specpilot.kernels.cpu_linear import pack_linears
-
             pack_linears(net)
         return net
 

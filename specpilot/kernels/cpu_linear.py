@@ -1,11 +1,12 @@
 """Prepacked float32 projections on the CPU: oneDNN's matmul over a weight reordered once at load.
 
-Why. ``F.linear`` on the CPU is MKL's sgemm, which repacks the weight into its blocked layout on every call. At
-the row counts of decoding (1 row for AR, a few to ~100 for verification and batches) that repacking costs about
-as much as the multiply itself: on SmolLM2-135M's shapes, one thread of an AVX-512 EPYC, a layer's four projections
-at 8 rows take 0.97 ms through ``F.linear`` and 0.61 ms from a prepacked oneDNN weight, the 49152 x 576 LM head
-19.2 ms vs 7.8 (``probes/cpu_linear_rows.py``). The prepacked weight is the same values in oneDNN's blocked layout,
-so outputs agree with ``F.linear`` to float32 rounding (the sums run in another order).
+Why. ``F.linear`` on the CPU is MKL's sgemm, which repacks the weight into its blocked layout on every call. At the
+row counts of decoding (1 row for AR, a few to ~100 for verification and batches) that repacking costs about as much
+as the multiply itself: on SmolLM2-135M's shapes, one thread of an AVX-512 EPYC, a layer's four projections at 8
+rows take 0.95 ms through ``F.linear`` and 0.65 ms from a prepacked oneDNN weight, the 49152 x 576 LM head 33.2 ms
+vs 11.2 (``probes/cpu_linear_ab.py``, ``results/cpu_linear_ab_cpu_2026-12-04_3c6b1d3/run.json``; at one row MKL's
+GEMV wins on the layers' projections, 0.58-0.94x, and loses on the head). The prepacked weight is the same values in
+oneDNN's blocked layout, so outputs agree with ``F.linear`` to float32 rounding (the sums run in another order).
 
 A side effect worth having: oneDNN's sums run in an order that does not depend on the number of rows for most
 shapes (MKL's sgemm changes it between 1, 2–3 and 4+ rows), so a verification row rounds like an AR row more often.
@@ -39,6 +40,12 @@ def packs(weight: torch.Tensor) -> bool:
             and packing_available())
 
 
+def pack_by_default(device, dtype: str) -> bool:
+    """Whether a model loaded on ``device`` in ``dtype`` (a name: ``float32`` ...) is packed unless told otherwise:
+    on the CPU in float32."""
+    return torch.device(device).type == "cpu" and dtype == "float32"
+
+
 def packing_available() -> bool:
     """Whether this PyTorch build can prepack weights for oneDNN (``torch.ops.mkldnn``, x86 and aarch64 builds)."""
     try:
@@ -51,8 +58,9 @@ class PackedLinear(nn.Linear):
     """``y = x @ weight.T + bias`` from a oneDNN-prepacked copy of ``weight`` (float32, CPU).
 
     ``x [..., in_features]`` float32 on the CPU -> ``[..., out_features]`` float32. Off the CPU, in another dtype,
-    or when autograd needs the weight's gradient, the forward is ``F.linear`` (:meth:`reference`). Build it with
-    :meth:`from_linear` (or :func:`pack_linears`); it shares the Linear's parameters.
+    or when autograd runs through it (a gradient to ``x`` or the weight), the forward is ``F.linear``
+    (:meth:`reference`). Build it with :meth:`from_linear` (or :func:`pack_linears`); it shares the Linear's
+    parameters.
     """
 
     def _drop_pack(self) -> None:

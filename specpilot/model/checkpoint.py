@@ -168,8 +168,8 @@ def load_model(
         device: torch device.
         fuse: fuse q/k/v and gate/up into one GEMM each (:meth:`Transformer.fuse_projections`).
         pack: every projection and the LM head read a oneDNN-prepacked copy of their weight
-            (:func:`specpilot.kernels.cpu_linear.pack_linears`: 1.2-2.6x faster at decoding's row counts, twice the
-            projections' weight memory); None = on the CPU in float32.
+            (:func:`specpilot.kernels.cpu_linear.pack_linears`: 1.06-2.5x faster per projection at 2-96 rows, twice
+            the projections' weight memory); None = :func:`~specpilot.kernels.cpu_linear.pack_by_default`.
     Raises:
         CheckpointError: missing files, unsupported model_type, missing or mis-shaped tensors.
     """
@@ -204,9 +204,9 @@ def load_model(
     model = model.eval().requires_grad_(False)
     if fuse:
         model = model.fuse_projections()
-    if pack if pack is not None else (model.device.type == "cpu" and dtype == "float32"):
-        from specpilot.kernels.cpu_linear import pack_linears
+    from specpilot.kernels.cpu_linear import pack_by_default, pack_linears
 
+    if pack if pack is not None else pack_by_default(device, dtype):
         pack_linears(model)
     return model
 
