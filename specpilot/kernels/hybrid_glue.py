@@ -213,15 +213,17 @@ if triton is not None:
         head = tl.program_id(1)
         dt = Mixed.dtype.element_ty
         if head < HK:
-            ch = head * DK + tl.arange(0, DK)
-            _key_head(Mixed, Win, Idx, CW, MixOut, Q, row, ch, sm, q_div, KS, C, H, DK, REP, head, True)
-            _key_head(Mixed, Win, Idx, CW, MixOut, K, row, ch + HK * DK, sm, q_div, KS, C, H, DK, REP, head, False)
+            # Triton's compiler merges a name bound in both branches of an `if` and needs one type for it (the
+            # interpreter does not check): the key and value channel ranges keep their own names (DK != DV).
+            kch = head * DK + tl.arange(0, DK)
+            _key_head(Mixed, Win, Idx, CW, MixOut, Q, row, kch, sm, q_div, KS, C, H, DK, REP, head, True)
+            _key_head(Mixed, Win, Idx, CW, MixOut, K, row, kch + HK * DK, sm, q_div, KS, C, H, DK, REP, head, False)
         else:
             vh = head - HK
             offs = tl.arange(0, DV)
-            ch = 2 * HK * DK + vh * DV + offs
-            tl.store(MixOut + row * C + ch, tl.load(Mixed + row * sm + ch))
-            tl.store(V + (row * H + vh) * DV + offs, _conv(Mixed, Win, Idx, CW, row, ch, sm, KS, C))
+            vch = 2 * HK * DK + vh * DV + offs
+            tl.store(MixOut + row * C + vch, tl.load(Mixed + row * sm + vch))
+            tl.store(V + (row * H + vh) * DV + offs, _conv(Mixed, Win, Idx, CW, row, vch, sm, KS, C))
             b = tl.load(B + row * sb + vh).to(tl.float32)
             tl.store(Beta + row * H + vh, (1.0 / (1.0 + tl.exp(-b))).to(dt).to(tl.float32))
             a = tl.load(A + row * sa + vh).to(tl.float32) + tl.load(DtB + vh).to(tl.float32)
