@@ -79,6 +79,10 @@ def test_outside_float32_a_different_output_needs_forcing_and_the_3_percent_bar(
     small = compare(_synthetic({n: 1.02 for n in SIZES}, noise=0.002, seed=7), "a", "b")
     small = type(small)(**{**small.__dict__, "outputs_differ": True})
     assert not judge_batch(small, 0.001, exact=False, forcing_passed=True).approved  # 2% < the 3% bar
+    # AR as the candidate (round 0): its output is the reference, so failed forcing does not reject it
+    v = judge_batch(run, 0.001, exact=False, forcing_passed=False, b_is_ar=True)
+    assert v.approved and v.bar == pytest.approx(ctl.CHANGED_OUTPUT_BAR)
+    assert not judge_batch(run, 0.001, exact=True, b_is_ar=True).approved  # float32: a difference is a broken engine
 
 
 def test_batch_forcing_catches_a_planted_wrong_token():

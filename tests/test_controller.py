@@ -197,6 +197,17 @@ def test_approve_rule():
         approve(fake(1.05, 1.02), -0.1, None)
 
 
+def test_ar_as_candidate_is_not_bound_by_forcing_but_keeps_the_changed_output_bar():
+    """AR's output is the reference forcing audits against: when it differs from the incumbent's (bf16 drift of the
+    incumbent's verify rows), a failed or absent forcing does not reject AR; the 3% bar still applies, and so do the
+    other rules."""
+    assert approve(fake(1.06, 1.035, differ=True), 0.0, False, b_is_ar=True).approved
+    assert approve(fake(1.06, 1.035, differ=True), 0.0, None, b_is_ar=True).approved
+    v = approve(fake(1.06, 1.025, differ=True), 0.0, False, b_is_ar=True)
+    assert not v.approved and "below the bar" in v.reason and v.bar == pytest.approx(0.03)
+    assert not approve(fake(1.5, 1.4, nd_b=True, differ=True), 0.0, True, b_is_ar=True).approved
+
+
 def test_interleaved_run_palindrome():
     log = []
     makers = {n: (lambda n=n, s=s: Sleeper(s, n, log)) for n, s in (("ar", 0.003), ("stock", 0.002), ("x", 0.001))}

@@ -140,7 +140,7 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
         p0n = p0.at(n)
         back = compare(p0n, "stock", "ar")
         audited = forcing.check(p0n, "ar") if forcing is not None and back.outputs_differ else None
-        v = judge_batch(back, sigma[n], exact, audited and audited["passed"])
+        v = judge_batch(back, sigma[n], exact, audited and audited["passed"], b_is_ar=True)
         verdicts.append(verdict_record("ar", "round 0: AR against stock (Phase 0's runs)", n, pilot.stock, pilot.ar,
                                        back, v, audited))
         if v.approved:
@@ -181,11 +181,13 @@ def _by_size(run) -> dict:
     return {n: round(v["gain"], 3) for n, v in run.per_size.items()}
 
 
-def judge_batch(run, sigma: float, exact: bool = True, forcing_passed: bool | None = None) -> ctl.Verdict:
+def judge_batch(run, sigma: float, exact: bool = True, forcing_passed: bool | None = None, *,
+                b_is_ar: bool = False) -> ctl.Verdict:
     """The batched pilot's approval rule (module doc) for a :class:`~specpilot.pilot.batch_runs.BatchPaired` of B
     against the incumbent A. ``exact`` (float32): output different from A's rejects (A's equals AR's). Otherwise
     :func:`specpilot.pilot.controller.approve`: bar 1% + 2σ, or max(3%, 1% + 2σ) with token forcing passed
-    (``forcing_passed``; None = not run = reject) when the output differs; threads, nondeterminism reject.
+    (``forcing_passed``; None = not run = reject) when the output differs, except for B = AR (``b_is_ar``: AR's
+    output is the reference forcing audits against); threads, nondeterminism reject.
 
     Raises:
         ValueError: negative or non-finite ``sigma``.
@@ -193,7 +195,7 @@ def judge_batch(run, sigma: float, exact: bool = True, forcing_passed: bool | No
     if exact and run.outputs_differ:
         return ctl.Verdict(False, "rejected: output differs from the incumbent's, so from AR's (float32)", run.gain,
                            run.lower_bound, ctl.BASE_BAR + 2 * sigma)
-    return ctl.approve(run, sigma, forcing_passed)
+    return ctl.approve(run, sigma, forcing_passed, b_is_ar=b_is_ar)
 
 
 class BatchForcing:

@@ -106,19 +106,23 @@ class Verdict:
     bar: float
 
 
-def approve(run: PairedRun, sigma: float, forcing_passed: bool | None) -> Verdict:
+def approve(run: PairedRun, sigma: float, forcing_passed: bool | None, *, b_is_ar: bool = False) -> Verdict:
     """The approval rule of §3.3 for candidate B against incumbent A.
 
     Approve iff ``lower_bound - 1 > 0.01 + 2σ``. When B's output differs from A's on any variant, the
     bar is ``max(0.03, 0.01 + 2σ)`` and token forcing (§3.4) must have passed (``forcing_passed is
     True``; ``None`` = not run = reject); output equal to A's on every variant needs no forcing (A was
-    audited when it was approved; stock in Phase 0). Rejected in any case: a system that left threads
-    running (work outside the timed region), a nondeterministic system, a run without a bound.
+    audited when it was approved; stock in Phase 0). B = AR (``b_is_ar``) needs no forcing either: AR's
+    output is the target's greedy decoding, the reference forcing audits against, so a difference is A's
+    drift (bf16 rounding of its verify rows), not B's; a difference still sets the higher bar. Rejected in
+    any case: a system that left threads running (work outside the timed region), a nondeterministic system,
+    a run without a bound.
 
     Args:
         run: the paired run (A = incumbent, B = candidate).
         sigma: stock noise σ from :func:`noise_from_aa` (fraction, >= 0).
         forcing_passed: token forcing verdict for B, or None when it was not run.
+        b_is_ar: B is AR (no drafter): forcing is not required of it.
     Returns:
         :class:`Verdict`.
     Raises:
@@ -142,7 +146,7 @@ def approve(run: PairedRun, sigma: float, forcing_passed: bool | None) -> Verdic
         return verdict(False, f"rejected: {which} gave different tokens on a re-run (nondeterministic)")
     if not math.isfinite(run.lower_bound):
         return verdict(False, "rejected: no confidence bound (need two requests in a benchmark)")
-    if run.outputs_differ and forcing_passed is not True:
+    if run.outputs_differ and forcing_passed is not True and not b_is_ar:
         state = "was not run" if forcing_passed is None else "failed"
         return verdict(False, f"rejected: output differs from A and token forcing {state}")
     margin = run.lower_bound - 1.0
@@ -183,8 +187,9 @@ class Controller:
     avoid_ids: frozenset[int] = frozenset()
 
     def judge(self, make_a: Factory, make_b: Factory, requests: Sequence[Req], *, repeats: int = 1, rng=None,
-              progress: Callable[[], None] | None = None, executor=None) -> Judgement:
-        """Candidate B against incumbent A: paired run, token forcing of every B output, approval rule.
+              progress: Callable[[], None] | None = None, executor=None, b_is_ar: bool = False) -> Judgement:
+        """Candidate B against incumbent A: paired run, token forcing of every B output, approval rule
+        (:func:`approve`; ``b_is_ar``: B is AR, which forcing audits but does not bind).
 
         Safe to call from several threads at once (the pilot judges a round's candidates concurrently on
         several devices): token forcing is serialised on the one scorer.
@@ -197,7 +202,7 @@ class Controller:
         with _SCORER_LOCK:
             forcing = audit(self.scorer, run.samples("b"), self.delta)
         passed, reasons = forcing_verdict(forcing, self.stock_forcing)
-        return Judgement(run, forcing, passed, tuple(reasons), approve(run, self.sigma, passed))
+        return Judgement(run, forcing, passed, tuple(reasons), approve(run, self.sigma, passed, b_is_ar=b_is_ar))
 
 
 @dataclass(frozen=True)

@@ -205,11 +205,13 @@ class Pilot:
         return {**st["x"].to_dict(), "ar_step_ms": st["ar"].step_ms, "c": c_of(st["x"], st["ar"])}
 
     def judge(self, a: SystemConfig, b: SystemConfig, label: str) -> ctl.Judgement:
-        """Candidate ``b`` against incumbent ``a`` through the controller (§3.3) and token forcing (§3.4)."""
+        """Candidate ``b`` against incumbent ``a`` through the controller (§3.3) and token forcing (§3.4); ``b`` = AR
+        is not bound by forcing (:func:`~specpilot.pilot.controller.approve`)."""
         bar, advance = self.progress(f"paired run {label}", 4 * len(self.reqs))
         with bar:
             return self.controller.judge(self.factory(a, self.code_tree), self.factory(b, self.code_tree), self.reqs,
-                                         progress=advance, executor=self.dispatch.executor(0))
+                                         progress=advance, executor=self.dispatch.executor(0),
+                                         b_is_ar=b.seal() == self.ar.seal())
 
     def judge_many(self, a: SystemConfig, cands: list) -> list:
         """Judge every config in ``cands`` against ``a``, concurrently on the device slots (one judgement
