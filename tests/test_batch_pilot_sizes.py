@@ -51,6 +51,23 @@ def test_measure_pass_ms_times_the_batched_pass_by_total_rows():
         measure_pass_ms(target, 0)
 
 
+def test_measure_pass_ms_times_the_padded_pass_where_the_engine_pads(monkeypatch):
+    """Where a batched engine pads its passes (CUDA), the budget is measured on that pass: the BatchRunner's bucket,
+    padding included (here its CPU twin in Triton's interpreter), each total through ``BatchRunner.run``."""
+    import specpilot.pilot.batch_budget as bb
+    from specpilot.engine.batch_runner import BatchRunner
+    from specpilot.engine.deployment import Deployment
+    from specpilot.zoo import bundled_target_dir
+
+    target = Deployment(bundled_target_dir()).target
+    monkeypatch.setattr(bb, "runs_padded", lambda model, pool: True)
+    runs, real = [], BatchRunner.run
+    monkeypatch.setattr(BatchRunner, "run", lambda self, *a: runs.append(sum(map(len, a[2]))) or real(self, *a))
+    costs = measure_pass_ms(target, 2, extras=(1, 3), tolerance=1e9, prefix=8, repeats=1)
+    assert set(costs) == {2, 3, 5} and all(t > 0 for t in costs.values())
+    assert set(runs) == {2, 3, 5}  # every total through the runner (2 warm-ups + 1 timed each, the base interleaved)
+
+
 def test_measured_cells_split_by_size_and_merge_back():
     cells = [("b", n, r) for n in (1, 4) for r in range(2)]
     m = BatchMeasured({"a": {c: 10.0 for c in cells}, "b": {c: 10.0 * c[1] for c in cells}},

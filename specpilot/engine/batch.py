@@ -17,7 +17,8 @@ its batch-1 output from this engine, whatever shares its steps (given a drafter 
 batch: n-gram always). Row selection (§4.4; only the verified rows change, never the output): ``per_request`` builds
 each request's own tree of ``nodes`` nodes; ``shared_budget`` fills one budget of ``config.step_budget(n)`` nodes for
 the step's n requests best-first across their lattices (:func:`~specpilot.spec.trees_batch.build_shared`; each slot
-reserves rows for the largest budget, so the padded path refuses it). ``prompt_admission``: prompts admitted while
+reserves rows for the largest budget, and the padded runner takes a request of that many rows, its buckets bounded by
+the requests plus the largest budget). ``prompt_admission``: prompts admitted while
 requests run ride in that step's exact pass (causal rows over their own slots) when their rows fit the cap.
 ``drafter_block``: each request asks the drafter for one of the allowed depths, picked from its own history
 (:mod:`specpilot.spec.drafter_block`: recent acceptance, its last draft's confidence); a block drafter drafts the
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specpilot.config import SystemConfig
-from specpilot.engine.batch_runner import BatchRunner
+from specpilot.engine.batch_runner import BatchRunner, runs_padded
 from specpilot.engine.requests import check_prompt, keep, stop_id_set
 from specpilot.engine.types import Generation
 from specpilot.errors import DrafterError, PromptError, SpecPilotError
@@ -117,8 +118,7 @@ class BatchEngine:
             request verifies its root alone, an AR step (vLLM's ``disable_by_batch_size``). None: always draft.
     Raises:
         DrafterError: the drafter does not fit the target or holds fewer slots than ``max_num_seqs``.
-        SpecPilotError: ``row_selection="shared_budget"`` with ``padded`` (its per-request rows vary past the buckets);
-            ``padded`` on a hybrid target; ``config.tlv`` (single requests only).
+        SpecPilotError: ``padded`` on a hybrid target; ``config.tlv`` (single requests only).
         ValueError: ``max_num_seqs`` or ``spec_max_requests`` below 1.
 
     Attributes:
@@ -150,16 +150,10 @@ class BatchEngine:
         # one slot more than requests: the scratch slot, where padding rows of a bucketed pass write their K/V
         self.pool = target.new_pool(max_num_seqs + 1, self.max_len + tree_rows + 1)  # KVPool, or a hybrid's
         self.feature_layers = tuple(drafter.target_layers) if drafter is not None else ()
-        if padded is None:  # Triton is imported only for a CUDA target (a CPU run may set its interpreter later)
-            padded = target.device.type == "cuda" and target.int8_head is None and self.pool.padded_passes
-            if padded:
-                from specpilot.kernels.tree_attention import triton
-
-                padded = triton is not None and not self.shared
-        if padded and self.shared:  # the padded runner's row buckets hold nodes + 1 rows per request
-            raise SpecPilotError("row_selection shared_budget runs on the eager batched path only (padded=False)")
-        self.runner = BatchRunner(target, self.pool, max_num_seqs, 1 + (config.nodes if drafter is not None else 0),
-                                  self.feature_layers) if padded else None
+        padded = runs_padded(target, self.pool) if padded is None else padded
+        drafted = tree_rows if drafter is not None else 0  # a step's drafted rows: per request, and in all (shared)
+        self.runner = BatchRunner(target, self.pool, max_num_seqs, 1 + drafted, self.feature_layers,
+                                  step_extra_rows=drafted if self.shared else None) if padded else None
         self._free = list(range(max_num_seqs - 1, -1, -1))
         self._waiting: deque[Request] = deque()
         self._running: dict[str, _Running] = {}

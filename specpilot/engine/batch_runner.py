@@ -30,14 +30,28 @@ REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ROW_BUCKETS = BUCKETS + (320, 384, 448, 512)
 
 
+def runs_padded(model: Transformer, pool) -> bool:
+    """Whether a batched engine on ``model`` with ``pool`` pads its decode passes by default: on CUDA with Triton,
+    without the certified INT8 head (which settles flagged rows on the host), on a pool with padded passes (a hybrid
+    target's has none). Triton is imported only for a CUDA target (a CPU run may set its interpreter later)."""
+    if model.device.type != "cuda" or model.int8_head is not None or not pool.padded_passes:
+        return False
+    from specpilot.kernels.tree_attention import triton
+
+    return triton is not None
+
+
 class BatchRunner:
     """Runs batched decode passes padded to (requests, rows) buckets, replaying one CUDA graph per bucket on CUDA.
 
     Args:
         model: the target :class:`Transformer`.
         pool: its :class:`KVPool`; ``scratch`` is a slot of it that no request ever owns (padding rows write there).
-        max_rows: most rows of one request in a pass (``1 + nodes`` of the tree budget).
+        max_rows: most rows of one request in a pass (``1 + nodes`` of the tree budget; with a shared budget,
+            1 + the largest budget, which one request may take whole).
         feature_layers: target layers whose outputs a drafter reads (their concatenation is returned per row).
+        step_extra_rows: most rows a step adds on top of one per request (a shared budget's largest), which bounds
+            the row buckets :meth:`capture_all` captures; None: ``max_rows`` per request.
         graphs: capture CUDA graphs (CUDA only; the CPU runs the padded pass eagerly).
         row_buckets / request_buckets: the buckets (increasing).
     Raises:
@@ -48,7 +62,7 @@ class BatchRunner:
 
     def __init__(self, model: Transformer, pool: KVPool, scratch: int, max_rows: int,
                  feature_layers: tuple[int, ...] = (), graphs: bool = True, row_buckets=ROW_BUCKETS,
-                 request_buckets=REQUEST_BUCKETS):
+                 request_buckets=REQUEST_BUCKETS, step_extra_rows: int | None = None):
         if not 0 <= scratch < pool.num_slots or max_rows < 1:
             raise ValueError(f"scratch slot {scratch} of {pool.num_slots}, max_rows {max_rows}")
         if model.int8_head is not None:
@@ -57,6 +71,7 @@ class BatchRunner:
             raise SpecPilotError("this target's batch (a hybrid target's recurrent states) has no padded batched "
                                  "pass: run BatchEngine(padded=False)")
         self.model, self.pool, self.scratch, self.max_rows = model, pool, scratch, max_rows
+        self.step_extra_rows = step_extra_rows
         self.feature_layers = tuple(feature_layers)
         self.row_buckets, self.request_buckets = tuple(row_buckets), tuple(request_buckets)
         self.dev = model.device
@@ -148,7 +163,7 @@ class BatchRunner:
     @torch.inference_mode()
     def capture_all(self, max_requests: int) -> list[tuple[int, int]]:
         """Capture now every bucket a step of at most ``max_requests`` requests can meet (b requests, r rows with
-        b/2 < B ≤ b and B ≤ R ≤ B · max_rows), so no capture or Triton compile happens inside a timed or served
+        b/2 < B ≤ b and B ≤ R ≤ B · max_rows, or R ≤ b + ``step_extra_rows``), so no capture or Triton compile happens inside a timed or served
         step. Captured on all-padding inputs: K/V go to the scratch slot only. Returns the buckets captured so far
         (``[]`` without graphs)."""
         if not self.graphs:
@@ -158,7 +173,8 @@ class BatchRunner:
             if b > top:
                 break
             lo = bucket_for(b // 2 + 1, self.row_buckets)
-            hi = bucket_for(b * self.max_rows, self.row_buckets) or self.row_buckets[-1]
+            most = b * self.max_rows if self.step_extra_rows is None else min(b * self.max_rows, b + self.step_extra_rows)
+            hi = bucket_for(most, self.row_buckets) or self.row_buckets[-1]
             for r in self.row_buckets:
                 if lo is not None and lo <= r <= hi and (b, r) not in self._graphs:
                     self._buffers((b, r))

@@ -6,11 +6,13 @@ carries ``n`` rows anyway (each request's root, AR's step); the shared budget of
 can add before the pass gets dearer. This module measures the batched pass by total rows at each batch size,
 untimed (outside every batch run), and picks that edge:
 
-- :func:`measure_pass_ms`: median ms of one batched exact pass of ``m`` requests (``Transformer.forward_batch``
-  over a :class:`~specpilot.model.batch.BatchRows` of ``m`` pool slots, each with ``PREFIX`` committed positions,
-  the rows spread evenly over the requests, causal among a request's rows, + the batched greedy head and the host
-  read: the eager pass a ``shared_budget`` engine runs) by total rows, each total timed interleaved with the
-  ``m``-row pass it is compared to. Ascending, it stops at the first total past the flat region.
+- :func:`measure_pass_ms`: median ms of one batched exact pass of ``m`` requests over ``m`` pool slots, each with
+  ``PREFIX`` committed positions, the rows spread evenly over the requests, causal among a request's rows, + the
+  batched greedy head and the host read, by total rows, each total timed interleaved with the ``m``-row pass it is
+  compared to; the pass a ``shared_budget`` engine runs: where the engine pads its passes (CUDA,
+  :func:`~specpilot.engine.batch_runner.runs_padded`) the :class:`~specpilot.engine.batch_runner.BatchRunner`'s
+  bucketed CUDA graph, padding included, else ``Transformer.forward_batch`` eagerly. Ascending, it stops at the
+  first total past the flat region.
 - :func:`flat_budget`: the largest measured total ``R`` such that every measured total from ``m`` to ``R`` costs at
   most ``1 + FLAT_TOLERANCE`` times the ``m``-row pass; the budget is ``R - m`` drafted nodes (roots excluded),
   at least 1 (a pass that is not flat at all still verifies one drafted node: the shared budget's smallest step).
@@ -25,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from specpilot.engine.batch_runner import BatchRunner, runs_padded
 from specpilot.model.batch import BatchRows
 
 FLAT_TOLERANCE = 0.05  # "within a few percent": a pass at most 5% dearer than the m-row pass is flat
@@ -64,7 +67,8 @@ def measure_pass_ms(target, m: int, extras=EXTRA_ROWS, tolerance: float = FLAT_T
     if prefix < 1:
         raise ValueError(f"{most} rows per request leave no prefix in the target's "
                          f"{target.args.max_position_embeddings} positions")
-    pool = target.new_pool(m, prefix + most + 1)
+    pool = target.new_pool(m + 1, prefix + most + 1)  # slot m: the scratch slot a padded pass's padding writes to
+    runner = BatchRunner(target, pool, m, most) if runs_padded(target, pool) else None
     target.forward_batch(torch.zeros(m * prefix, dtype=torch.long, device=dev),
                          torch.arange(prefix, device=dev).repeat(m), pool,
                          BatchRows(list(range(m)), [0] * m, [prefix] * m, [None] * m))
@@ -75,14 +79,19 @@ def measure_pass_ms(target, m: int, extras=EXTRA_ROWS, tolerance: float = FLAT_T
         counts = [total // m + (i < total % m) for i in range(m)]
         toks = torch.tensor([(7 * i) % target.args.vocab_size for i in range(total)], device=dev)
         pos = torch.tensor([prefix + j for c in counts for j in range(c)], device=dev)
-        kernel = target.kernels.batch_kernel
+        kernel = True if runner is not None else target.kernels.batch_kernel  # the engine's choice
+        tok_rows = [toks[sum(counts[:i]):sum(counts[:i + 1])].tolist() for i in range(m)]
+        pos_rows = [list(range(prefix, prefix + c)) for c in counts]
 
         def one() -> float:
-            rows = BatchRows(list(range(m)), [prefix] * m, counts, [None] * m)  # prepared per pass, as the engine
             _device_sync(dev)
             t0 = _clock()
-            hidden = target.forward_batch(toks, pos, pool, rows, kernel=kernel)
-            target.batch_greedy(hidden, kernel).tolist()
+            got = None if runner is None else runner.run(list(range(m)), [prefix] * m, tok_rows, pos_rows, [None] * m)
+            if got is not None:  # the bucketed graph (None: past the largest bucket, the engine's eager pass)
+                got[0].tolist()
+            else:
+                rows = BatchRows(list(range(m)), [prefix] * m, counts, [None] * m)  # prepared per pass, as the engine
+                target.batch_greedy(target.forward_batch(toks, pos, pool, rows, kernel=kernel), kernel).tolist()
             _device_sync(dev)
             return 1e3 * (_clock() - t0)
         return one
