@@ -32,8 +32,13 @@ def _serve(eng, reqs) -> dict[str, list[int]]:
     return got
 
 
+SHARED = SystemConfig(drafter="ngram", tree="best_first", nodes=6, depth=4, top_k=2, row_selection="shared_budget",
+                      shared_budget=(12, 3, 20, 8, 5))  # one request may take 12 or 20 rows
+
+
 @pytest.mark.parametrize("cfg", [SystemConfig.ar(), SystemConfig(drafter="ngram", tree="best_first", nodes=6,
-                                                                 depth=4, top_k=2)], ids=["ar", "ngram_tree"])
+                                                                 depth=4, top_k=2), SHARED],
+                         ids=["ar", "ngram_tree", "shared_budget"])
 def test_graphed_batches_equal_eager_padded_and_ar(cfg):
     dep = Deployment(bundled_target_dir(), bundled_drafter_dir(), dtype="float32", device="cuda")
     rng = random.Random(3)
