@@ -68,29 +68,46 @@ def test_models_batched_attention_equals_the_reference(tiny_models):
 
 
 @pytest.mark.parametrize("counts", [(1, 1, 1, 1), (3, 3), (1, 4, 2), (5,)])
-def test_batch_sdpa_equals_grouped_on_padded_rows(counts):
+@pytest.mark.parametrize("layout", ["ascending", "reversed", "holes", "spread"])
+def test_batch_sdpa_equals_grouped_on_padded_rows(counts, layout):
     """batch_sdpa (rows placed by one index_copy_, the grouped mask built once per pass) returns exactly what
-    grouped_sdpa returns on the rows padded by advanced indexing, for dense (every AR step) and ragged batches,
-    and for q a row-strided view (as the fused projection's RoPE hands it over)."""
+    grouped_sdpa returns on the rows padded by advanced indexing over keys gathered per request, for dense (an AR step
+    over consecutive slots) and ragged batches, for q a row-strided view (as the fused projection's RoPE hands it
+    over), and for every slot layout: consecutive slots ascending or reversed and slots with holes between them read
+    the pool's slice (``p.window``: a view, the holes padding), slots spread wider than twice the requests are
+    gathered."""
     from specpilot.model.batch import BatchRows
     from specpilot.model.layers import batch_sdpa
 
     gen = torch.Generator().manual_seed(sum(counts))
-    kvh, g, d = 3, 3, 16
-    starts = [6 + 2 * i for i in range(len(counts))]
+    kvh, g, d, b = 3, 3, 16, len(counts)
+    slots = {"ascending": [2 + i for i in range(b)], "reversed": [2 + i for i in range(b)][::-1],
+             "holes": [1 + 2 * i for i in range(b)], "spread": [3 * i for i in range(b)]}[layout]
+    starts = [6 + 2 * i for i in range(b)]
     masks = [ancestor_mask_of([-1] + list(range(c - 1))) if c % 2 else None for c in counts]
-    p = BatchRows(list(range(len(counts)))[::-1], starts, list(counts), masks).prepared("cpu")
-    assert p.dense == (len(set(counts)) == 1)
+    p = BatchRows(slots, starts, list(counts), masks).prepared("cpu")
+    windowed = max(slots) + 1 - min(slots) <= 2 * b
+    assert (p.window is not None) == windowed
+    assert p.dense == (len(set(counts)) == 1 and (layout == "ascending" or b == 1 or not windowed))
     r = sum(counts)
     wide = torch.randn(r, kvh * g + 5, d, generator=gen)
     q = wide[:, 2:2 + kvh * g]  # a view: rows strided
-    keys = torch.randn(len(counts), p.span, kvh, d, generator=gen)
-    vals = torch.randn(len(counts), p.span, kvh, d, generator=gen)
-    qp = q.new_zeros(len(counts), p.r_max, kvh * g, d)
-    qp[p.req, p.j] = q
-    want = grouped_sdpa(qp, keys, vals, p.mask)[p.req, p.j]
+    pool_k = torch.randn(3 * b + 2, p.span + 3, kvh, d, generator=gen)[:, : p.span]
+    pool_v = torch.randn(3 * b + 2, p.span + 3, kvh, d, generator=gen)[:, : p.span]
+    lo, w = p.window if windowed else (0, b)
+    place = torch.tensor(slots) - lo if windowed else torch.arange(b)
+    keys, vals = (pool_k[lo:lo + w], pool_v[lo:lo + w]) if windowed else (pool_k[slots], pool_v[slots])
+    qp = q.new_zeros(w, p.r_max, kvh * g, d)
+    qp[place[p.req], p.j] = q
+    want = grouped_sdpa(qp, keys, vals, p.sdpa_mask())[place[p.req], p.j]  # the same layout: equal bit for bit
     assert torch.equal(batch_sdpa(q, keys, vals, p), want)
     assert torch.equal(batch_sdpa(q.contiguous(), keys, vals, p), want)
+    # request order, keys gathered: the same math (the CPU's SDPA rounds per batch element by what the others' masks
+    # hold, so bits may differ, ~6e-8)
+    qr = q.new_zeros(b, p.r_max, kvh * g, d)
+    qr[p.req, p.j] = q
+    torch.testing.assert_close(want, grouped_sdpa(qr, pool_k[slots], pool_v[slots], p.mask)[p.req, p.j],
+                               atol=1e-6, rtol=1e-6)
 
 
 def test_fused_rope_equals_rotating_q_and_k_apart(tiny_models):

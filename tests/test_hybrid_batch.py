@@ -49,7 +49,7 @@ class ScriptedBatch:
     kind, target_layers, vocab_size, max_context = "custom", (), V, None
 
     def __init__(self, known: dict[tuple[int, ...], list[int]], slots: int, seed: int):
-        self.known, self.max_slots, self.rng, self.nothing = known, slots, random.Random(seed), 0
+        self.known, self.max_slots, self.rng, self.nothing, self.calls = known, slots, random.Random(seed), 0, 0
 
     def reset(self, slot: int = 0) -> None:
         pass
@@ -68,7 +68,9 @@ class ScriptedBatch:
                 break
         else:
             raise AssertionError("a committed sequence off every request's AR output")
-        how = self.rng.choice(["nothing", "right", "wrong", "both", "partial", "partial"])
+        self.calls += 1  # every fifth proposal drafts nothing, whatever order the engine asks in
+        how = "nothing" if self.calls % 5 == 0 else self.rng.choice(["nothing", "right", "wrong", "both", "partial",
+                                                                       "partial"])
         if how == "nothing" or not right:
             self.nothing += 1
             return None

@@ -203,11 +203,16 @@ class BatchEngine:
         inside a timed or served step. Returns how many the runner holds (0 on the CPU or without a runner)."""
         return len(self.runner.capture_all(self.num_slots)) if self.runner is not None else 0
 
+    def _by_slot(self) -> list[_Running]:
+        """The running requests in slot order (a pass over consecutive slots reads their K/V as one view)."""
+        return sorted(self._running.values(), key=lambda r: r.slot)
+
     def _release(self, r: _Running) -> None:
         self.pool.cache(r.slot).commit(0)
         if self.drafter is not None:
             self.drafter.reset(r.slot)
         self._free.append(r.slot)
+        self._free.sort(reverse=True)  # the lowest free slot next: running requests stay in a short slot range
 
     # -- a step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -217,10 +222,10 @@ class BatchEngine:
         admitted = self._admit()
         cap = self.config.prompt_admission
         if admitted and self._running and sum(len(r.committed) for r in admitted) <= cap:
-            return self._decode(list(self._running.values()), admitted)  # the prompts ride in the step's pass
+            return self._decode(self._by_slot(), admitted)  # the prompts ride in the step's pass
         out = self._prefill(admitted)
         if self._running:
-            out += self._decode(list(self._running.values()))
+            out += self._decode(self._by_slot())
         return out
 
     def _admit(self) -> list[_Running]:

@@ -50,11 +50,16 @@ class Prepared:
         req, j: ``[R] long``: each row's request and its index among that request's rows.
         slot, pos: ``[R] long``: the pool slot and position its K/V are written to.
         slots: ``[B] long``; span: the longest ``start + count`` (keys gathered per request); r_max: most rows.
-        mask: ``[B, r_max, span] bool``: what each (padded) row may attend to; a padding row sees slot 0 only.
+        mask: ``[B, r_max, span] bool``: what each (padded) row of each request may attend to; a padding row sees
+            position 0 only.
         starts, counts, row_off: ``[B] int32`` (with ``slots``, the batched kernel's per-request arguments);
         words: ``[B, r_max, ceil(r_max / 32)] int32``, each request's mask among its rows, bit-packed.
-        flat: ``[R] long``, each row's place ``req * r_max + j`` among the padded ``[B * r_max]`` rows (None: not
-            built, as in the padded runner's pass); dense: every request has ``r_max`` rows (padding is a reshape).
+        window: the masked SDPA's layout (:func:`~specpilot.model.layers.batch_sdpa`). ``(lo, W)``: the requests'
+            slots lie in ``[lo, lo + W)`` with ``W <= 2 B``, so the keys are that slice of the pool, a view (nothing
+            gathered), and request ``i`` sits at batch index ``slot_i - lo``, the ``W - B`` slots between them
+            padding (one key, outputs dropped). None: the keys are gathered per request, request ``i`` at index ``i``.
+        flat: ``[R] long``, each row's place among the SDPA's padded ``[W * r_max]`` (or ``[B * r_max]``) rows (None:
+            not built, as in the padded runner's pass); dense: that place is the row's own (padding is a reshape).
     """
 
     req: torch.Tensor
@@ -71,15 +76,29 @@ class Prepared:
     words: torch.Tensor
     flat: torch.Tensor | None = None
     dense: bool = False
+    window: tuple[int, int] | None = None
     _grouped: dict = field(default_factory=dict, repr=False)
 
+    def sdpa_mask(self) -> torch.Tensor:
+        """``[W, r_max, span] bool`` (``[B, ...]`` without a :attr:`window`): :attr:`mask` at each request's batch
+        index of the SDPA's layout; a slot between the requests sees position 0 only."""
+        if self.window is None:
+            return self.mask
+        lo, w = self.window
+        place = self.slots - lo
+        m = torch.zeros(w, *self.mask.shape[1:], dtype=torch.bool, device=self.mask.device)
+        m[:, :, 0] = True
+        m[place] = self.mask
+        return m
+
     def grouped_mask(self, g: int) -> torch.Tensor:
-        """``[B, 1, g * r_max, span]`` bool: :attr:`mask` with each padded row repeated for the ``g`` query heads
+        """``[W, 1, g * r_max, span]`` bool: :meth:`sdpa_mask` with each padded row repeated for the ``g`` query heads
         of a KV head (the layout of :func:`~specpilot.model.layers.grouped_sdpa`), built once per pass rather than
         once per layer."""
         if g not in self._grouped:
-            b, r, s = self.mask.shape
-            self._grouped[g] = self.mask[:, None, None].expand(b, 1, g, r, s).reshape(b, 1, g * r, s)
+            m = self.sdpa_mask()
+            b, r, s = m.shape
+            self._grouped[g] = m[:, None, None].expand(b, 1, g, r, s).reshape(b, 1, g * r, s)
         return self._grouped[g]
 
     @classmethod
@@ -104,7 +123,12 @@ class Prepared:
         i32 = {"dtype": torch.int32, "device": device}
         from specpilot.kernels.batch_attention import pack_batch_masks
 
-        return cls(req.to(device), j.to(device), torch.tensor(rows.slots)[req].to(device), (starts[req] + j).to(device),
-                   torch.tensor(rows.slots, device=device), span, r_max, mask.to(device), starts.to(**i32),
-                   counts.to(**i32), (counts.cumsum(0) - counts).to(**i32), pack_batch_masks(own).to(device),
-                   (req * r_max + j).to(device), min(rows.counts) == r_max)
+        slots = torch.tensor(rows.slots)
+        lo, w = min(rows.slots), max(rows.slots) + 1 - min(rows.slots)
+        window = (lo, w) if w <= 2 * b else None  # a view, with at most as many padding slots as requests
+        place = slots - lo if window is not None else torch.arange(b)
+        dense = min(rows.counts) == r_max and bool((place == torch.arange(b)).all())
+        return cls(req.to(device), j.to(device), slots[req].to(device), (starts[req] + j).to(device), slots.to(device),
+                   span, r_max, mask.to(device), starts.to(**i32), counts.to(**i32),
+                   (counts.cumsum(0) - counts).to(**i32), pack_batch_masks(own).to(device),
+                   (place[req] * r_max + j).to(device), dense, window)

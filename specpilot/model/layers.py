@@ -88,8 +88,9 @@ def grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: 
 
 def batch_sdpa(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, p: Prepared) -> torch.Tensor:
     """:func:`grouped_sdpa` on a batched pass's packed rows: ``q [R, H, D]`` (request 0's rows, then request 1's,
-    ...), ``keys, vals [B, span, KVH, D]`` gathered per request -> ``[R, H, D]``. The rows go to their padded places
-    by one ``index_copy_`` over ``p.flat`` (a reshape when ``p.dense``, as in every AR step) and come back by one
+    ...), ``keys, vals [B, span, KVH, D]`` gathered per request, or ``[W, span, KVH, D]``, the pool's slots
+    ``[lo, lo + W)`` of ``p.window = (lo, W)`` -> ``[R, H, D]``. The rows go to their padded places by one ``index_copy_`` over
+    ``p.flat`` (a reshape when ``p.dense``, as in an AR step over consecutive slots) and come back by one
     ``index_select``; the grouped mask is built once per pass (:meth:`~specpilot.model.batch.Prepared.grouped_mask`).
     The SDPA sees the same inputs as :func:`grouped_sdpa` on the padded rows, so the outputs are equal bit for bit
     (``tests/test_grouped_sdpa.py``)."""
@@ -255,8 +256,12 @@ class Attention(nn.Module):
                                          p.counts, p.row_off, p.words, p.r_max, a.head_dim**-0.5)
                 with region(prof, "projections"):
                     return self.o_proj(o.reshape(x.shape[0], a.n_heads * a.head_dim).to(x.dtype))
-            keys = pool.k[:, layer, : p.span].index_select(0, p.slots)  # [B, span, KVH, D]
-            vals = pool.v[:, layer, : p.span].index_select(0, p.slots)
+            if p.window is not None:  # the requests' slots in a short range: a view of the pool, nothing copied
+                w = slice(p.window[0], p.window[0] + p.window[1])
+                keys, vals = pool.k[w, layer, : p.span], pool.v[w, layer, : p.span]  # [W, span, KVH, D]
+            else:
+                keys = pool.k[:, layer, : p.span].index_select(0, p.slots)
+                vals = pool.v[:, layer, : p.span].index_select(0, p.slots)
             o = batch_sdpa(q, keys, vals, p).reshape(x.shape[0], a.n_heads * a.head_dim)
         with region(prof, "projections"):
             return self.o_proj(o)
