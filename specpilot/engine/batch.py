@@ -16,10 +16,10 @@ SDPA unless the target's ``batch_kernel``. On the fused path every GEMM is batch
 its batch-1 output from this engine, whatever shares its steps (given a drafter whose proposals do not depend on the
 batch: n-gram always). Row selection (§4.4; only the verified rows change, never the output): ``per_request`` builds
 each request's own tree of ``nodes`` nodes; ``shared_budget`` fills one budget of ``config.step_budget(n)`` nodes for
-the step's n requests best-first across their lattices (:func:`~specpilot.spec.trees_batch.build_shared`; each slot
-reserves rows for the largest budget, and the padded runner takes a request of that many rows, its buckets bounded by
-the requests plus the largest budget). ``prompt_admission``: prompts admitted while
-requests run ride in that step's exact pass (causal rows over their own slots) when their rows fit the cap.
+the step's n requests best-first across their lattices (:func:`~specpilot.spec.trees_batch.build_shared`; a slot and
+the padded runner hold a request of the largest budget). ``prompt_admission``: prompts admitted while requests run
+ride in that step's exact pass (causal rows over their own slots) when their rows fit the cap. A prefilled prompt
+starts from the longest prefix another slot holds (:mod:`specpilot.engine.prefix`).
 ``drafter_block``: each request asks the drafter for one of the allowed depths, picked from its own history
 (:mod:`specpilot.spec.drafter_block`: recent acceptance, its last draft's confidence); a block drafter drafts the
 batch in one pass and cuts each request's lattice to its own depth.
@@ -35,8 +35,9 @@ import torch
 
 from specpilot.config import SystemConfig
 from specpilot.engine.batch_runner import BatchRunner, runs_padded
+from specpilot.engine.prefix import PrefixCache
 from specpilot.engine.requests import check_prompt, keep, stop_id_set
-from specpilot.engine.types import Generation
+from specpilot.engine.types import Generation, Request, StepOutput  # noqa: F401  (re-exported)
 from specpilot.errors import DrafterError, PromptError, SpecPilotError
 from specpilot.model.batch import BatchRows
 from specpilot.model.transformer import Transformer
@@ -44,49 +45,6 @@ from specpilot.spec.drafter import Drafter, DraftRequest, check_fits, draft_dept
 from specpilot.spec.drafter_block import BlockHistory
 from specpilot.spec.trees import Tree, build_tree
 from specpilot.spec.trees_batch import build_shared
-
-
-@dataclass
-class Request:
-    """One request to the batched engine.
-
-    Attributes:
-        request_id: unique among the engine's unfinished requests.
-        prompt_ids: the prompt's token ids (non-empty).
-        max_new_tokens: most tokens to generate (≥ 1).
-        stop_ids: extra ids that end it (kept in the output, like EOS, which is the engine's own).
-    """
-
-    request_id: str
-    prompt_ids: list[int]
-    max_new_tokens: int
-    stop_ids: frozenset[int] = frozenset()
-
-
-@dataclass
-class StepOutput:
-    """What one step did for one request.
-
-    Attributes:
-        request_id: the request.
-        new_tokens: tokens committed this step, already cut at a stop id (which they include, as EOS is kept in
-            a :class:`~specpilot.engine.types.Generation`) or at ``max_new_tokens``.
-        finished: the request ended this step (its slot is free again).
-        finish_reason: ``stop`` (EOS or a stop id), ``length``, or None while it runs.
-        drafted: draft tokens verified for it this step (its tree's nodes); accepted: of those, accepted (bonus
-            excluded); accepted_by_pos: 1 per accepted draft position 0 .. accepted − 1.
-        draft_depth: draft positions asked of the drafter for it this step (0: none asked; under
-            ``drafter_block`` the depth its rule picked, cut at the request's remaining tokens).
-    """
-
-    request_id: str
-    new_tokens: list[int]
-    finished: bool
-    finish_reason: str | None
-    drafted: int = 0
-    accepted: int = 0
-    accepted_by_pos: list[int] = field(default_factory=list)
-    draft_depth: int = 0
 
 
 @dataclass
@@ -116,6 +74,8 @@ class BatchEngine:
             padded passes (a hybrid target's :class:`~specpilot.model.hybrid_pool.HybridPool` has none).
         spec_max_requests: draft only in steps with at most this many running requests; in larger steps every
             request verifies its root alone, an AR step (vLLM's ``disable_by_batch_size``). None: always draft.
+        prefix_caching: prefill a prompt from the longest prefix a slot holds (:mod:`specpilot.engine.prefix`;
+            dense targets, drafters that read no target features).
     Raises:
         DrafterError: the drafter does not fit the target or holds fewer slots than ``max_num_seqs``.
         SpecPilotError: ``padded`` on a hybrid target; ``config.tlv`` (single requests only).
@@ -128,7 +88,8 @@ class BatchEngine:
 
     def __init__(self, target: Transformer, config: SystemConfig, drafter: Drafter | None = None,
                  eos_ids: list[int] | None = None, max_len: int | None = None, max_num_seqs: int = 8,
-                 max_prefill_rows: int = 2048, padded: bool | None = None, spec_max_requests: int | None = None):
+                 max_prefill_rows: int = 2048, padded: bool | None = None, spec_max_requests: int | None = None,
+                 prefix_caching: bool = True):
         if min(max_num_seqs, 1 if spec_max_requests is None else spec_max_requests) < 1:
             raise ValueError(f"max_num_seqs and spec_max_requests must be at least 1, got {max_num_seqs}, "
                              f"{spec_max_requests}")
@@ -150,6 +111,8 @@ class BatchEngine:
         # one slot more than requests: the scratch slot, where padding rows of a bucketed pass write their K/V
         self.pool = target.new_pool(max_num_seqs + 1, self.max_len + tree_rows + 1)  # KVPool, or a hybrid's
         self.feature_layers = tuple(drafter.target_layers) if drafter is not None else ()
+        reuse = prefix_caching and self.pool.prefix_reuse and not self.feature_layers
+        self.prefix = PrefixCache(self.pool) if reuse else None
         padded = runs_padded(target, self.pool) if padded is None else padded
         drafted = tree_rows if drafter is not None else 0  # a step's drafted rows: per request, and in all (shared)
         self.runner = BatchRunner(target, self.pool, max_num_seqs, 1 + drafted, self.feature_layers,
@@ -197,6 +160,8 @@ class BatchEngine:
             if self.drafter is not None:
                 self.drafter.reset(s)
         self._free = list(range(self.num_slots - 1, -1, -1))
+        if self.prefix is not None:
+            self.prefix.clear()
 
     def capture_graphs(self) -> int:
         """Capture the CUDA graphs of every (requests, rows) bucket a step of this engine can meet, now rather than
@@ -208,6 +173,8 @@ class BatchEngine:
         return sorted(self._running.values(), key=lambda r: r.slot)
 
     def _release(self, r: _Running) -> None:
+        if self.prefix is not None:  # its K/V stay in the slot until a new request takes it
+            self.prefix.release(r.slot, r.committed[: self.pool.cache(r.slot).length])
         self.pool.cache(r.slot).commit(0)
         if self.drafter is not None:
             self.drafter.reset(r.slot)
@@ -222,6 +189,8 @@ class BatchEngine:
         admitted = self._admit()
         cap = self.config.prompt_admission
         if admitted and self._running and sum(len(r.committed) for r in admitted) <= cap:
+            for r in admitted if self.prefix is not None else ():
+                self.prefix.claim(r.slot)
             return self._decode(self._by_slot(), admitted)  # the prompts ride in the step's pass
         out = self._prefill(admitted)
         if self._running:
@@ -230,10 +199,14 @@ class BatchEngine:
 
     def _admit(self) -> list[_Running]:
         admitted, rows = [], 0
+        resident = [(x.slot, x.committed[: self.pool.cache(x.slot).length]) for x in self._running.values()]
         while self._waiting and self._free:
             n = len(self._waiting[0].prompt_ids)
             if admitted and rows + n > self.max_prefill_rows:
                 break
+            if admitted and self.prefix is not None and self.prefix.waits(
+                    self._waiting[0].prompt_ids, [a.committed for a in admitted], resident):
+                break  # next step it copies the prefix an admitted prompt is about to compute
             req = self._waiting.popleft()
             r = _Running(req, self._free.pop(), list(req.prompt_ids), self.eos_ids | set(req.stop_ids))
             if self.drafter is not None:
@@ -267,9 +240,12 @@ class BatchEngine:
     def _prefill(self, rs: list[_Running]) -> list[StepOutput]:
         if not rs:
             return []
-        ends = torch.tensor([len(r.committed) for r in rs]).cumsum(0).tolist()
-        first, feats = self._pass(rs, [r.committed for r in rs], [list(range(len(r.committed))) for r in rs],
-                                  [0] * len(rs), [None] * len(rs), read=[e - 1 for e in ends])
+        resident = [(x.slot, x.committed[: self.pool.cache(x.slot).length]) for x in self._running.values()]
+        starts = [self.prefix.reuse(r.slot, r.committed, resident) if self.prefix else 0 for r in rs]
+        ends = torch.tensor([len(r.committed) - s for r, s in zip(rs, starts)]).cumsum(0).tolist()
+        first, feats = self._pass(rs, [r.committed[s:] for r, s in zip(rs, starts)],
+                                  [list(range(s, len(r.committed))) for r, s in zip(rs, starts)], starts,
+                                  [None] * len(rs), read=[e - 1 for e in ends])
         self.prefill_passes += 1
         out = []
         for r, tok, end in zip(rs, first, ends):

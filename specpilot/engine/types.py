@@ -1,4 +1,4 @@
-"""Result types shared by the engine and the pilot."""
+"""Request and result types shared by the engines, the server and the pilot."""
 
 from __future__ import annotations
 
@@ -42,3 +42,46 @@ class Generation:
     def tokens_per_s(self) -> float:
         """Output tokens per second of wall time (prefill included)."""
         return len(self.tokens) / self.time_s if self.time_s > 0 else 0.0
+
+
+@dataclass
+class Request:
+    """One request to the batched engine.
+
+    Attributes:
+        request_id: unique among the engine's unfinished requests.
+        prompt_ids: the prompt's token ids (non-empty).
+        max_new_tokens: most tokens to generate (≥ 1).
+        stop_ids: extra ids that end it (kept in the output, like EOS, which is the engine's own).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request.
+
+    Attributes:
+        request_id: the request.
+        new_tokens: tokens committed this step, already cut at a stop id (which they include, as EOS is kept in
+            a :class:`~specpilot.engine.types.Generation`) or at ``max_new_tokens``.
+        finished: the request ended this step (its slot is free again).
+        finish_reason: ``stop`` (EOS or a stop id), ``length``, or None while it runs.
+        drafted: draft tokens verified for it this step (its tree's nodes); accepted: of those, accepted (bonus
+            excluded); accepted_by_pos: 1 per accepted draft position 0 .. accepted − 1.
+        draft_depth: draft positions asked of the drafter for it this step (0: none asked; under
+            ``drafter_block`` the depth its rule picked, cut at the request's remaining tokens).
+    """
+
+    request_id: str
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None
+    drafted: int = 0
+    accepted: int = 0
+    accepted_by_pos: list[int] = field(default_factory=list)
+    draft_depth: int = 0

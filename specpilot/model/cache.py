@@ -138,11 +138,13 @@ class KVPool:
         SpecPilotError: the pool's two tensors cannot be allocated on ``device`` (one line with their size and what
             to lower: the slots are ``--max-num-seqs`` / ``--batch`` sizes, the length ``--max-model-len``).
     Attributes:
+        prefix_reuse: a new request may start from K/V copied from another slot (:meth:`copy_prefix`).
         padded_passes: the padded :class:`~specpilot.engine.batch_runner.BatchRunner` (CUDA graphs, padding rows in
             a scratch slot) runs on this pool (a hybrid target's pool says False).
     """
 
     padded_passes = True
+    prefix_reuse = True
 
     def __init__(self, args: ModelArgs, num_slots: int, slot_len: int, dtype: torch.dtype,
                  device: torch.device | str):
@@ -152,6 +154,14 @@ class KVPool:
         self.k, self.v = allocate_pool("K/V pool", [(shape, dtype)] * 2, device, num_slots, slot_len)
         self.num_slots, self.slot_len = num_slots, slot_len
         self._caches = [KVCache(args, slot_len, dtype, device, storage=(self.k[i], self.v[i])) for i in range(num_slots)]
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy positions ``[0, n)`` of slot ``src``'s K/V, every layer, into slot ``dst`` (a shared prompt prefix,
+        :mod:`specpilot.engine.prefix`). Raises ValueError: ``n`` past the slots' length."""
+        if not 0 <= n <= self.slot_len:
+            raise ValueError(f"cannot copy {n} positions of slots of {self.slot_len}")
+        self.k[dst, :, :n] = self.k[src, :, :n]
+        self.v[dst, :, :n] = self.v[src, :, :n]
 
     def cache(self, slot: int) -> KVCache:
         """The :class:`KVCache` of ``slot`` (its length is that request's committed slots)."""

@@ -53,6 +53,7 @@ class HybridPool:
     """
 
     padded_passes = False
+    prefix_reuse = False  # a GDN layer's recurrent state is not per position: no prefix of it can be copied
 
     def __init__(self, args: ModelArgs, num_slots: int, slot_len: int, dtype: torch.dtype,
                  device: torch.device | str, mode: str = "snapshot"):
