@@ -194,6 +194,9 @@ def test_max_model_len_sizes_the_engines_context_and_its_cache(monkeypatch):
         assert eng.pool.slot_len == 96 + eng.config.nodes + 1  # each slot: the context and one step's tree rows
         with pytest.raises(SpecPilotError, match="past the target's"):
             run_server(*args, 10 ** 7)
+        assert eng.prefix is not None  # prefix reuse is on by default; --no-enable-prefix-caching turns it off
+        run_server(*args, 96, None, False)
+        assert seen["engine"] is not eng and seen["engine"].prefix is None
 
 
 def test_serve_system_takes_its_sealed_batch_size_and_refuses_tree_options(monkeypatch, capsys, tmp_path):

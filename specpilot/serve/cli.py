@@ -100,6 +100,10 @@ def serve(
     speculative_disable_by_batch_size: Optional[int] = typer.Option(
         None, help="Draft only in steps with at most this many running requests; larger steps decode as AR (vLLM's "
                    "disable_by_batch_size). Default: always draft."),
+    enable_prefix_caching: bool = typer.Option(
+        True, "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Start a prompt from the K/V of the longest prefix a running or finished request left (>= 16 tokens; "
+             "dense targets, drafters that read no target features)."),
 ):
     """Serve a speculative system over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
     Greedy only: temperature > 0, n > 1 and other sampling fields get a 400."""
@@ -193,7 +197,8 @@ def serve(
                   "on <= 2 cores is 1 thread)", file=sys.stderr)
         torch.set_num_threads(n_threads)
         run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, served_model_name or tdir.resolve().name,
-                   chat_template, max_body_bytes, log_level, host, max_model_len, speculative_disable_by_batch_size)
+                   chat_template, max_body_bytes, log_level, host, max_model_len, speculative_disable_by_batch_size,
+                   enable_prefix_caching)
     finally:
         sock.close()
 
@@ -223,10 +228,11 @@ def in_passing_thread(fn):
 
 
 def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_template, max_body_bytes,
-               log_level, host, max_len: int | None = None, spec_max_requests: int | None = None) -> None:
+               log_level, host, max_len: int | None = None, spec_max_requests: int | None = None,
+               prefix_caching: bool = True) -> None:
     """Load the deployment, build the batched system, and serve on ``sock`` until interrupted. ``max_len``: the
-    engine's context in tokens (None: the target's ``max_position_embeddings``, at most 4096); ``spec_max_requests``:
-    the engine's (:class:`~specpilot.engine.batch.BatchEngine`).
+    engine's context in tokens (None: the target's ``max_position_embeddings``, at most 4096); ``spec_max_requests``
+    and ``prefix_caching``: the engine's (:class:`~specpilot.engine.batch.BatchEngine`).
 
     Raises:
         SpecPilotError: a checkpoint that cannot be loaded, a target without tokenizer files, ``max_len`` past the
@@ -246,7 +252,8 @@ def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_
         if max_len is not None and max_len > dep.target.args.max_position_embeddings:
             raise SpecPilotError(f"--max-model-len {max_len} is past the target's "
                                  f"{dep.target.args.max_position_embeddings} positions")
-        engine = dep.batch_system(cfg, max_num_seqs, max_len=max_len, spec_max_requests=spec_max_requests)
+        engine = dep.batch_system(cfg, max_num_seqs, max_len=max_len, spec_max_requests=spec_max_requests,
+                                  prefix_caching=prefix_caching)
         engine.capture_graphs()  # CUDA graphs of every bucket before the first request, not inside it
         return dep, engine
 
@@ -260,7 +267,7 @@ def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_
     addr = sock.getsockname()
     drafting = "" if spec_max_requests is None else f" (drafting while at most {spec_max_requests} run)"
     print(f"specpilot serve: {name!r} ({cfg.label()}) at http://{host}:{addr[1]}/v1, {engine.num_slots} slots"
-          f"{drafting}, "
+          f"{drafting}, prefix reuse {'on' if engine.prefix is not None else 'off'}, "
           f"context {engine.max_len} tokens, chat template: {source}, API key: {'required' if api_key else 'off'}",
           file=sys.stderr)
     if source == "fallback":
