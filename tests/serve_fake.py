@@ -28,6 +28,8 @@ SCRIPT = "héllo wörld 日本語 🙂 The answer is 42. STOP here; then more te
 class FakeBatchEngine:
     """See the module docstring. ``step_delay_s``: sleep per step (so a stream lasts a while)."""
 
+    prefix = None  # no prompt prefixes reused (BatchEngine.prefix)
+
     def __init__(self, tokenizer, eos_id: int, max_len: int = 256, num_slots: int = 4, step_delay_s: float = 0.0):
         self.tok, self.eos, self.max_len, self.num_slots = tokenizer, eos_id, max_len, num_slots
         self.vocab_size = len(tokenizer)

@@ -85,6 +85,20 @@ def wait_free(srv, timeout_s=30.0):
 PROMPT = "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:"
 
 
+def test_a_repeated_prompt_reuses_its_prefix_and_metrics_count_it(srv, client):
+    """The same long prompt twice, one after the other: the second starts from the K/V the first left (its slot is
+    free, not yet reused), gives the same text as the single-request engine, and /metrics counts the reused tokens."""
+    prompt = PROMPT * 3  # well past the 16 shared tokens reuse starts at
+    ids = ids_of(srv, prompt)
+    text, _, _ = reference(srv, ids, 12)
+    q0, h0 = counter(srv, "specpilot:prefix_cache_queries_total"), counter(srv, "specpilot:prefix_cache_hits_total")
+    for _ in range(2):
+        assert client.completions.create(model="bundled", prompt=prompt, max_tokens=12).choices[0].text == text
+    wait_free(srv)
+    assert counter(srv, "specpilot:prefix_cache_queries_total") - q0 == 2 * len(ids)
+    assert counter(srv, "specpilot:prefix_cache_hits_total") - h0 >= len(ids) - 1
+
+
 def test_completion_and_chat_equal_the_single_request_engine(srv, client):
     text, n, reason = reference(srv, ids_of(srv, PROMPT), 40)
     r = client.completions.create(model="bundled", prompt=PROMPT, max_tokens=40)

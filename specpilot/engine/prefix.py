@@ -40,6 +40,8 @@ class PrefixCache:
     Attributes:
         kept: free slot -> the tokens whose K/V it still holds (a finished request's), until a new request takes it.
         hits / reused_tokens: prompts that started from a resident prefix, and the prompt tokens they did not prefill.
+        queried_tokens: prompt tokens of every prompt looked up (vLLM's prefix-cache queries; hits are
+            ``reused_tokens``).
     Raises:
         ValueError: ``min_tokens < 1``.
     """
@@ -49,7 +51,7 @@ class PrefixCache:
             raise ValueError(f"min_tokens must be at least 1, got {min_tokens}")
         self.pool, self.min_tokens = pool, min_tokens
         self.kept: dict[int, list[int]] = {}
-        self.hits = self.reused_tokens = 0
+        self.hits = self.reused_tokens = self.queried_tokens = 0
 
     def release(self, slot: int, tokens: list[int]) -> None:
         """``slot`` is free and still holds the K/V of ``tokens`` (positions ``[0, len(tokens))``)."""
@@ -83,6 +85,7 @@ class PrefixCache:
         ``resident`` (``(slot, tokens whose K/V it holds)`` of the running requests), copy the first ``L`` positions
         of the best into ``slot``, commit them, claim ``slot``, and return ``L`` (0: nothing reused; at most
         ``len(prompt) - 1``)."""
+        self.queried_tokens += len(prompt)
         best, src = self._best(prompt, resident)
         if slot in self.kept and shared_prefix(prompt, self.kept[slot]) == best:  # a tie: the slot itself, no copy
             src = slot

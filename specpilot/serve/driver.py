@@ -169,6 +169,8 @@ class EngineDriver:
         self.steps += 1
         if self.metrics is not None:
             self.metrics.step(outs)
+            if self.engine.prefix is not None:
+                self.metrics.prefix(self.engine.prefix.queried_tokens, self.engine.prefix.reused_tokens)
         for o in outs:
             deliver = self._sinks.get(o.request_id)
             if deliver is None:  # aborted while its step ran

@@ -12,6 +12,8 @@ the per-position counter; ``finished_reason`` (``stop`` | ``length`` | ``abort``
 - ``prompt_tokens_total`` / ``generation_tokens_total``: prompt tokens admitted; tokens the engine committed.
 - ``time_to_first_token_seconds``, ``inter_token_latency_seconds`` (the gap between two outputs of one request,
   once per engine step that gave it tokens, as vLLM v1 observes it), ``e2e_request_latency_seconds`` (histograms).
+- ``prefix_cache_queries_total`` / ``prefix_cache_hits_total``: prompt tokens looked up in the resident prefixes
+  (:mod:`specpilot.engine.prefix`) / of those, reused instead of prefilled (vLLM's counters, in tokens).
 - ``spec_decode_num_drafts_total``: request-steps that verified at least one drafted token;
   ``..._num_draft_tokens_total``: drafted tokens verified (tree nodes); ``..._num_accepted_tokens_total``: of those,
   accepted (the bonus token excluded); ``..._num_accepted_tokens_per_pos_total{position}``: accepted at draft
@@ -68,10 +70,16 @@ class ServerMetrics:
         self.accepted_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos",
                                     "Drafted tokens accepted, by draft position (0-based).", lab + ["position"],
                                     registry=r)
+        self.prefix_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in resident prefixes.",
+                                      lab, registry=r)
+        self.prefix_hits = Counter(P + "prefix_cache_hits", "Prompt tokens reused from resident prefixes.", lab,
+                                   registry=r)
+        self._prefix_seen = (0, 0)
         for reason in REASONS:  # every series exists from the start (a rate() over a new series misses its start)
             self.finished.labels(model_name, reason)
         for m in (self.running, self.waiting, self.usage, self.prompt_tokens, self.generation_tokens, self.ttft,
-                  self.itl, self.e2e, self.drafts, self.draft_tokens, self.accepted):
+                  self.itl, self.e2e, self.drafts, self.draft_tokens, self.accepted, self.prefix_queries,
+                  self.prefix_hits):
             m.labels(model_name)
 
     def step(self, outputs) -> None:
@@ -87,6 +95,13 @@ class ServerMetrics:
                 for pos, n in enumerate(o.accepted_by_pos):
                     if n:
                         self.accepted_pos.labels(m, str(pos)).inc(n)
+
+    def prefix(self, queried: int, hits: int) -> None:
+        """Bring the prefix-cache counters up to the engine's running totals (tokens queried, tokens reused)."""
+        q0, h0 = self._prefix_seen
+        self.prefix_queries.labels(self.model).inc(max(0, queried - q0))
+        self.prefix_hits.labels(self.model).inc(max(0, hits - h0))
+        self._prefix_seen = (max(q0, queried), max(h0, hits))
 
     def queue(self, running: int, waiting: int, num_slots: int) -> None:
         """Set the request gauges (requests in slots, waiting, and the fraction of ``num_slots`` in use)."""
