@@ -35,7 +35,7 @@ class PrefixCache:
     """Which slots of a :class:`~specpilot.model.cache.KVPool` hold whose K/V, and their reuse (module doc).
 
     Args:
-        pool: the batch's pool (``copy_prefix``, ``cache``).
+        pool: the batch's pool (its ``copy_prefix``).
         min_tokens: shared tokens from which a prefix is reused (>= 1).
     Attributes:
         kept: free slot -> the tokens whose K/V it still holds (a finished request's), until a new request takes it.
@@ -83,8 +83,8 @@ class PrefixCache:
     def reuse(self, slot: int, prompt: list[int], resident: Iterable[tuple[int, list[int]]]) -> int:
         """Start ``prompt``'s request in ``slot`` from the longest resident prefix: among the kept slots and
         ``resident`` (``(slot, tokens whose K/V it holds)`` of the running requests), copy the first ``L`` positions
-        of the best into ``slot``, commit them, claim ``slot``, and return ``L`` (0: nothing reused; at most
-        ``len(prompt) - 1``)."""
+        of the best into ``slot``, claim ``slot``, and return ``L`` (0: nothing reused; at most ``len(prompt) - 1``):
+        the prefill's rows start there. The engine commits the cache's length, as for every pass."""
         self.queried_tokens += len(prompt)
         best, src = self._best(prompt, resident)
         if slot in self.kept and shared_prefix(prompt, self.kept[slot]) == best:  # a tie: the slot itself, no copy
@@ -95,7 +95,6 @@ class PrefixCache:
             return 0
         if src != slot:
             self.pool.copy_prefix(src, slot, n)
-        self.pool.cache(slot).commit(n)
         self.hits += 1
         self.reused_tokens += n
         return n
