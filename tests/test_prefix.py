@@ -104,9 +104,14 @@ def test_a_freed_slot_serves_the_next_prompt_without_a_copy(tiny_models):
 
 
 def test_no_prefix_reuse_where_it_cannot_hold(tiny_models):
-    """Off on request; and not for a drafter that reads the target's features of every prompt row."""
+    """Off on request; off by default where the decode passes are batch-invariant (the padded runner with the
+    target's batch-invariant kernels: a reused prefix would change a request's later bits), on when asked there;
+    and not for a drafter that reads the target's features of every prompt row."""
     target, small = tiny_models
     assert BatchEngine(target, SystemConfig.ar(), None, max_num_seqs=2, prefix_caching=False).prefix is None
+    assert target.kernels.batch_invariant
+    assert BatchEngine(target, SystemConfig.ar(), None, max_num_seqs=2, padded=True).prefix is None
+    assert BatchEngine(target, SystemConfig.ar(), None, max_num_seqs=2, padded=True, prefix_caching=True).prefix
     cfg = SystemConfig(drafter="block", tree="chain", nodes=3, depth=3, top_k=1)
     assert BatchEngine(target, cfg, drafter_of("block", target, small, 2, cfg), max_num_seqs=2).prefix is None
     cfg = SystemConfig(drafter="ngram", tree="chain", nodes=3, depth=3, top_k=1)

@@ -19,7 +19,8 @@ each request's own tree of ``nodes`` nodes; ``shared_budget`` fills one budget o
 the step's n requests best-first across their lattices (:func:`~specpilot.spec.trees_batch.build_shared`; a slot and
 the padded runner hold a request of the largest budget). ``prompt_admission``: prompts admitted while requests run
 ride in that step's exact pass (causal rows over their own slots) when their rows fit the cap. A prefilled prompt
-starts from the longest prefix another slot holds (:mod:`specpilot.engine.prefix`).
+starts from the longest prefix another slot holds (:mod:`specpilot.engine.prefix`; by default not on the
+batch-invariant path).
 ``drafter_block``: each request asks the drafter for one of the allowed depths, picked from its own history
 (:mod:`specpilot.spec.drafter_block`: recent acceptance, its last draft's confidence); a block drafter drafts the
 batch in one pass and cuts each request's lattice to its own depth.
@@ -75,7 +76,9 @@ class BatchEngine:
         spec_max_requests: draft only in steps with at most this many running requests; in larger steps every
             request verifies its root alone, an AR step (vLLM's ``disable_by_batch_size``). None: always draft.
         prefix_caching: prefill a prompt from the longest prefix a slot holds (:mod:`specpilot.engine.prefix`;
-            dense targets, drafters that read no target features).
+            dense targets, drafters that read no target features). None: on, except where the decode passes are
+            batch-invariant (CUDA's fused path): a prompt prefilled from a reused prefix attends to it in another
+            order than its own prefill would, so its later rows' bits would depend on what ran before it.
     Raises:
         DrafterError: the drafter does not fit the target or holds fewer slots than ``max_num_seqs``.
         SpecPilotError: ``padded`` on a hybrid target; ``config.tlv`` (single requests only).
@@ -89,7 +92,7 @@ class BatchEngine:
     def __init__(self, target: Transformer, config: SystemConfig, drafter: Drafter | None = None,
                  eos_ids: list[int] | None = None, max_len: int | None = None, max_num_seqs: int = 8,
                  max_prefill_rows: int = 2048, padded: bool | None = None, spec_max_requests: int | None = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool | None = None):
         if min(max_num_seqs, 1 if spec_max_requests is None else spec_max_requests) < 1:
             raise ValueError(f"max_num_seqs and spec_max_requests must be at least 1, got {max_num_seqs}, "
                              f"{spec_max_requests}")
@@ -111,12 +114,14 @@ class BatchEngine:
         # one slot more than requests: the scratch slot, where padding rows of a bucketed pass write their K/V
         self.pool = target.new_pool(max_num_seqs + 1, self.max_len + tree_rows + 1)  # KVPool, or a hybrid's
         self.feature_layers = tuple(drafter.target_layers) if drafter is not None else ()
-        reuse = prefix_caching and self.pool.prefix_reuse and not self.feature_layers
-        self.prefix = PrefixCache(self.pool) if reuse else None
         padded = runs_padded(target, self.pool) if padded is None else padded
         drafted = tree_rows if drafter is not None else 0  # a step's drafted rows: per request, and in all (shared)
         self.runner = BatchRunner(target, self.pool, max_num_seqs, 1 + drafted, self.feature_layers,
                                   step_extra_rows=drafted if self.shared else None) if padded else None
+        if prefix_caching is None:
+            prefix_caching = not (self.runner is not None and target.kernels.batch_invariant)
+        reuse = prefix_caching and self.pool.prefix_reuse and not self.feature_layers
+        self.prefix = PrefixCache(self.pool) if reuse else None
         self._free = list(range(max_num_seqs - 1, -1, -1))
         self._waiting: deque[Request] = deque()
         self._running: dict[str, _Running] = {}

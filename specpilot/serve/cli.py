@@ -100,10 +100,11 @@ def serve(
     speculative_disable_by_batch_size: Optional[int] = typer.Option(
         None, help="Draft only in steps with at most this many running requests; larger steps decode as AR (vLLM's "
                    "disable_by_batch_size). Default: always draft."),
-    enable_prefix_caching: bool = typer.Option(
-        True, "--enable-prefix-caching/--no-enable-prefix-caching",
+    enable_prefix_caching: Optional[bool] = typer.Option(
+        None, "--enable-prefix-caching/--no-enable-prefix-caching",
         help="Start a prompt from the K/V of the longest prefix a running or finished request left (>= 16 tokens; "
-             "dense targets, drafters that read no target features)."),
+             "dense targets, drafters that read no target features). Default: on, except on CUDA's batch-invariant "
+             "fused path, where a reused prefix would change the later rows' bits."),
 ):
     """Serve a speculative system over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
     Greedy only: temperature > 0, n > 1 and other sampling fields get a 400."""
@@ -229,7 +230,7 @@ def in_passing_thread(fn):
 
 def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_template, max_body_bytes,
                log_level, host, max_len: int | None = None, spec_max_requests: int | None = None,
-               prefix_caching: bool = True) -> None:
+               prefix_caching: bool | None = None) -> None:
     """Load the deployment, build the batched system, and serve on ``sock`` until interrupted. ``max_len``: the
     engine's context in tokens (None: the target's ``max_position_embeddings``, at most 4096); ``spec_max_requests``
     and ``prefix_caching``: the engine's (:class:`~specpilot.engine.batch.BatchEngine`).
