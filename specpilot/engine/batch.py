@@ -177,6 +177,10 @@ class BatchEngine:
         """The running requests in slot order (a pass over consecutive slots reads their K/V as one view)."""
         return sorted(self._running.values(), key=lambda r: r.slot)
 
+    def _resident(self) -> list[tuple[int, list[int]]]:
+        """``(slot, tokens whose K/V it holds)`` of every running request (prefix reuse's sources)."""
+        return [(x.slot, x.committed[: self.pool.cache(x.slot).length]) for x in self._running.values()]
+
     def _release(self, r: _Running) -> None:
         if self.prefix is not None:  # its K/V stay in the slot until a new request takes it
             self.prefix.release(r.slot, r.committed[: self.pool.cache(r.slot).length])
@@ -194,8 +198,9 @@ class BatchEngine:
         admitted = self._admit()
         cap = self.config.prompt_admission
         if admitted and self._running and sum(len(r.committed) for r in admitted) <= cap:
-            for r in admitted if self.prefix is not None else ():
-                self.prefix.claim(r.slot)
+            if self.prefix is not None:  # these prefill from 0: what their slots kept is overwritten
+                for r in admitted:
+                    self.prefix.claim(r.slot)
             return self._decode(self._by_slot(), admitted)  # the prompts ride in the step's pass
         out = self._prefill(admitted)
         if self._running:
@@ -203,15 +208,15 @@ class BatchEngine:
         return out
 
     def _admit(self) -> list[_Running]:
-        admitted, rows = [], 0
-        resident = [(x.slot, x.committed[: self.pool.cache(x.slot).length]) for x in self._running.values()]
+        admitted, rows, resident = [], 0, None
         while self._waiting and self._free:
             n = len(self._waiting[0].prompt_ids)
             if admitted and rows + n > self.max_prefill_rows:
                 break
-            if admitted and self.prefix is not None and self.prefix.waits(
-                    self._waiting[0].prompt_ids, [a.committed for a in admitted], resident):
-                break  # next step it copies the prefix an admitted prompt is about to compute
+            if admitted and self.prefix is not None:
+                resident = self._resident() if resident is None else resident
+                if self.prefix.waits(self._waiting[0].prompt_ids, [a.committed for a in admitted], resident):
+                    break  # next step it copies the prefix an admitted prompt is about to compute
             req = self._waiting.popleft()
             r = _Running(req, self._free.pop(), list(req.prompt_ids), self.eos_ids | set(req.stop_ids))
             if self.drafter is not None:
@@ -245,7 +250,7 @@ class BatchEngine:
     def _prefill(self, rs: list[_Running]) -> list[StepOutput]:
         if not rs:
             return []
-        resident = [(x.slot, x.committed[: self.pool.cache(x.slot).length]) for x in self._running.values()]
+        resident = self._resident() if self.prefix is not None else []
         starts = [self.prefix.reuse(r.slot, r.committed, resident) if self.prefix else 0 for r in rs]
         ends = torch.tensor([len(r.committed) - s for r, s in zip(rs, starts)]).cumsum(0).tolist()
         first, feats = self._pass(rs, [r.committed[s:] for r, s in zip(rs, starts)],
