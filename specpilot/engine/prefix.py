@@ -75,9 +75,9 @@ class PrefixCache:
 
     def waits(self, prompt: list[int], admitted: list[list[int]], resident: Iterable[tuple[int, list[int]]]) -> bool:
         """Whether ``prompt`` should wait a step: a prompt ``admitted`` in this step (its K/V not computed yet)
-        shares at least :attr:`min_tokens` more of it than any slot holds, so next step it copies what it would
+        shares more of it than any slot holds, and at least :attr:`min_tokens`, so next step it copies what it would
         prefill now (identical prompts arriving together are prefilled once)."""
-        held = self._best(prompt, list(resident))[0]
+        held = self._best(prompt, resident)[0]
         return any(shared_prefix(prompt, a) >= max(held + 1, self.min_tokens) for a in admitted)
 
     def reuse(self, slot: int, prompt: list[int], resident: Iterable[tuple[int, list[int]]]) -> int:
