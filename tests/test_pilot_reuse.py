@@ -37,7 +37,19 @@ def approve_all(monkeypatch):
     monkeypatch.setattr(Pilot, "judge", judge)
 
 
-def test_second_run_reports_first_runs_memory_as_reused(tmp_path, approve_all):
+@pytest.fixture
+def stock_beats_ar(monkeypatch):
+    """Phase 0's stock-vs-AR gain pinned to at least 1: on a busy CPU stock can time below AR, and round 0
+    then approves AR (under ``approve_all``) as a new discovery beside the reused entries."""
+    real = pilot_run.run_rounds
+
+    def run_rounds(pilot, p0):
+        return real(pilot, dataclasses.replace(p0, stock_vs_ar=max(p0.stock_vs_ar, 1.0)))
+
+    monkeypatch.setattr(pilot_run, "run_rounds", run_rounds)
+
+
+def test_second_run_reports_first_runs_memory_as_reused(tmp_path, approve_all, stock_beats_ar):
     torch.set_num_threads(1)
     first = pilot_run.run_pilot(pilot_run.PilotOptions(
         target=bundled_target_dir(), drafter=bundled_drafter_dir(), out=tmp_path / "first", threads=1,
