@@ -78,6 +78,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--max-seconds", type=float, default=None, help="train: wall-time budget of the optimizer loop")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--anchors", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -108,7 +109,7 @@ def main(argv=None) -> None:
     prov = train_drafter(a.target, a.out, kind=a.kind, block=a.block, steps=a.steps, batch_size=a.batch_size,
                          anchors=a.anchors, lr=a.lr, n_seqs=a.n_seqs, prompt_len=a.prompt_len, gen_len=a.gen_len,
                          layers=a.layers, target_layers=layers, seed=a.seed, tokens_path=a.tokens, device=a.device,
-                         command=cmd, quiet=True, data_cache=a.cache)
+                         command=cmd, quiet=True, data_cache=a.cache, max_seconds=a.max_seconds)
     print(json.dumps({k: prov[k] for k in ("kind", "parameters", "initial_heldout_loss", "final_heldout_loss",
                                            "final_heldout_top1_acc_pos0", "training")}), flush=True)
 

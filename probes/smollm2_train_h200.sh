@@ -13,7 +13,8 @@
 # A stash outlives a call only while the machine stays warm (30 s idle): make the next call at once. `train`
 # checks the joined file's sha256, converts it (`specpilot import-gguf`, float32; the config from gguf_6/meta if
 # transformers cannot convert the tokenizer), generates the data cache on the GPU (probes/smollm2_drafters.py data),
-# trains block, block_markov and eagle3 in turn (env STEPS_BLOCK, STEPS_MARKOV, STEPS_EAGLE, N_SEQS), and returns
+# trains block, block_markov and eagle3 in turn, each for SECS seconds of optimizer loop (env; the step counts
+# STEPS_BLOCK, STEPS_MARKOV, STEPS_EAGLE are caps, N_SEQS the snippets), and returns
 # each drafter directory as a tar in parts under 15 MB ($OUT: at most 8 files of 16 MiB).
 set -u
 mode=$1
@@ -49,15 +50,15 @@ print({k: float(f.get_tensor(k).double().sum()) for k in ["model.embed_tokens.we
       "model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"]})
 EOF
 el "converted"
-TOK=$S/smollm2_tokens.npy; CACHE=/tmp/cache.pt; N=${N_SEQS:-16384}
+TOK=$S/smollm2_tokens.npy; CACHE=/tmp/cache.pt; N=${N_SEQS:-8192}; SECS=${SECS:-90}
 COMMON="--target /tmp/smollm2 --tokens $TOK --cache $CACHE --n-seqs $N --prompt-len 32 --gen-len 96 --device cuda --seed 0"
-timeout 150 python3 probes/smollm2_drafters.py data $COMMON --gen-batch 512 >> $OUT/log.txt 2>&1; el "data rc=$?"
-timeout 120 python3 probes/smollm2_drafters.py train $COMMON --kind block --batch-size 32 --anchors 4 \
-  --steps ${STEPS_BLOCK:-3000} --out /tmp/d/block >> $OUT/log.txt 2>&1; el "block rc=$?"
-timeout 120 python3 probes/smollm2_drafters.py train $COMMON --kind block_markov --batch-size 32 --anchors 4 \
-  --steps ${STEPS_MARKOV:-3000} --out /tmp/d/block_markov >> $OUT/log.txt 2>&1; el "block_markov rc=$?"
-timeout 120 python3 -m specpilot train-drafter --kind eagle3 --target /tmp/smollm2 --tokens $TOK --data-cache $CACHE \
-  --n-seqs $N --gen-len 96 --draft-vocab 8192 --steps ${STEPS_EAGLE:-1500} --batch-size 16 --seed 0 --device cuda \
+timeout 120 python3 probes/smollm2_drafters.py data $COMMON --gen-batch 512 >> $OUT/log.txt 2>&1; el "data rc=$?"
+timeout 125 python3 probes/smollm2_drafters.py train $COMMON --kind block --batch-size 32 --anchors 4 \
+  --steps ${STEPS_BLOCK:-20000} --max-seconds $SECS --out /tmp/d/block >> $OUT/log.txt 2>&1; el "block rc=$?"
+timeout 125 python3 probes/smollm2_drafters.py train $COMMON --kind block_markov --batch-size 32 --anchors 4 \
+  --steps ${STEPS_MARKOV:-20000} --max-seconds $SECS --out /tmp/d/block_markov >> $OUT/log.txt 2>&1; el "block_markov rc=$?"
+timeout 125 python3 -m specpilot train-drafter --kind eagle3 --target /tmp/smollm2 --tokens $TOK --data-cache $CACHE \
+  --n-seqs $N --gen-len 96 --draft-vocab 8192 --steps ${STEPS_EAGLE:-20000} --max-seconds $SECS --batch-size 16 --seed 0 --device cuda \
   --quiet --out /tmp/d/eagle3 >> $OUT/log.txt 2>&1; el "eagle3 rc=$?"
 for k in block block_markov eagle3; do
   [ -d /tmp/d/$k ] && tar cf - -C /tmp/d $k | split -b 15000000 -d - $OUT/$k.tar.

@@ -148,6 +148,23 @@ def test_train_drafter_end_to_end(tmp_path, tiny_dirs):
                       draft_vocab_size=15)
 
 
+def test_train_drafter_time_budget_shortens_the_run(tmp_path, tiny_dirs):
+    """A wall-time budget far below the planned run stops it after the 10 timed steps + 1, with the schedule
+    re-planned (so the last step is the warm-down's), and says so in the provenance."""
+    import numpy as np
+
+    from specpilot.spec.train_block import train_drafter
+
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 64, 20000).astype(np.uint16))
+    prov = train_drafter(tiny_dirs[0], tmp_path / "bd", kind="block", block=4, steps=100000, batch_size=4,
+                         n_seqs=24, prompt_len=8, gen_len=24, layers=1, target_layers=(0, 1), tokens_path=tokens,
+                         quiet=True, max_seconds=1e-6)
+    t = prov["training"]
+    assert t["steps"] == 11 and t["planned_steps"] == 100000 and t["max_seconds"] == 1e-6
+    assert prov["heldout_curve"][-1][0] == 11  # evaluated at the re-planned end
+
+
 def test_bundled_block_drafters_sizes_and_provenance():
     import json
 

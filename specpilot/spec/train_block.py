@@ -154,7 +154,7 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
                   markov_rank: int = 16, layers: int = 2, target_layers=None, seed: int = 0,
                   tokens_path="work/zoo/tokens.npy", device: str = "cpu", command: str = "",
                   quiet: bool = False, data_cache: str | Path | None = None, draft_vocab_size: int | None = None,
-                  ttt_steps: int = 4) -> dict:
+                  ttt_steps: int = 4, max_seconds: float | None = None) -> dict:
     """Train a ``block``, ``block_markov`` or ``eagle3`` drafter for the target in ``target_dir``; write it to ``out``.
 
     ``target_layers``: the 0-based target layers whose outputs the drafter reads (None:
@@ -165,6 +165,9 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
     EAGLE-3 for Llama 3), ``ttt_steps`` training-time-test steps; ``block`` / ``anchors`` / ``markov_rank`` /
     ``layers`` are block options. Returns the provenance dict. Raises SpecPilotError on a bad kind / block / draft
     vocabulary / missing token file.
+    ``max_seconds`` bounds the optimizer loop's wall time: after 10 timed steps the run is re-planned to the steps
+    that fit (at most ``steps``), and the learning-rate schedule follows the new length, so a run on a lent machine
+    ends with its warm-down instead of being killed; the provenance records planned and run steps.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -191,8 +194,8 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
     cp = Path(data_cache) if data_cache else None
     key = dict(n_seqs=n_seqs, prompt_len=prompt_len, gen_len=gen_len, seed=seed, layers=list(target_layers),
                target=str(Path(target_dir).resolve()))
-    if cp is not None and cp.is_file() and torch.load(cp)["key"] == key:
-        d = torch.load(cp)
+    d = torch.load(cp) if cp is not None and cp.is_file() else None
+    if d is not None and d["key"] == key:
         seqs, feats = d["seqs"], d["feats"]
     else:
         seqs = make_sequences(target_dir, tokens_path, n_seqs, prompt_len, gen_len, seed, device=device, quiet=quiet)
@@ -250,10 +253,14 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
     label = f"eagle3 V={net.cfg.draft_vocab_size}" if kind == "eagle3" else f"{kind} B={block}"
     cols = [TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn()]
-    t1 = time.time()
+    t1, planned, step = time.time(), steps, 0
     with Progress(*cols, disable=quiet) as bar:
         task = bar.add_task("train", total=steps, loss="-")
-        for step in range(steps):
+        while step < steps:
+            if max_seconds is not None and step == 10:  # re-plan to the time budget (docstring)
+                per_step = (time.time() - t1) / 10
+                steps = max(11, min(planned, int(max_seconds / per_step)))
+                bar.update(task, total=steps)
             for grp in opt.param_groups:
                 grp["lr"] = lr_at(step, steps, lr, max(1, steps // 20))
             loss, _ = loss_of(*batch(tr_s, tr_f, batch_size, g))
@@ -265,6 +272,7 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
             bar.update(task, completed=step + 1, loss=f"{np.mean(losses[-20:]):.3f}")
             if (step + 1) % max(1, steps // 5) == 0 or step + 1 == steps:
                 val_curve.append((step + 1, evaluate()[0]))
+            step += 1
     train_s = time.time() - t1
     vf = evaluate()
     outp = save_eagle3(net.eval(), out) if kind == "eagle3" else save_block(net.eval(), out)
@@ -281,7 +289,7 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
                  "continuations": "the target's own greedy continuations (no EOS stop)",
                  "excluded": "evaluation prompts (GSM8K test, HumanEval, MBPP, MT-Bench) and the tokens' "
                              "held-out tail are never used", "heldout_sequences": n_val},
-        "training": {"steps": steps, "batch_size": batch_size, "anchors_per_sequence": anchors, "lr": lr,
+        "training": {"steps": steps, "planned_steps": planned, "max_seconds": max_seconds, "batch_size": batch_size, "anchors_per_sequence": anchors, "lr": lr,
                      "seed": seed, "device": device, "data_s": round(data_s, 1), "train_s": round(train_s, 1)},
         "initial_heldout_loss": v0[0], "final_train_loss": float(np.mean(losses[-20:])),
         "final_heldout_loss": vf[0], "final_heldout_top1_acc_pos0": vf[1], "heldout_curve": val_curve,

@@ -35,6 +35,7 @@ def train_drafter_cmd(
     quiet: bool = typer.Option(False, help="No progress bars (ours, and transformers' while it loads the target)."),
     draft_vocab: Optional[int] = typer.Option(None, min=1, help="Draft vocabulary size: the most frequent target ids of the training data (eagle3 default: min(vocab, 32000); block default: the whole vocabulary)."),
     ttt_steps: int = typer.Option(4, min=1, help="eagle3: training-time-test steps (the drafter unrolled on its own hidden states)."),
+    max_seconds: Optional[float] = typer.Option(None, min=1, help="Wall-time budget of the optimizer loop: after 10 timed steps the run is shortened to fit (schedule included)."),
 ):
     """Train a block drafter (DFlash-style; block_markov: + DSpark Markov head) or an EAGLE-3 drafter (eagle3) on
     the target's greedy outputs."""
@@ -58,7 +59,7 @@ def train_drafter_cmd(
                          batch_size=batch_size, anchors=anchors, lr=lr, n_seqs=n_seqs, gen_len=gen_len,
                          markov_rank=markov_rank, target_layers=layers, seed=seed, tokens_path=tokens, device=device,
                          command=cmd, quiet=quiet, data_cache=data_cache, draft_vocab_size=draft_vocab,
-                         ttt_steps=ttt_steps)
+                         ttt_steps=ttt_steps, max_seconds=max_seconds)
     keys = ("kind", "block_size", "parameters", "initial_heldout_loss", "final_heldout_loss",
             "final_heldout_top1_acc_pos0", "eagle3")
     print(json.dumps({k: prov[k] for k in keys if k in prov}))
