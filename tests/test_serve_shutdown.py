@@ -1,10 +1,11 @@
 """Shutting the server down (Ctrl-C) while requests run: those that outlast the grace period get the driver's 503
 (a JSON error; mid-stream an error event and ``[DONE]``), not uvicorn's bare 500 after cancelling them; a request
-that ends within the grace period completes normally."""
+that ends within the grace period completes normally. A second Ctrl-C (a forced quit) gives them the 503 at once."""
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -64,3 +65,60 @@ def test_requests_held_at_shutdown_get_a_503_and_short_ones_finish():
     events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
     assert status == 200 and events[-1] == "[DONE]", text[-300:]
     assert "shutting down" in json.loads(events[-2])["error"]["message"]
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(self.format(record))
+
+
+def test_a_forced_quit_answers_requests_in_flight_with_a_503_and_logs_no_traceback():
+    """A second Ctrl-C (uvicorn's ``force_exit``) skips the grace period: requests still running get the driver's
+    503 at once (an error event and ``[DONE]`` mid-stream), and no ``CancelledError`` traceback is logged."""
+    eng = FakeBatchEngine(TOK, EOS, num_slots=4, step_delay_s=0.05)
+    ctx, app = make_app(eng)
+    server, thread, url = _serve(app, ctx, grace_s=60.0)  # only the forced quit can end it within the test
+    records = _Records()
+    for name in ("uvicorn", "uvicorn.error", "specpilot.serve"):
+        logging.getLogger(name).addHandler(records)
+    got = {}
+
+    def post(name, body):
+        try:
+            r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "hi", **body}, timeout=30)
+            got[name] = (r.status_code, r.text)
+        except httpx.HTTPError as e:  # pragma: no cover - reported by the asserts below
+            got[name] = (None, repr(e))
+
+    jobs = [threading.Thread(target=post, args=a) for a in (("long", {"max_tokens": 200}),
+                                                            ("stream", {"max_tokens": 200, "stream": True}))]
+    try:
+        for j in jobs:
+            j.start()
+        while len(eng.added) < 2:
+            time.sleep(0.01)
+        server.should_exit = True  # the first Ctrl-C
+        time.sleep(0.3)  # uvicorn now waits for the requests
+        t0 = time.time()
+        server.force_exit = True  # the second
+        for j in jobs:
+            j.join(30)
+        thread.join(30)
+        assert not thread.is_alive() and time.time() - t0 < 10
+    finally:
+        for name in ("uvicorn", "uvicorn.error", "specpilot.serve"):
+            logging.getLogger(name).removeHandler(records)
+    status, text = got["long"]
+    assert status == 503, (status, text)
+    assert "shutting down" in json.loads(text)["error"]["message"]
+    status, text = got["stream"]
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]", text[-300:]
+    assert "shutting down" in json.loads(events[-2])["error"]["message"]
+    log = "\n".join(records.lines)
+    assert "Traceback" not in log and "CancelledError" not in log and "Exception in" not in log, log
+    assert not ctx.driver.alive()

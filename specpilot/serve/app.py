@@ -10,8 +10,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: tr
   ``max_tokens`` beyond the context; 401; 404 for another model name or path; 413 for a body over
   ``max_body_bytes``; 500 when the engine failed on a step holding the request. The server keeps serving.
 - A client that disconnects, mid-stream or while waiting, has its request aborted in the engine (slot freed).
-- Shutdown (Ctrl-C, :class:`Server`): requests still running near the end of the grace period get a 503 (an error
-  event mid-stream) from the driver, rather than being cancelled by uvicorn (a bare 500 and a traceback).
+- Shutdown (Ctrl-C, :class:`Server`): requests still running near the end of the grace period, or at once on a
+  second Ctrl-C, get a 503 (an error event mid-stream) from the driver, rather than being cancelled by uvicorn (a
+  bare 500 and a traceback).
 - Completion prompts are tokenized without special tokens (as ``specpilot generate`` does); chat messages through
   the chat template (:mod:`specpilot.serve.chat`).
 """
@@ -211,12 +212,16 @@ def create_app(ctx: ServeContext) -> FastAPI:
 
 class Server(uvicorn.Server):
     """uvicorn's server for :func:`create_app`'s app, whose shutdown fails the requests still held near the end of
-    its grace period with the driver's 503 (``{"error": ...}``; an error event and ``[DONE]`` mid-stream).
+    its grace period, or at once on a forced quit, with the driver's 503 (``{"error": ...}``; an error event and
+    ``[DONE]`` mid-stream).
 
     Plain uvicorn waits ``timeout_graceful_shutdown`` seconds for running requests and then cancels them: a
     non-streamed one got a bare ``500 Internal Server Error`` and the log a ``CancelledError`` traceback, and the
     app's lifespan, which stops the driver (its 503), ran only after that. Here the driver stops ``margin_s`` before
     the wait ends, so every request still held answers with the 503 in time and uvicorn has nothing to cancel.
+    A second Ctrl-C (uvicorn's ``force_exit``) ends the wait at once and skips the lifespan's shutdown; the event
+    loop would then cancel the requests still running (the same bare 500 and tracebacks). Here it stops the driver
+    at once instead, gives the requests up to ``drain_s`` seconds to send their 503, and ends the lifespan.
 
     Args:
         app: the FastAPI app of ``ctx`` (:func:`create_app`).
@@ -224,12 +229,13 @@ class Server(uvicorn.Server):
         log_level: uvicorn's log level.
         grace_s: seconds requests may still finish normally after a shutdown begins (> ``margin_s``).
         margin_s: seconds before the end of ``grace_s`` at which held requests are failed.
+        drain_s: on a forced quit, seconds the failed requests get to send their answers.
     """
 
     def __init__(self, app: FastAPI, ctx: ServeContext, log_level: str = "info", grace_s: float = 5.0,
-                 margin_s: float = 1.0):
+                 margin_s: float = 1.0, drain_s: float = 2.0):
         super().__init__(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s))
-        self.ctx, self.fail_after_s = ctx, max(grace_s - margin_s, 0.0)
+        self.ctx, self.fail_after_s, self.drain_s = ctx, max(grace_s - margin_s, 0.0), drain_s
 
     async def shutdown(self, sockets=None) -> None:
         late = asyncio.create_task(self._fail_held())
@@ -237,7 +243,23 @@ class Server(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             late.cancel()
+        if self.force_exit:
+            await self._forced_end()
 
     async def _fail_held(self) -> None:
-        await asyncio.sleep(self.fail_after_s)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.fail_after_s
+        while not self.force_exit and loop.time() < end:  # a forced quit fails them now, not at the end
+            await asyncio.sleep(0.05)
         await asyncio.to_thread(self.ctx.driver.stop)
+
+    async def _forced_end(self) -> None:
+        """After a forced quit: the driver stopped (its 503 delivered to every held request), the requests' tasks
+        given ``drain_s`` to answer, and the app's lifespan ended (else its task is cancelled too)."""
+        await asyncio.to_thread(self.ctx.driver.stop)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.drain_s
+        while self.server_state.tasks and loop.time() < end:
+            await asyncio.sleep(0.02)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.lifespan.shutdown(), self.drain_s)
