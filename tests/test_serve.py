@@ -155,8 +155,13 @@ def test_unsupported_or_malformed_completion_is_4xx(srv, client, kw):
     field = next(iter(kw["extra_body"])) if "extra_body" in kw else next(iter(kw))
     if field not in ("prompt", "stop", "stream_options", "foo", "max_tokens"):
         assert e.body["param"] == field, e.body
-    if field == "temperature":
-        assert "greedy" in e.body["message"]
+    if field in ("temperature", "top_p", "n", "presence_penalty", "top_k", "min_p"):
+        assert "greedy" in e.body["message"], e.body
+    if field in ("echo", "suffix", "logprobs", "ignore_eos"):  # not sampling: says what is wrong, nothing of greedy
+        assert e.body["message"].startswith(f"{field}=") and "greedy" not in e.body["message"], e.body
+    if field == "echo":
+        assert e.body["message"] == ("echo=True is not supported: the server does not echo the prompt (send false or "
+                                     "omit it); the request was not run")
 
 
 @pytest.mark.parametrize("kw", [

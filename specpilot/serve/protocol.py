@@ -5,8 +5,9 @@ Pydantic models of ``POST /v1/completions`` and ``POST /v1/chat/completions`` (O
 ``skip_special_tokens``, ``ignore_eos``, ``min_tokens``). Unknown fields are refused (a field the server ignored
 could be a sampling option silently dropped). SpecPilot decodes greedily (lossless speculative decoding
 reproduces the target's argmax): an omitted ``temperature`` means greedy; a field asking for anything else
-(``temperature`` > 0, ``top_p`` < 1, ``n`` > 1, penalties, ``logit_bias``, ``logprobs``, ``tools``, ...) is a 400
-naming the field, never a silent change (:func:`check_greedy`). ``seed``, ``user``, ``metadata``, ``store``,
+(``temperature`` > 0, ``top_p`` < 1, ``n`` > 1, penalties, ``logit_bias``) is a 400 naming the field, never a silent
+change, and so is a feature the server lacks (``echo``, ``suffix``, ``logprobs``, ``tools``, ...), each message
+saying only what is wrong with its field (:func:`check_greedy`). ``seed``, ``user``, ``metadata``, ``store``,
 ``service_tier``, ``prompt_cache_key`` and ``safety_identifier`` are accepted and change nothing (a greedy output
 does not depend on a seed). Every refusal is an :class:`APIError`, rendered as OpenAI's error JSON.
 """
@@ -126,44 +127,48 @@ class ChatRequest(_Common):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def _greedy_rules(req) -> list[tuple[str, bool, str]]:
-    """``(field, refused, why)`` for every field a greedy engine cannot honour."""
+def _unsupported_rules(req) -> list[tuple[str, bool, str]]:
+    """``(field, refused, why)`` for every field the server cannot honour; ``why`` says only what that field
+    asks for: sampling fields that a greedy engine cannot honour, other fields (``echo``, ``suffix``, ``logprobs``,
+    ``tools``, ...) that the server does not implement."""
     g = getattr
+    greedy = "SpecPilot serves greedy decoding only (the target's argmax)"
     return [
-        ("temperature", req.temperature not in (None, 0), "sampling (send temperature 0 or omit it)"),
-        ("top_p", req.top_p not in (None, 1), "top-p sampling (omit it or send 1)"),
-        ("top_k", req.top_k not in (None, -1, 0, 1), "top-k sampling (omit it, or send -1 / 0 for off)"),
-        ("min_p", req.min_p not in (None, 0), "min-p sampling"),
-        ("n", req.n not in (None, 1), "several choices (a greedy output is one text: send n=1 or omit it)"),
-        ("best_of", g(req, "best_of", None) not in (None, 1), "best_of (greedy decoding has one best)"),
-        ("presence_penalty", req.presence_penalty not in (None, 0), "presence penalties (the output is the argmax)"),
-        ("frequency_penalty", req.frequency_penalty not in (None, 0), "frequency penalties (the output is the argmax)"),
-        ("repetition_penalty", req.repetition_penalty not in (None, 1),
-         "repetition penalties (the output is the argmax)"),
-        ("logit_bias", bool(req.logit_bias), "logit_bias (the output is the unbiased argmax)"),
-        ("logprobs", g(req, "logprobs", None) not in (None, False), "logprobs"),
-        ("top_logprobs", g(req, "top_logprobs", None) not in (None, 0), "top_logprobs"),
-        ("echo", bool(g(req, "echo", None)), "echo"),
-        ("suffix", g(req, "suffix", None) is not None, "suffix (insertion)"),
-        ("ignore_eos", bool(req.ignore_eos), "ignore_eos"),
-        ("min_tokens", req.min_tokens not in (None, 0), "min_tokens"),
-        ("tools", bool(g(req, "tools", None)), "tools / function calling"),
-        ("tool_choice", g(req, "tool_choice", None) not in (None, "none", "auto"), "tool_choice"),
+        ("temperature", req.temperature not in (None, 0), f"{greedy}, without sampling (send 0 or omit it)"),
+        ("top_p", req.top_p not in (None, 1), f"{greedy}, without top-p sampling (send 1 or omit it)"),
+        ("top_k", req.top_k not in (None, -1, 0, 1), f"{greedy}, without top-k sampling (send -1 / 0 or omit it)"),
+        ("min_p", req.min_p not in (None, 0), f"{greedy}, without min-p sampling (send 0 or omit it)"),
+        ("n", req.n not in (None, 1), f"{greedy}: its output is one text (send 1 or omit it)"),
+        ("best_of", g(req, "best_of", None) not in (None, 1), f"{greedy}: it has one best (send 1 or omit it)"),
+        ("presence_penalty", req.presence_penalty not in (None, 0), f"{greedy}, without penalties"),
+        ("frequency_penalty", req.frequency_penalty not in (None, 0), f"{greedy}, without penalties"),
+        ("repetition_penalty", req.repetition_penalty not in (None, 1), f"{greedy}, without penalties"),
+        ("logit_bias", bool(req.logit_bias), f"{greedy}, without a logit bias"),
+        ("logprobs", g(req, "logprobs", None) not in (None, False), "the server returns no log-probabilities"),
+        ("top_logprobs", g(req, "top_logprobs", None) not in (None, 0), "the server returns no log-probabilities"),
+        ("echo", bool(g(req, "echo", None)), "the server does not echo the prompt (send false or omit it)"),
+        ("suffix", g(req, "suffix", None) is not None, "the server does not insert text (omit suffix)"),
+        ("ignore_eos", bool(req.ignore_eos), "the engine always ends an output at EOS"),
+        ("min_tokens", req.min_tokens not in (None, 0), "the engine cannot hold EOS back for a minimum length"),
+        ("tools", bool(g(req, "tools", None)), "the server has no tools / function calling"),
+        ("tool_choice", g(req, "tool_choice", None) not in (None, "none", "auto"),
+         "the server has no tools / function calling"),
         ("response_format", (g(req, "response_format", None) or {"type": "text"}) != {"type": "text"},
-         "response_format other than text (structured outputs)"),
+         "the server has no structured outputs (only text)"),
     ]
 
 
 def check_greedy(req) -> None:
-    """Raise a 400 :class:`APIError` naming the first field of ``req`` a greedy engine cannot honour.
+    """Raise a 400 :class:`APIError` naming the first field of ``req`` the server cannot honour (a sampling option,
+    or a feature it lacks such as ``echo``).
 
     Raises:
         APIError: 400, ``code="unsupported_parameter"``, ``param`` the field.
     """
-    for field, refused, why in _greedy_rules(req):
+    for field, refused, why in _unsupported_rules(req):
         if refused:
-            raise APIError(400, f"{field}={getattr(req, field)!r} is not supported: SpecPilot serves greedy decoding only, without {why}; "
-                           "the request was not run", param=field, code="unsupported_parameter")
+            raise APIError(400, f"{field}={getattr(req, field)!r} is not supported: {why}; the request was not run",
+                           param=field, code="unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options",
                        code="invalid_value")
