@@ -26,7 +26,7 @@ def test_specpilot_serve_answers_on_a_hybrid_target(tmp_path):
     dep = Deployment(tdir, None, dtype="float32", device="cpu")
     prompts = ["def add(a, b):", "The capital of France is", "1, 2, 3, 4,"]
     want = [dep.tokenizer.decode(ar_tokens(dep.target, dep.tokenizer(p, add_special_tokens=False)["input_ids"], 8),
-                                 skip_special_tokens=True) for p in prompts]
+                                 skip_special_tokens=True).rstrip("\ufffd") for p in prompts]  # no half character
     env = dict(os.environ, SPECPILOT_API_KEY="k", OMP_NUM_THREADS="1")
     args = ["--target", str(tdir), "--drafter", "ngram", "--tree", "best_first", "--nodes", "4", "--depth", "3",
             "--max-num-seqs", "2", "--log-level", "warning"]

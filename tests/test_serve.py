@@ -55,6 +55,11 @@ def text_of(ids):
     return TOK.decode(ids, skip_special_tokens=True)
 
 
+def reply_of(ids):
+    """The text of a reply cut by max_tokens after ``ids``: a character cut in two is left out, not a U+FFFD."""
+    return text_of(ids).rstrip("\ufffd")
+
+
 def wait_idle(srv, timeout_s=10.0):
     """Until the engine holds nothing and the driver saw every slot free."""
     t0 = time.time()
@@ -87,6 +92,18 @@ def test_completion_stream_equals_text_and_usage(srv, client):
         again = client.completions.create(model="fake", prompt=prompt, max_tokens=40)
         assert again.choices[0].text == r.choices[0].text
     assert client.completions.create(model="fake", prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_a_length_cut_inside_a_character_ends_without_a_replacement_character(srv, client):
+    """max_tokens reached after part of a multi-byte character: the reply (streamed or not) ends before it, with no
+    U+FFFD, and every token still counts in usage."""
+    n = next(n for n in range(1, 40) if text_of(srv.eng.script[:n]).endswith("\ufffd"))
+    r = client.completions.create(model="fake", prompt="Hello", max_tokens=n)
+    c = r.choices[0]
+    assert (c.text, c.finish_reason, r.usage.completion_tokens) == \
+        (reply_of(srv.eng.script[:n]), "length", n)
+    chunks = list(client.completions.create(model="fake", prompt="Hello", max_tokens=n, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text and "\ufffd" not in c.text
 
 
 def test_chat_stream_and_not(srv, client):
@@ -231,7 +248,7 @@ def test_disconnect_frees_the_slot_and_others_go_on(srv, client):
     with cf.ThreadPoolExecutor(1) as pool:
         other = pool.submit(client.completions.create, model="fake", prompt="other", max_tokens=60)
         rid = _stream_then_hang_up(srv.url, {"prompt": "[slow] long", "max_tokens": 200, "stream": True})
-        assert other.result().choices[0].text == text_of(srv.eng.expected(60))
+        assert other.result().choices[0].text == reply_of(srv.eng.expected(60))
     wait_idle(srv)
     assert rid in srv.eng.aborted and rid not in srv.eng.finished
     n = len(srv.eng.aborted)
@@ -269,7 +286,7 @@ def test_many_concurrent_requests_none_lost(srv, client):
 
     with cf.ThreadPoolExecutor(16) as pool:
         texts = list(pool.map(one, jobs))
-    assert texts == [text_of(srv.eng.expected(m)) for _, m, _ in jobs]
+    assert texts == [reply_of(srv.eng.expected(m)) for _, m, _ in jobs]
     wait_idle(srv)
     assert len(srv.eng.threads) == 1  # only the driver's thread ever touched the engine
 

