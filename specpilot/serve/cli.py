@@ -65,8 +65,10 @@ def read_system(path: Path) -> tuple[dict, dict, Optional[int]]:
 
 def serve(
     target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: the bundled target)."),
-    drafter: Optional[str] = typer.Option(None, help="none | ngram | draft_model | block (default ngram)."),
-    drafter_path: Optional[Path] = typer.Option(None, help="Draft model or block drafter checkpoint directory."),
+    drafter: Optional[str] = typer.Option(None, help="none | ngram | draft_model | block | eagle3 (default ngram; "
+                                          "eagle3 has no bundled drafter: give its --drafter-path)."),
+    drafter_path: Optional[Path] = typer.Option(None, help="Draft model, block or EAGLE-3 drafter checkpoint "
+                                                "directory."),
     tree: Optional[str] = typer.Option(None, help="chain | best_first | ddtree_marginal | eagle2_topk | sequoia "
                                        "(default chain)."),
     nodes: Optional[int] = typer.Option(None, help="Tree budget N (drafted nodes per request per exact pass; "
@@ -108,6 +110,7 @@ def serve(
 ):
     """Serve a speculative system over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
     Greedy only: temperature > 0, n > 1 and other sampling fields get a 400."""
+    from specpilot.cli import CHECKPOINT_DRAFTERS
     from specpilot.config import SystemConfig
     from specpilot.spec.trees import BUILDERS
 
@@ -153,7 +156,7 @@ def serve(
             raise SpecPilotError(f"--system {system} names no target (its 'deployment' has no 'target')")
         tdir = resolve_recorded(dep["target"])  # a bundled model recorded under another install: this one's
         ddir = cfg.drafter_path or (dep.get("drafter") if dep.get("drafter") not in (None, "ngram") else None)
-        ddir = resolve_recorded(ddir) if ddir and cfg.drafter in ("draft_model", "block") else None
+        ddir = resolve_recorded(ddir) if ddir and cfg.drafter in CHECKPOINT_DRAFTERS else None
         if ddir is not None and cfg.drafter_path is not None:
             cfg = cfg.model_copy(update={"drafter_path": str(ddir)})
         device = device or dep.get("device") or "cpu"
@@ -163,15 +166,15 @@ def serve(
         from specpilot.cli import _default_dirs
 
         drafter, tree = drafter or "ngram", tree or "chain"
-        if drafter not in ("none", "ngram", "draft_model", "block"):
-            raise SpecPilotError(f"unknown drafter {drafter!r} (choose none, ngram, draft_model or block)")
+        if drafter not in ("none", "ngram", *CHECKPOINT_DRAFTERS):
+            raise SpecPilotError(f"unknown drafter {drafter!r} (choose none, ngram, draft_model, block or eagle3)")
         if tree not in BUILDERS:
             raise SpecPilotError(f"unknown tree builder {tree!r} (choose {', '.join(BUILDERS)})")
         if drafter == "none" and tree != "chain":
             raise SpecPilotError(f"--tree {tree} needs a drafter: --drafter none is plain AR decoding")
         if drafter_path is not None and drafter in ("none", "ngram"):
-            raise SpecPilotError(f"--drafter-path is for --drafter draft_model or block; drafter {drafter!r} reads "
-                                 "no checkpoint")
+            raise SpecPilotError(f"--drafter-path is for --drafter draft_model, block or eagle3; drafter "
+                                 f"{drafter!r} reads no checkpoint")
         try:
             cfg = SystemConfig(drafter=drafter, tree=tree, nodes=6 if nodes is None else nodes,
                                depth=6 if depth is None else depth,

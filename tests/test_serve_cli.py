@@ -1,0 +1,87 @@
+"""``specpilot serve``'s system options: an EAGLE-3 drafter served by the batched engine (``--drafter eagle3``, or a
+sealed system naming one)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+
+from specpilot.config import SystemConfig
+from specpilot.model.checkpoint import read_args
+from specpilot.zoo import bundled_target_dir
+
+from .conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def eagle3_dir(tmp_path_factory):
+    """An untrained EAGLE-3 drafter for the bundled target (reading its layers 0, 2 and 5; draft vocabulary the first
+    512 ids): serving is lossless whatever it drafts."""
+    from specpilot.spec.eagle3 import save_eagle3
+    from specpilot.spec.train_eagle3 import new_eagle3_net
+
+    torch.manual_seed(0)
+    net = new_eagle3_net(read_args(bundled_target_dir()), (0, 2, 5), torch.arange(512))
+    return save_eagle3(net, tmp_path_factory.mktemp("eagle3") / "e3", dtype=torch.float32)
+
+
+def _capture(monkeypatch):
+    from specpilot.serve import cli as serve_cli
+
+    seen = {}
+    monkeypatch.setattr(serve_cli, "run_server", lambda sock, tdir, ddir, cfg, device, *a: seen.update(
+        tdir=tdir, ddir=ddir, cfg=cfg, device=device))
+    return seen
+
+
+def test_serve_drafter_eagle3_options(monkeypatch, capsys, eagle3_dir, tmp_path):
+    """--drafter eagle3 takes its directory (--drafter-path) as generate does; without one, or with another kind of
+    drafter directory, it is one line before anything loads; a sealed eagle3 system keeps its drafter directory."""
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--drafter", "eagle3")
+    assert code == 2 and "--drafter eagle3 needs --drafter-path DIR" in err and err.count("\n") == 1, err
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--drafter", "eagle3", "--drafter-path",
+                           str(bundled_target_dir().parent / "drafter"))
+    assert code == 2 and "use --drafter draft_model" in err and err.count("\n") == 1, err
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--drafter", "bogus")
+    assert code == 2 and "draft_model, block or eagle3" in err, err
+    seen = _capture(monkeypatch)
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--drafter", "eagle3", "--drafter-path", str(eagle3_dir),
+                           "--tree", "best_first", "--nodes", "8", "--depth", "4", "--top-k", "3", "--port", "0")
+    assert code == 0, err
+    assert (seen["tdir"], seen["ddir"], seen["cfg"].drafter, seen["cfg"].drafter_path) == \
+        (bundled_target_dir(), eagle3_dir, "eagle3", str(eagle3_dir))
+    cfg = SystemConfig(drafter="eagle3", tree="best_first", nodes=8, depth=4, top_k=3, drafter_path=str(eagle3_dir))
+    f = tmp_path / "system.json"
+    f.write_text(json.dumps({"config": cfg.model_dump(), "seal": cfg.seal(), "deployment": {
+        "target": str(bundled_target_dir()), "drafter": str(eagle3_dir), "device": "cpu"}}))
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0")
+    assert code == 0, err
+    assert (seen["ddir"], seen["cfg"]) == (eagle3_dir, cfg)
+
+
+def test_the_served_eagle3_engine_equals_ar(monkeypatch, eagle3_dir):
+    """run_server builds the batched engine with the EAGLE-3 drafter (prefix reuse off: it reads target features),
+    and its outputs equal plain AR decoding."""
+    import uvicorn
+
+    from specpilot.engine.deployment import Deployment
+    from specpilot.serve import app as serve_app
+    from specpilot.serve.cli import run_server
+
+    seen = {}
+    monkeypatch.setattr(serve_app, "create_app", lambda ctx: seen.update(ctx=ctx) or object())
+    monkeypatch.setattr(uvicorn.Server, "__init__", lambda self, config: None)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: None)
+    cfg = SystemConfig(drafter="eagle3", tree="best_first", nodes=6, depth=3, top_k=2, drafter_path=str(eagle3_dir))
+    with socket.socket() as sock:
+        run_server(sock, bundled_target_dir(), eagle3_dir, cfg, "cpu", 2, None, "m", None, 8 << 20, "warning",
+                   "127.0.0.1", 256)
+    eng = seen["ctx"].driver.engine
+    assert eng.drafter.kind == "eagle3" and eng.prefix is None
+    prompts = [[5, 17, 300, 42, 9, 11], [1000, 7, 7, 7, 250]]
+    ar = Deployment(bundled_target_dir()).batch_system(SystemConfig.ar(), 2, max_len=256)
+    want = [g.tokens for g in ar.generate_all(prompts, 12)]
+    assert [g.tokens for g in eng.generate_all(prompts, 12)] == want
