@@ -54,6 +54,38 @@ def test_kernel_matches_reference(seed, g, d):
     assert torch.equal(out, again)  # deterministic
 
 
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_chain_and_prompt_rows_carry_ar_bits(block_n):
+    """Keys walked in blocks aligned to absolute positions: each row of a chain (or of a prompt continued after a
+    reused prefix) gives bit for bit what a one-row AR pass at its position gives, over the same pool; a tree row
+    whose slots are its positions too. Interpreter in float32 here; bf16 on CUDA, where the claim matters."""
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    kvh, g, d, s = 2, 4, 32, 200
+    k = torch.randn(3, s, kvh, d, generator=gen).to(dtype).to(DEV)
+    v = torch.randn(3, s, kvh, d, generator=gen).to(dtype).to(DEV)
+    scale = d ** -0.5
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
+
+    def attend(q, start, count, mask):
+        return batch_tree_attention(q, k, v, i32(1), i32(start), i32(count), i32(0),
+                                    pack_batch_masks(mask[None]).to(DEV), count, scale, block_n=block_n)
+
+    for start, count in [(0, 9), (57, 12), (60, 40), (128, 1), (1, 70)]:  # across block edges, a whole prompt
+        q = torch.randn(count, kvh * g, d, generator=gen).to(dtype).to(DEV)
+        rows = attend(q, start, count, torch.ones(count, count, dtype=torch.bool).tril())
+        for i in range(count):
+            ar = attend(q[i:i + 1], start + i, 1, torch.ones(1, 1, dtype=torch.bool))
+            assert torch.equal(rows[i], ar[0]), (start, count, i)
+    # a tree whose first-child path sits at its positions: that path's rows carry AR's bits too
+    parents = [-1, 0, 1, 0, 2, 3]
+    mask = ancestor_mask_of(parents)
+    q = torch.randn(6, kvh * g, d, generator=gen).to(dtype).to(DEV)
+    rows = attend(q, 61, 6, mask)
+    for i in (0, 1, 2):  # root, child, grandchild at slots 61, 62, 63 = their positions
+        assert torch.equal(rows[i], attend(q[i:i + 1], 61 + i, 1, torch.ones(1, 1, dtype=torch.bool))[0])
+
+
 def test_reference_is_the_models_batched_attention(tiny_models):
     """The kernel's reference equals the attention inside ``Transformer.forward_batch`` (masked SDPA over padded rows)
     on a real layer's K/V."""

@@ -11,6 +11,14 @@ request as a grid axis). Starts, counts, offsets and slots are read on the devic
 - :func:`batch_tree_attention_reference`: plain PyTorch, float32 softmax, request by request; the oracle.
 - :func:`batch_tree_attention`: the Triton kernel; grid ``(row blocks, KV heads, requests)``, fp32 accumulators,
   no split-KV (a batch of requests fills the GPU by itself), deterministic.
+
+Aligned to AR: the keys are walked in ``BLOCK_N`` blocks aligned to absolute positions (0, 64, 128, ...), the
+request's own rows inside the same blocks as its committed keys, masked rather than moved to a loop of their own.
+A row whose visible keys are exactly the positions below it (an AR row, a chain row, a prompt row; a tree row on
+the path whose slots are its positions) then runs the very loads, products and sums an AR row at its position runs
+(a masked key adds an exact zero), so with batch-invariant GEMMs a chain's accepted rows carry AR's bits in bf16 too,
+and a prompt prefilled after a reused prefix gets the bits of its whole prefill. Rows elsewhere in a tree see their
+ancestors at other lanes than AR would, so their bits may differ at near ties (the output stays the exact pass's).
 """
 
 from __future__ import annotations
@@ -71,6 +79,8 @@ def batch_tree_attention(q, k_pool, v_pool, slots, starts, counts, row_off, mask
     kvh = k_pool.shape[2]
     if h % kvh or d not in (16, 32, 64, 128) or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise ValueError(f"unsupported heads / head_dim / dtypes: H {h}, KVH {kvh}, D {d}, {q.dtype}, {k_pool.dtype}")
+    if block_n not in (16, 32, 64):  # a block then spans at most three mask words (_attend_straddle)
+        raise ValueError(f"block_n must be 16, 32 or 64, got {block_n}")
     b = slots.numel()
     if mask_words.shape[:2] != (b, r_max) or mask_words.dtype != torch.int32:
         raise ValueError(f"mask words must be int32 [{b}, {r_max}, W], got {mask_words.dtype} {tuple(mask_words.shape)}")
@@ -81,7 +91,7 @@ def batch_tree_attention(q, k_pool, v_pool, slots, starts, counts, row_off, mask
         q, k_pool, v_pool, slots, starts, counts, row_off, mask_words, out, float(scale) * 1.4426950408889634,
         k_pool.shape[1], q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1), mask_words.stride(0),
-        mask_words.stride(1), G=g, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, FP32=q.dtype == torch.float32,
+        mask_words.stride(1), mask_words.shape[2], G=g, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, FP32=q.dtype == torch.float32,
         num_warps=num_warps)
     return out
 
@@ -89,9 +99,48 @@ def batch_tree_attention(q, k_pool, v_pool, slots, starts, counts, row_off, mask
 if triton is not None:
 
     @triton.jit
+    def _attend_straddle(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, start_n, hi, tm_base, stride_tm, NW,
+                         L, row, m_ok, qk_scale, offs_d, BLOCK_N: tl.constexpr, FP32: tl.constexpr):
+        """One KV block ``[start_n, start_n + BLOCK_N)`` at or past ``L``'s aligned block: key ``n < L`` visible, key
+        ``n >= L`` visible where bit ``n - L`` of the row's packed mask is set, ``n >= hi`` masked. The arithmetic is
+        :func:`_attend`'s (only which keys count differs), so a masked key changes no bit of the running sums."""
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        if FP32:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        sc = sc * qk_scale
+        t = offs_n - L  # the key's index among the request's rows (negative: a committed key)
+        w0 = tl.maximum(start_n - L, 0) // 32  # a block of BLOCK_N <= 64 keys covers at most 3 mask words
+        words = tm_base + row * stride_tm
+        a0 = tl.load(words + w0, mask=m_ok & (w0 < NW), other=0)
+        a1 = tl.load(words + w0 + 1, mask=m_ok & (w0 + 1 < NW), other=0)
+        a2 = tl.load(words + w0 + 2, mask=m_ok & (w0 + 2 < NW), other=0)
+        tc = tl.maximum(t, 0)
+        wi = (tc // 32 - w0)[None, :]
+        word = tl.where(wi == 0, a0[:, None], tl.where(wi == 1, a1[:, None], a2[:, None]))
+        bit = (word >> (tc % 32)[None, :]) & 1
+        ok = ((t < 0)[None, :] | (bit != 0)) & n_ok[None, :]
+        sc = tl.where(ok, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: avoid -inf - -inf
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(sc - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if FP32:
+            acc += tl.dot(p, v, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        return acc, m_new, l_i
+
+    @triton.jit
     def _batch_tree_attn_fwd(Q, K, V, Slots, Starts, Counts, RowOff, Words, Out, qk_scale, S, stride_qr, stride_qh,
                              stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh, stride_or, stride_oh,
-                             stride_wb, stride_wr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                             stride_wb, stride_wr, NW, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, FP32: tl.constexpr):
         """Grid ``(cdiv(R_max * G, BLOCK_M), KVH, B)``: packed rows ``m = r * G + g`` of one KV head of one request."""
         pid_m = tl.program_id(0)
@@ -113,16 +162,19 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        hi = tl.minimum(L, S)
-        for start_n in range(0, hi, BLOCK_N):  # the request's committed prefix
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, start_n, hi,
+        # Keys in blocks aligned to absolute positions: [0, L') without a mask, L' = L rounded down to BLOCK_N, then
+        # [L', L + R) through the packed mask (committed keys below L always visible). So a chain row at position p
+        # walks the same blocks, lanes and arithmetic as an AR row at p (module doc: "Aligned to AR").
+        lo = tl.minimum((L // BLOCK_N) * BLOCK_N, S)
+        for start_n in range(0, lo, BLOCK_N):
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, start_n, lo,
                                     Words + b * stride_wb, stride_wr, L, row, m_ok, qk_scale, offs_d,
                                     BLOCK_N=BLOCK_N, TREE=False, FP32=FP32)
         t_hi = tl.minimum(L + R, S)
-        for start_n in range(L, t_hi, 32):  # its own rows, through its packed mask
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, start_n, t_hi,
-                                    Words + b * stride_wb, stride_wr, L, row, m_ok, qk_scale, offs_d,
-                                    BLOCK_N=32, TREE=True, FP32=FP32)
+        for start_n in range(lo, t_hi, BLOCK_N):
+            acc, m_i, l_i = _attend_straddle(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, start_n, t_hi,
+                                             Words + b * stride_wb, stride_wr, NW, L, row, m_ok, qk_scale, offs_d,
+                                             BLOCK_N=BLOCK_N, FP32=FP32)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(Out + (off + row)[:, None] * stride_or + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(Out.dtype.element_ty), mask=m_ok[:, None])
