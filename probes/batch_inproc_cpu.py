@@ -7,6 +7,9 @@ Run it from the checkout to measure, or with ``PYTHONPATH`` set to another check
 in a ``git worktree``): the engine imported is the one measured, the probe is the same.
 
     OMP_NUM_THREADS=2 python probes/batch_inproc_cpu.py --sizes 8,32 --rounds 2 --out results/.../inproc.json
+
+``--system LABEL=JSON`` (repeatable) adds systems beside AR (a SystemConfig's fields as a JSON object, e.g. an n-gram
+shared budget); each round runs every system once, the order rotated, and each output is compared with AR's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--system", action="append", default=[], help="LABEL=JSON SystemConfig fields (repeatable)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -50,29 +54,37 @@ def main() -> None:
                                     return_dict=False) for q in qs]
     out = {"engine_checkout": str(root), "engine_commit": commit, "torch": torch.__version__, "threads": a.threads,
            "machine": platform.processor() or platform.machine(), "load_before": os.getloadavg(), "runs": []}
+    systems = {"ar": SystemConfig.ar()}
+    for spec in a.system:
+        label, _, js = spec.partition("=")
+        systems[label] = SystemConfig(**json.loads(js))
+    out["systems"] = {k: v.model_dump(mode="json") for k, v in systems.items()}
     for n in [int(x) for x in a.sizes.split(",")]:
         prompts = (base * (n // 8 + 1))[:n]
-        eng = dep.batch_system(SystemConfig.ar(), max_num_seqs=n)
-        outputs = None
+        engines = {k: dep.batch_system(cfg, max_num_seqs=n) for k, cfg in systems.items()}
+        ar_out = None
         for rnd in range(a.rounds + 1):  # round 0 warms up
-            for i, p in enumerate(prompts):
-                eng.add_request(Request(f"r{rnd}_{i}", list(p), a.max_tokens))
-            got = {f"r{rnd}_{i}": [] for i in range(n)}
-            t0, pre, steps = time.perf_counter(), 0.0, 0
-            while eng.has_work():
-                s0, before = time.perf_counter(), eng.prefill_passes
-                for o in eng.step():
-                    got[o.request_id] += o.new_tokens
-                pre += time.perf_counter() - s0 if eng.prefill_passes != before else 0.0
-                steps += 1
-            wall = time.perf_counter() - t0
-            toks = [got[f"r{rnd}_{i}"] for i in range(n)]
-            outputs = toks if outputs is None else outputs
-            if rnd:
-                out["runs"].append({"requests": n, "round": rnd, "tokens": sum(map(len, toks)), "wall_s": wall,
-                                    "tok_per_s": sum(map(len, toks)) / wall, "steps": steps, "prefill_steps_s": pre,
-                                    "outputs_equal_round0": toks == outputs})
-                print(json.dumps(out["runs"][-1]), flush=True)
+            order = list(engines)[rnd % len(engines):] + list(engines)[:rnd % len(engines)]
+            for label in (list(engines) if rnd == 0 else order):  # AR first in the warm-up: its outputs are the oracle
+                eng = engines[label]
+                for i, p in enumerate(prompts):
+                    eng.add_request(Request(f"r{rnd}_{i}", list(p), a.max_tokens))
+                got = {f"r{rnd}_{i}": [] for i in range(n)}
+                t0, pre, steps = time.perf_counter(), 0.0, 0
+                while eng.has_work():
+                    s0, before = time.perf_counter(), eng.prefill_passes
+                    for o in eng.step():
+                        got[o.request_id] += o.new_tokens
+                    pre += time.perf_counter() - s0 if eng.prefill_passes != before else 0.0
+                    steps += 1
+                wall = time.perf_counter() - t0
+                toks = [got[f"r{rnd}_{i}"] for i in range(n)]
+                ar_out = toks if ar_out is None else ar_out
+                if rnd:
+                    out["runs"].append({"system": label, "requests": n, "round": rnd, "tokens": sum(map(len, toks)),
+                                        "wall_s": wall, "tok_per_s": sum(map(len, toks)) / wall, "steps": steps,
+                                        "prefill_steps_s": pre, "outputs_equal_ar": toks == ar_out})
+                    print(json.dumps(out["runs"][-1]), flush=True)
     out["load_after"] = os.getloadavg()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
