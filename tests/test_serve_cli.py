@@ -85,3 +85,35 @@ def test_the_served_eagle3_engine_equals_ar(monkeypatch, eagle3_dir):
     ar = Deployment(bundled_target_dir()).batch_system(SystemConfig.ar(), 2, max_len=256)
     want = [g.tokens for g in ar.generate_all(prompts, 12)]
     assert [g.tokens for g in eng.generate_all(prompts, 12)] == want
+
+
+def _system_file(path, cfg: SystemConfig, **over) -> None:
+    """A system file as `specpilot pilot` writes it (config, label, seal, deployment), with ``over`` applied."""
+    d = {"config": cfg.model_dump(), "label": cfg.label(), "seal": cfg.seal(),
+         "deployment": {"target": str(bundled_target_dir()), "drafter": "ngram", "device": "cpu", "batch": 1}}
+    path.write_text(json.dumps({**d, **over}))
+
+
+def test_serve_system_checks_its_seal(monkeypatch, capsys, tmp_path):
+    """A config edited after sealing (another nodes) or a file without a seal is refused in one line naming the file,
+    unless --allow-edited-system (then a warning, and the config served as it is now)."""
+    seen = _capture(monkeypatch)
+    cfg = SystemConfig(drafter="ngram", tree="best_first", nodes=8, depth=4, top_k=2)
+    f = tmp_path / "system.json"
+    _system_file(f, cfg)
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0")
+    assert code == 0 and seen["cfg"] == cfg and "warning" not in err, err
+    edited = cfg.apply({"nodes": 16})
+    _system_file(f, cfg, config=edited.model_dump())  # the seal of nodes=8 kept
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--system {f} has a config that does not match its seal" in err and "--allow-edited-system" in err, err
+    seen.clear()
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0", "--allow-edited-system")
+    assert code == 0 and seen["cfg"] == edited, err
+    assert "warning" in err and "does not match its seal" in err and edited.label() in err, err
+    _system_file(f, cfg, seal=None)
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0")
+    assert code == 2 and "has no 'seal'" in err and str(f) in err and err.count("\n") == 1, err
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--allow-edited-system", "--port", "0")
+    assert code == 2 and "--allow-edited-system is for --system" in err, err

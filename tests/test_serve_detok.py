@@ -176,8 +176,11 @@ def test_serve_system_file_errors(monkeypatch, capsys, tmp_path):
     f.write_text('{"config": {"drafter": "ngram"}, "deployment": {"target": "x"}}')
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--tree", "chain")
     assert code == 2 and "drop --tree" in err
-    f.write_text('{"config": {"drafter": "ngram", "tree": "best_first", "nodes": 8, "depth": 4, "top_k": 2, '
-                 '"tlv": true}, "deployment": {"target": "x"}}')  # a pilot may seal TLV (batch 1)
+    from specpilot.config import SystemConfig
+
+    tlv = SystemConfig(drafter="ngram", tree="best_first", nodes=8, depth=4, top_k=2, tlv=True)
+    f.write_text(json.dumps({"config": tlv.model_dump(), "seal": tlv.seal(),  # a pilot may seal TLV (batch 1)
+                             "deployment": {"target": "x"}}))
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f))
     assert code == 2 and "uses tlv" in err and '"tlv": false' in err and len(err.strip().splitlines()) == 1
     with socket.socket() as busy:
@@ -209,7 +212,7 @@ def test_serve_reads_a_sealed_system(monkeypatch, capsys, tmp_path):
         tdir=tdir, ddir=ddir, cfg=cfg, device=device, name=a[2]))
     cfg = SystemConfig(drafter="draft_model", tree="best_first", nodes=8, depth=4, top_k=2)
     f = tmp_path / "system.json"
-    f.write_text(json.dumps({"config": cfg.model_dump(), "label": cfg.label(), "deployment": {
+    f.write_text(json.dumps({"config": cfg.model_dump(), "label": cfg.label(), "seal": cfg.seal(), "deployment": {
         "target": str(bundled_target_dir()), "drafter": str(bundled_drafter_dir()), "device": "cuda:0",
         "dtype": "float32", "batch": 1}}))
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--device", "cpu", "--port", "0")
@@ -218,7 +221,7 @@ def test_serve_reads_a_sealed_system(monkeypatch, capsys, tmp_path):
         (bundled_target_dir(), bundled_drafter_dir(), cfg, "cpu", "specpilot-bundled")
     # written by another install (another venv, a reinstall): the bundled models of this one
     elsewhere = "/gone/venv/lib/python3.11/site-packages/specpilot/zoo/assets"
-    f.write_text(json.dumps({"config": cfg.model_dump(), "deployment": {
+    f.write_text(json.dumps({"config": cfg.model_dump(), "seal": cfg.seal(), "deployment": {
         "target": f"{elsewhere}/target", "drafter": f"{elsewhere}/drafter", "device": "cpu"}}))
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0")
     assert code == 0, err
@@ -269,8 +272,8 @@ def test_serve_system_takes_its_sealed_batch_size_and_refuses_tree_options(monke
     seen = {}
     monkeypatch.setattr(serve_cli, "run_server", lambda sock, tdir, ddir, cfg, device, slots, *a: seen.update(
         slots=slots))
-    sealed = {"config": SystemConfig.ar().model_dump(), "deployment": {"target": str(bundled_target_dir()),
-                                                                      "device": "cpu", "batch": [4]}}
+    sealed = {"config": SystemConfig.ar().model_dump(), "seal": SystemConfig.ar().seal(),
+              "deployment": {"target": str(bundled_target_dir()), "device": "cpu", "batch": [4]}}
     f = tmp_path / "system_n4.json"
     f.write_text(json.dumps({**sealed, "batch_size": 4}))
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0")

@@ -2,7 +2,8 @@
 
 The main app registers :func:`serve` as a command (``specpilot.cli``). The system is either given by options
 (``--target``, ``--drafter``, ``--tree``, ...; as ``specpilot generate`` takes them) or read from a system sealed by
-``specpilot pilot`` (``--system system.json``: its ``config`` and ``deployment``). Bad options are a
+``specpilot pilot`` (``--system system.json``: its ``config`` and ``deployment``; a config that does not match the
+file's ``seal`` is refused, unless ``--allow-edited-system``). Bad options are a
 :class:`~specpilot.errors.SpecPilotError` (one line, exit status 2), raised before anything is loaded where they can
 be. Safe by default: it listens on 127.0.0.1 unless ``--host`` says otherwise; ``--api-key`` (or the environment
 variable ``SPECPILOT_API_KEY``) makes every ``/v1`` request without ``Authorization: Bearer KEY`` a 401.
@@ -37,11 +38,12 @@ def _listen(host: str, port: int) -> socket.socket:
         raise SpecPilotError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def read_system(path: Path) -> tuple[dict, dict, Optional[int]]:
-    """``(config, deployment, batch_size)`` of a sealed ``system.json`` written by ``specpilot pilot``.
+def read_system(path: Path) -> tuple[dict, dict, Optional[int], object]:
+    """``(config, deployment, batch_size, seal)`` of a sealed ``system.json`` written by ``specpilot pilot``.
 
     ``batch_size``: the number of requests at once the system was sealed for (``specpilot pilot --batch`` writes it
-    into each ``system_n{n}.json``); None where the file does not say (the single-request pilot's).
+    into each ``system_n{n}.json``); None where the file does not say (the single-request pilot's). ``seal``: the
+    file's ``seal`` as written (None where it has none; checked by :func:`check_seal`).
 
     Raises:
         SpecPilotError: the file is missing, not JSON, has no ``config`` object, or a ``batch_size`` that is not a
@@ -60,7 +62,28 @@ def read_system(path: Path) -> tuple[dict, dict, Optional[int]]:
     size = sysd.get("batch_size")
     if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
         raise SpecPilotError(f"--system {path}: 'batch_size' must be a positive integer, got {size!r}")
-    return sysd["config"], dep, size
+    return sysd["config"], dep, size, sysd.get("seal")
+
+
+def check_seal(path: Path, cfg, seal, allow_edited: bool) -> None:
+    """Check that the ``seal`` of the system file ``path`` is the seal of its config ``cfg`` (a
+    :class:`~specpilot.config.SystemConfig`: the SHA-256 of its canonical JSON, :meth:`SystemConfig.seal`), so that
+    a config edited after `specpilot pilot` judged and sealed it (another ``nodes``, say) is not served as if it
+    were the sealed system. With ``allow_edited`` a missing or wrong seal is a warning on stderr instead.
+
+    Raises:
+        SpecPilotError: the seal is missing or does not match, and not ``allow_edited`` (one line naming the file).
+    """
+    if seal == cfg.seal():
+        return
+    what = ("has no 'seal'" if seal is None else
+            f"has a config that does not match its seal ({str(seal)[:12]}, the config's is {cfg.seal()[:12]})")
+    if not allow_edited:
+        raise SpecPilotError(f"--system {path} {what}: it was edited after `specpilot pilot` sealed it, or not "
+                             "sealed by it; serve the file as sealed, or pass --allow-edited-system to serve it as it "
+                             "is")
+    print(f"specpilot serve: warning: --system {path} {what}; serving its config as it is ({cfg.label()}), which "
+          "is not the system the pilot judged (--allow-edited-system)", file=sys.stderr)
 
 
 def serve(
@@ -78,7 +101,10 @@ def serve(
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default float32)."),
     device: Optional[str] = typer.Option(None, help="torch device (default cpu; with --system, its deployment's)."),
     system: Optional[Path] = typer.Option(None, help="A system sealed by `specpilot pilot` (its system.json): "
-                                          "serves its config on its deployment; not with the system options."),
+                                          "serves its config on its deployment; not with the system options. A "
+                                          "config that does not match the file's seal is refused."),
+    allow_edited_system: bool = typer.Option(False, help="With --system: serve a file whose config does not match "
+                                             "its seal (edited after sealing, or unsealed), with a warning."),
     max_num_seqs: Optional[int] = typer.Option(None, help="Requests decoded at once (engine slots); more wait in a "
                                                "queue (default 16; with --system, the batch size it was sealed "
                                                "for where the file names one: system_n4.json, 4)."),
@@ -135,7 +161,7 @@ def serve(
                                         ("dtype", dtype)) if v is not None]
         if given:
             raise SpecPilotError(f"--system gives the whole system: drop {', '.join(given)}")
-        cfg_d, dep, sealed_size = read_system(system)
+        cfg_d, dep, sealed_size, seal = read_system(system)
         if max_num_seqs is None:
             max_num_seqs = sealed_size or 16
         elif sealed_size is not None and sealed_size != max_num_seqs:  # served, but not as it was judged
@@ -146,12 +172,13 @@ def serve(
         except (TypeError, ValueError) as e:
             raise SpecPilotError(f"--system {system}: its config is not a SystemConfig: "
                                  f"{validation_message(e, flags=False)}") from None
+        check_seal(system, cfg, seal, allow_edited_system)
         from specpilot.zoo import bundled_target_dir, resolve_recorded
 
         if cfg.tlv:  # the pilot seals for one request at a time (batch 1); the server batches
             raise SpecPilotError(f"--system {system} uses tlv, which runs single requests only (`specpilot generate` "
-                                 "runs it); the server batches: serve it with \"tlv\": false in its config, or seal "
-                                 "a system for serving")
+                                 "runs it); the server batches: serve it with \"tlv\": false in its config (and "
+                                 "--allow-edited-system), or seal a system for serving")
         if not dep.get("target"):
             raise SpecPilotError(f"--system {system} names no target (its 'deployment' has no 'target')")
         tdir = resolve_recorded(dep["target"])  # a bundled model recorded under another install: this one's
@@ -164,6 +191,9 @@ def serve(
             served_model_name = served_model_name or "specpilot-bundled"
     else:
         from specpilot.cli import _default_dirs
+
+        if allow_edited_system:
+            raise SpecPilotError("--allow-edited-system is for --system FILE (a sealed system's file)")
 
         drafter, tree = drafter or "ngram", tree or "chain"
         if drafter not in ("none", "ngram", *CHECKPOINT_DRAFTERS):
