@@ -1,5 +1,6 @@
 """``specpilot serve``'s system options: an EAGLE-3 drafter served by the batched engine (``--drafter eagle3``, or a
-sealed system naming one)."""
+sealed system naming one); ``--system`` files whose config does not match their seal refused (or served with a
+warning under ``--allow-edited-system``); ``--target`` replacing a system file's recorded target path."""
 
 from __future__ import annotations
 
@@ -117,3 +118,28 @@ def test_serve_system_checks_its_seal(monkeypatch, capsys, tmp_path):
     assert code == 2 and "has no 'seal'" in err and str(f) in err and err.count("\n") == 1, err
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--allow-edited-system", "--port", "0")
     assert code == 2 and "--allow-edited-system is for --system" in err, err
+
+
+def test_serve_system_target_can_be_replaced(monkeypatch, capsys, tmp_path):
+    """--target with --system serves the file's config on that target instead of the recorded absolute path (a
+    file from another machine); the served target is logged either way; the other system options stay refused."""
+    seen = _capture(monkeypatch)
+    cfg = SystemConfig(drafter="ngram", tree="best_first", nodes=8, depth=4, top_k=2)
+    f = tmp_path / "system.json"
+    moved = tmp_path / "models" / "target"
+    _system_file(f, cfg, deployment={"target": str(moved), "drafter": "ngram", "device": "cpu"})
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0")
+    assert code == 0 and seen["tdir"] == moved and f"specpilot serve: target {moved} (from {f})" in err, err
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--target", str(bundled_target_dir()),
+                           "--port", "0")
+    assert code == 0 and (seen["tdir"], seen["cfg"]) == (bundled_target_dir(), cfg), err
+    assert f"specpilot serve: target {bundled_target_dir()} (--target; {f} names {moved})" in err, err
+    _system_file(f, cfg, deployment={"device": "cpu"})
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0")
+    assert code == 2 and "names no target" in err and "--target DIR" in err, err
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--target", str(bundled_target_dir()),
+                           "--port", "0")
+    assert code == 0 and seen["tdir"] == bundled_target_dir(), err
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--target", str(bundled_target_dir()),
+                           "--drafter", "ngram")
+    assert code == 2 and "drop --drafter" in err and "--target" not in err.split("drop", 1)[1], err

@@ -87,7 +87,8 @@ def check_seal(path: Path, cfg, seal, allow_edited: bool) -> None:
 
 
 def serve(
-    target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: the bundled target)."),
+    target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: the bundled target; "
+                                          "with --system, its deployment's target, which --target replaces)."),
     drafter: Optional[str] = typer.Option(None, help="none | ngram | draft_model | block | eagle3 (default ngram; "
                                           "eagle3 has no bundled drafter: give its --drafter-path)."),
     drafter_path: Optional[Path] = typer.Option(None, help="Draft model, block or EAGLE-3 drafter checkpoint "
@@ -101,8 +102,9 @@ def serve(
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default float32)."),
     device: Optional[str] = typer.Option(None, help="torch device (default cpu; with --system, its deployment's)."),
     system: Optional[Path] = typer.Option(None, help="A system sealed by `specpilot pilot` (its system.json): "
-                                          "serves its config on its deployment; not with the system options. A "
-                                          "config that does not match the file's seal is refused."),
+                                          "serves its config on its deployment (--target may replace its target "
+                                          "path); not with the other system options. A config that does not match "
+                                          "the file's seal is refused."),
     allow_edited_system: bool = typer.Option(False, help="With --system: serve a file whose config does not match "
                                              "its seal (edited after sealing, or unsealed), with a warning."),
     max_num_seqs: Optional[int] = typer.Option(None, help="Requests decoded at once (engine slots); more wait in a "
@@ -156,7 +158,7 @@ def serve(
         raise SpecPilotError(f"--speculative-disable-by-batch-size must be at least 1, got "
                              f"{speculative_disable_by_batch_size}")
     if system is not None:
-        given = [f"--{n}" for n, v in (("target", target), ("drafter", drafter), ("drafter-path", drafter_path),
+        given = [f"--{n}" for n, v in (("drafter", drafter), ("drafter-path", drafter_path),
                                         ("tree", tree), ("nodes", nodes), ("depth", depth), ("top-k", top_k),
                                         ("dtype", dtype)) if v is not None]
         if given:
@@ -179,9 +181,14 @@ def serve(
             raise SpecPilotError(f"--system {system} uses tlv, which runs single requests only (`specpilot generate` "
                                  "runs it); the server batches: serve it with \"tlv\": false in its config (and "
                                  "--allow-edited-system), or seal a system for serving")
-        if not dep.get("target"):
-            raise SpecPilotError(f"--system {system} names no target (its 'deployment' has no 'target')")
-        tdir = resolve_recorded(dep["target"])  # a bundled model recorded under another install: this one's
+        if not dep.get("target") and target is None:
+            raise SpecPilotError(f"--system {system} names no target (its 'deployment' has no 'target'): give one "
+                                 "with --target DIR")
+        # --target: the same model elsewhere (another machine, a moved directory); else the recorded path, a bundled
+        # model recorded under another install being this one's
+        tdir = target if target is not None else resolve_recorded(dep["target"])
+        src = f"--target; {system} names {dep.get('target')}" if target is not None else f"from {system}"
+        print(f"specpilot serve: target {tdir} ({src})", file=sys.stderr)
         ddir = cfg.drafter_path or (dep.get("drafter") if dep.get("drafter") not in (None, "ngram") else None)
         ddir = resolve_recorded(ddir) if ddir and cfg.drafter in CHECKPOINT_DRAFTERS else None
         if ddir is not None and cfg.drafter_path is not None:
