@@ -59,6 +59,32 @@ def test_invariants(builder, nodes):
         assert len(tree) > 0
 
 
+@pytest.mark.parametrize("builder", sorted(BUILDERS))
+def test_chain_first_keeps_the_tree_and_its_acceptance(builder):
+    """Tree.chain_first: the same set of token paths, still a valid tree, the top chain (best-scored child at each
+    level) at nodes 0, 1, 2, ...; greedy acceptance gives the same tokens for any exact pass."""
+    import random
+
+    rng = random.Random(0)
+    for lat in LATTICES:
+        tree = build_tree(builder, lat, 20)
+        moved = tree.chain_first()
+        check_tree(moved, lat, 20)
+        assert sorted(map(moved.path, range(len(moved)))) == sorted(map(tree.path, range(len(tree))))
+        row, k = 0, 0
+        while True:  # nodes 0..k-1 are the chain: node k's parent is k - 1, and it is the best child there
+            kids = [i for i, p in enumerate(moved.parents) if p == row - 1]
+            if not kids:
+                break
+            assert moved.parents[k] == k - 1 and moved.scores[k] == max(moved.scores[i] for i in kids)
+            row, k = k + 1, k + 1
+        for _ in range(20):
+            table: dict = {}
+            oracle = lambda path: table.setdefault(path, rng.choice([t for t, _ in lat.marginal(path)] + [-1]))  # noqa: E731
+            argmax = lambda t: [oracle(())] + [oracle(t.path(i)) for i in range(len(t))]  # noqa: E731
+            assert tree.accept(argmax(tree))[1] == moved.accept(argmax(moved))[1]
+
+
 def all_paths(lat, kids):
     out = []
     def walk(path, score):

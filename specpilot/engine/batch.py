@@ -294,7 +294,7 @@ class BatchEngine:
     def _decode(self, rs: list[_Running], admitted: list[_Running] = ()) -> list[StepOutput]:
         """One exact pass over the running requests' trees, and over the prompt rows of ``admitted`` requests
         (prompt admission: each reads its last row's argmax, its first token, as :meth:`_prefill` does)."""
-        trees = self._draft(rs)
+        trees = [t.chain_first() for t in self._draft(rs)]  # top chain at its positions (Tree.chain_first)
         starts = [len(r.committed) - 1 for r in rs]
         tokens = [[r.committed[-1]] + t.tokens for r, t in zip(rs, trees)]
         positions = [[s] + [s + d for d in t.depths] for s, t in zip(starts, trees)]

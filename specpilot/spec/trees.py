@@ -94,6 +94,29 @@ class Tree:
             path.append(row)
         return path, [self.tokens[i - 1] for i in path[1:]] + [argmax[row]]
 
+    def chain_first(self) -> "Tree":
+        """The same tree with its top chain first: from the root, the best-scored child at each level becomes nodes
+        0, 1, 2, ... (so in a pass laid out at ``start + index`` each sits at its own position), then the other
+        nodes in their order. Still topological (a parent before its children). Verifying it accepts the same tokens
+        (acceptance follows tokens, not indices); a batched pass whose attention walks position-aligned blocks gives
+        that chain's rows AR's bits, and accepting along it moves no K/V."""
+        kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents):
+            kids[p + 1].append(i)
+        chain, row = [], 0
+        while kids[row]:
+            best = max(kids[row], key=lambda i: self.scores[i])  # first of equals: insertion order
+            chain.append(best)
+            row = best + 1
+        if chain == list(range(len(chain))):
+            return self
+        on_chain = set(chain)
+        order = chain + [i for i in range(len(self)) if i not in on_chain]
+        new = {old: k for k, old in enumerate(order)}
+        return Tree([self.tokens[i] for i in order], [new[self.parents[i]] if self.parents[i] >= 0 else -1
+                                                      for i in order],
+                    [self.depths[i] for i in order], [self.scores[i] for i in order])
+
     def truncate(self, n: int) -> "Tree":
         """The first ``n`` nodes (a prefix of a topological order is prefix-closed: still a tree)."""
         return Tree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n])
