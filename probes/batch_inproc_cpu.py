@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-len", type=int, default=1024, help="context per slot (the servers run 1024): every "
+                    "system's engine holds its whole K/V pool at once")
     ap.add_argument("--system", action="append", default=[], help="LABEL=JSON SystemConfig fields (repeatable)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -61,7 +63,7 @@ def main() -> None:
     out["systems"] = {k: v.model_dump(mode="json") for k, v in systems.items()}
     for n in [int(x) for x in a.sizes.split(",")]:
         prompts = (base * (n // 8 + 1))[:n]
-        engines = {k: dep.batch_system(cfg, max_num_seqs=n) for k, cfg in systems.items()}
+        engines = {k: dep.batch_system(cfg, max_num_seqs=n, max_len=a.max_len) for k, cfg in systems.items()}
         ar_out = None
         for rnd in range(a.rounds + 1):  # round 0 warms up
             order = list(engines)[rnd % len(engines):] + list(engines)[:rnd % len(engines)]
