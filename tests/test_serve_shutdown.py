@@ -31,20 +31,32 @@ def _serve(app, ctx, grace_s):
     return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+def _post(url, got, name, body):
+    """One completion of ``body``; ``got[name] = (status, text)``, or ``(None, error)`` if the connection failed."""
+    try:
+        r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "hi", **body}, timeout=30)
+        got[name] = (r.status_code, r.text)
+    except httpx.HTTPError as e:  # pragma: no cover - reported by the asserts below
+        got[name] = (None, repr(e))
+
+
+def _assert_shut_down(got):
+    """The long request got the shutdown's 503; the stream ended with its error event, then ``[DONE]``."""
+    status, text = got["long"]
+    assert status == 503, (status, text)
+    assert "shutting down" in json.loads(text)["error"]["message"]
+    status, text = got["stream"]
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]", text[-300:]
+    assert "shutting down" in json.loads(events[-2])["error"]["message"]
+
+
 def test_requests_held_at_shutdown_get_a_503_and_short_ones_finish():
     eng = FakeBatchEngine(TOK, EOS, num_slots=4, step_delay_s=0.05)  # ~2 tokens / 50 ms: 200 tokens take ~5 s
     ctx, app = make_app(eng)
     server, thread, url = _serve(app, ctx, grace_s=2.0)
     got = {}
-
-    def post(name, body):
-        try:
-            r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "hi", **body}, timeout=30)
-            got[name] = (r.status_code, r.text)
-        except httpx.HTTPError as e:  # pragma: no cover - reported by the asserts below
-            got[name] = (None, repr(e))
-
-    jobs = [threading.Thread(target=post, args=a) for a in (("long", {"max_tokens": 200}),
+    jobs = [threading.Thread(target=_post, args=(url, got) + a) for a in (("long", {"max_tokens": 200}),
                                                             ("stream", {"max_tokens": 200, "stream": True}),
                                                             ("short", {"max_tokens": 4}))]
     for j in jobs:
@@ -58,13 +70,7 @@ def test_requests_held_at_shutdown_get_a_503_and_short_ones_finish():
     assert not thread.is_alive()
     status, text = got["short"]
     assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] == "length"
-    status, text = got["long"]
-    assert status == 503, (status, text)
-    assert "shutting down" in json.loads(text)["error"]["message"]
-    status, text = got["stream"]
-    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
-    assert status == 200 and events[-1] == "[DONE]", text[-300:]
-    assert "shutting down" in json.loads(events[-2])["error"]["message"]
+    _assert_shut_down(got)
 
 
 class _Records(logging.Handler):
@@ -86,15 +92,7 @@ def test_a_forced_quit_answers_requests_in_flight_with_a_503_and_logs_no_traceba
     for name in ("uvicorn", "uvicorn.error", "specpilot.serve"):
         logging.getLogger(name).addHandler(records)
     got = {}
-
-    def post(name, body):
-        try:
-            r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "hi", **body}, timeout=30)
-            got[name] = (r.status_code, r.text)
-        except httpx.HTTPError as e:  # pragma: no cover - reported by the asserts below
-            got[name] = (None, repr(e))
-
-    jobs = [threading.Thread(target=post, args=a) for a in (("long", {"max_tokens": 200}),
+    jobs = [threading.Thread(target=_post, args=(url, got) + a) for a in (("long", {"max_tokens": 200}),
                                                             ("stream", {"max_tokens": 200, "stream": True}))]
     try:
         for j in jobs:
@@ -112,13 +110,7 @@ def test_a_forced_quit_answers_requests_in_flight_with_a_503_and_logs_no_traceba
     finally:
         for name in ("uvicorn", "uvicorn.error", "specpilot.serve"):
             logging.getLogger(name).removeHandler(records)
-    status, text = got["long"]
-    assert status == 503, (status, text)
-    assert "shutting down" in json.loads(text)["error"]["message"]
-    status, text = got["stream"]
-    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
-    assert status == 200 and events[-1] == "[DONE]", text[-300:]
-    assert "shutting down" in json.loads(events[-2])["error"]["message"]
+    _assert_shut_down(got)
     log = "\n".join(records.lines)
     assert "Traceback" not in log and "CancelledError" not in log and "Exception in" not in log, log
     assert not ctx.driver.alive()

@@ -30,7 +30,7 @@ from specpilot.kernels.tree_attention import tree_attention_reference, triton
 if triton is not None:  # CPU installs without triton: the reference and the mask packing still work
     import triton.language as tl
 
-    from specpilot.kernels.tree_attention import _attend
+    from specpilot.kernels.tree_attention import _attend, _block_scores, _online_update
 
 
 def pack_batch_masks(masks: torch.Tensor) -> torch.Tensor:
@@ -106,13 +106,7 @@ if triton is not None:
         :func:`_attend`'s (only which keys count differs), so a masked key changes no bit of the running sums."""
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        if FP32:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        sc = sc * qk_scale
+        sc, v = _block_scores(q, k_base, v_base, stride_ks, stride_vs, offs_n, n_ok, offs_d, qk_scale, FP32=FP32)
         t = offs_n - L  # the key's index among the request's rows (negative: a committed key)
         w0 = tl.maximum(start_n - L, 0) // 32  # a block of BLOCK_N <= 64 keys covers at most 3 mask words
         words = tm_base + row * stride_tm
@@ -124,18 +118,7 @@ if triton is not None:
         word = tl.where(wi == 0, a0[:, None], tl.where(wi == 1, a1[:, None], a2[:, None]))
         bit = (word >> (tc % 32)[None, :]) & 1
         ok = ((t < 0)[None, :] | (bit != 0)) & n_ok[None, :]
-        sc = tl.where(ok, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: avoid -inf - -inf
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(sc - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if FP32:
-            acc += tl.dot(p, v, input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
-        return acc, m_new, l_i
+        return _online_update(acc, m_i, l_i, sc, ok, v, FP32=FP32)
 
     @triton.jit
     def _batch_tree_attn_fwd(Q, K, V, Slots, Starts, Counts, RowOff, Words, Out, qk_scale, S, stride_qr, stride_qh,

@@ -235,19 +235,29 @@ if triton is not None:
         int32 word per row (a [BM, BN] tile of mask pointers spills registers at BLOCK_M 64, D 128)."""
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        if FP32:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        sc = sc * qk_scale
+        sc, v = _block_scores(q, k_base, v_base, stride_ks, stride_vs, offs_n, n_ok, offs_d, qk_scale, FP32=FP32)
         if TREE:
             word = tl.load(tm_base + row * stride_tm + (start_n - L) // 32, mask=m_ok, other=0)
             bit = (word[:, None] >> tl.arange(0, BLOCK_N)[None, :]) & 1
             ok = (bit != 0) & n_ok[None, :]
         else:
             ok = n_ok[None, :]
+        return _online_update(acc, m_i, l_i, sc, ok, v, FP32=FP32)
+
+    @triton.jit
+    def _block_scores(q, k_base, v_base, stride_ks, stride_vs, offs_n, n_ok, offs_d, qk_scale, FP32: tl.constexpr):
+        """The keys ``offs_n`` (``n_ok`` loaded, others zero): scaled scores ``q k^T`` ``[BM, BN]`` and the values."""
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        if FP32:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        return sc * qk_scale, v
+
+    @triton.jit
+    def _online_update(acc, m_i, l_i, sc, ok, v, FP32: tl.constexpr):
+        """One block of the online softmax over the keys ``ok`` allows (a masked key adds an exact zero)."""
         sc = tl.where(ok, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: avoid -inf - -inf
