@@ -143,3 +143,23 @@ def test_serve_system_target_can_be_replaced(monkeypatch, capsys, tmp_path):
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--target", str(bundled_target_dir()),
                            "--drafter", "ngram")
     assert code == 2 and "drop --drafter" in err and "--target" not in err.split("drop", 1)[1], err
+
+
+def test_ctrl_c_while_loading_exits_130_with_one_line(tmp_path):
+    """Ctrl-C while the server loads the model: the loader thread is in torch's C++ and cannot be stopped, and an
+    interpreter shutting down around it used to die in std::terminate (exit 134). Now: one line, exit 130, at once."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import time\nfrom specpilot.serve.cli import in_passing_thread\nprint('loading', flush=True)\n"
+            "in_passing_thread(lambda: time.sleep(60))\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "loading"
+    time.sleep(0.3)
+    t0 = time.time()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 130 and time.time() - t0 < 10
+    assert err.strip() == "interrupted while loading the model; exiting"

@@ -12,6 +12,7 @@ variable ``SPECPILOT_API_KEY``) makes every ``/v1`` request without ``Authorizat
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import threading
@@ -262,7 +263,12 @@ def in_passing_thread(fn):
 
     t = threading.Thread(target=run, name="specpilot-load")
     t.start()
-    t.join()
+    try:
+        t.join()
+    except KeyboardInterrupt:  # Ctrl-C while loading: the loader sits in torch's C++ and cannot be stopped, and an
+        # interpreter shutting down around it dies in std::terminate (exit 134); nothing is served yet, so leave now
+        print("interrupted while loading the model; exiting", file=sys.stderr, flush=True)
+        os._exit(130)
     if "err" in box:
         raise box["err"]
     return box["out"]
