@@ -201,6 +201,8 @@ def test_unsupported_or_malformed_chat_is_400(srv, client, kw):
     (b'{"prompt": "a", "stop": ["\\udce9"]}', "byte 0xe9"),
     (b'{"messages": [{"role": "user", "content": "\\udce9"}]}', "messages[0].content"),
     (b'{"prompt": [1.5]}', "prompt"), (b'{"max_tokens": 3}', "prompt"), (b"[" * 60_000, "not valid JSON"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}', "a text part needs a string 'text'"),
+    (b'{"prompt": "a", "frobnicate": 1}', "unknown field 'frobnicate': not supported by this server"),
 ], ids=lambda v: v[:20] if isinstance(v, bytes) else None)
 def test_malformed_body_is_400_json(srv, body, what):
     path = "/v1/chat/completions" if body.startswith(b'{"messages"') else "/v1/completions"

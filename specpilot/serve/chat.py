@@ -70,9 +70,12 @@ def _content(i: int, content) -> str:
         return content
     texts = []
     for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if part.get("type") != "text":
             raise APIError(400, f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
                            f"supported, got a {part.get('type')!r} part", param="messages", code="invalid_value")
+        if not isinstance(part.get("text"), str):
+            raise APIError(400, f"messages[{i}].content: a text part needs a string 'text', got "
+                           f"{type(part.get('text')).__name__}", param="messages", code="invalid_value")
         texts.append(part["text"])
     return "\n".join(texts)
 

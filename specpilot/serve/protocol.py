@@ -185,8 +185,8 @@ def validation_error(e: ValidationError) -> APIError:
     loc = [str(x) for x in first["loc"] if not (isinstance(x, str) and ("[" in x or x in ("str", "int", "bool")))]
     field = ".".join(loc) or None
     if first["type"] == "extra_forbidden":
-        msg = (f"unknown field {field!r}: SpecPilot refuses fields it would ignore (a sampling option dropped "
-               "silently would change what you asked for)")
+        msg = (f"unknown field {field!r}: not supported by this server, and refused rather than ignored (a field "
+               "dropped silently could change what you asked for)")
     elif field == "prompt" or (field or "").startswith("prompt."):
         msg = "prompt: must be a string, a list of token ids (ints), or a list of one of those"
     else:
