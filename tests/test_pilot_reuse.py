@@ -27,14 +27,17 @@ PLAN = {"per_benchmark": 2, "max_new_tokens": 16, "candidates": 1, "depth_max": 
 
 @pytest.fixture
 def approve_all(monkeypatch):
-    real = Pilot.judge
+    """Every verdict approved: the controller's approval rule is wrapped where every judgement reaches it (a round's
+    candidates through ``Pilot.judge_many``, reuse and round 0 through ``Pilot.judge``: all call
+    ``Controller.judge``, which calls ``controller.approve``)."""
+    from specpilot.pilot import controller
 
-    def judge(self, a, b, label):
-        j = real(self, a, b, label)
-        v = dataclasses.replace(j.verdict, approved=True, reason="approved: decision pinned by the test")
-        return dataclasses.replace(j, verdict=v)
+    real = controller.approve
 
-    monkeypatch.setattr(Pilot, "judge", judge)
+    def approve(*a, **kw):
+        return dataclasses.replace(real(*a, **kw), approved=True, reason="approved: decision pinned by the test")
+
+    monkeypatch.setattr(controller, "approve", approve)
 
 
 @pytest.fixture
