@@ -48,6 +48,9 @@ def test_serve_drafter_eagle3_options(monkeypatch, capsys, eagle3_dir, tmp_path)
     assert code == 2 and "use --drafter draft_model" in err and err.count("\n") == 1, err
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--drafter", "bogus")
     assert code == 2 and "draft_model, block or eagle3" in err, err
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--drafter", "eagle3", "--drafter-path",
+                           str(tmp_path / "missing"))
+    assert code == 2 and "--drafter-path" in err and "not a directory" in err and err.count("\n") == 1, err
     seen = _capture(monkeypatch)
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--drafter", "eagle3", "--drafter-path", str(eagle3_dir),
                            "--tree", "best_first", "--nodes", "8", "--depth", "4", "--top-k", "3", "--port", "0")

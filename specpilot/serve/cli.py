@@ -213,6 +213,8 @@ def serve(
         if drafter_path is not None and drafter in ("none", "ngram"):
             raise SpecPilotError(f"--drafter-path is for --drafter draft_model, block or eagle3; drafter "
                                  f"{drafter!r} reads no checkpoint")
+        if drafter_path is not None and not drafter_path.is_dir():  # before the target loads, naming the option
+            raise SpecPilotError(f"--drafter-path {drafter_path}: not a directory (a {drafter} drafter checkpoint)")
         try:
             cfg = SystemConfig(drafter=drafter, tree=tree, nodes=6 if nodes is None else nodes,
                                depth=6 if depth is None else depth,
