@@ -289,7 +289,8 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
                  "continuations": "the target's own greedy continuations (no EOS stop)",
                  "excluded": "evaluation prompts (GSM8K test, HumanEval, MBPP, MT-Bench) and the tokens' "
                              "held-out tail are never used", "heldout_sequences": n_val},
-        "training": {"steps": steps, "planned_steps": planned, "max_seconds": max_seconds, "batch_size": batch_size, "anchors_per_sequence": anchors, "lr": lr,
+        "training": {"steps": steps, "planned_steps": planned, "max_seconds": max_seconds, "batch_size": batch_size,
+                     "anchors_per_sequence": anchors, "lr": lr,
                      "seed": seed, "device": device, "data_s": round(data_s, 1), "train_s": round(train_s, 1)},
         "initial_heldout_loss": v0[0], "final_train_loss": float(np.mean(losses[-20:])),
         "final_heldout_loss": vf[0], "final_heldout_top1_acc_pos0": vf[1], "heldout_curve": val_curve,
