@@ -166,3 +166,71 @@ def test_ctrl_c_while_loading_exits_130_with_one_line(tmp_path):
     out, err = p.communicate(timeout=30)
     assert p.returncode == 130 and time.time() - t0 < 10
     assert err.strip() == "interrupted while loading the model; exiting"
+
+
+def test_serve_a_batch_pilot_directory_follows_the_load(monkeypatch, capsys, tmp_path):
+    """--system DIR (a `pilot --batch` output): every system_n<N>.json becomes one system of a load plan, the slots
+    default to the largest size, each file's seal is checked; files naming other targets, two drafter checkpoints or
+    an empty directory are refused in one line. A directory holding only system.json serves that file."""
+    from specpilot.engine.load_plan import LoadPlan
+
+    seen = _capture(monkeypatch)
+    monkeypatch.setattr("specpilot.serve.cli.run_server", lambda sock, tdir, ddir, cfg, device, slots, *a: seen.update(
+        tdir=tdir, ddir=ddir, cfg=cfg, device=device, slots=slots))
+    one = SystemConfig(drafter="ngram", tree="best_first", nodes=8, depth=4, top_k=2)
+    d = tmp_path / "pilot"
+    d.mkdir()
+    for n, cfg in ((1, one), (16, SystemConfig.ar()), (4, SystemConfig.stock("ngram", depth=4))):
+        _system_file(d / f"system_n{n}.json", cfg, batch_size=n)
+    _system_file(d / "system.json", one)  # the smallest size's copy, as the pilot writes it: not read
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(d), "--port", "0")
+    assert code == 0, err
+    plan = seen["cfg"]
+    assert isinstance(plan, LoadPlan) and plan.sizes == (1, 4, 16) and seen["slots"] == 16
+    assert plan.configs == (one, SystemConfig.stock("ngram", depth=4), SystemConfig.ar())
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(d), "--port", "0", "--max-num-seqs", "8")
+    assert code == 0 and seen["slots"] == 8, err
+    _system_file(d / "system_n4.json", one.apply({"nodes": 4}), seal=one.seal(), batch_size=4)  # edited
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(d), "--port", "0")
+    assert code == 2 and err.count("\n") == 1 and "system_n4.json has a config that does not match" in err, err
+    _system_file(d / "system_n4.json", SystemConfig.stock("ngram", depth=4), batch_size=4,
+                 deployment={"target": "/elsewhere", "drafter": "ngram", "device": "cpu"})
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(d), "--port", "0")
+    assert code == 2 and err.count("\n") == 1 and "different targets" in err, err
+    _system_file(d / "system_n4.json", SystemConfig(dtype="bfloat16"), batch_size=4)
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(d), "--port", "0")
+    assert code == 2 and err.count("\n") == 1 and "dtype differ" in err, err
+    for n in (1, 4, 16):
+        (d / f"system_n{n}.json").unlink()
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(d), "--port", "0")
+    assert code == 0 and seen["cfg"] == one and seen["slots"] == 16, err  # the lone system.json
+    (d / "system.json").unlink()
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(d), "--port", "0")
+    assert code == 2 and err.count("\n") == 1 and "without system_n<N>.json" in err, err
+
+
+def test_the_served_plan_runs_each_size_and_equals_ar(monkeypatch):
+    """run_server builds the batched engine from a plan (the start line names each size's system) and its outputs
+    equal plain AR decoding."""
+    import uvicorn
+
+    from specpilot.engine.deployment import Deployment
+    from specpilot.engine.load_plan import LoadPlan
+    from specpilot.serve import app as serve_app
+    from specpilot.serve.cli import run_server
+
+    seen = {}
+    monkeypatch.setattr(serve_app, "create_app", lambda ctx: seen.update(ctx=ctx) or object())
+    monkeypatch.setattr(uvicorn.Server, "__init__", lambda self, config: None)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: None)
+    plan = LoadPlan.from_sizes({1: SystemConfig(drafter="ngram", tree="best_first", nodes=6, depth=4, top_k=2),
+                                3: SystemConfig.ar()})
+    with socket.socket() as sock:
+        run_server(sock, bundled_target_dir(), None, plan, "cpu", 3, None, "m", None, 8 << 20, "warning",
+                   "127.0.0.1", 256)
+    eng = seen["ctx"].driver.engine
+    assert eng.plan == plan and [d.kind for d in eng.drafters] == ["ngram"]
+    prompts = [[5, 17, 300, 42, 9, 11] * 3, [1000, 7, 7, 7, 250] * 3, [3, 4, 5] * 4]
+    ar = Deployment(bundled_target_dir()).batch_system(SystemConfig.ar(), 1, max_len=256)
+    want = [g.tokens for g in ar.generate_all(prompts, 12)]
+    assert [g.tokens for g in eng.generate_all(prompts, 12)] == want

@@ -254,7 +254,7 @@ def test_max_model_len_sizes_the_engines_context_and_its_cache(monkeypatch):
         run_server(*args, 96)
         eng = seen["engine"]
         assert seen["ctx"].max_len == eng.max_len == 96
-        assert eng.pool.slot_len == 96 + eng.config.nodes + 1  # each slot: the context and one step's tree rows
+        assert eng.pool.slot_len == 96 + 1  # each slot: the context and one step's rows (AR: its root alone)
         with pytest.raises(SpecPilotError, match="past the target's"):
             run_server(*args, 10 ** 7)
         assert eng.prefix is not None  # prefix reuse is on by default; --no-enable-prefix-caching turns it off

@@ -23,7 +23,9 @@ starts from the longest prefix another slot holds (:mod:`specpilot.engine.prefix
 batch-invariant path).
 ``drafter_block``: each request asks the drafter for one of the allowed depths, picked from its own history
 (:mod:`specpilot.spec.drafter_block`: recent acceptance, its last draft's confidence); a block drafter drafts the
-batch in one pass and cuts each request's lattice to its own depth.
+batch in one pass and cuts each request's lattice to its own depth. Given a
+:class:`~specpilot.engine.load_plan.LoadPlan` (one sealed system per batch size), each step runs the system of the
+size nearest its number of running requests.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ import torch
 
 from specpilot.config import SystemConfig
 from specpilot.engine.batch_runner import BatchRunner, runs_padded
+from specpilot.engine.load_plan import LoadPlan, bind_drafters
 from specpilot.engine.prefix import PrefixCache
 from specpilot.engine.requests import check_prompt, keep, stop_id_set
 from specpilot.engine.types import Generation, Request, StepOutput  # noqa: F401  (re-exported)
 from specpilot.errors import DrafterError, PromptError, SpecPilotError
 from specpilot.model.batch import BatchRows
 from specpilot.model.transformer import Transformer
-from specpilot.spec.drafter import Drafter, DraftRequest, check_fits, draft_depth
+from specpilot.spec.drafter import Drafter, DraftRequest, draft_depth
 from specpilot.spec.drafter_block import BlockHistory
 from specpilot.spec.trees import Tree, build_tree
 from specpilot.spec.trees_batch import build_shared
@@ -64,8 +67,11 @@ class BatchEngine:
 
     Args:
         target: the target :class:`Transformer`.
-        config: tree builder, budget and depth (as for :class:`~specpilot.engine.engine.Engine`).
-        drafter: a :class:`~specpilot.spec.drafter.Drafter` with at least ``max_num_seqs`` slots (None: AR).
+        config: tree builder, budget and depth (as for :class:`~specpilot.engine.engine.Engine`), or a
+            :class:`~specpilot.engine.load_plan.LoadPlan`: one system per batch size, each step running the system
+            of the size nearest its number of running requests.
+        drafter: a :class:`~specpilot.spec.drafter.Drafter` with at least ``max_num_seqs`` slots (None: AR); with a
+            plan, one per system (the same object where systems share it; None where a system is AR).
         eos_ids: ids that end a request (default: the target config's).
         max_len: context in tokens (default: ``max_position_embeddings``, at most 4096).
         max_num_seqs: requests running at once (KV slots); more wait.
@@ -80,44 +86,45 @@ class BatchEngine:
             batch-invariant (CUDA's fused path): a prompt prefilled from a reused prefix attends to it in another
             order than its own prefill would, so its later rows' bits would depend on what ran before it.
     Raises:
-        DrafterError: the drafter does not fit the target or holds fewer slots than ``max_num_seqs``.
-        SpecPilotError: ``padded`` on a hybrid target; ``config.tlv`` (single requests only).
-        ValueError: ``max_num_seqs`` or ``spec_max_requests`` below 1.
+        DrafterError: a drafter does not fit the target or holds fewer slots than ``max_num_seqs``; two drafters
+            that read target features.
+        SpecPilotError: ``padded`` on a hybrid target; ``config.tlv`` (single requests only); a plan whose
+            systems do not share the target (:class:`~specpilot.engine.load_plan.LoadPlan`).
+        ValueError: ``max_num_seqs`` or ``spec_max_requests`` below 1; a plan and a drafter list of other lengths.
 
     Attributes:
+        plan: the :class:`LoadPlan` (one system at every load when ``config`` is a :class:`SystemConfig`).
+        config / drafter: the system of the plan's smallest size and the plan's first drafter (None: none drafts).
+        drafters: every distinct drafter of the plan.
         exact_passes / prefill_passes: decode-step and prefill passes run so far (one decode pass per step).
         step_hook: test-only: ``step_hook(engine)`` after every decode pass, each running cache committed.
     """
 
-    def __init__(self, target: Transformer, config: SystemConfig, drafter: Drafter | None = None,
+    def __init__(self, target: Transformer, config: SystemConfig | LoadPlan, drafter: Drafter | list | None = None,
                  eos_ids: list[int] | None = None, max_len: int | None = None, max_num_seqs: int = 8,
                  max_prefill_rows: int = 2048, padded: bool | None = None, spec_max_requests: int | None = None,
                  prefix_caching: bool | None = None):
         if min(max_num_seqs, 1 if spec_max_requests is None else spec_max_requests) < 1:
             raise ValueError(f"max_num_seqs and spec_max_requests must be at least 1, got {max_num_seqs}, "
                              f"{spec_max_requests}")
-        if config.tlv:  # in batching its Q pass cost more than it saved: a 13% loss in the paper (§6)
+        if isinstance(config, SystemConfig) and config.tlv:  # its Q pass cost more than it saved in batching (§6)
             raise SpecPilotError("tlv runs single requests only (in batching its Q pass costs more than it saves)")
-        if drafter is not None:
-            check_fits(drafter, target.args.vocab_size, target.args.num_layers)
-            if drafter.max_slots < max_num_seqs:
-                raise DrafterError(f"the {drafter.kind} drafter holds {drafter.max_slots} requests, the batch "
-                                   f"{max_num_seqs}")
-        self.target, self.config, self.drafter = target, config, drafter
+        self.plan = config if isinstance(config, LoadPlan) else LoadPlan.single(config)
+        self._drafter_of, self.drafters, self.feature_drafter = bind_drafters(self.plan, drafter, target, max_num_seqs)
+        self.target, self.config = target, self.plan.configs[0]
+        self.drafter = self.drafters[0] if self.drafters else None
         self.eos_ids = set(target.args.eos_token_ids if eos_ids is None else eos_ids)
         self.max_len = max_len or min(target.args.max_position_embeddings, 4096)
         self.num_slots, self.max_prefill_rows = max_num_seqs, max_prefill_rows
         self.spec_max_requests = spec_max_requests
-        self.shared = config.row_selection == "shared_budget"
-        # the most nodes one request's tree can hold: a shared budget may go to a single request
-        tree_rows = max(config.step_budget(n) for n in range(1, max_num_seqs + 1)) if self.shared else config.nodes
+        drafts = [d is not None for d in self._drafter_of]
+        tree_rows = self.plan.tree_rows(max_num_seqs, drafts)  # one request's most nodes (a shared budget: all)
         # one slot more than requests: the scratch slot, where padding rows of a bucketed pass write their K/V
         self.pool = target.new_pool(max_num_seqs + 1, self.max_len + tree_rows + 1)  # KVPool, or a hybrid's
-        self.feature_layers = tuple(drafter.target_layers) if drafter is not None else ()
+        self.feature_layers = tuple(self.feature_drafter.target_layers) if self.feature_drafter else ()
         padded = runs_padded(target, self.pool) if padded is None else padded
-        drafted = tree_rows if drafter is not None else 0  # a step's drafted rows: per request, and in all (shared)
-        self.runner = BatchRunner(target, self.pool, max_num_seqs, 1 + drafted, self.feature_layers,
-                                  step_extra_rows=drafted if self.shared else None) if padded else None
+        self.runner = BatchRunner(target, self.pool, max_num_seqs, 1 + tree_rows, self.feature_layers,
+                                  step_extra_rows=self.plan.step_extra_rows(max_num_seqs, drafts)) if padded else None
         if prefix_caching is None:
             prefix_caching = not (self.runner is not None and target.kernels.batch_invariant)
         reuse = prefix_caching and self.pool.prefix_reuse and not self.feature_layers
@@ -162,8 +169,8 @@ class BatchEngine:
         self._running.clear()
         for s in range(self.num_slots):
             self.pool.cache(s).commit(0)
-            if self.drafter is not None:
-                self.drafter.reset(s)
+            for d in self.drafters:
+                d.reset(s)
         self._free = list(range(self.num_slots - 1, -1, -1))
         if self.prefix is not None:
             self.prefix.clear()
@@ -185,8 +192,8 @@ class BatchEngine:
         if self.prefix is not None:  # its K/V stay in the slot until a new request takes it
             self.prefix.release(r.slot, r.committed[: self.pool.cache(r.slot).length])
         self.pool.cache(r.slot).commit(0)
-        if self.drafter is not None:
-            self.drafter.reset(r.slot)
+        for d in self.drafters:
+            d.reset(r.slot)
         self._free.append(r.slot)
         self._free.sort(reverse=True)  # the lowest free slot next: running requests stay in a short slot range
 
@@ -196,7 +203,7 @@ class BatchEngine:
         """Admit and prefill waiting requests while slots are free, then one exact pass for every running request.
         Returns the outputs of every request touched ([] when idle)."""
         admitted = self._admit()
-        cap = self.config.prompt_admission
+        cap = self.plan.config_for(max(len(self._running), 1)).prompt_admission
         if admitted and self._running and sum(len(r.committed) for r in admitted) <= cap:
             if self.prefix is not None:  # these prefill from 0: what their slots kept is overwritten
                 for r in admitted:
@@ -219,8 +226,8 @@ class BatchEngine:
                     break  # next step it copies the prefix an admitted prompt is about to compute
             req = self._waiting.popleft()
             r = _Running(req, self._free.pop(), list(req.prompt_ids), self.eos_ids | set(req.stop_ids))
-            if self.drafter is not None:
-                self.drafter.reset(r.slot)
+            for d in self.drafters:
+                d.reset(r.slot)
             admitted.append(r)
             rows += n
         return admitted
@@ -260,41 +267,46 @@ class BatchEngine:
         out = []
         for r, tok, end in zip(rs, first, ends):
             if feats is not None:
-                self.drafter.observe(r.slot, feats[end - len(r.committed):end], 0)
+                self.feature_drafter.observe(r.slot, feats[end - len(r.committed):end], 0)
             self._running[r.req.request_id] = r
             out.append(self._commit(r, [tok], 0, 0))
         return out
 
-    def _draft(self, rs: list[_Running]) -> list[Tree]:
-        """Each request's tree: one propose call for the batch (requests with one token left draft nothing); under
-        ``shared_budget`` the step's budget for ``len(rs)`` requests is shared across their lattices (§4.4)."""
-        trees = [Tree() for _ in rs]
-        if self.drafter is None or len(rs) > (self.spec_max_requests or len(rs)):  # spec off at this load: AR
-            return trees
-        cfg, asks = self.config, []
+    def _draft(self, rs: list[_Running]) -> tuple[list[Tree], SystemConfig]:
+        """Each request's tree under the plan's system for ``len(rs)`` requests, and that system: one propose call
+        for the batch (requests with one token left draft nothing); under ``shared_budget`` the step's budget for
+        ``len(rs)`` requests is shared across their lattices (§4.4)."""
+        k = self.plan.index_for(len(rs))
+        trees, cfg, drafter = [Tree() for _ in rs], self.plan.configs[k], self._drafter_of[k]
+        for r in rs:
+            r.depth = 0
+        if drafter is None or len(rs) > (self.spec_max_requests or len(rs)):  # spec off at this load: AR
+            return trees, cfg
+        asks = []
         for i, r in enumerate(rs):
             room = r.req.max_new_tokens - r.generated
             want = r.history.pick(cfg.drafter_block) if cfg.drafter_block else cfg.depth
-            r.depth = max(0, draft_depth(self.drafter, len(r.committed), min(want, room - 1)))
+            r.depth = max(0, draft_depth(drafter, len(r.committed), min(want, room - 1)))
             if r.depth >= 1:
                 asks.append((i, DraftRequest(r.slot, r.committed, r.depth)))
         if not asks:
-            return trees
-        lats = self.drafter.propose([q for _, q in asks])
+            return trees, cfg
+        lats = drafter.propose([q for _, q in asks])
         if cfg.drafter_block:
             for (i, q), lat in zip(asks, lats):
                 rs[i].history.drafted(lat, q.depth)
-        if self.shared:
-            return build_shared(_spread(asks, lats, len(rs)), cfg.step_budget(len(rs)))
+        if cfg.row_selection == "shared_budget":
+            return build_shared(_spread(asks, lats, len(rs)), cfg.step_budget(len(rs))), cfg
         for (i, _), lat in zip(asks, lats):
             if lat is not None:
                 trees[i] = build_tree(cfg.tree, lat, cfg.nodes)
-        return trees
+        return trees, cfg
 
     def _decode(self, rs: list[_Running], admitted: list[_Running] = ()) -> list[StepOutput]:
         """One exact pass over the running requests' trees, and over the prompt rows of ``admitted`` requests
         (prompt admission: each reads its last row's argmax, its first token, as :meth:`_prefill` does)."""
-        trees = [t.chain_first() for t in self._draft(rs)]  # top chain at its positions (Tree.chain_first)
+        trees, cfg = self._draft(rs)
+        trees = [t.chain_first() for t in trees]  # top chain at its positions (Tree.chain_first)
         starts = [len(r.committed) - 1 for r in rs]
         tokens = [[r.committed[-1]] + t.tokens for r, t in zip(rs, trees)]
         positions = [[s] + [s + d for d in t.depths] for s, t in zip(starts, trees)]
@@ -318,13 +330,13 @@ class BatchEngine:
             if path[-1] != len(path) - 1:  # rows 0..k-1 (a path's rows increase) are in place already
                 self.pool.cache(r.slot).compact(s, rows)
             if feats is not None:
-                self.drafter.observe(r.slot, feats[first:end][rows.to(feats.device)], s)
-            if self.config.drafter_block and r.depth >= 1:
+                self.feature_drafter.observe(r.slot, feats[first:end][rows.to(feats.device)], s)
+            if cfg.drafter_block and r.depth >= 1:
                 r.history.accepted(len(path) - 1)
             out.append(self._commit(r, new, len(t), len(path) - 1))
         for k, r in enumerate(admitted):
             if feats is not None:
-                self.drafter.observe(r.slot, feats[end:end + len(r.committed)], 0)
+                self.feature_drafter.observe(r.slot, feats[end:end + len(r.committed)], 0)
             end += len(r.committed)
             self._running[r.req.request_id] = r
             out.append(self._commit(r, [argmax[len(argmax) - len(admitted) + k]], 0, 0))

@@ -23,6 +23,7 @@ from specpilot.errors import CheckpointError, DrafterError, SpecPilotError
 from specpilot.model.checkpoint import load_model, load_tokenizer, read_args
 from specpilot.engine.batch import BatchEngine
 from specpilot.engine.engine import Engine
+from specpilot.engine.load_plan import LoadPlan
 from specpilot.kernels.cpu_linear import pack_by_default, pack_linears
 
 
@@ -184,16 +185,24 @@ class Deployment:
         # with row buckets a block drafter's step is one static pass too (a CUDA graph on CUDA)
         return Engine(target, config, self._drafter(config, target, 1, static_step=engine_kw["buckets"]), **engine_kw)
 
-    def batch_system(self, config: SystemConfig, max_num_seqs: int = 8, **engine_kw) -> BatchEngine:
+    def batch_system(self, config: SystemConfig | LoadPlan, max_num_seqs: int = 8, **engine_kw) -> BatchEngine:
         """A batched engine (continuous batching, one exact pass per step) running ``config`` for up to
         ``max_num_seqs`` requests at once; its drafter holds that many requests (an n-gram index per request; a
-        draft model or block drafter per slot). Raises as :meth:`system`, and ValueError for ``max_num_seqs < 1``."""
+        draft model or block drafter per slot). A :class:`~specpilot.engine.load_plan.LoadPlan` runs each step's
+        system by load; its systems share a drafter where they name the same one
+        (:meth:`~specpilot.engine.load_plan.LoadPlan.drafter_key`). Raises as :meth:`system` (and as
+        :class:`LoadPlan`), and ValueError for ``max_num_seqs < 1``."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
-        target = self._target(config)
+        target = self._target(config.configs[0] if isinstance(config, LoadPlan) else config)  # one per plan
+        plan = config if isinstance(config, LoadPlan) else LoadPlan.single(config)
         engine_kw.setdefault("eos_ids", self.eos_ids())
-        return BatchEngine(target, config, self._drafter(config, target, max_num_seqs), max_num_seqs=max_num_seqs,
-                           **engine_kw)
+        built: dict = {}
+        for i, c in enumerate(plan.configs):
+            if plan.drafter_key(i) not in built:
+                built[plan.drafter_key(i)] = self._drafter(c, target, max_num_seqs)
+        drafters = [built[plan.drafter_key(i)] for i in range(len(plan))]
+        return BatchEngine(target, config, drafters, max_num_seqs=max_num_seqs, **engine_kw)
 
     def _target(self, config: SystemConfig):
         if not isinstance(config, SystemConfig):

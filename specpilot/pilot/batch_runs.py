@@ -48,9 +48,10 @@ def variant_set(reqs: Sequence[Req], n: int, salted: Callable) -> list[tuple[int
 def prepare_batch_untimed(engine, prompts, max_new: int) -> None:
     """A simulated drafter's untimed setup before a timed batch run: a ``calibrated`` drafter learns each prompt's
     greedy continuation; nothing for a real drafter. Callers start their clock after it."""
-    if isinstance(engine.drafter, CalibratedDrafter):
-        for p in prompts:
-            engine.drafter.prepare(list(p), max_new)
+    for d in engine.drafters:  # a BatchEngine's distinct drafters (a load plan may hold several)
+        if isinstance(d, CalibratedDrafter):
+            for p in prompts:
+                d.prepare(list(p), max_new)
 
 
 def timed_batch(engine, prompts, max_new: int, _clock=time.perf_counter, _sync=_device_sync,

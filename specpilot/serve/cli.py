@@ -2,8 +2,8 @@
 
 The main app registers :func:`serve` as a command (``specpilot.cli``). The system is either given by options
 (``--target``, ``--drafter``, ``--tree``, ...; as ``specpilot generate`` takes them) or read from a system sealed by
-``specpilot pilot`` (``--system system.json``: its ``config`` and ``deployment``; a config that does not match the
-file's ``seal`` is refused, unless ``--allow-edited-system``). Bad options are a
+``specpilot pilot`` (``--system system.json``, or a ``pilot --batch`` output directory served as one system per
+batch size; :mod:`specpilot.serve.system_file`). Bad options are a
 :class:`~specpilot.errors.SpecPilotError` (one line, exit status 2), raised before anything is loaded where they can
 be. Safe by default: it listens on 127.0.0.1 unless ``--host`` says otherwise; ``--api-key`` (or the environment
 variable ``SPECPILOT_API_KEY``) makes every ``/v1`` request without ``Authorization: Bearer KEY`` a 401.
@@ -11,17 +11,20 @@ variable ``SPECPILOT_API_KEY``) makes every ``/v1`` request without ``Authorizat
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from specpilot.errors import SpecPilotError, validation_message
+
+if TYPE_CHECKING:
+    from specpilot.config import SystemConfig
+    from specpilot.engine.load_plan import LoadPlan
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -39,54 +42,6 @@ def _listen(host: str, port: int) -> socket.socket:
         raise SpecPilotError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def read_system(path: Path) -> tuple[dict, dict, Optional[int], object]:
-    """``(config, deployment, batch_size, seal)`` of a sealed ``system.json`` written by ``specpilot pilot``.
-
-    ``batch_size``: the number of requests at once the system was sealed for (``specpilot pilot --batch`` writes it
-    into each ``system_n{n}.json``); None where the file does not say (the single-request pilot's). ``seal``: the
-    file's ``seal`` as written (None where it has none; checked by :func:`check_seal`).
-
-    Raises:
-        SpecPilotError: the file is missing, not JSON, has no ``config`` object, or a ``batch_size`` that is not a
-            positive integer (one line).
-    """
-    from specpilot.text import read_text
-
-    try:
-        sysd = json.loads(read_text(path, f"--system {path}"))
-    except ValueError as e:
-        raise SpecPilotError(f"--system {path} is not JSON: {e}") from None
-    if not isinstance(sysd, dict) or not isinstance(sysd.get("config"), dict):
-        raise SpecPilotError(f"--system {path} is not a sealed system (no 'config' object; `specpilot pilot` writes "
-                             "one as <out>/system.json)")
-    dep = sysd.get("deployment") if isinstance(sysd.get("deployment"), dict) else {}
-    size = sysd.get("batch_size")
-    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-        raise SpecPilotError(f"--system {path}: 'batch_size' must be a positive integer, got {size!r}")
-    return sysd["config"], dep, size, sysd.get("seal")
-
-
-def check_seal(path: Path, cfg, seal, allow_edited: bool) -> None:
-    """Check that the ``seal`` of the system file ``path`` is the seal of its config ``cfg`` (a
-    :class:`~specpilot.config.SystemConfig`: the SHA-256 of its canonical JSON, :meth:`SystemConfig.seal`), so that
-    a config edited after `specpilot pilot` judged and sealed it (another ``nodes``, say) is not served as if it
-    were the sealed system. With ``allow_edited`` a missing or wrong seal is a warning on stderr instead.
-
-    Raises:
-        SpecPilotError: the seal is missing or does not match, and not ``allow_edited`` (one line naming the file).
-    """
-    if seal == cfg.seal():
-        return
-    what = ("has no 'seal'" if seal is None else
-            f"has a config that does not match its seal ({str(seal)[:12]}, the config's is {cfg.seal()[:12]})")
-    if not allow_edited:
-        raise SpecPilotError(f"--system {path} {what}: it was edited after `specpilot pilot` sealed it, or not "
-                             "sealed by it; serve the file as sealed, or pass --allow-edited-system to serve it as it "
-                             "is")
-    print(f"specpilot serve: warning: --system {path} {what}; serving its config as it is ({cfg.label()}), which "
-          "is not the system the pilot judged (--allow-edited-system)", file=sys.stderr)
-
-
 def serve(
     target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: the bundled target; "
                                           "with --system, its deployment's target, which --target replaces)."),
@@ -102,15 +57,17 @@ def serve(
     top_k: Optional[int] = typer.Option(None, help="Candidates per draft position (a chain takes 1; default 4)."),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default float32)."),
     device: Optional[str] = typer.Option(None, help="torch device (default cpu; with --system, its deployment's)."),
-    system: Optional[Path] = typer.Option(None, help="A system sealed by `specpilot pilot` (its system.json): "
-                                          "serves its config on its deployment (--target may replace its target "
-                                          "path); not with the other system options. A config that does not match "
-                                          "the file's seal is refused."),
+    system: Optional[Path] = typer.Option(None, help="A system sealed by `specpilot pilot` (its system.json), or "
+                                          "the output directory of `specpilot pilot --batch`: its per-size systems, "
+                                          "each step running the one sealed nearest its load. Serves them on their "
+                                          "deployment (--target may replace its target path); not with the other "
+                                          "system options. A config that does not match its file's seal is refused."),
     allow_edited_system: bool = typer.Option(False, help="With --system: serve a file whose config does not match "
                                              "its seal (edited after sealing, or unsealed), with a warning."),
     max_num_seqs: Optional[int] = typer.Option(None, help="Requests decoded at once (engine slots); more wait in a "
                                                "queue (default 16; with --system, the batch size it was sealed "
-                                               "for where the file names one: system_n4.json, 4)."),
+                                               "for where the file names one: system_n4.json, 4; a directory: the "
+                                               "largest)."),
     max_model_len: Optional[int] = typer.Option(None, help="Context per request in tokens, prompt + output (default: "
                                                 "the target's, at most 4096). Every slot's K/V cache is allocated "
                                                 "for it at start: float32 SmolLM2, 32 slots x 4096 is 6 GB."),
@@ -164,37 +121,13 @@ def serve(
                                         ("dtype", dtype)) if v is not None]
         if given:
             raise SpecPilotError(f"--system gives the whole system: drop {', '.join(given)}")
-        cfg_d, dep, sealed_size, seal = read_system(system)
-        if max_num_seqs is None:
-            max_num_seqs = sealed_size or 16
-        elif sealed_size is not None and sealed_size != max_num_seqs:  # served, but not as it was judged
-            print(f"specpilot serve: warning: {system} was sealed for {sealed_size} requests at once; serving it "
-                  f"with {max_num_seqs} slots (nothing was measured at that size)", file=sys.stderr)
-        try:
-            cfg = SystemConfig(**cfg_d)
-        except (TypeError, ValueError) as e:
-            raise SpecPilotError(f"--system {system}: its config is not a SystemConfig: "
-                                 f"{validation_message(e, flags=False)}") from None
-        check_seal(system, cfg, seal, allow_edited_system)
-        from specpilot.zoo import bundled_target_dir, resolve_recorded
+        from specpilot.serve.system_file import load_sealed
+        from specpilot.zoo import bundled_target_dir
 
-        if cfg.tlv:  # the pilot seals for one request at a time (batch 1); the server batches
-            raise SpecPilotError(f"--system {system} uses tlv, which runs single requests only (`specpilot generate` "
-                                 "runs it); the server batches: serve it with \"tlv\": false in its config (and "
-                                 "--allow-edited-system), or seal a system for serving")
-        if not dep.get("target") and target is None:
-            raise SpecPilotError(f"--system {system} names no target (its 'deployment' has no 'target'): give one "
-                                 "with --target DIR")
-        # --target: the same model elsewhere (another machine, a moved directory); else the recorded path, a bundled
-        # model recorded under another install being this one's
-        tdir = target if target is not None else resolve_recorded(dep["target"])
-        src = f"--target; {system} names {dep.get('target')}" if target is not None else f"from {system}"
-        print(f"specpilot serve: target {tdir} ({src})", file=sys.stderr)
-        ddir = cfg.drafter_path or (dep.get("drafter") if dep.get("drafter") not in (None, "ngram") else None)
-        ddir = resolve_recorded(ddir) if ddir and cfg.drafter in CHECKPOINT_DRAFTERS else None
-        if ddir is not None and cfg.drafter_path is not None:
-            cfg = cfg.model_copy(update={"drafter_path": str(ddir)})
-        device = device or dep.get("device") or "cpu"
+        sealed = load_sealed(system, target, allow_edited_system, max_num_seqs, device)
+        cfg, tdir, ddir, device, max_num_seqs = (sealed.config, sealed.tdir, sealed.ddir, sealed.device,
+                                                 sealed.max_num_seqs)
+        print(f"specpilot serve: target {tdir} ({sealed.source})", file=sys.stderr)
         if tdir == bundled_target_dir():
             served_model_name = served_model_name or "specpilot-bundled"
     else:
@@ -276,10 +209,11 @@ def in_passing_thread(fn):
     return box["out"]
 
 
-def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_template, max_body_bytes,
-               log_level, host, max_len: int | None = None, spec_max_requests: int | None = None,
+def run_server(sock, tdir, ddir, cfg: SystemConfig | LoadPlan, device, max_num_seqs, api_key, name, chat_template,
+               max_body_bytes, log_level, host, max_len: int | None = None, spec_max_requests: int | None = None,
                prefix_caching: bool | None = None) -> None:
-    """Load the deployment, build the batched system, and serve on ``sock`` until interrupted. ``max_len``: the
+    """Load the deployment, build the batched system (``cfg``: one system, or a plan of one per batch size), and
+    serve on ``sock`` until interrupted. ``max_len``: the
     engine's context in tokens (None: the target's ``max_position_embeddings``, at most 4096); ``spec_max_requests``
     and ``prefix_caching``: the engine's (:class:`~specpilot.engine.batch.BatchEngine`).
 
@@ -288,14 +222,18 @@ def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_
             target's positions, a system the batched engine cannot build, an unreadable chat template (one line each).
     """
     from specpilot.engine.deployment import Deployment, check_device
+    from specpilot.engine.load_plan import LoadPlan
     from specpilot.serve.app import Server, create_app
     from specpilot.serve.chat import choose_template
     from specpilot.serve.driver import EngineDriver
     from specpilot.serve.metrics import ServerMetrics
     from specpilot.serve.run import ServeContext
 
+    first = cfg.configs[0] if isinstance(cfg, LoadPlan) else cfg  # a plan's systems share the target's dtype
+    label = f"by load: {cfg.describe()}" if isinstance(cfg, LoadPlan) else cfg.label()
+
     def load():
-        dep = Deployment(tdir, ddir, dtype=cfg.dtype, device=check_device(device))
+        dep = Deployment(tdir, ddir, dtype=first.dtype, device=check_device(device))
         if dep.tokenizer is None:
             raise SpecPilotError(f"{tdir} has no tokenizer files: the server needs one to read and write text")
         if max_len is not None and max_len > dep.target.args.max_position_embeddings:
@@ -315,7 +253,7 @@ def run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, name, chat_
                        api_key=api_key, max_body_bytes=max_body_bytes)
     addr = sock.getsockname()
     drafting = "" if spec_max_requests is None else f" (drafting while at most {spec_max_requests} run)"
-    print(f"specpilot serve: {name!r} ({cfg.label()}) at http://{host}:{addr[1]}/v1, {engine.num_slots} slots"
+    print(f"specpilot serve: {name!r} ({label}) at http://{host}:{addr[1]}/v1, {engine.num_slots} slots"
           f"{drafting}, prefix reuse {'on' if engine.prefix is not None else 'off'}, "
           f"context {engine.max_len} tokens, chat template: {source}, API key: {'required' if api_key else 'off'}",
           file=sys.stderr)

@@ -1,0 +1,148 @@
+"""Load plans: one sealed system per batch size, each batched step running the system of the size nearest its load.
+The rule, the plan's checks, and the engine under a plan: every output equal to AR in float32 while the load moves
+across sizes and the step's system (and drafter) changes with it; each drafter asked only at its sizes; a drafter
+that reads target features observing every pass, also the passes another system ran."""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+
+from specpilot.config import SystemConfig
+from specpilot.engine.batch import BatchEngine, Request
+from specpilot.engine.deployment import Deployment
+from specpilot.engine.load_plan import LoadPlan
+from specpilot.errors import DrafterError, SpecPilotError
+from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
+
+from .test_batch import ar, cache_matches_prefill, drafter_of, random_requests
+
+NGRAM_SHARED = SystemConfig(drafter="ngram", tree="best_first", nodes=2, depth=4, top_k=3,
+                            row_selection="shared_budget", shared_budget=(3, 4, 5))
+
+
+def test_a_step_runs_the_system_of_the_nearest_size_on_a_log_scale():
+    plan = LoadPlan.from_sizes({32: SystemConfig.ar(), 1: SystemConfig(), 8: NGRAM_SHARED})
+    assert plan.sizes == (1, 8, 32)
+    got = {m: plan.sizes[plan.index_for(m)] for m in (1, 2, 3, 4, 8, 11, 12, 16, 17, 100)}
+    # 2: log 2 < log 4; 3: log 3 > log 8/3; 4: a tie with 1 and 8 -> the larger; 16: a tie between 8 and 32 -> 32
+    assert got == {1: 1, 2: 1, 3: 8, 4: 8, 8: 8, 11: 8, 12: 8, 16: 32, 17: 32, 100: 32}
+    assert plan.config_for(100) == SystemConfig.ar() and plan.config_for(1) == SystemConfig()
+    with pytest.raises(ValueError, match="at least one request"):
+        plan.index_for(0)
+    assert LoadPlan.single(NGRAM_SHARED).config_for(1000) == NGRAM_SHARED
+    assert "1: ngram/chain" in plan.describe() and "32: AR" in plan.describe()
+
+
+def test_pool_rows_follow_the_largest_tree_of_any_size():
+    plan = LoadPlan.from_sizes({1: SystemConfig(tree="best_first", nodes=6, top_k=2), 4: NGRAM_SHARED,
+                                16: SystemConfig.ar()})
+    assert plan.tree_rows(3) == 6  # the per-request tree of 6 beats the shared budget's 5 at 3 requests
+    assert plan.tree_rows(8) == 2 * 8  # past the budget's entries a shared step gets nodes x n
+    assert plan.step_extra_rows(8) is None  # a per-request system drafts: rows per request bound a step
+    assert LoadPlan.from_sizes({1: NGRAM_SHARED, 8: SystemConfig.ar()}).step_extra_rows(3) == 5
+    assert LoadPlan.single(SystemConfig.ar()).tree_rows(8) == 0
+    assert plan.tree_rows(3, drafts=[False, True, False]) == 5
+
+
+@pytest.mark.parametrize("systems,match", [
+    ({1: SystemConfig(), 8: SystemConfig(dtype="bfloat16")}, "dtype differ"),
+    ({1: SystemConfig(w12=True), 8: SystemConfig()}, "w12 differ"),
+    ({1: SystemConfig(tlv=True), 8: SystemConfig()}, "tlv runs single requests"),
+    ({1: SystemConfig(drafter="block", top_k=2), 8: SystemConfig(drafter="block", top_k=4)}, "one drafter that reads"),
+])
+def test_a_plan_whose_systems_cannot_share_an_engine_is_refused(systems, match):
+    with pytest.raises(SpecPilotError, match=match):
+        LoadPlan.from_sizes(systems)
+
+
+def test_sizes_must_increase_and_match_the_systems():
+    with pytest.raises(SpecPilotError, match="increase"):
+        LoadPlan((4, 2), (SystemConfig(), SystemConfig()))
+    with pytest.raises(SpecPilotError, match="one system per size"):
+        LoadPlan((1, 2), (SystemConfig(),))
+    with pytest.raises(SpecPilotError, match="one system per size"):
+        LoadPlan((), ())
+
+
+def _spy(drafter, calls, label, eng_ref):
+    real = drafter.propose
+
+    def propose(batch):
+        calls.append((label, len(eng_ref[0]._running)))
+        return real(batch)
+
+    drafter.propose = propose
+
+
+@pytest.mark.parametrize("small_kind", ["draft_model", "block"])
+def test_outputs_equal_ar_while_the_load_moves_across_sizes(tiny_models, small_kind):
+    """Sizes 1 / 3 / 5: one request runs ``small_kind``'s best-first tree, 2-3 share an n-gram budget, 4-5 run AR.
+    Requests arrive in waves so the load climbs and falls through every size several times."""
+    target, small = tiny_models
+    rng = random.Random(zlib.crc32(small_kind.encode()))
+    one = SystemConfig(drafter=small_kind, tree="best_first", nodes=6, depth=4, top_k=2)
+    plan = LoadPlan.from_sizes({1: one, 3: NGRAM_SHARED, 5: SystemConfig.ar()})
+    drafters = [drafter_of(small_kind, target, small, 5, one), drafter_of("ngram", target, small, 5, NGRAM_SHARED),
+                None]
+    eng = BatchEngine(target, plan, drafters, eos_ids=[], max_num_seqs=5)
+    assert eng.drafters == tuple(drafters[:2]) and eng.feature_drafter is (drafters[0] if small_kind == "block" else None)
+    eng.step_hook = cache_matches_prefill
+    calls, ref = [], [eng]
+    _spy(drafters[0], calls, small_kind, ref)
+    _spy(drafters[1], calls, "ngram", ref)
+    reqs = random_requests(rng, 14)
+    got, i, loads = {f"r{k}": [] for k in range(len(reqs))}, 0, set()
+    while i < len(reqs) or eng.has_work():
+        if i < len(reqs) and (not eng.has_work() or rng.random() < 0.3):  # a wave of 1-4 arrivals
+            for _ in range(rng.randint(1, 4)):
+                if i < len(reqs):
+                    p, n, stops = reqs[i]
+                    eng.add_request(Request(f"r{i}", p, n, stops))
+                    i += 1
+        loads.add(len(eng._running) + min(eng.free_slots(), eng.num_waiting()))  # this step's running requests
+        for o in eng.step():
+            got[o.request_id] += o.new_tokens
+    assert {1, 2, 3, 4, 5} <= loads  # every size's range was visited
+    assert {lbl for lbl, _ in calls} == {small_kind, "ngram"}  # both systems drafted in this run
+    assert all(m == 1 for lbl, m in calls if lbl == small_kind) and all(m in (2, 3) for lbl, m in calls if lbl == "ngram")
+    for k, (p, n, stops) in enumerate(reqs):
+        assert got[f"r{k}"] == ar(target, p, n, stops), (k, p, n, sorted(stops))
+    assert eng.free_slots() == 5 and not eng.has_work()
+
+
+def test_ar_steps_draft_nothing_and_two_feature_readers_are_refused(tiny_models):
+    target, small = tiny_models
+    plan = LoadPlan.from_sizes({1: NGRAM_SHARED, 2: SystemConfig.ar()})
+    eng = BatchEngine(target, plan, [drafter_of("ngram", target, small, 4, NGRAM_SHARED), None], eos_ids=[],
+                      max_num_seqs=4)
+    for k in range(4):
+        eng.add_request(Request(f"r{k}", [3, 4, 5, 3, 4, 5, 3, 4], 12))
+    drafted = []
+    while eng.has_work():
+        running = len(eng._running)
+        outs = eng.step()
+        drafted += [(running, o.drafted, o.draft_depth) for o in outs if running > 0]
+    assert all(d == 0 and depth == 0 for m, d, depth in drafted if m >= 2)
+    block = SystemConfig(drafter="block", tree="best_first", nodes=4, depth=4, top_k=2)
+    two = LoadPlan((1, 2), (block, block))  # equal configs: one key, but two drafter objects given
+    with pytest.raises(DrafterError, match="one drafter may read target features"):
+        BatchEngine(target, two, [drafter_of("block", target, small, 2, block), drafter_of("block", target, small, 2,
+                                                                                             block)], max_num_seqs=2)
+    with pytest.raises(ValueError, match="2 systems in the plan, 1 drafters"):
+        BatchEngine(target, two, [None], max_num_seqs=2)
+
+
+def test_deployment_builds_one_drafter_per_distinct_drafter_and_serves_the_plan():
+    dep = Deployment(bundled_target_dir(), bundled_drafter_dir(), dtype="float32", device="cpu")
+    chain = SystemConfig.stock("ngram", depth=4)
+    plan = LoadPlan.from_sizes({1: SystemConfig(drafter="draft_model", tree="best_first", nodes=4, depth=4, top_k=2),
+                                2: chain, 4: chain.model_copy(update={"nodes": 2, "depth": 2}), 8: SystemConfig.ar()})
+    eng = dep.batch_system(plan, max_num_seqs=8, max_len=256)
+    assert [d.kind for d in eng.drafters] == ["draft_model", "ngram"]  # sizes 2 and 4 share the n-gram drafter
+    prompts = [list(range(5, 5 + 3 * k)) * 2 for k in range(1, 7)]
+    gens = eng.generate_all(prompts, 10)
+    ref = dep.batch_system(SystemConfig.ar(), max_num_seqs=1, max_len=256)
+    assert [g.tokens for g in gens] == [g.tokens for g in ref.generate_all(prompts, 10)]
