@@ -57,6 +57,13 @@ def bench(
     top_k: int = typer.Option(2, help="With --batch: candidates a position."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: the pilot's rule: 1 on a CPU device "
                                           "with <= 2 cores, else torch's default)."),
+    system: Optional[Path] = typer.Option(None, help="With --batch: a `specpilot pilot --batch` output directory (or "
+                                          "a system.json): its sealed systems, each step running the one sealed "
+                                          "nearest its load, beside AR and stock at every size, paired rounds over "
+                                          "the bundled benchmarks with 95% lower bounds (--new-tokens per request; "
+                                          "the systems' dtype; --target replaces their recorded target)."),
+    rounds: int = typer.Option(3, help="With --batch --system: A B B A rounds per benchmark and size (at least 2)."),
+    per_benchmark: int = typer.Option(2, help="With --batch --system: prompts of each bundled benchmark."),
 ):
     """Benchmarks: our AR and speculative systems beside transformers' generate, c(N) and the byte floor (the
     default systems suite); --suite w12, lm-head, read-floor, drafter-step or tlv for the W12, certified-head,
@@ -64,6 +71,8 @@ def bench(
     from specpilot.engine.deployment import check_device
     from specpilot.model.checkpoint import DTYPES, read_args
 
+    if system is not None:
+        return _sealed(system, target, batch, device, new_tokens, out, threads, rounds, per_benchmark)
     if batch is not None:
         return _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, drafter_path, tree, nodes, depth,
                       top_k, threads)
@@ -110,12 +119,7 @@ def _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, draft
 
     if target is None:
         raise SpecPilotError("--batch needs --target (a checkpoint directory, e.g. from `specpilot zoo random`)")
-    try:
-        sizes = [int(x) for x in batch.split(",") if x.strip()]
-    except ValueError:
-        raise SpecPilotError(f"--batch takes comma-separated request counts, e.g. 1,2,4,8, got {batch!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise SpecPilotError(f"--batch sizes must be at least 1, got {batch!r}")
+    sizes = _sizes(batch)
     if prefix < 1 or new_tokens < 1:
         raise SpecPilotError(f"--prefix and --new-tokens must be at least 1, got {prefix} and {new_tokens}")
     args = read_args(target)
@@ -157,6 +161,42 @@ def _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, draft
         print(f"{key}: {'passed' if f['passed'] else 'FAILED'} ({f['mismatches']} mismatches, {f['events']} events "
               f"in {f['tokens']} tokens, δ {f['delta']:g}){'; ' + '; '.join(f['reasons']) if f['reasons'] else ''}")
     print(f"wrote {res['path']}")
+
+
+def _sealed(system, target, batch, device, new_tokens, out, threads, rounds, per_benchmark) -> None:
+    """``specpilot bench --batch SIZES --system PILOT_DIR``: :func:`specpilot.bench.batch_sealed.run_sealed_bench`."""
+    from specpilot.engine.deployment import check_device
+    from specpilot.engine.load_plan import LoadPlan
+    from specpilot.serve.system_file import load_sealed
+
+    if batch is None:
+        raise SpecPilotError("--system needs --batch SIZES (the sizes to measure the sealed systems at)")
+    sizes = _sizes(batch)
+    if rounds < 2 or per_benchmark < 1 or new_tokens < 1:
+        raise SpecPilotError(f"--rounds must be at least 2 and --per-benchmark, --new-tokens at least 1, got {rounds}, "
+                             f"{per_benchmark}, {new_tokens}")
+    sealed = load_sealed(system, target, False, None, device)
+    plan = sealed.config if isinstance(sealed.config, LoadPlan) else LoadPlan.single(sealed.config)
+    dev = check_device(device)
+    check_float16_device(plan.configs[0].dtype, dev)
+    use_threads(dev, threads)
+    output_dir(out, "--out")
+    from specpilot.bench.batch_sealed import run_sealed_bench
+
+    res = run_sealed_bench(plan, sealed.tdir, sealed.ddir, sizes, dev, out, rounds, per_benchmark, new_tokens)
+    print(f"every size's lower bound >= {res['bar']} against AR and stock: {res['meets_bar_at_every_size']}")
+    print(f"wrote {res['path']}")
+
+
+def _sizes(batch: str) -> list[int]:
+    """``--batch``'s sizes. Raises SpecPilotError: not comma-separated integers, or one below 1."""
+    try:
+        sizes = [int(x) for x in batch.split(",") if x.strip()]
+    except ValueError:
+        raise SpecPilotError(f"--batch takes comma-separated request counts, e.g. 1,2,4,8, got {batch!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise SpecPilotError(f"--batch sizes must be at least 1, got {batch!r}")
+    return sizes
 
 
 def use_threads(device: str, threads: Optional[int]) -> int:
