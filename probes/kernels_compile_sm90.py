@@ -1,8 +1,9 @@
 """Every distinct Triton launch the kernel tests make in the interpreter, compiled for sm_90a on the CPU (no GPU;
-Triton's bundled ptxas): each launch's kernel, file, specialization (argument types, 16-divisibility, constexprs,
-launch options), how many recorded launches share it, ok / the compiler's message, and its compile seconds (a fresh
-Triton cache: every launch really compiles). tests/kernel_launches.py does the work; tests/test_kernels_compile_sm90.py
-is the CI check over its ``CI`` selection, this probe runs ``ALL`` (the model- and engine-level tests too).
+Triton's bundled ptxas): each launch's kernel, file, the first test that made it, specialization (argument types,
+16-divisibility, constexprs, launch options), how many recorded launches share it, ok / the compiler's message, and
+its compile seconds (a fresh Triton cache: every launch really compiles). tests/kernel_launches.py does the work;
+tests/test_kernels_compile_sm90.py is the CI check over its ``CI`` selection, this probe runs ``ALL`` (every kernel
+test, the slow and the model- and engine-level ones too; ``--ci``: the CI selection).
 
 Run (CPU): ``python probes/kernels_compile_sm90.py OUT.json [--ci] [--workers N]``. Exit status 1 when a launch
 fails to compile.
@@ -44,8 +45,10 @@ def main() -> int:
            "compile_s": round(run["compile_s"], 1), "recorded_launches": run["launches"],
            "distinct_launches": len(res), "failed": len(failed),
            "compile_s_sum": round(sum(r["seconds"] for r in res), 1), "distinct_by_kernel": by_kernel,
-           "launches": [{k: r.get(k) for k in ("kernel", "file", "line", "specialization", "launches", "ok", "error",
-                                               "seconds")} for r in res]}
+           "recorded_not_run": sum(not r.get("ran", True) for r in res),  # distinct bfloat16 launches (launches_bf16.py)
+           "launches": [{k: r.get(k, True if k == "ran" else None) for k in (
+               "kernel", "file", "line", "test", "ran", "specialization", "launches", "ok", "error", "seconds")}
+               for r in res]}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(f"{len(res)} distinct launches ({run['launches']} recorded), {len(failed)} failed; record "
