@@ -67,7 +67,8 @@ def run_sealed_bench(plan: LoadPlan, tdir: Path, ddir: Path | None, sizes: list[
         groups.setdefault(r.benchmark, []).append(r)
     stock = SystemConfig.stock("draft_model" if dep.draft_model is not None else "ngram", depth=6, dtype=dtype)
     systems = {"ar": SystemConfig.ar(dtype=dtype), "stock": stock, "sealed": plan}
-    makers = {k: (lambda n, c=c: dep.batch_system(c, max_num_seqs=n)) for k, c in systems.items()}
+    max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + ctl.SALT_TOKENS + 1  # slots sized to need
+    makers = {k: (lambda n, c=c: dep.batch_system(c, max_num_seqs=n, max_len=max_len)) for k, c in systems.items()}
     avoid = frozenset(dep.eos_ids()) | frozenset(dep.tokenizer.all_special_ids if dep.tokenizer is not None else ())
     per_size = {}
     for n in sizes:  # one size at a time: engines of one size live at once

@@ -108,10 +108,14 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     for r in reqs:
         groups.setdefault(r.benchmark, []).append(r)
     kw = {**pilot.salt_kw(), "rng": rng}
+    # each slot holds the longest request, not the target's whole context: at 32 slots of SmolLM2's 4,096 positions
+    # in float32 an engine held 6 GB of K/V, and a seal holds three engines at once
+    max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + ctl.SALT_TOKENS + 1
 
     def measure(systems: dict, label: str, at=sizes) -> BatchMeasured:
         pilot.say("batch", f"{label}: sizes {list(at)} x {len(groups)} benchmarks x {rounds} rounds")
-        makers = {k: (lambda n, c=c: pilot.dep.batch_system(c, max_num_seqs=n)) for k, c in systems.items()}
+        makers = {k: (lambda n, c=c: pilot.dep.batch_system(c, max_num_seqs=n, max_len=max_len))
+                  for k, c in systems.items()}
         m = measure_batches(makers, groups, at, rounds, **kw)
         if adjust is not None:
             adjust(systems, m)
