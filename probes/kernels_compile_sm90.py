@@ -45,7 +45,7 @@ def main() -> int:
            "compile_s": round(run["compile_s"], 1), "recorded_launches": run["launches"],
            "distinct_launches": len(res), "failed": len(failed),
            "compile_s_sum": round(sum(r["seconds"] for r in res), 1), "distinct_by_kernel": by_kernel,
-           "recorded_not_run": sum(not r.get("ran", True) for r in res),  # distinct bfloat16 launches (launches_bf16.py)
+           "recorded_not_run": sum(not r.get("ran", True) for r in res),  # bfloat16 ones (tests/launches_bf16.py)
            "launches": [{k: r.get(k, True if k == "ran" else None) for k in (
                "kernel", "file", "line", "test", "ran", "specialization", "launches", "ok", "error", "seconds")}
                for r in res]}

@@ -86,3 +86,4 @@ def test_every_kernel_test_launch_compiles_for_sm90():
     kernels = {r["kernel"].split(":")[0] for r in res}
     assert {"specpilot.kernels.tree_attention", "specpilot.kernels.hybrid_glue", "specpilot.w12.gemv",
             "specpilot.head.kernel"} <= kernels, kernels  # the recording saw the kernel modules
+    assert any(not r.get("ran", True) and "bf16" in r["specialization"] for r in res)  # and the bfloat16 launches
