@@ -44,9 +44,16 @@ def systems(args, workdir: Path) -> dict[str, dict]:
     """name -> {cmd, env, port} of every server of the run."""
     sp = [sys.executable, "-m", "specpilot", "serve", "--threads", str(args.threads), "--max-num-seqs",
           str(args.max_num_seqs), "--max-model-len", str(args.max_model_len), "--log-level", "warning"]
-    sealed = json.loads(Path(args.sealed).read_text())
-    sealed["deployment"]["target"] = str(Path(args.target).resolve())  # recorded under /tmp by the pilot run
-    (workdir / "sealed_system.json").write_text(json.dumps(sealed, indent=2))
+    if Path(args.sealed).is_dir():  # a `pilot --batch` directory: served as one system per load (--target: its model)
+        files = sorted(Path(args.sealed).glob("system_n*.json"), key=lambda f: int(f.stem.split("_n")[1]))
+        sealed_args = ["--system", str(Path(args.sealed).resolve()), "--target", args.target]
+        label = "; ".join(f"{json.loads(f.read_text())['batch_size']}: {json.loads(f.read_text())['label']}"
+                          for f in files)
+    else:
+        sealed = json.loads(Path(args.sealed).read_text())
+        sealed["deployment"]["target"] = str(Path(args.target).resolve())  # recorded under /tmp by the pilot run
+        (workdir / "sealed_system.json").write_text(json.dumps(sealed, indent=2))
+        sealed_args, label = ["--system", str(workdir / "sealed_system.json")], sealed["label"]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     out = {
         "vllm": {"cmd": [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.target,
@@ -54,10 +61,10 @@ def systems(args, workdir: Path) -> dict[str, dict]:
                          "smollm2", "--disable-uvicorn-access-log"],
                  "env": dict(env, VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_KVCACHE_SPACE="2")},
         "specpilot_ar": {"cmd": sp + ["--target", args.target, "--drafter", "none"], "env": env},
-        "specpilot_sealed": {"cmd": sp + ["--system", str(workdir / "sealed_system.json")]
+        "specpilot_sealed": {"cmd": sp + sealed_args
                              + ([] if args.sealed_spec_max is None else
                                 ["--speculative-disable-by-batch-size", str(args.sealed_spec_max)]),
-                             "env": env, "label": sealed["label"]},
+                             "env": env, "label": label},
         "specpilot_ngram_chain6": {"cmd": sp + ["--target", args.target, "--drafter", "ngram", "--tree", "chain",
                                                 "--nodes", "6", "--depth", "6"], "env": env},
     }
@@ -159,7 +166,8 @@ def main() -> None:
     ap.add_argument("--vllm-python", default="/work/venv-vllm/bin/python")
     ap.add_argument("--systems", default="vllm,specpilot_ar,specpilot_sealed,specpilot_ngram_chain6")
     ap.add_argument("--concurrency", default="1,8,32")
-    ap.add_argument("--sealed", default=str(SEALED), help="the sealed system.json our 'specpilot_sealed' serves")
+    ap.add_argument("--sealed", default=str(SEALED), help="the sealed system.json our 'specpilot_sealed' serves, or a "
+                    "`pilot --batch` output directory (served as one system per load)")
     ap.add_argument("--sealed-spec-max", type=int, default=None,
                     help="serve the sealed system with --speculative-disable-by-batch-size N (AR above N requests)")
     ap.add_argument("--rounds", type=int, default=2)
