@@ -32,6 +32,9 @@ def test_a_step_runs_the_system_of_the_nearest_size_on_a_log_scale():
     assert plan.config_for(100) == SystemConfig.ar() and plan.config_for(1) == SystemConfig()
     with pytest.raises(ValueError, match="at least one request"):
         plan.index_for(0)
+    for a, b, m in ((9, 16, 12), (4, 9, 6), (1, 49, 7), (8, 18, 12)):  # exact log-midpoints: float logs split them
+        two = LoadPlan((a, b), (SystemConfig(), SystemConfig.ar()))
+        assert two.sizes[two.index_for(m)] == b and two.sizes[two.index_for(m - 1)] == a, (a, b, m)
     assert LoadPlan.single(NGRAM_SHARED).config_for(1000) == NGRAM_SHARED
     assert "1: ngram/chain" in plan.describe() and "32: AR" in plan.describe()
 
@@ -48,8 +51,8 @@ def test_pool_rows_follow_the_largest_tree_of_any_size():
 
 
 @pytest.mark.parametrize("systems,match", [
-    ({1: SystemConfig(), 8: SystemConfig(dtype="bfloat16")}, "dtype differ"),
-    ({1: SystemConfig(w12=True), 8: SystemConfig()}, "w12 differ"),
+    ({1: SystemConfig(), 8: SystemConfig(dtype="bfloat16")}, "dtype values differ"),
+    ({1: SystemConfig(w12=True), 8: SystemConfig()}, "w12 values differ"),
     ({1: SystemConfig(tlv=True), 8: SystemConfig()}, "tlv runs single requests"),
     ({1: SystemConfig(drafter="block", top_k=2), 8: SystemConfig(drafter="block", top_k=4)}, "one drafter that reads"),
 ])

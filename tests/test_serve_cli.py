@@ -189,7 +189,14 @@ def test_serve_a_batch_pilot_directory_follows_the_load(monkeypatch, capsys, tmp
     assert isinstance(plan, LoadPlan) and plan.sizes == (1, 4, 16) and seen["slots"] == 16
     assert plan.configs == (one, SystemConfig.stock("ngram", depth=4), SystemConfig.ar())
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(d), "--port", "0", "--max-num-seqs", "8")
-    assert code == 0 and seen["slots"] == 8, err
+    assert code == 0 and seen["slots"] == 8 and "warning: 8 slots" in err and "(16) never run" in err, err
+    _system_file(d / "system_n04.json", SystemConfig.ar(), batch_size=4)
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(d), "--port", "0")
+    assert code == 2 and err.count("\n") == 1 and "system_n04.json and system_n4.json" in err, err
+    (d / "system_n04.json").unlink()
+    _system_file(d / "system_n4.json", SystemConfig.stock("ngram", depth=4), batch_size=16)  # another size's content
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(d), "--port", "0")
+    assert code == 2 and err.count("\n") == 1 and "says batch_size 16 but is named for 4" in err, err
     _system_file(d / "system_n4.json", one.apply({"nodes": 4}), seal=one.seal(), batch_size=4)  # edited
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(d), "--port", "0")
     assert code == 2 and err.count("\n") == 1 and "system_n4.json has a config that does not match" in err, err
@@ -199,7 +206,7 @@ def test_serve_a_batch_pilot_directory_follows_the_load(monkeypatch, capsys, tmp
     assert code == 2 and err.count("\n") == 1 and "different targets" in err, err
     _system_file(d / "system_n4.json", SystemConfig(dtype="bfloat16"), batch_size=4)
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(d), "--port", "0")
-    assert code == 2 and err.count("\n") == 1 and "dtype differ" in err, err
+    assert code == 2 and err.count("\n") == 1 and "dtype values differ" in err, err
     for n in (1, 4, 16):
         (d / f"system_n{n}.json").unlink()
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(d), "--port", "0")

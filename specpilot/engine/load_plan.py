@@ -13,7 +13,6 @@ model) may differ between sizes: each catches up on the committed tokens when it
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from specpilot.config import SystemConfig
@@ -52,7 +51,7 @@ class LoadPlan:
         for f in TARGET_FIELDS:
             values = {getattr(c, f) for c in self.configs}
             if len(values) > 1:
-                raise SpecPilotError(f"the systems of a load plan share one target, but their {f} differ: "
+                raise SpecPilotError(f"the systems of a load plan share one target, but their {f} values differ: "
                                      f"{sorted(map(str, values))}")
         feature_kinds = {self.drafter_key(i) for i, c in enumerate(self.configs) if c.drafter in FEATURE_DRAFTERS}
         if len(feature_kinds) > 1:
@@ -80,7 +79,11 @@ class LoadPlan:
         smallest; above the largest, the largest. Raises ValueError for ``m < 1``."""
         if m < 1:
             raise ValueError(f"a step has at least one request, got {m}")
-        return min(range(len(self.sizes)), key=lambda i: (abs(math.log(m / self.sizes[i])), -self.sizes[i]))
+        above = next((i for i, n in enumerate(self.sizes) if n >= m), len(self.sizes) - 1)
+        if above == 0 or self.sizes[above] < m:
+            return above
+        below = above - 1  # sizes[below] < m <= sizes[above]: m nearer sizes[below] when m / a < b / m, in integers
+        return below if m * m < self.sizes[below] * self.sizes[above] else above
 
     def config_for(self, m: int) -> SystemConfig:
         """The :class:`SystemConfig` a step over ``m`` running requests runs (:meth:`index_for`)."""

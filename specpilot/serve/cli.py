@@ -253,7 +253,8 @@ def run_server(sock, tdir, ddir, cfg: SystemConfig | LoadPlan, device, max_num_s
                        api_key=api_key, max_body_bytes=max_body_bytes)
     addr = sock.getsockname()
     drafting = "" if spec_max_requests is None else f" (drafting while at most {spec_max_requests} run)"
-    print(f"specpilot serve: {name!r} ({label}) at http://{host}:{addr[1]}/v1, {engine.num_slots} slots"
+    slots = f"{engine.num_slots} slot{'s' if engine.num_slots != 1 else ''}"
+    print(f"specpilot serve: {name!r} ({label}) at http://{host}:{addr[1]}/v1, {slots}"
           f"{drafting}, prefix reuse {'on' if engine.prefix is not None else 'off'}, "
           f"context {engine.max_len} tokens, chat template: {source}, API key: {'required' if api_key else 'off'}",
           file=sys.stderr)

@@ -112,15 +112,19 @@ def load_sealed(system: Path, target: Optional[Path], allow_edited: bool, max_nu
             raise SpecPilotError(f"--system {f} uses tlv, which runs single requests only (`specpilot generate` "
                                  "runs it); the server batches: serve it with \"tlv\": false in its config (and "
                                  "--allow-edited-system), or seal a system for serving")
+        if n is not None and size is not None and size != n:  # a pilot names each file by the size it sealed
+            raise SpecPilotError(f"--system {f} says batch_size {size} but is named for {n}: a `pilot --batch` "
+                                 "directory holds system_n<N>.json sealed at N")
         read.append((size or n, f, cfg, dep))
+    if target is None and any(not r[3].get("target") for r in read):
+        bare = next(r[1] for r in read if not r[3].get("target"))
+        raise SpecPilotError(f"--system {bare} names no target (its 'deployment' has no 'target'): give one with "
+                             "--target DIR")
     for key in ("target", "device"):
         if len({r[3].get(key) for r in read}) > 1:
             raise SpecPilotError(f"--system {system}: its files name different {key}s: "
                                  + ", ".join(f"{r[1].name}: {r[3].get(key)}" for r in read))
     dep = read[0][3]
-    if not dep.get("target") and target is None:
-        raise SpecPilotError(f"--system {system} names no target (its 'deployment' has no 'target'): give one "
-                             "with --target DIR")
     from specpilot.zoo import resolve_recorded
 
     # --target: the same model elsewhere (another machine, a moved directory); else the recorded path, a bundled
@@ -145,6 +149,9 @@ def load_sealed(system: Path, target: Optional[Path], allow_edited: bool, max_nu
         except SpecPilotError as e:
             raise SpecPilotError(f"--system {system}: {e}") from None
         slots = max_num_seqs or max(sizes)
+        if slots < max(sizes):
+            print(f"specpilot serve: warning: {slots} slots: the systems sealed for more requests at once "
+                  f"({', '.join(str(n) for n in sizes if n > slots)}) never run", file=sys.stderr)
     return Sealed(config, tdir, Path(ddirs[0]) if ddirs else None, device or dep.get("device") or "cpu", slots, src)
 
 
@@ -152,8 +159,9 @@ def _sized_files(d: Path) -> list[tuple[int, Path]]:
     """The per-size files of a ``pilot --batch`` output directory ``d`` (by size), or its lone ``system.json``."""
     sized = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := SIZED.fullmatch(p.name)))
     if sized:
-        if len({n for n, _ in sized}) != len(sized):
-            raise SpecPilotError(f"--system {d}: two files for one batch size")
+        for (a, fa), (b, fb) in zip(sized, sized[1:]):
+            if a == b:
+                raise SpecPilotError(f"--system {d}: two files for batch size {a}: {fa.name} and {fb.name}")
         return sized
     if (d / "system.json").is_file():
         return [(None, d / "system.json")]
