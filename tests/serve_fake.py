@@ -18,7 +18,9 @@ import time
 
 import uvicorn
 
+from specpilot.config import SystemConfig
 from specpilot.engine.batch import StepOutput
+from specpilot.engine.load_plan import LoadPlan
 from specpilot.errors import PromptError
 
 #: multi-byte characters split across byte-level tokens, and a stop string ("STOP") split across two tokens
@@ -29,6 +31,8 @@ class FakeBatchEngine:
     """See the module docstring. ``step_delay_s``: sleep per step (so a stream lasts a while)."""
 
     prefix = None  # no prompt prefixes reused (BatchEngine.prefix)
+    plan = LoadPlan.single(SystemConfig.ar())  # one system at every load (BatchEngine.plan); no step counted
+    plan_steps = (0,)
 
     def __init__(self, tokenizer, eos_id: int, max_len: int = 256, num_slots: int = 4, step_delay_s: float = 0.0):
         self.tok, self.eos, self.max_len, self.num_slots = tokenizer, eos_id, max_len, num_slots

@@ -109,6 +109,7 @@ def test_outputs_equal_ar_while_the_load_moves_across_sizes(tiny_models, small_k
         for o in eng.step():
             got[o.request_id] += o.new_tokens
     assert {1, 2, 3, 4, 5} <= loads  # every size's range was visited
+    assert sum(eng.plan_steps) == eng.exact_passes and min(eng.plan_steps) > 0  # every system ran decode steps
     assert {lbl for lbl, _ in calls} == {small_kind, "ngram"}  # both systems drafted in this run
     assert all(m == 1 for lbl, m in calls if lbl == small_kind) and all(m in (2, 3) for lbl, m in calls if lbl == "ngram")
     for k, (p, n, stops) in enumerate(reqs):
@@ -149,3 +150,18 @@ def test_deployment_builds_one_drafter_per_distinct_drafter_and_serves_the_plan(
     gens = eng.generate_all(prompts, 10)
     ref = dep.batch_system(SystemConfig.ar(), max_num_seqs=1, max_len=256)
     assert [g.tokens for g in gens] == [g.tokens for g in ref.generate_all(prompts, 10)]
+
+
+def test_server_metrics_count_each_sealed_size_steps():
+    """``specpilot:load_plan_steps_total{sealed_size}`` follows the engine's running totals."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from specpilot.serve.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    m.plan((1, 8), [2, 0])
+    m.plan((1, 8), [5, 4])
+    m.plan((1, 8), [5, 4])  # no new steps: nothing added
+    fam = {f.name: f for f in text_string_to_metric_families(m.render()[0].decode())}["specpilot:load_plan_steps"]
+    got = {s.labels["sealed_size"]: s.value for s in fam.samples if s.name.endswith("_total")}
+    assert got == {"1": 5.0, "8": 4.0}

@@ -95,7 +95,7 @@ class BatchEngine:
     Attributes:
         plan: the :class:`LoadPlan` (one system at every load when ``config`` is a :class:`SystemConfig`).
         config / drafter: the system of the plan's smallest size and the plan's first drafter (None: none drafts).
-        drafters: every distinct drafter of the plan.
+        drafters: every distinct drafter of the plan. plan_steps: decode steps run by each system of the plan.
         exact_passes / prefill_passes: decode-step and prefill passes run so far (one decode pass per step).
         step_hook: test-only: ``step_hook(engine)`` after every decode pass, each running cache committed.
     """
@@ -133,6 +133,7 @@ class BatchEngine:
         self._waiting: deque[Request] = deque()
         self._running: dict[str, _Running] = {}
         self.exact_passes = self.prefill_passes = 0
+        self.plan_steps = [0] * len(self.plan)
         self.step_hook = None
 
     # -- the queue -----------------------------------------------------------------------------
@@ -278,6 +279,7 @@ class BatchEngine:
         ``len(rs)`` requests is shared across their lattices (§4.4)."""
         k = self.plan.index_for(len(rs))
         trees, cfg, drafter = [Tree() for _ in rs], self.plan.configs[k], self._drafter_of[k]
+        self.plan_steps[k] += 1
         for r in rs:
             r.depth = 0
         if drafter is None or len(rs) > (self.spec_max_requests or len(rs)):  # spec off at this load: AR

@@ -171,6 +171,7 @@ class EngineDriver:
             self.metrics.step(outs)
             if self.engine.prefix is not None:
                 self.metrics.prefix(self.engine.prefix.queried_tokens, self.engine.prefix.reused_tokens)
+            self.metrics.plan(self.engine.plan.sizes, self.engine.plan_steps)
         for o in outs:
             deliver = self._sinks.get(o.request_id)
             if deliver is None:  # aborted while its step ran

@@ -19,6 +19,8 @@ the per-position counter; ``finished_reason`` (``stop`` | ``length`` | ``abort``
   accepted (the bonus token excluded); ``..._num_accepted_tokens_per_pos_total{position}``: accepted at draft
   position ``position`` (0-based). Acceptance rate = accepted / draft tokens; mean acceptance length (bonus
   included) = 1 + accepted / drafts.
+- ``load_plan_steps_total{sealed_size}`` (ours; vLLM has none): decode steps run by the system sealed at that batch
+  size when the server follows a load plan (``serve --system PILOT_DIR``; one series for a single system).
 """
 
 from __future__ import annotations
@@ -74,7 +76,9 @@ class ServerMetrics:
                                       lab, registry=r)
         self.prefix_hits = Counter(P + "prefix_cache_hits", "Prompt tokens reused from resident prefixes.", lab,
                                    registry=r)
-        self._prefix_seen = (0, 0)
+        self.plan_steps = Counter(P + "load_plan_steps", "Decode steps run by the system sealed at sealed_size.",
+                                  lab + ["sealed_size"], registry=r)
+        self._prefix_seen, self._plan_seen = (0, 0), {}
         for reason in REASONS:  # every series exists from the start (a rate() over a new series misses its start)
             self.finished.labels(model_name, reason)
         for m in (self.running, self.waiting, self.usage, self.prompt_tokens, self.generation_tokens, self.ttft,
@@ -102,6 +106,15 @@ class ServerMetrics:
         self.prefix_queries.labels(self.model).inc(max(0, queried - q0))
         self.prefix_hits.labels(self.model).inc(max(0, hits - h0))
         self._prefix_seen = (max(q0, queried), max(h0, hits))
+
+    def plan(self, sizes, steps) -> None:
+        """Bring ``load_plan_steps_total`` up to the engine's running totals: ``steps[i]`` decode steps run by the
+        system sealed at ``sizes[i]``."""
+        for n, total in zip(sizes, steps):
+            seen = self._plan_seen.get(n, 0)
+            if total > seen:
+                self.plan_steps.labels(self.model, str(n)).inc(total - seen)
+                self._plan_seen[n] = total
 
     def queue(self, running: int, waiting: int, num_slots: int) -> None:
         """Set the request gauges (requests in slots, waiting, and the fraction of ``num_slots`` in use)."""
