@@ -119,8 +119,10 @@ def render_md(report: dict) -> str:
                      f"{r['system_file']} | {f(r['sealed_vs_ar'], r['sealed_vs_ar_low'])} | "
                      f"{f(r['sealed_vs_stock'], r['sealed_vs_stock_low'])} | {r['sigma']:.4f} (+{r['bar']:.2%}) | "
                      f"{r['outputs_equal_ar']['sealed']} |")
-    lines += ["", f"Serve the system sealed for n requests at once: `specpilot serve --system system_n<n>.json "
-                  f"--max-num-seqs <n>` (system.json is system_n{min(report['sizes'])}.json). Over all sizes, each "
+    lines += ["", "Serve them all: `specpilot serve --system <this directory>` (each step runs the system sealed "
+                  "nearest its number of running requests; `specpilot bench --batch SIZES --system <this directory>` "
+                  "measures that against AR and stock); one size alone: `--system system_n<n>.json` (system.json is "
+                  f"system_n{min(report['sizes'])}.json). Over all sizes, each "
                   f"size's sealed system: {f(report['speedup_vs_ar'], report['speedup_vs_ar_low'])} AR, "
                   f"{f(report['speedup_vs_stock'], report['speedup_vs_stock_low'])} stock (95% lower bounds).", ""]
     sb = report.get("shared_budget")
