@@ -149,7 +149,7 @@ def test_shared_budget_batch_equals_ar(tiny_models, kind, seed, padded):
     got = {f"r{i}": [] for i in range(len(reqs))}
     steps = []  # (requests in the step, nodes per request)
     draft = eng._draft
-    eng._draft = lambda rs: (lambda ts: steps.append((len(rs), [len(t) for t in ts])) or ts)(draft(rs))
+    eng._draft = lambda rs: (lambda out: steps.append((len(rs), [len(t) for t in out[0]])) or out)(draft(rs))
     while eng.has_work():
         for o in eng.step():
             got[o.request_id] += o.new_tokens
