@@ -8,7 +8,8 @@ difference, and the AR-bits check of the new kernel on the GPU: a chain's rows a
 positions, bit for bit (``chain_rows_equal_ar``; the old kernel's count for contrast).
 
 The old kernel is loaded from git (``--old-rev``, default ``42e40b5``, its ``specpilot/kernels/batch_attention.py``)
-as a separate module; both share ``kernels/tree_attention.py`` of the checkout.
+or from a copy of that file (``--old-file``, for a machine the checkout reaches without ``.git``) as a separate
+module; both share ``kernels/tree_attention.py`` of the checkout.
 
     SPECPILOT_COMMIT=$(git rev-parse --short HEAD) python probes/batch_attention_aligned_h200.py OUT_DIR
 
@@ -47,10 +48,11 @@ H, KVH, D = (4, 2, 32) if SMOKE else (32, 8, 128)
 DEV, DTYPE = ("cpu", torch.float32) if SMOKE else ("cuda", torch.bfloat16)
 
 
-def old_kernel(rev: str):
-    """``batch_tree_attention`` of ``rev``'s file, imported under another module name."""
-    src = subprocess.run(["git", "show", f"{rev}:specpilot/kernels/batch_attention.py"], capture_output=True,
-                         text=True, check=True).stdout
+def old_kernel(rev: str, src_file: str | None = None):
+    """``batch_tree_attention`` of ``rev``'s file (or of ``src_file``, that file saved where the checkout travels
+    without its git history), imported under another module name."""
+    src = Path(src_file).read_text() if src_file else subprocess.run(
+        ["git", "show", f"{rev}:specpilot/kernels/batch_attention.py"], capture_output=True, text=True, check=True).stdout
     path = Path(tempfile.mkdtemp()) / "batch_attention_old.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("batch_attention_old", path)
@@ -118,7 +120,8 @@ def main() -> None:
     rev = sys.argv[sys.argv.index("--old-rev") + 1] if "--old-rev" in sys.argv else "42e40b5"
     reps = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else (1 if SMOKE else 200)
     out.mkdir(parents=True, exist_ok=True)
-    kern = {"aligned": batch_tree_attention, "old": old_kernel(rev)}
+    src_file = sys.argv[sys.argv.index("--old-file") + 1] if "--old-file" in sys.argv else None
+    kern = {"aligned": batch_tree_attention, "old": old_kernel(rev, src_file)}
     res = {"commit": os.environ.get("SPECPILOT_COMMIT"), "old_rev": rev,
            "device": "cpu (interpreter, smoke)" if SMOKE else torch.cuda.get_device_name(),
            "torch": torch.__version__, "cases": []}

@@ -28,7 +28,7 @@ tests)
     tests/test_graphs_gpu.py tests/test_batch_attention.py tests/test_tree_attention.py tests/test_hybrid_static.py} \
     > "$out/gpu_tests.log" 2>&1
   el "tests rc=$?: $(tail -1 "$out/gpu_tests.log")"
-  timeout 120 python3 probes/batch_attention_aligned_h200.py /tmp/aligned > "$out/aligned.log" 2>&1
+  timeout 120 python3 probes/batch_attention_aligned_h200.py /tmp/aligned --old-file cal/batch_attention_old.py > "$out/aligned.log" 2>&1
   el "aligned probe rc=$?"; cp /tmp/aligned/*.json "$out/" 2>/dev/null
   while [ ! -f /tmp/q8/config.json ] || pgrep -f "zoo random" > /dev/null; do sleep 2; done; el "zoo done"
   ;;
