@@ -51,8 +51,9 @@ DEV, DTYPE = ("cpu", torch.float32) if SMOKE else ("cuda", torch.bfloat16)
 def old_kernel(rev: str, src_file: str | None = None):
     """``batch_tree_attention`` of ``rev``'s file (or of ``src_file``, that file saved where the checkout travels
     without its git history), imported under another module name."""
-    src = Path(src_file).read_text() if src_file else subprocess.run(
-        ["git", "show", f"{rev}:specpilot/kernels/batch_attention.py"], capture_output=True, text=True, check=True).stdout
+    git = ["git", "show", f"{rev}:specpilot/kernels/batch_attention.py"]
+    src = Path(src_file).read_text() if src_file else subprocess.run(git, capture_output=True, text=True,
+                                                                     check=True).stdout
     path = Path(tempfile.mkdtemp()) / "batch_attention_old.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("batch_attention_old", path)

@@ -3,7 +3,8 @@
 #
 #   tests: the GPU tests of the batched engine, graphs, batched and tree attention and the hybrid's static step, the
 #          aligned-attention probe, and the Qwen3-8B-shaped random target in /tmp/q8 (written beside the tests)
-#   pilot: `specpilot pilot --batch SIZES` on it with the calibrated drafter (CAL, `specpilot calibrate`), to /tmp/bpilot
+#   pilot: `specpilot pilot --batch SIZES` on it with the calibrated drafter (CAL, `specpilot calibrate`), out in
+#          /tmp/bpilot
 #   bench: `specpilot bench --batch 1,2,4,8,16,32 --system /tmp/bpilot`: the per-size seals as one load plan against
 #          AR and stock at every size
 #
@@ -28,7 +29,8 @@ tests)
     tests/test_graphs_gpu.py tests/test_batch_attention.py tests/test_tree_attention.py tests/test_hybrid_static.py} \
     > "$out/gpu_tests.log" 2>&1
   el "tests rc=$?: $(tail -1 "$out/gpu_tests.log")"
-  timeout 120 python3 probes/batch_attention_aligned_h200.py /tmp/aligned --old-file cal/batch_attention_old.py > "$out/aligned.log" 2>&1
+  timeout 120 python3 probes/batch_attention_aligned_h200.py /tmp/aligned --old-file cal/batch_attention_old.py \
+    > "$out/aligned.log" 2>&1
   el "aligned probe rc=$?"; cp /tmp/aligned/*.json "$out/" 2>/dev/null
   while [ ! -f /tmp/q8/config.json ] || pgrep -f "zoo random" > /dev/null; do sleep 2; done; el "zoo done"
   ;;
