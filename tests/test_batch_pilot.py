@@ -12,7 +12,8 @@ import pytest
 from specpilot.config import SystemConfig
 from specpilot.errors import SpecPilotError
 from specpilot.pilot import controller as ctl
-from specpilot.pilot.batch_pilot import MECHANISMS, BatchForcing, judge_batch, parse_sizes, run_batch_pilot
+from specpilot.pilot.batch_pilot import (MECHANISMS, BatchForcing, expected_rest_s, judge_batch, parse_sizes,
+                                         run_batch_pilot)
 from specpilot.pilot.batch_runs import BatchMeasured, cell_gain, compare, variant_set
 
 from .conftest import run_cli
@@ -189,7 +190,12 @@ def test_bfloat16_batch_run_is_token_forced(tmp_path):
     assert "Token forcing" in (out / "batch_report.md").read_text()
 
 
-def test_quick_batch_run_end_to_end(tmp_path):
+def test_expected_duration_prices_each_candidate_as_one_phase0_measurement():
+    assert expected_rest_s(120.0, 4) == pytest.approx(60.0 * 5.5)  # 4 two-system runs + the 3-system seal
+    assert expected_rest_s(0.0, 4) == 0.0
+
+
+def test_quick_batch_run_end_to_end(tmp_path, capsys):
     from specpilot.pilot.state import PilotOptions
     from specpilot.zoo import bundled_drafter_dir, bundled_target_dir
 
@@ -216,6 +222,7 @@ def test_quick_batch_run_end_to_end(tmp_path):
     assert system == json.loads((out / "system_n1.json").read_text())  # system.json: the smallest size's
     assert json.loads((out / "system_n2.json").read_text())["batch_size"] == 2
     assert "## 2 requests at once" in (out / "batch_report.md").read_text()
+    assert "expected duration: about" in capsys.readouterr().err  # the console is stderr
 
 
 def test_a_calibration_adds_the_simulated_drafter_first(real, tmp_path):  # noqa: F811

@@ -122,9 +122,13 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
         return m
 
     pilot.say("batch", f"sizes {list(sizes)}; {len(reqs)} requests from {sorted(groups)}; stock {pilot.stock.label()}")
+    t_p0 = time.perf_counter()
     p0 = measure({"ar": pilot.ar, "stock": pilot.stock}, "phase 0: AR vs stock")
     ar_stock = compare(p0, "ar", "stock")
     aa_m = measure({"a": pilot.stock, "b": pilot.stock}, "phase 0: stock A/A")
+    n_mech = len(MECHANISMS) + (opts.calibration is not None)
+    pilot.say("batch", f"expected duration: about {expected_rest_s(time.perf_counter() - t_p0, n_mech) / 60:.1f} "
+                       f"min more ({n_mech} candidates a size and the seal, priced by Phase 0's own runs)")
     aa = compare(aa_m, "a", "b")
     sigma = {n: ctl.noise_from_aa(compare(aa_m.at(n), "a", "b")) for n in sizes}  # each size's own noise
     stock_equal = p0.equal_outputs("ar", "stock")
@@ -179,6 +183,14 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     pilot.say("done", "sealed " + "; ".join(f"n={n}: {incumbent[n].label()}" for n in sizes)
               + f"; report in {opts.out}/batch_report.md")
     return report
+
+
+def expected_rest_s(phase0_s: float, candidates: int) -> float:
+    """Seconds the batched pilot has left after Phase 0, from Phase 0's own wall time ``phase0_s`` (two paired
+    measurements of two systems at every size): each candidate is one such measurement (two systems, summed over the
+    sizes), the seal one of three systems. An upper estimate: a mechanism that does not apply to a size's incumbent
+    is skipped, and a candidate's speed is not the incumbent's."""
+    return phase0_s / 2 * (candidates + 1.5)
 
 
 def _by_size(run) -> dict:
