@@ -165,7 +165,7 @@ def create_app(ctx: ServeContext) -> FastAPI:
         return model_card()
 
     async def respond(request: Request, req, spec, chat: bool):
-        run = Run(ctx, spec, "chatcmpl" if chat else "cmpl")
+        run = Run(ctx, spec, "chatcmpl" if chat else "cmpl", whole=not req.stream)
         watcher = asyncio.create_task(watch_disconnect(request.receive, run))
         try:
             admitted = await run.start()

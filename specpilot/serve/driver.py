@@ -4,7 +4,8 @@ A :class:`~specpilot.engine.batch.BatchEngine` is not thread-safe, so one backgr
 (:class:`EngineDriver`). The server's event loop hands it requests (:meth:`EngineDriver.submit`) and aborts
 (:meth:`EngineDriver.abort`) through a thread-safe queue; the thread adds them to the engine between steps, calls
 ``step()`` while there is work, and hands each :class:`StepOutput` to its request's ``deliver`` callback (the server
-passes one that puts the item on the request's asyncio queue with ``loop.call_soon_threadsafe``).
+passes a :class:`LoopSink`, which puts the item on the request's asyncio queue with ``loop.call_soon_threadsafe``).
+A step's outputs for :class:`LoopSink` s of one event loop go over in one ``call_soon_threadsafe`` (:meth:`EngineDriver._step`).
 
 Per request the callback receives, in order: :data:`ADMITTED` once the engine took the request (or one
 :class:`Failure` with status 400 if it refused it), then its step outputs until one is ``finished``. An exception
@@ -15,6 +16,7 @@ new requests. An aborted request gets nothing more.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -28,6 +30,45 @@ log = logging.getLogger("specpilot.serve")
 
 #: delivered once the engine accepted a request
 ADMITTED = "admitted"
+
+
+class LoopSink:
+    """A ``deliver`` callback that puts items on an asyncio queue of ``loop`` (``put``: the queue's ``put_nowait``).
+
+    Why a class and not a lambda: the driver sees the loop, so a step's outputs for every request of one loop cross
+    threads in one ``call_soon_threadsafe`` (one wake-up of the event loop per step) instead of one each. On a CPU
+    whose cores all run the engine's OpenMP threads, each wake-up of the event loop's thread took a core from them
+    mid-step and handed the GIL back and forth with the engine thread between outputs.
+
+    ``coalesce``: after the request's first output, hold its step outputs in the engine thread and deliver them as one
+    :class:`Coalesced` when it finishes. For a non-streamed request without stop strings, whose text is only read at
+    the end and which nothing but the engine's own stops can end early: the event loop's thread then wakes once for
+    it, not once a step, and takes no core and no GIL from the engine while it runs.
+    """
+
+    __slots__ = ("loop", "put", "coalesce")
+
+    def __init__(self, loop, put: Callable[[object], None], coalesce: bool = False):
+        self.loop, self.put, self.coalesce = loop, put, coalesce
+
+    def __call__(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.put, item)
+
+
+def _put_all(pairs: list) -> None:
+    """Run on the event loop: hand each ``(put, item)`` of one step over."""
+    for put, item in pairs:
+        put(item)
+
+
+@dataclass
+class Coalesced:
+    """A coalescing :class:`LoopSink`'s last item: ``output``, its request's final StepOutput whose ``new_tokens``
+    are every token since its first output, and ``stamps``, the ``time.perf_counter()`` at which each held step that
+    committed tokens (the final one included) ended, for the inter-token latencies."""
+
+    output: object
+    stamps: list[float]
 
 
 @dataclass
@@ -55,6 +96,7 @@ class EngineDriver:
         self.engine, self.metrics, self.idle_wait_s = engine, metrics, idle_wait_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[object], None]] = {}
+        self._held: dict[str, tuple[list[int], list[float]]] = {}  # coalescing sinks: tokens and stamps so far
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specpilot-engine", daemon=True)
         self.steps = self.failures = 0
@@ -147,6 +189,7 @@ class EngineDriver:
         self._push(req.request_id, deliver, ADMITTED)
 
     def _abort(self, rid: str) -> None:
+        self._held.pop(rid, None)
         if self._sinks.pop(rid, None) is not None:
             self._abort_engine(rid)
 
@@ -172,17 +215,49 @@ class EngineDriver:
             if self.engine.prefix is not None:
                 self.metrics.prefix(self.engine.prefix.queried_tokens, self.engine.prefix.reused_tokens)
             self.metrics.plan(self.engine.plan.sizes, self.engine.plan_steps)
+        by_loop: dict = {}  # LoopSink outputs, one call_soon_threadsafe per loop (LoopSink's why)
+        now = time.perf_counter()
         for o in outs:
             deliver = self._sinks.get(o.request_id)
             if deliver is None:  # aborted while its step ran
                 continue
             if o.finished:
                 del self._sinks[o.request_id]
-            self._push(o.request_id, deliver, o)
+            if isinstance(deliver, LoopSink):
+                item = self._coalesce(o, now) if deliver.coalesce else o
+                if item is not None:
+                    by_loop.setdefault(deliver.loop, []).append((o.request_id, deliver.put, item))
+            else:
+                self._push(o.request_id, deliver, o)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, [(put, o) for _, put, o in items])
+            except RuntimeError:  # the loop is closed (server shutting down): nobody listens
+                for rid, _, _ in items:
+                    self._sinks.pop(rid, None)
+                    self._held.pop(rid, None)
+                    self._abort_engine(rid)
         log.debug("step of %d outputs in %.1f ms", len(outs), 1e3 * (time.perf_counter() - t0))
+
+    def _coalesce(self, o, now: float):
+        """What a coalescing sink gets of ``o``: its first output as it is, then nothing (held) until the finished
+        one, which goes as a :class:`Coalesced` of every held token."""
+        held = self._held.get(o.request_id)
+        if held is None:
+            if not o.finished:
+                self._held[o.request_id] = ([], [])
+            return o
+        held[0].extend(o.new_tokens)
+        if o.new_tokens:
+            held[1].append(now)
+        if not o.finished:
+            return None
+        del self._held[o.request_id]
+        return Coalesced(dataclasses.replace(o, new_tokens=held[0]), held[1])
 
     def _fail_all(self, failure: Failure) -> None:
         held, self._sinks = self._sinks, {}
+        self._held.clear()
         for rid, deliver in held.items():
             try:
                 deliver(failure)

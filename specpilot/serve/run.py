@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 from specpilot.engine.batch import Request
 from specpilot.serve.detok import TextStream
-from specpilot.serve.driver import ADMITTED, Failure
+from specpilot.serve.driver import ADMITTED, Coalesced, Failure, LoopSink
 from specpilot.serve.protocol import APIError
 
 DISCONNECTED = "disconnected"
@@ -85,6 +85,10 @@ def make_spec(ctx: ServeContext, prompt_ids: list[int], max_tokens: int | None, 
 class Run:
     """One request in flight. Use :meth:`start`, then iterate :meth:`pieces`; read the result fields after.
 
+    ``whole``: the response is read whole, not streamed; without stop strings its step outputs then come from the
+    engine thread in one piece at its end (:class:`~specpilot.serve.driver.LoopSink`'s ``coalesce``): the same
+    tokens through the same :class:`~specpilot.serve.detok.TextStream`, so the same text and usage.
+
     Attributes:
         id: the response id (``cmpl-...`` / ``chatcmpl-...``), also the engine's request id.
         finish_reason: ``stop`` | ``length`` | ``abort`` once the output ended (None while running, or when the
@@ -93,12 +97,12 @@ class Run:
         completion_tokens: tokens counted in usage (up to the one that completed a stop string or was a stop id).
     """
 
-    def __init__(self, ctx: ServeContext, spec: Spec, prefix: str = "cmpl"):
+    def __init__(self, ctx: ServeContext, spec: Spec, prefix: str = "cmpl", whole: bool = False):
         self.ctx, self.spec = ctx, spec
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        self._deliver = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        # a response read whole (not streamed) without stop strings: its steps come over at its end (LoopSink)
+        self._deliver = LoopSink(asyncio.get_running_loop(), self.queue.put_nowait, whole and not spec.stops)
         self.request = Request(request_id=self.id, prompt_ids=spec.prompt_ids, max_new_tokens=spec.max_tokens,
                                stop_ids=spec.stop_ids)
         self.text = TextStream(ctx.tokenizer, spec.prompt_ids, spec.stops, ctx.eos_ids | spec.stop_ids,
@@ -155,7 +159,10 @@ class Run:
                 if isinstance(item, Failure):
                     self._end("error")
                     raise APIError(item.status, item.message)
-                self._timing(item)
+                stamps = None
+                if isinstance(item, Coalesced):  # every step after the first, at the end
+                    item, stamps = item.output, item.stamps
+                self._timing(item, stamps)
                 piece = self.text.feed(item.new_tokens)
                 text, done = piece.text, piece.stopped
                 if piece.stopped:
@@ -179,15 +186,20 @@ class Run:
                 self.ctx.driver.abort(self.id)
                 self._end("abort", final=False)
 
-    def _timing(self, out) -> None:
-        if not out.new_tokens:
-            return
-        now, m = time.perf_counter(), self.ctx.metrics
-        if self._last is None:
-            m.ttft.labels(m.model).observe(now - self.t0)
-        else:
-            m.itl.labels(m.model).observe(now - self._last)
-        self._last = now
+    def _timing(self, out, stamps: list[float] | None = None) -> None:
+        """Time to first token and inter-token latencies: at ``out``'s arrival, or at each of ``stamps`` (when the
+        held steps of a coalesced output ended)."""
+        if stamps is None:
+            if not out.new_tokens:
+                return
+            stamps = [time.perf_counter()]
+        m = self.ctx.metrics
+        for now in stamps:
+            if self._last is None:
+                m.ttft.labels(m.model).observe(now - self.t0)
+            else:
+                m.itl.labels(m.model).observe(now - self._last)
+            self._last = now
 
     def _end(self, reason: str | None, final: bool = True) -> None:
         if self._ended:
