@@ -11,11 +11,15 @@ untimed (outside every batch run), and picks that edge:
   batched greedy head and the host read, by total rows, each total timed interleaved with the ``m``-row pass it is
   compared to; the pass a ``shared_budget`` engine runs: where the engine pads its passes (CUDA,
   :func:`~specpilot.engine.batch_runner.runs_padded`) the :class:`~specpilot.engine.batch_runner.BatchRunner`'s
-  bucketed CUDA graph, padding included, else ``Transformer.forward_batch`` eagerly. Ascending, it stops at the
-  first total past the flat region.
-- :func:`flat_budget`: the largest measured total ``R`` such that every measured total from ``m`` to ``R`` costs at
-  most ``1 + FLAT_TOLERANCE`` times the ``m``-row pass; the budget is ``R - m`` drafted nodes (roots excluded),
-  at least 1 (a pass that is not flat at all still verifies one drafted node: the shared budget's smallest step).
+  bucketed CUDA graph, padding included, else ``Transformer.forward_batch`` eagerly. Ascending, it stops after two
+  totals in a row past the flat region.
+- :func:`flat_budget`: the edge of the flat region, the last measured total ``R`` (from ``m`` up) that costs at most
+  ``1 + FLAT_TOLERANCE`` times the ``m``-row pass before two totals in a row cost more; the budget is ``R - m``
+  drafted nodes (roots excluded), at least 1 (a pass that is not flat at all still verifies one drafted node: the
+  shared budget's smallest step). Why two: the pass's cost never falls as rows are added (or falls only where a
+  wider kernel happens to be faster), so a single dearer total followed by a flat one is the machine's noise, not the
+  edge. On a shared 2-core CPU one total 6% over the 8-row pass (9 rows) once ended the region at one node, where a
+  hand-set 8-node budget ran 7% faster than AR in the same process.
 - :func:`shared_budgets`: the ``SystemConfig.shared_budget`` tuple, entry ``m - 1`` for every ``m`` in
   ``1..max_size`` (steps over fewer requests than the batch's slots happen at its tail).
 """
@@ -45,8 +49,8 @@ def _device_sync(dev: torch.device) -> None:
 def measure_pass_ms(target, m: int, extras=EXTRA_ROWS, tolerance: float = FLAT_TOLERANCE, prefix: int = PREFIX,
                     repeats: int = REPEATS, _clock=time.perf_counter) -> dict[int, float]:
     """Ms of one batched exact pass of ``m`` requests by total rows (module doc), ``{m: ms, m + e: ms, ...}`` for
-    ``e`` in ``extras`` ascending, stopping after the first total whose cost passes ``1 + tolerance`` times the
-    ``m``-row pass's (the totals past it are outside the flat region whatever they cost).
+    ``e`` in ``extras`` ascending, stopping after two totals in a row whose cost passes ``1 + tolerance`` times the
+    ``m``-row pass's (the totals past them are outside the flat region whatever they cost: :func:`flat_budget`).
 
     Each ``m + e`` is timed in ``repeats`` rounds interleaved with the ``m``-row pass; its figure is the ``m``-row
     median of the whole run times the ratio of the two medians of its own rounds, so drift between totals cancels.
@@ -101,6 +105,7 @@ def measure_pass_ms(target, m: int, extras=EXTRA_ROWS, tolerance: float = FLAT_T
         base()
     base_all: list[float] = []
     out = {}
+    over = 0  # totals in a row past the flat region
     for e in extras:
         one = make(m + e)
         for _ in range(2):
@@ -111,7 +116,8 @@ def measure_pass_ms(target, m: int, extras=EXTRA_ROWS, tolerance: float = FLAT_T
             t.append(one())
         base_all += b
         out[m + e] = sorted(t)[len(t) // 2] / max(sorted(b)[len(b) // 2], 1e-9)  # a ratio for now
-        if out[m + e] > 1 + tolerance:
+        over = over + 1 if out[m + e] > 1 + tolerance else 0
+        if over == 2:
             break
     if not base_all:  # no extras: the m-row pass alone
         base_all = [base() for _ in range(repeats)]
@@ -121,8 +127,9 @@ def measure_pass_ms(target, m: int, extras=EXTRA_ROWS, tolerance: float = FLAT_T
 
 def flat_budget(costs: dict[int, float], m: int, tolerance: float = FLAT_TOLERANCE) -> int:
     """Drafted nodes a step over ``m`` requests may verify inside the flat region (module doc): ``R - m`` for the
-    largest total ``R`` of ``costs`` (total rows -> ms, ``m`` among them) such that every total from ``m`` up to
-    ``R`` costs at most ``(1 + tolerance) * costs[m]``; at least 1.
+    last total ``R`` of ``costs`` (total rows -> ms, ``m`` among them), ascending from ``m``, that costs at most
+    ``(1 + tolerance) * costs[m]`` before two totals in a row cost more (one dearer total between flat ones is
+    noise; the last measured total dearer counts as two); at least 1.
 
     Raises:
         ValueError: ``costs`` lacks the ``m``-row pass, holds a total below ``m``, or a cost <= 0.
@@ -131,11 +138,13 @@ def flat_budget(costs: dict[int, float], m: int, tolerance: float = FLAT_TOLERAN
         raise ValueError(f"the cost table has no {m}-row pass to compare with")
     if min(costs) < m or min(costs.values()) <= 0:
         raise ValueError(f"a pass of {m} requests has at least {m} rows and costs more than 0 ms")
+    totals = sorted(t for t in costs if t >= m)
     edge = m
-    for total in sorted(costs):
-        if costs[total] > (1 + tolerance) * costs[m]:
+    for i, total in enumerate(totals):
+        if costs[total] <= (1 + tolerance) * costs[m]:
+            edge = total
+        elif i + 1 == len(totals) or costs[totals[i + 1]] > (1 + tolerance) * costs[m]:
             break
-        edge = total
     return max(edge - m, 1)
 
 
