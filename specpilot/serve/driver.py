@@ -168,9 +168,14 @@ class EngineDriver:
             deliver(item)
             return True
         except RuntimeError:  # the request's event loop is closed (server shutting down): nobody listens
-            self._sinks.pop(rid, None)
-            self._abort_engine(rid)
+            self._drop(rid)
             return False
+
+    def _drop(self, rid: str) -> None:
+        """Forget a request nobody listens to any more (its event loop closed) and end it in the engine."""
+        self._sinks.pop(rid, None)
+        self._held.pop(rid, None)
+        self._abort_engine(rid)
 
     def _add(self, req, deliver) -> None:
         try:
@@ -234,9 +239,7 @@ class EngineDriver:
                 loop.call_soon_threadsafe(_put_all, [(put, o) for _, put, o in items])
             except RuntimeError:  # the loop is closed (server shutting down): nobody listens
                 for rid, _, _ in items:
-                    self._sinks.pop(rid, None)
-                    self._held.pop(rid, None)
-                    self._abort_engine(rid)
+                    self._drop(rid)
         log.debug("step of %d outputs in %.1f ms", len(outs), 1e3 * (time.perf_counter() - t0))
 
     def _coalesce(self, o, now: float):
