@@ -90,17 +90,40 @@ def test_identical_prompts_arriving_together_are_prefilled_once(tiny_models):
     assert eng.prefix.hits == 3 and eng.prefix.reused_tokens == 3 * 29
 
 
-def test_a_freed_slot_serves_the_next_prompt_without_a_copy(tiny_models):
+def test_freed_slots_keep_their_prompts_for_the_next_requests(tiny_models):
+    """One request after another: a prompt that differs takes an empty slot (its shared head copied), so the first
+    request's slot still holds its prompt when that prompt comes again, and it is taken without a copy."""
     target, _ = tiny_models
     head = [(7 * i + 1) % V for i in range(24)]
     eng = BatchEngine(target, SystemConfig.ar(), None, eos_ids=[], max_num_seqs=2)
     copies = []
     real = eng.pool.copy_prefix
     eng.pool.copy_prefix = lambda s, d, n: copies.append((s, d, n)) or real(s, d, n)
-    first = eng.generate_all([head + [1, 2]], 4)[0]
-    second = eng.generate_all([head + [3]], 5)[0]  # the lowest free slot is the one the first request left
-    assert first.tokens == ar(target, head + [1, 2], 4) and second.tokens == ar(target, head + [3], 5)
-    assert eng.prefix.hits == 1 and eng.prefix.reused_tokens == 24 and not copies
+    a, b = head + [1, 2], head + [3]
+    outs = [eng.generate_all([p], n)[0].tokens for p, n in [(a, 4), (b, 5), (a, 4)]]
+    assert outs == [ar(target, a, 4), ar(target, b, 5), ar(target, a, 4)]
+    assert copies == [(0, 1, 24)]  # b's head from a's slot; a again in its own slot
+    assert eng.prefix.hits == 2 and eng.prefix.reused_tokens == 24 + 25
+    assert sorted(eng.prefix.kept) == [0, 1]
+
+
+def test_pick_keeps_prefixes_resident_and_evicts_the_least_recent():
+    class Pool:
+        def copy_prefix(self, s, d, n):
+            pass
+
+    pc = PrefixCache(Pool(), min_tokens=4)
+    p, q, r = list(range(10)), list(range(100, 110)), list(range(200, 210))
+    assert pc.pick(p, [3, 1, 0]) == 0  # nothing kept: the lowest
+    pc.release(0, p + [7, 8])
+    pc.release(1, q)
+    assert pc.pick(p, [2, 1, 0]) == 0 and pc.pick(q + [5], [2, 1, 0]) == 1  # its own prompt, a later turn
+    assert pc.pick(p[:6] + [99], [2, 1, 0]) == 2  # shares a head only: an empty slot, the head copied there
+    assert pc.pick(r, [1, 0]) == 0  # no empty slot: the least recently released
+    pc.reuse(2, p[:6] + [99], [])  # reads slot 0 (copy): slot 1 is now the least recent
+    assert pc.pick(r, [1, 0]) == 1
+    with pytest.raises(ValueError):
+        pc.pick(r, [])
 
 
 def test_no_prefix_reuse_where_it_cannot_hold(tiny_models):

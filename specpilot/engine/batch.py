@@ -195,8 +195,7 @@ class BatchEngine:
         self.pool.cache(r.slot).commit(0)
         for d in self.drafters:
             d.reset(r.slot)
-        self._free.append(r.slot)
-        self._free.sort(reverse=True)  # the lowest free slot next: running requests stay in a short slot range
+        self._free = sorted(self._free + [r.slot], reverse=True)  # lowest last: requests stay in a short slot range
 
     # -- a step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -226,7 +225,9 @@ class BatchEngine:
                 if self.prefix.waits(self._waiting[0].prompt_ids, [a.committed for a in admitted], resident):
                     break  # next step it copies the prefix an admitted prompt is about to compute
             req = self._waiting.popleft()
-            r = _Running(req, self._free.pop(), list(req.prompt_ids), self.eos_ids | set(req.stop_ids))
+            slot = self.prefix.pick(req.prompt_ids, self._free) if self.prefix is not None else self._free[-1]
+            self._free.remove(slot)
+            r = _Running(req, slot, list(req.prompt_ids), self.eos_ids | set(req.stop_ids))
             for d in self.drafters:
                 d.reset(r.slot)
             admitted.append(r)

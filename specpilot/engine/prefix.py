@@ -38,7 +38,8 @@ class PrefixCache:
         pool: the batch's pool (its ``copy_prefix``).
         min_tokens: shared tokens from which a prefix is reused (>= 1).
     Attributes:
-        kept: free slot -> the tokens whose K/V it still holds (a finished request's), until a new request takes it.
+        kept: free slot -> the tokens whose K/V it still holds (a finished request's), until a new request takes it;
+            in the order :meth:`pick` evicts them (least recently released or read first).
         hits / reused_tokens: prompts that started from a resident prefix, and the prompt tokens they did not prefill.
         queried_tokens: prompt tokens of every prompt looked up (vLLM's prefix-cache queries; hits are
             ``reused_tokens``).
@@ -55,7 +56,35 @@ class PrefixCache:
 
     def release(self, slot: int, tokens: list[int]) -> None:
         """``slot`` is free and still holds the K/V of ``tokens`` (positions ``[0, len(tokens))``)."""
-        self.kept[slot] = list(tokens)
+        self.kept.pop(slot, None)
+        self.kept[slot] = list(tokens)  # the newest entry last: :meth:`pick` evicts from the front
+
+    def pick(self, prompt: list[int], free: list[int]) -> int:
+        """The free slot a new request with ``prompt`` takes (``free`` non-empty), keeping as many finished
+        requests' prefixes resident as the slots allow (vLLM's block cache evicts least recently used blocks; here
+        whole slots):
+
+        1. a kept slot whose tokens and ``prompt`` cover one another (the same prompt again, whose greedy output is
+           what the slot holds; or a later turn of its conversation): nothing it holds is lost, nothing is copied;
+        2. else the lowest free slot that keeps nothing (the prefix, if any, is copied into it);
+        3. else the kept slot least recently released or read.
+
+        Raises ValueError: no free slot."""
+        if not free:
+            raise ValueError("no free slot")
+        best, own = 0, None
+        for s in free:
+            toks = self.kept.get(s)
+            if toks is not None:
+                n = shared_prefix(prompt, toks)
+                if n >= self.min_tokens and n >= min(len(prompt), len(toks)) and n > best:
+                    best, own = n, s
+        if own is not None:
+            return own
+        empty = [s for s in free if s not in self.kept]
+        if empty:
+            return min(empty)
+        return min(free, key=list(self.kept).index)
 
     def claim(self, slot: int) -> None:
         """A new request took ``slot``: what it kept will be overwritten."""
@@ -95,6 +124,8 @@ class PrefixCache:
             return 0
         if src != slot:
             self.pool.copy_prefix(src, slot, n)
+            if src in self.kept:  # read: the last to be evicted
+                self.kept[src] = self.kept.pop(src)
         self.hits += 1
         self.reused_tokens += n
         return n
