@@ -80,10 +80,7 @@ def test_outside_float32_a_different_output_needs_forcing_and_the_3_percent_bar(
     small = compare(_synthetic({n: 1.02 for n in SIZES}, noise=0.002, seed=7), "a", "b")
     small = type(small)(**{**small.__dict__, "outputs_differ": True})
     assert not judge_batch(small, 0.001, exact=False, forcing_passed=True).approved  # 2% < the 3% bar
-    # AR as the candidate (round 0): its output is the reference, so failed forcing does not reject it
-    v = judge_batch(run, 0.001, exact=False, forcing_passed=False, b_is_ar=True)
-    assert v.approved and v.bar == pytest.approx(ctl.CHANGED_OUTPUT_BAR)
-    assert not judge_batch(run, 0.001, exact=True, b_is_ar=True).approved  # float32: a difference is a broken engine
+    assert not judge_batch(run, 0.001, exact=True, forcing_passed=True).approved  # float32: a broken engine
 
 
 def test_batch_forcing_catches_a_planted_wrong_token():
@@ -216,7 +213,7 @@ def test_quick_batch_run_end_to_end(tmp_path, capsys):
     assert rep["outputs_equal_ar"] == {"stock": True, "sealed": True} and rep["token_forcing"] is None
     judged = [v for v in rep["verdicts"] if "skipped" not in v]
     assert judged and all(not v["run"]["outputs_differ"] for v in judged)  # lossless: every candidate equals AR
-    assert {v["mechanism"] for v in rep["verdicts"]} == {"ar", *(n for n, _, _ in MECHANISMS)}
+    assert {v["mechanism"] for v in rep["verdicts"]} == {"stock", *(n for n, _, _ in MECHANISMS)}
     system = json.loads((out / "system.json").read_text())
     assert system["label"] == rep["sealed_label"] and SystemConfig(**system["config"]).seal() == system["seal"]
     assert system == json.loads((out / "system_n1.json").read_text())  # system.json: the smallest size's

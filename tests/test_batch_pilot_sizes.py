@@ -85,11 +85,11 @@ def test_measured_cells_split_by_size_and_merge_back():
         BatchMeasured.merged([at4, at4])
 
 
-def _speed(cfg: SystemConfig, n: int) -> float:
-    """Throughput by config and size: the best-first tree (per request) wins at one request and loses at two; AR is
-    slower than stock at both; everything else runs at stock's speed."""
+def _speed(cfg: SystemConfig, n: int, ar: float = 90.0) -> float:
+    """Throughput by config and size: the best-first tree (per request) wins at one request and loses at two; AR
+    runs at ``ar`` (slower than stock by default); everything else runs at stock's speed."""
     if cfg.drafter == "none":
-        return 90.0
+        return ar
     if cfg.tree == "best_first" and cfg.row_selection == "per_request":
         return 120.0 if n == 1 else 80.0
     return 100.0
@@ -115,7 +115,8 @@ def test_a_candidate_that_wins_at_one_size_and_loses_at_the_other_seals_per_size
     bf = {v["size"]: v for v in rep["verdicts"] if v["mechanism"] == "best_first"}
     assert bf[1]["approved"] and bf[1]["gain"] == pytest.approx(1.2)
     assert not bf[2]["approved"] and bf[2]["gain"] == pytest.approx(0.8)
-    assert not any(v.get("approved") for v in rep["verdicts"] if v["mechanism"] == "ar")  # AR loses at both sizes
+    round0 = [v for v in rep["verdicts"] if v["mechanism"] == "stock"]
+    assert len(round0) == 2 and all(v["approved"] for v in round0)  # stock beats AR at both sizes
     shared = {v["size"]: v for v in rep["verdicts"] if v["mechanism"] == "shared_budget"}
     assert rep["shared_budget"]["budgets"] == [4, 4]
     assert all(tuple(v["delta"]["shared_budget"]) == (4, 4) for v in shared.values())
@@ -144,3 +145,31 @@ def test_a_candidate_that_wins_at_one_size_and_loses_at_the_other_seals_per_size
     assert json.loads((out / "system.json").read_text()) == json.loads((out / "system_n1.json").read_text())
     md = (out / "batch_report.md").read_text()
     assert "system_n1.json" in md and "system_n2.json" in md and "| 2 | best_first |" in md
+
+
+def test_a_size_where_no_drafted_row_pays_seals_ar(tmp_path):
+    """AR faster than stock at both sizes: stock is not approved in round 0, so AR is each size's incumbent and
+    every candidate (built from stock) must beat AR itself: the best-first tree does at one request (120 vs 110) and
+    not at two (80), where AR is sealed."""
+    from specpilot.pilot.batch_pilot import run_batch_pilot
+    from specpilot.pilot.state import PilotOptions
+    from specpilot.zoo import bundled_target_dir
+
+    def speeds(systems, m):
+        for name, cfg in systems.items():
+            m.tps[name] = {cell: _speed(cfg, cell[1], ar=110.0) for cell in m.tps[name]}
+
+    out = tmp_path / "r"
+    opts = PilotOptions(target=bundled_target_dir(), out=out, quick=True,
+                        overrides={"per_benchmark": 2, "max_new_tokens": 8, "benchmarks": 1})
+    flat = lambda m: {m: 1.0, m + 1: 1.0, m + 2: 1.02, m + 4: 1.04, m + 8: 1.5}  # noqa: E731
+    rep = run_batch_pilot(opts, (1, 2), rounds=2, rng=random.Random(4), pass_ms=flat, adjust=speeds)
+    round0 = [v for v in rep["verdicts"] if v["mechanism"] == "stock"]
+    assert len(round0) == 2 and not any(v["approved"] for v in round0)
+    assert all(v["incumbent"] == SystemConfig.ar().label() for v in round0)
+    bf = {v["size"]: v for v in rep["verdicts"] if v["mechanism"] == "best_first"}
+    assert bf[1]["approved"] and bf[1]["incumbent"] == SystemConfig.ar().label()
+    assert bf[1]["gain"] == pytest.approx(120 / 110) and not bf[2]["approved"]
+    ps = rep["per_size"]
+    assert ps["1"]["sealed_label"] == bf[1]["candidate"] and ps["2"]["sealed_is"] == "ar"
+    assert ps["2"]["sealed_vs_ar"] == pytest.approx(1.0) and ps["2"]["sealed_vs_stock"] == pytest.approx(1.1)

@@ -8,7 +8,9 @@ judges systems by batch runs (:mod:`specpilot.pilot.batch_runs`) at every asked 
    stock vs stock (A/A), each A B B A per (benchmark, size) over a few rounds with fresh salts. Per size: stock's
    gain over AR, and the noise σ of that size's A/A (:func:`specpilot.pilot.controller.noise_from_aa` over that
    size's cells). In float32 stock's outputs must equal AR's.
-2. **Round 0.** Per size, AR against stock on Phase 0's runs at that size; approved, AR is that size's incumbent.
+2. **Round 0.** Per size, stock against AR on Phase 0's runs at that size; approved, stock is that size's
+   incumbent, else AR is: speculation must pay for its rows before any of it is sealed, so a size where no drafted
+   row earns its cost seals AR (the batched pilot is never slower than AR beyond its noise).
 3. **Shared budgets.** The target's batched pass is measured untimed by total rows at every size up to the largest
    (:mod:`specpilot.pilot.batch_budget`): the budget of a step over m requests is the drafted rows the pass can add
    within its flat region; the ``shared_budget`` candidate carries them (``SystemConfig.shared_budget``).
@@ -143,16 +145,17 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     forcing = None if exact else BatchForcing(Scorer(scorer_model(pilot)), p0)
     budgets, tables = shared_budgets(max(sizes), pass_ms or (lambda m: measure_pass_ms(pilot.dep.target, m)))
     pilot.say("batch", f"shared budget by batch size 1..{max(sizes)} (flat region of the batched pass): {list(budgets)}")
-    verdicts, incumbent, entries = [], {n: pilot.stock for n in sizes}, {n: [] for n in sizes}
-    for n in sizes:  # round 0: AR against stock on Phase 0's own runs at that size
+    verdicts, incumbent, entries = [], {n: pilot.ar for n in sizes}, {n: [] for n in sizes}
+    for n in sizes:  # round 0: stock against AR on Phase 0's own runs at that size; speculation pays for its rows
         p0n = p0.at(n)
-        back = compare(p0n, "stock", "ar")
-        audited = forcing.check(p0n, "ar") if forcing is not None and back.outputs_differ else None
-        v = judge_batch(back, sigma[n], exact, audited and audited["passed"], b_is_ar=True)
-        verdicts.append(verdict_record("ar", "round 0: AR against stock (Phase 0's runs)", n, pilot.stock, pilot.ar,
-                                       back, v, audited))
+        fwd = compare(p0n, "ar", "stock")
+        audited = forcing.check(p0n, "stock") if forcing is not None and fwd.outputs_differ else None
+        v = judge_batch(fwd, sigma[n], exact, audited and audited["passed"])
+        verdicts.append(verdict_record("stock", "round 0: stock against AR (Phase 0's runs)", n, pilot.ar,
+                                       pilot.stock, fwd, v, audited))
+        pilot.say("batch", f"n={n} stock: {v.reason}")
         if v.approved:
-            incumbent[n] = pilot.ar
+            incumbent[n] = pilot.stock
     mechanisms = MECHANISMS if opts.calibration is None else (calibrated_mechanism(opts.calibration, pilot.stock),
                                                                   *MECHANISMS)
     for name, why, make in mechanisms:
@@ -197,13 +200,11 @@ def _by_size(run) -> dict:
     return {n: round(v["gain"], 3) for n, v in run.per_size.items()}
 
 
-def judge_batch(run, sigma: float, exact: bool = True, forcing_passed: bool | None = None, *,
-                b_is_ar: bool = False) -> ctl.Verdict:
+def judge_batch(run, sigma: float, exact: bool = True, forcing_passed: bool | None = None) -> ctl.Verdict:
     """The batched pilot's approval rule (module doc) for a :class:`~specpilot.pilot.batch_runs.BatchPaired` of B
     against the incumbent A. ``exact`` (float32): output different from A's rejects (A's equals AR's). Otherwise
     :func:`specpilot.pilot.controller.approve`: bar 1% + 2σ, or max(3%, 1% + 2σ) with token forcing passed
-    (``forcing_passed``; None = not run = reject) when the output differs, except for B = AR (``b_is_ar``: AR's
-    output is the reference forcing audits against); threads, nondeterminism reject.
+    (``forcing_passed``; None = not run = reject) when the output differs; threads, nondeterminism reject.
 
     Raises:
         ValueError: negative or non-finite ``sigma``.
@@ -211,7 +212,7 @@ def judge_batch(run, sigma: float, exact: bool = True, forcing_passed: bool | No
     if exact and run.outputs_differ:
         return ctl.Verdict(False, "rejected: output differs from the incumbent's, so from AR's (float32)", run.gain,
                            run.lower_bound, ctl.BASE_BAR + 2 * sigma)
-    return ctl.approve(run, sigma, forcing_passed, b_is_ar=b_is_ar)
+    return ctl.approve(run, sigma, forcing_passed)
 
 
 class BatchForcing:
