@@ -10,6 +10,7 @@ import random
 import pytest
 
 from specpilot.config import SystemConfig
+from specpilot.errors import SpecPilotError
 from specpilot.pilot.batch_budget import flat_budget, measure_pass_ms, shared_budgets
 from specpilot.pilot.batch_runs import BatchMeasured, compare
 
@@ -173,3 +174,51 @@ def test_a_size_where_no_drafted_row_pays_seals_ar(tmp_path):
     ps = rep["per_size"]
     assert ps["1"]["sealed_label"] == bf[1]["candidate"] and ps["2"]["sealed_is"] == "ar"
     assert ps["2"]["sealed_vs_ar"] == pytest.approx(1.0) and ps["2"]["sealed_vs_stock"] == pytest.approx(1.1)
+
+
+def test_a_pilot_cut_short_resumes_from_its_journal(tmp_path, monkeypatch):
+    """A run killed in its third measurement, run again in the same directory, measures only what was left (the
+    journal's measurements read back) and reaches the verdicts and seals of a run never cut; other options refuse
+    the directory."""
+    import specpilot.pilot.batch_pilot as bp
+    from specpilot.pilot.batch_journal import JOURNAL
+    from specpilot.pilot.state import PilotOptions
+    from specpilot.zoo import bundled_target_dir
+
+    flat = lambda m: {m: 1.0, m + 1: 1.0, m + 2: 1.02, m + 4: 1.04, m + 8: 1.5}  # noqa: E731
+    calls, real = [], bp.measure_batches
+
+    def counted(makers, *a, **k):
+        calls.append(tuple(makers))
+        if len(calls) == 3 and cut:
+            raise KeyboardInterrupt  # the call's time limit
+        return real(makers, *a, **k)
+
+    monkeypatch.setattr(bp, "measure_batches", counted)
+
+    def run(out, cut_now, **over):
+        nonlocal cut
+        cut = cut_now
+        opts = PilotOptions(target=bundled_target_dir(), out=out, quick=True,
+                            overrides={"per_benchmark": 2, "max_new_tokens": 8, "benchmarks": 1, **over})
+        return bp.run_batch_pilot(opts, (1, 2), rounds=2, rng=random.Random(3), pass_ms=flat, adjust=_set_speeds)
+
+    cut = False
+    whole = run(tmp_path / "whole", False)
+    n_whole = len(calls)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "cut", True)
+    assert len(calls) == 3 and (tmp_path / "cut" / JOURNAL).is_file()
+    calls.clear()
+    resumed = run(tmp_path / "cut", False)
+    assert len(calls) == n_whole - 2  # the two finished before the cut were read back
+    strip = lambda rep: [{k: v for k, v in x.items() if k != "run"} for x in rep["verdicts"]]  # noqa: E731
+    assert strip(resumed) == strip(whole)
+    assert {n: r["sealed_label"] for n, r in resumed["per_size"].items()} == \
+        {n: r["sealed_label"] for n, r in whole["per_size"].items()}
+    calls.clear()
+    again = run(tmp_path / "cut", False)
+    assert not calls and strip(again) == strip(whole)  # everything from the journal
+    with pytest.raises(SpecPilotError, match="other plan"):
+        run(tmp_path / "cut", False, max_new_tokens=9)

@@ -23,6 +23,10 @@ judges systems by batch runs (:mod:`specpilot.pilot.batch_runs`) at every asked 
    sealed system per size (:mod:`specpilot.pilot.batch_report`: ``system_n{n}.json``, ``system.json`` the
    smallest size's).
 
+**Resume.** Every finished measurement (Phase 0's, the pass-cost tables, each candidate's, each seal's) is journaled
+in ``--out`` as it ends (:mod:`specpilot.pilot.batch_journal`); the same command again in the same directory reads
+them back and measures only what is left, so a pilot longer than one GPU call completes over several.
+
 **Approval rule** at size n (:func:`judge_batch`, :func:`specpilot.pilot.controller.approve`): the one-sided 95%
 lower bound of the gain over that size's cells (geometric mean over benchmarks, paired bootstrap over the
 (benchmark, round) cells) minus 1 must exceed 1% + 2σ_n; no thread left running, no nondeterminism. In float32 a
@@ -43,6 +47,7 @@ import torch
 from specpilot.errors import SpecPilotError
 from specpilot.pilot import controller as ctl
 from specpilot.pilot.batch_budget import FLAT_TOLERANCE, measure_pass_ms, shared_budgets
+from specpilot.pilot.batch_journal import BatchJournal, run_header
 from specpilot.pilot.batch_mechanisms import MECHANISMS, calibrated_mechanism
 from specpilot.pilot.batch_report import build_report, verdict_record, write_outputs
 from specpilot.pilot.batch_runs import BatchMeasured, compare, measure_batches
@@ -114,11 +119,17 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     # in float32 an engine held 6 GB of K/V, and a seal holds three engines at once
     max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + ctl.SALT_TOKENS + 1
 
+    journal = BatchJournal(opts.out, run_header(opts, sizes, rounds))
+    if journal.resumed:
+        pilot.say("batch", f"resuming: {journal.resumed} finished measurements from {journal.path}")
+
     def measure(systems: dict, label: str, at=sizes) -> BatchMeasured:
-        pilot.say("batch", f"{label}: sizes {list(at)} x {len(groups)} benchmarks x {rounds} rounds")
         makers = {k: (lambda n, c=c: pilot.dep.batch_system(c, max_num_seqs=n, max_len=max_len))
                   for k, c in systems.items()}
-        m = measure_batches(makers, groups, at, rounds, **kw)
+        key = f"{label} @ {list(at)} :: " + ", ".join(f"{k}={c.seal()}" for k, c in systems.items())
+        m, old = journal.measured(key, lambda: measure_batches(makers, groups, at, rounds, **kw))
+        pilot.say("batch", f"{label}: sizes {list(at)} x {len(groups)} benchmarks x {rounds} rounds"
+                           + (" (from the journal)" if old else ""))
         if adjust is not None:
             adjust(systems, m)
         return m
@@ -128,8 +139,10 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     p0 = measure({"ar": pilot.ar, "stock": pilot.stock}, "phase 0: AR vs stock")
     ar_stock = compare(p0, "ar", "stock")
     aa_m = measure({"a": pilot.stock, "b": pilot.stock}, "phase 0: stock A/A")
+    if journal.get("phase0_s") is None:
+        journal.put("phase0_s", time.perf_counter() - t_p0)
     n_mech = len(MECHANISMS) + (opts.calibration is not None)
-    pilot.say("batch", f"expected duration: about {expected_rest_s(time.perf_counter() - t_p0, n_mech) / 60:.1f} "
+    pilot.say("batch", f"expected duration: about {expected_rest_s(journal.get('phase0_s'), n_mech) / 60:.1f} "
                        f"min more ({n_mech} candidates a size and the seal, priced by Phase 0's own runs)")
     aa = compare(aa_m, "a", "b")
     sigma = {n: ctl.noise_from_aa(compare(aa_m.at(n), "a", "b")) for n in sizes}  # each size's own noise
@@ -143,7 +156,14 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     if not exact:
         pilot.say("batch", "token forcing: δ and stock's figures from Phase 0's batched outputs")
     forcing = None if exact else BatchForcing(Scorer(scorer_model(pilot)), p0)
-    budgets, tables = shared_budgets(max(sizes), pass_ms or (lambda m: measure_pass_ms(pilot.dep.target, m)))
+    pass_fn = pass_ms or (lambda m: measure_pass_ms(pilot.dep.target, m))
+
+    def table(m: int) -> dict[int, float]:  # journaled like every measurement
+        if journal.get(f"pass_ms m={m}") is None:
+            journal.put(f"pass_ms m={m}", {str(r): t for r, t in pass_fn(m).items()})
+        return {int(r): t for r, t in journal.get(f"pass_ms m={m}").items()}
+
+    budgets, tables = shared_budgets(max(sizes), table)
     pilot.say("batch", f"shared budget by batch size 1..{max(sizes)} (flat region of the batched pass): {list(budgets)}")
     verdicts, incumbent, entries = [], {n: pilot.ar for n in sizes}, {n: [] for n in sizes}
     for n in sizes:  # round 0: stock against AR on Phase 0's own runs at that size; speculation pays for its rows
