@@ -4,7 +4,8 @@
 #   tests: the GPU tests of the batched engine, graphs, batched and tree attention and the hybrid's static step, the
 #          aligned-attention probe, and the Qwen3-8B-shaped random target in /tmp/q8 (written beside the tests)
 #   pilot: `specpilot pilot --batch SIZES` on it with the calibrated drafter (CAL, `specpilot calibrate`), out in
-#          /tmp/bpilot
+#          /tmp/bpilot; cut by the call's limit, it resumes from its journal in the next call (copy the returned
+#          bpilot.tgz to cal/bpilot.tgz if the machine went cold in between)
 #   bench: `specpilot bench --batch 1,2,4,8,16,32 --system /tmp/bpilot`: the per-size seals as one load plan against
 #          AR and stock at every size
 #
@@ -35,7 +36,8 @@ tests)
   while [ ! -f /tmp/q8/config.json ] || pgrep -f "zoo random" > /dev/null; do sleep 2; done; el "zoo done"
   ;;
 pilot)
-  rm -rf /tmp/bpilot
+  # resumes: a journal in /tmp/bpilot (this warm machine's) or carried back as cal/bpilot.tgz (a fresh machine's)
+  [ ! -d /tmp/bpilot ] && [ -f cal/bpilot.tgz ] && tar xzf cal/bpilot.tgz -C /tmp && el "resuming from cal/bpilot.tgz"
   timeout "${PILOT_S:-560}" python3 -m specpilot pilot --target /tmp/q8 --device cuda --dtype bfloat16 --quick \
     --batch "${SIZES:-1,16}" --calibration "$cal" --out /tmp/bpilot > "$out/console.log" 2>&1
   el "pilot rc=$?"; tail -4 "$out/console.log"; cp "$out/console.log" /tmp/bpilot/ 2>/dev/null
