@@ -190,11 +190,19 @@ PILOT_FILES = ("report.json", "report.md", "system.json", "speedup.png", "tau_vs
                "outputs/stock_phase0.jsonl", "outputs/sealed.jsonl", "batch_report.json", "batch_report.md")
 
 
-def check_report_dir(out: Path) -> None:
+def check_report_dir(out: Path, batched: bool = False) -> None:
     """Raise :class:`SpecPilotError` when ``out`` already holds a file a pilot writes (:data:`PILOT_FILES`) but no
-    earlier pilot's ``report.json`` or run marker: the run would overwrite a user's own file (``--out .`` in a project).
-    An earlier report is rewritten, as documented; files of other names are never touched."""
+    earlier pilot's ``report.json`` or run marker: the run would overwrite a user's own file (``--out .`` in a project);
+    or when it holds the other kind of pilot run (``batched``: this one is ``--batch``), whose ``system.json`` this run
+    would replace under its report. An earlier report of the same kind is rewritten, as documented; files of other
+    names are never touched."""
     from specpilot.pilot.phase0 import RUN_MARKER
+
+    other = ("report.json",) if batched else ("batch_report.json", "journal.json")
+    if any((out / n).exists() for n in other):
+        kind = "single-request" if batched else "batched (--batch)"
+        raise SpecPilotError(f"--out {out} holds a {kind} pilot run, whose system.json this run would replace: "
+                             "choose another directory")
 
     clash = [n for n in PILOT_FILES if (out / n).exists()] + sorted(p.name for p in out.glob("system_n*.json"))
     if not clash or (out / RUN_MARKER).is_file():  # a pilot wrote them, maybe in a run that failed before its report
@@ -263,7 +271,7 @@ def pilot(
             raise SpecPilotError(f"--max-new-tokens {max_new_tokens}: no prompt fits the target's context of {context} "
                                  f"tokens with that many new tokens (and the controller's {SALT_TOKENS}-token salt)")
     output_dir(out, "--out")
-    check_report_dir(out)
+    check_report_dir(out, batched=batch is not None)
     devs = tuple(d.strip() for d in devices.split(",")) if devices is not None else ()
     if any(not d for d in devs):
         raise SpecPilotError(f"--devices {devices!r}: give comma-separated devices, e.g. cuda:0,cuda:1")

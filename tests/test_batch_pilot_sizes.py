@@ -220,5 +220,38 @@ def test_a_pilot_cut_short_resumes_from_its_journal(tmp_path, monkeypatch):
     calls.clear()
     again = run(tmp_path / "cut", False)
     assert not calls and strip(again) == strip(whole)  # everything from the journal
-    with pytest.raises(SpecPilotError, match="other plan"):
+    with pytest.raises(SpecPilotError, match="plan.max_new_tokens 8 there, 9 here"):
         run(tmp_path / "cut", False, max_new_tokens=9)
+
+
+def test_a_broken_or_foreign_journal_is_refused_in_one_line(tmp_path):
+    """Not JSON, not a dict, no header, a malformed entry: 'not a readable journal'; another run's header names
+    each differing option with both values; sizes in another order are the same run."""
+    from specpilot.pilot.batch_journal import JOURNAL, BatchJournal
+
+    head = {"sizes": [1, 2], "plan": {"max_new_tokens": 8}}
+    j = BatchJournal(tmp_path, head)
+    j.put("k", {"tps": {}})
+    for text in ("{", "[]", '{"entries": {}}', '{"header": {}, "entries": []}'):
+        (tmp_path / JOURNAL).write_text(text)
+        with pytest.raises(SpecPilotError, match="not a readable journal"):
+            BatchJournal(tmp_path, head)
+    (tmp_path / "x").mkdir()
+    j = BatchJournal(tmp_path / "x", head)
+    j.put("k", "a string")
+    with pytest.raises(SpecPilotError, match="entry 'k' is malformed"):
+        BatchJournal(tmp_path / "x", head).measured("k", lambda: pytest.fail("measured again"))
+    with pytest.raises(SpecPilotError, match="plan.max_new_tokens 8 there, 9 here"):
+        BatchJournal(tmp_path / "x", {**head, "plan": {"max_new_tokens": 9}})
+
+
+def test_a_pilot_refuses_the_other_kinds_directory(tmp_path):
+    from specpilot.cli import check_report_dir
+
+    (tmp_path / "journal.json").write_text("{}")
+    with pytest.raises(SpecPilotError, match="holds a batched"):
+        check_report_dir(tmp_path)
+    check_report_dir(tmp_path, batched=True)
+    (tmp_path / "report.json").write_text("{}")
+    with pytest.raises(SpecPilotError, match="holds a single-request"):
+        check_report_dir(tmp_path, batched=True)

@@ -29,7 +29,7 @@ def run_header(opts, sizes, rounds: int) -> dict:
     if opts.calibration is not None:
         cal = hashlib.sha256(Path(opts.calibration).read_bytes()).hexdigest()
     return {"target": str(Path(opts.target).resolve()), "drafter": opts.drafter and str(Path(opts.drafter).resolve()),
-            "dtype": opts.dtype, "device": opts.device, "threads": opts.threads, "sizes": list(sizes),
+            "dtype": opts.dtype, "device": opts.device, "threads": opts.threads, "sizes": sorted(sizes),
             "rounds": rounds, "plan": dict(opts.plan), "seed": opts.seed, "calibration_sha256": cal}
 
 
@@ -50,17 +50,26 @@ class BatchJournal:
         self.header = json.loads(json.dumps(header))  # as it reads back
         self.entries: dict = {}
         if self.path.is_file():
-            try:
-                got = json.loads(self.path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise SpecPilotError(f"{self.path} is not a readable journal ({e}); delete it to start over") from None
-            if got.get("header") != self.header:
-                diff = sorted(k for k in {**self.header, **got.get("header", {})}
-                              if got.get("header", {}).get(k) != self.header.get(k))
-                raise SpecPilotError(f"{self.path.parent} holds a batched pilot run with other {', '.join(diff)}: "
-                                     "give another --out, or delete its journal.json to start over")
-            self.entries = got.get("entries", {})
+            got = self._read()
+            if got["header"] != self.header:
+                there, here = _flat(got["header"]), _flat(self.header)
+                diff = [f"{k} {_short(there.get(k))} there, {_short(here.get(k))} here"
+                        for k in sorted({**there, **here}) if there.get(k) != here.get(k)]
+                raise SpecPilotError(f"{self.path.parent} holds a batched pilot run with other options "
+                                     f"({'; '.join(diff)}): give another --out, or delete its journal.json to start over")
+            self.entries = got["entries"]
         self.resumed = len(self.entries)
+
+    def _read(self) -> dict:
+        bad = f"{self.path} is not a readable journal"
+        try:
+            got = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise SpecPilotError(f"{bad} ({e}); delete it to start over") from None
+        if (not isinstance(got, dict) or not isinstance(got.get("header"), dict)
+                or not isinstance(got.get("entries"), dict)):
+            raise SpecPilotError(f"{bad} (no header and entries); delete it to start over")
+        return got
 
     def get(self, key: str):
         """The JSON value journaled under ``key``, or None."""
@@ -78,10 +87,27 @@ class BatchJournal:
         from the journal."""
         got = self.get(key)
         if got is not None:
-            return measured_from_json(got), True
+            try:
+                return measured_from_json(got), True
+            except (KeyError, TypeError, ValueError, AttributeError):
+                raise SpecPilotError(f"{self.path} is not a readable journal (its entry {key!r} is malformed); "
+                                     "delete it to start over") from None
         m = measure()
         self.put(key, measured_to_json(m))
         return m, False
+
+
+def _flat(header: dict) -> dict:
+    """``header`` with each dict value's keys lifted as ``key.sub`` (the plan's fields named one by one)."""
+    out = {}
+    for k, v in header.items():
+        out.update({f"{k}.{s}": x for s, x in v.items()} if isinstance(v, dict) else {k: v})
+    return out
+
+
+def _short(v) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _cell_key(cell) -> str:

@@ -142,8 +142,9 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     if journal.get("phase0_s") is None:
         journal.put("phase0_s", time.perf_counter() - t_p0)
     n_mech = len(MECHANISMS) + (opts.calibration is not None)
+    held = "; less what the journal holds" if journal.resumed else ""
     pilot.say("batch", f"expected duration: about {expected_rest_s(journal.get('phase0_s'), n_mech) / 60:.1f} "
-                       f"min more ({n_mech} candidates a size and the seal, priced by Phase 0's own runs)")
+                       f"min more ({n_mech} candidates a size and the seal, priced by Phase 0's own runs{held})")
     aa = compare(aa_m, "a", "b")
     sigma = {n: ctl.noise_from_aa(compare(aa_m.at(n), "a", "b")) for n in sizes}  # each size's own noise
     stock_equal = p0.equal_outputs("ar", "stock")
