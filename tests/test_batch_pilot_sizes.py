@@ -174,6 +174,9 @@ def test_a_size_where_no_drafted_row_pays_seals_ar(tmp_path):
     ps = rep["per_size"]
     assert ps["1"]["sealed_label"] == bf[1]["candidate"] and ps["2"]["sealed_is"] == "ar"
     assert ps["2"]["sealed_vs_ar"] == pytest.approx(1.0) and ps["2"]["sealed_vs_stock"] == pytest.approx(1.1)
+    md = (out / "batch_report.md").read_text()
+    assert "| 2 | AR | AR: neither stock nor any candidate beat it by the bar |" in md
+    assert "each beating the incumbent of its moment: best_first" in md
 
 
 def test_a_pilot_cut_short_resumes_from_its_journal(tmp_path, monkeypatch):
