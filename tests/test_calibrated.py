@@ -204,7 +204,7 @@ def test_spec_equals_ar_batched_random_requests(tiny_dirs, tiny_models, real, tm
         n = rng.choice([1, 2, 19, 30, 30])
         stops = frozenset(rng.sample(range(64), rng.choice([0, 0, 2])))
         if i % 5:  # every fifth request unknown to the drafter; some continuations shorter than the budget
-            dep.continuations.add(p, ar_tokens(target, p, 30)[: rng.choice([30, 30, 5])])
+            dep.batch_continuations.add(p, ar_tokens(target, p, 30)[: rng.choice([30, 30, 5])])
         reqs.append((p, n, stops))
     eng = dep.batch_system(cfg, max_num_seqs=3, eos_ids=[])
     for i, (p, n, stops) in enumerate(reqs):

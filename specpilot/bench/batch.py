@@ -144,8 +144,9 @@ def run_batch_bench(target, sizes: list[int], spec: SystemConfig, device: str = 
         del eng
         if name == "ar" and spec.drafter == "calibrated":  # SIMULATED acceptance: the drafter is told AR's outputs
             for p, a, b in zip(prompts[:n], single["ar"], batch1["ar"]):  # (both engines': bf16 may part at ties)
-                dep.continuations.add(p, a)
-                dep.continuations.add(p, b)
+                for store in (dep.continuations, dep.batch_continuations):
+                    store.add(p, a)
+                    store.add(p, b)
             res["simulated"] = simulation_note(systems["spec"])
     res["batch_invariant"] = dep.target.kernels.batch_invariant
     for name, cfg in systems.items():

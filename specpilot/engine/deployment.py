@@ -76,7 +76,11 @@ class Deployment:
         self._int8_head = None
         # the target's known greedy outputs, read by 'calibrated' drafters; unknown ones come from an AR run here
         self.continuations = Continuations(oracle=self._greedy)
+        # the batched engine's: on a GPU its bf16 bits differ from the single-request engine's at near ties, so a
+        # calibrated drafter in a batch follows the batched AR's continuation (computed for a batch run at once)
+        self.batch_continuations = Continuations(batch_oracle=self._batch_greedy)
         self._ar_engine = None
+        self._batch_ar = None
         if self.drafter_dir is not None:
             check_drafter_fits(self.target_dir, self.drafter_dir, self.tokenizer)
             self.draft_model = load_model(self.drafter_dir, dtype, device, pack=pack)
@@ -93,6 +97,19 @@ class Deployment:
         if self._ar_engine is None:
             self._ar_engine = self.system(SystemConfig.ar(dtype=self.dtype), eos_ids=[])
         return list(self._ar_engine.generate(prompt, n).tokens)
+
+    def _batch_greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        """The batched engine's greedy continuations of ``prompts``, ``n`` tokens each (no EOS stop): the oracle of
+        :attr:`batch_continuations`, an AR batched engine of 16 slots (graphed on CUDA) built on first use and
+        rebuilt when a prompt needs a longer context. Its kernels are batch-invariant, so a request's tokens do not
+        depend on the requests beside it (on a GPU in bf16 too, ``docs/batching.md``)."""
+        need = max(len(p) for p in prompts) + n + 8
+        if self._batch_ar is None or self._batch_ar.max_len < need:
+            self._batch_ar = None  # its KV pool freed before the next one is allocated
+            self._batch_ar = self.batch_system(SystemConfig.ar(dtype=self.dtype), max_num_seqs=16,
+                                               max_len=max(need, 512), eos_ids=[], prefix_caching=False)
+            self._batch_ar.capture_graphs()
+        return [list(g.tokens) for g in self._batch_ar.generate_all(prompts, n)]
 
     def eos_ids(self) -> list[int]:
         """EOS ids: the target config's, else the tokenizer's eos_token_id."""
@@ -197,10 +214,13 @@ class Deployment:
         target = self._target(config.configs[0] if isinstance(config, LoadPlan) else config)  # one per plan
         plan = config if isinstance(config, LoadPlan) else LoadPlan.single(config)
         engine_kw.setdefault("eos_ids", self.eos_ids())
+        # one request a step on a GPU: a block drafter's step runs from its CUDA graph, as in the single engine
+        static_step = max_num_seqs == 1 and torch.device(self.device).type == "cuda"
         built: dict = {}
         for i, c in enumerate(plan.configs):
             if plan.drafter_key(i) not in built:
-                built[plan.drafter_key(i)] = self._drafter(c, target, max_num_seqs)
+                built[plan.drafter_key(i)] = self._drafter(c, target, max_num_seqs, batched=True,
+                                                           static_step=static_step)
         drafters = [built[plan.drafter_key(i)] for i in range(len(plan))]
         return BatchEngine(target, config, drafters, max_num_seqs=max_num_seqs, **engine_kw)
 
@@ -211,9 +231,10 @@ class Deployment:
         target = self.w12_target() if config.w12 else self.target
         return self.int8_target(target) if config.lm_head_int8 else target
 
-    def _drafter(self, config: SystemConfig, target, slots: int, static_step: bool = False):
+    def _drafter(self, config: SystemConfig, target, slots: int, static_step: bool = False, batched: bool = False):
         """The drafter ``config`` names, holding ``slots`` requests (None for AR); ``static_step``: a block drafter's
-        single-request steps run as one static pass (:class:`~specpilot.spec.block_step.StaticBlockStep`)."""
+        single-request steps run as one static pass (:class:`~specpilot.spec.block_step.StaticBlockStep`);
+        ``batched``: for a batched engine (a calibrated drafter then reads :attr:`batch_continuations`)."""
         if config.drafter == "ngram":
             return NgramDrafter(config.ngram_max, config.ngram_min, max_matches=max(config.top_k, 1),
                                 max_slots=max(slots, 1024))
@@ -237,7 +258,8 @@ class Deployment:
         if config.drafter == "eagle3":  # sequential drafting, top_k children per node, top_k nodes expanded per depth
             return Eagle3Drafter(self.eagle3_net(config.drafter_path), target, top_k=config.top_k, max_slots=slots)
         if config.drafter == "calibrated":  # simulated acceptance; feed dep.continuations from an AR run first
-            return build_calibrated(config, target, self.continuations, slots, static_step=static_step)
+            store = self.batch_continuations if batched else self.continuations
+            return build_calibrated(config, target, store, slots, static_step=static_step)
         return None
 
 

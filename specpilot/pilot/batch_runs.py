@@ -50,8 +50,7 @@ def prepare_batch_untimed(engine, prompts, max_new: int) -> None:
     greedy continuation; nothing for a real drafter. Callers start their clock after it."""
     for d in engine.drafters:  # a BatchEngine's distinct drafters (a load plan may hold several)
         if isinstance(d, CalibratedDrafter):
-            for p in prompts:
-                d.prepare(list(p), max_new)
+            d.prepare_all([list(p) for p in prompts], max_new)
 
 
 def timed_batch(engine, prompts, max_new: int, _clock=time.perf_counter, _sync=_device_sync,

@@ -63,11 +63,15 @@ class Continuations:
     store can serve every engine of a deployment (single-request and batched: no slots involved).
     """
 
-    def __init__(self, oracle: Callable[[list[int], int], Sequence[int]] | None = None):
+    def __init__(self, oracle: Callable[[list[int], int], Sequence[int]] | None = None,
+                 batch_oracle: Callable[[list[list[int]], int], Sequence[Sequence[int]]] | None = None):
         self._by_prompt: dict[tuple[int, ...], list[list[int]]] = {}
         #: ``oracle(prompt, n)``: the target's greedy continuation of ``prompt``, ``n`` tokens (an AR run of the
         #: deployment; None: only what :meth:`add` was told is known)
         self.oracle = oracle
+        #: ``batch_oracle(prompts, n)``: the continuations of several prompts in one run (preferred when set: the
+        #: batched engine's AR, whose bf16 bits are the ones its speculative systems reproduce)
+        self.batch_oracle = batch_oracle
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_prompt.values())
@@ -89,14 +93,26 @@ class Continuations:
         """Make ``n`` tokens of the target's greedy continuation of ``prompt`` known, asking the :attr:`oracle`
         when no known sequence covers them. Untimed work by contract: the pilot's timers call it (through
         :meth:`~specpilot.engine.engine.Engine.prepare`) before their clock starts. Returns whether they are known."""
-        prompt = [int(t) for t in prompt]
-        found = self.find(prompt)
-        if found is not None and len(found[1]) >= len(prompt) + n:
-            return True
-        if self.oracle is None:
-            return False
-        self.add(prompt, [int(t) for t in self.oracle(prompt, n)])
-        return True
+        return self.ensure_all([prompt], n)[0]
+
+    def ensure_all(self, prompts: Sequence[Sequence[int]], n: int) -> list[bool]:
+        """:meth:`ensure` for several prompts, the unknown ones asked of :attr:`batch_oracle` in one call when it is
+        set (else of :attr:`oracle`, one by one). Returns per prompt whether its ``n`` tokens are known."""
+        prompts = [[int(t) for t in p] for p in prompts]
+        missing = []
+        for p in prompts:
+            found = self.find(p)
+            if (found is None or len(found[1]) < len(p) + n) and p not in missing:
+                missing.append(p)
+        if missing and self.batch_oracle is not None:
+            for p, c in zip(missing, self.batch_oracle(missing, n)):
+                self.add(p, [int(t) for t in c])
+        elif missing and self.oracle is not None:
+            for p in missing:
+                self.add(p, [int(t) for t in self.oracle(p, n)])
+        elif missing:
+            return [p not in missing for p in prompts]
+        return [True] * len(prompts)
 
     def find(self, committed: list[int]) -> tuple[int, list[int]] | None:
         """``(prompt length, prompt + continuation)`` of a known sequence that extends ``committed`` and whose
@@ -231,6 +247,10 @@ class CalibratedDrafter:
         """Learn the target's greedy continuation of ``prompt`` (``max_new_tokens``) from the continuations'
         oracle before a timed request (:meth:`Continuations.ensure`); nothing when there is no oracle."""
         self.continuations.ensure(prompt, max_new_tokens)
+
+    def prepare_all(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        """:meth:`prepare` for the prompts of a batch run, in one oracle call (:meth:`Continuations.ensure_all`)."""
+        self.continuations.ensure_all(prompts, max_new_tokens)
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:
