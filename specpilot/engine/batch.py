@@ -85,11 +85,12 @@ class BatchEngine:
             dense targets, drafters that read no target features). None: on, except where the decode passes are
             batch-invariant (CUDA's fused path): a prompt prefilled from a reused prefix attends to it in another
             order than its own prefill would, so its later rows' bits would depend on what ran before it.
+        compile_cpu: passes run the target's decoder stack as one ``torch.compile`` graph, :attr:`stack` (CPU only).
     Raises:
         DrafterError: a drafter does not fit the target or holds fewer slots than ``max_num_seqs``; two drafters
             that read target features.
         SpecPilotError: ``padded`` on a hybrid target; ``config.tlv`` (single requests only); a plan whose
-            systems do not share the target (:class:`~specpilot.engine.load_plan.LoadPlan`).
+            systems do not share the target (:class:`~specpilot.engine.load_plan.LoadPlan`); ``compile_cpu`` off CPU.
         ValueError: ``max_num_seqs`` or ``spec_max_requests`` below 1; a plan and a drafter list of other lengths.
 
     Attributes:
@@ -98,17 +99,19 @@ class BatchEngine:
         drafters: every distinct drafter of the plan. plan_steps: decode steps run by each system of the plan.
         exact_passes / prefill_passes: decode-step and prefill passes run so far (one decode pass per step).
         step_hook: test-only: ``step_hook(engine)`` after every decode pass, each running cache committed.
+        stack: the ``compile_cpu`` :class:`~specpilot.model.compiled_stack.CompiledStack` (``passes``), or None.
     """
 
     def __init__(self, target: Transformer, config: SystemConfig | LoadPlan, drafter: Drafter | list | None = None,
                  eos_ids: list[int] | None = None, max_len: int | None = None, max_num_seqs: int = 8,
                  max_prefill_rows: int = 2048, padded: bool | None = None, spec_max_requests: int | None = None,
-                 prefix_caching: bool | None = None):
+                 prefix_caching: bool | None = None, compile_cpu: bool = False):
         if min(max_num_seqs, 1 if spec_max_requests is None else spec_max_requests) < 1:
             raise ValueError(f"max_num_seqs and spec_max_requests must be at least 1, got {max_num_seqs}, "
                              f"{spec_max_requests}")
         if isinstance(config, SystemConfig) and config.tlv:  # its Q pass cost more than it saved in batching (§6)
             raise SpecPilotError("tlv runs single requests only (in batching its Q pass costs more than it saves)")
+        self.stack = target.compiled_stack() if compile_cpu else None  # refused off the CPU, before the pool
         self.plan = config if isinstance(config, LoadPlan) else LoadPlan.single(config)
         self._drafter_of, self.drafters, self.feature_drafter = bind_drafters(self.plan, drafter, target, max_num_seqs)
         self.target, self.config = target, self.plan.configs[0]
@@ -181,6 +184,10 @@ class BatchEngine:
         inside a timed or served step. Returns how many the runner holds (0 on the CPU or without a runner)."""
         return len(self.runner.capture_all(self.num_slots)) if self.runner is not None else 0
 
+    def compile_shapes(self) -> int:
+        """Compile the stack (``compile_cpu``) for each shape class a step can meet, now, not in a served step."""
+        return self.stack.warm_up(self.pool, self.num_slots) if self.stack else 0  # in the scratch slot
+
     def _by_slot(self) -> list[_Running]:
         """The running requests in slot order (a pass over consecutive slots reads their K/V as one view)."""
         return sorted(self._running.values(), key=lambda r: r.slot)
@@ -249,9 +256,9 @@ class BatchEngine:
         rows = BatchRows([r.slot for r in rs], starts, [len(t) for t in tokens], masks)
         feats: list = []
         kernel = True if self.runner is not None else self.target.kernels.batch_kernel
-        hidden = self.target.forward_batch(torch.tensor(sum(tokens, []), device=dev),
-                                           torch.tensor(sum(positions, []), device=dev), self.pool, rows,
-                                           features=feats, feature_layers=self.feature_layers, kernel=kernel)
+        fwd = (self.stack or self.target).forward_batch  # the compiled stack (compile_cpu) or the eager pass
+        hidden = fwd(torch.tensor(sum(tokens, []), device=dev), torch.tensor(sum(positions, []), device=dev),
+                     self.pool, rows, features=feats, feature_layers=self.feature_layers, kernel=kernel)
         if read is not None:
             hidden = hidden[torch.tensor(read, device=hidden.device)]
         return self.target.batch_greedy(hidden, kernel).tolist(), (torch.cat(feats, dim=-1) if feats else None)
@@ -299,7 +306,8 @@ class BatchEngine:
             for (i, q), lat in zip(asks, lats):
                 rs[i].history.drafted(lat, q.depth)
         if cfg.row_selection == "shared_budget":
-            return build_shared(_spread(asks, lats, len(rs)), cfg.step_budget(len(rs))), cfg
+            placed = dict(zip((i for i, _ in asks), lats))  # None where a request asked for none
+            return build_shared([placed.get(i) for i in range(len(rs))], cfg.step_budget(len(rs))), cfg
         for (i, _), lat in zip(asks, lats):
             if lat is not None:
                 trees[i] = build_tree(cfg.tree, lat, cfg.nodes)
@@ -390,11 +398,3 @@ class BatchEngine:
         for g in gens.values():
             g.time_s = time.perf_counter() - t0
         return [gens[q.request_id] for q in reqs]
-
-
-def _spread(asks: list[tuple[int, DraftRequest]], lats: list, n: int) -> list:
-    """Lattices back at their requests' places in the step (``None`` where a request asked for none)."""
-    out = [None] * n
-    for (i, _), lat in zip(asks, lats):
-        out[i] = lat
-    return out

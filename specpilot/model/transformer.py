@@ -128,6 +128,14 @@ class Transformer(nn.Module):
         the state the batched engine holds for its requests (a hybrid target's holds recurrent states too)."""
         return KVPool(self.args, num_slots, slot_len, self.dtype, self.device)
 
+    def compiled_stack(self):
+        """A :class:`~specpilot.model.compiled_stack.CompiledStack` of this target: its batched CPU pass's decoder
+        stack as one ``torch.compile`` graph (that module, and its custom ops, imported on this first use).
+        Raises SpecPilotError: a target it cannot compile (off the CPU, not a dense decoder)."""
+        from specpilot.model.compiled_stack import CompiledStack
+
+        return CompiledStack(self)
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """``cos, sin [R, head_dim]`` for ``positions [R] long`` (computed in float32)."""
         if self.inv_freq.device != positions.device:

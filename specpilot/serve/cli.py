@@ -93,6 +93,9 @@ def serve(
         help="Start a prompt from the K/V of the longest prefix a running or finished request left (>= 16 tokens; "
              "dense targets, drafters that read no target features). Default: on, except on CUDA's batch-invariant "
              "fused path, where a reused prefix would change the later rows' bits."),
+    compile_cpu: bool = typer.Option(False, "--compile", help="CPU only: run each batched pass's decoder stack as one "
+                                     "torch.compile graph (norms, RoPE, SiLU and residuals fused; the same tokens). "
+                                     "Its two graphs compile at start: minutes for SmolLM2 on 2 cores."),
 ):
     """Serve a speculative system over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
     Greedy only: temperature > 0, n > 1 and other sampling fields get a 400."""
@@ -115,6 +118,8 @@ def serve(
     if speculative_disable_by_batch_size is not None and speculative_disable_by_batch_size < 1:
         raise SpecPilotError(f"--speculative-disable-by-batch-size must be at least 1, got "
                              f"{speculative_disable_by_batch_size}")
+    if compile_cpu and (device or "cpu").split(":")[0] != "cpu":
+        raise SpecPilotError(f"--compile compiles the CPU pass only, not {device}'s (CUDA runs its graphs per bucket)")
     if system is not None:
         given = [f"--{n}" for n, v in (("drafter", drafter), ("drafter-path", drafter_path),
                                         ("tree", tree), ("nodes", nodes), ("depth", depth), ("top-k", top_k),
@@ -175,7 +180,7 @@ def serve(
         torch.set_num_threads(n_threads)
         run_server(sock, tdir, ddir, cfg, device, max_num_seqs, api_key, served_model_name or tdir.resolve().name,
                    chat_template, max_body_bytes, log_level, host, max_model_len, speculative_disable_by_batch_size,
-                   enable_prefix_caching)
+                   enable_prefix_caching, compile_cpu)
     finally:
         sock.close()
 
@@ -211,11 +216,13 @@ def in_passing_thread(fn):
 
 def run_server(sock, tdir, ddir, cfg: SystemConfig | LoadPlan, device, max_num_seqs, api_key, name, chat_template,
                max_body_bytes, log_level, host, max_len: int | None = None, spec_max_requests: int | None = None,
-               prefix_caching: bool | None = None) -> None:
+               prefix_caching: bool | None = None, compile_cpu: bool = False) -> None:
     """Load the deployment, build the batched system (``cfg``: one system, or a plan of one per batch size), and
     serve on ``sock`` until interrupted. ``max_len``: the
-    engine's context in tokens (None: the target's ``max_position_embeddings``, at most 4096); ``spec_max_requests``
-    and ``prefix_caching``: the engine's (:class:`~specpilot.engine.batch.BatchEngine`).
+    engine's context in tokens (None: the target's ``max_position_embeddings``, at most 4096); ``spec_max_requests``,
+    ``prefix_caching`` and ``compile_cpu``: the engine's (:class:`~specpilot.engine.batch.BatchEngine`; with
+    ``compile_cpu`` its graphs are compiled before the socket serves, :meth:`~specpilot.engine.batch.BatchEngine.
+    compile_shapes`).
 
     Raises:
         SpecPilotError: a checkpoint that cannot be loaded, a target without tokenizer files, ``max_len`` past the
@@ -240,8 +247,11 @@ def run_server(sock, tdir, ddir, cfg: SystemConfig | LoadPlan, device, max_num_s
             raise SpecPilotError(f"--max-model-len {max_len} is past the target's "
                                  f"{dep.target.args.max_position_embeddings} positions")
         engine = dep.batch_system(cfg, max_num_seqs, max_len=max_len, spec_max_requests=spec_max_requests,
-                                  prefix_caching=prefix_caching)
+                                  prefix_caching=prefix_caching, compile_cpu=compile_cpu)
         engine.capture_graphs()  # CUDA graphs of every bucket before the first request, not inside it
+        if compile_cpu:
+            print("specpilot serve: compiling the batched pass (--compile) ...", file=sys.stderr, flush=True)
+            engine.compile_shapes()  # its graphs before the first request, not inside it
         return dep, engine
 
     dep, engine = in_passing_thread(load)
@@ -256,6 +266,7 @@ def run_server(sock, tdir, ddir, cfg: SystemConfig | LoadPlan, device, max_num_s
     slots = f"{engine.num_slots} slot{'s' if engine.num_slots != 1 else ''}"
     print(f"specpilot serve: {name!r} ({label}) at http://{host}:{addr[1]}/v1, {slots}"
           f"{drafting}, prefix reuse {'on' if engine.prefix is not None else 'off'}, "
+          f"{'compiled stack, ' if engine.stack is not None else ''}"
           f"context {engine.max_len} tokens, chat template: {source}, API key: {'required' if api_key else 'off'}",
           file=sys.stderr)
     if source == "fallback":

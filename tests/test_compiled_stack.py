@@ -1,0 +1,180 @@
+"""The batched engine's compiled CPU decoder stack (``compile_cpu``, :mod:`specpilot.model.compiled_stack`): float32
+outputs equal the eager engine's token for token (AR and an n-gram chain, steps whose slots are and are not a window,
+prompts riding in a step), the eager fallback runs and is counted, ``compile_shapes`` compiles every graph a run meets
+(no recompile after it), an owner's table row goes with it, and a target off the CPU is refused in one line."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specpilot.config import SystemConfig
+from specpilot.engine.batch import BatchEngine
+from specpilot.errors import SpecPilotError
+from specpilot.model.batch import BatchRows
+from specpilot.spec.ngram import NgramDrafter
+
+from .conftest import run_cli
+
+V = 64
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _requests(seed: int, n: int = 10):
+    """Prompts of 3-20 tokens with repeats (n-gram matches), budgets 1-24: requests end at different steps, so slots
+    free up out of order and later steps run over slots that are not one window."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = [rng.randrange(V) for _ in range(rng.randint(2, 8))]
+        out.append(((base * rng.randint(1, 3))[: rng.randint(3, 20)], rng.choice([1, 2, 5, 13, 24])))
+    return out
+
+
+def _engine(target, cfg, compile_cpu, slots=6, **kw):
+    drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min, max_matches=1, max_slots=slots) if cfg.drafter else None
+    return BatchEngine(target, cfg, drafter, eos_ids=[], max_num_seqs=slots, compile_cpu=compile_cpu, **kw)
+
+
+def _windows(eng):
+    """Record whether each pass's slots formed a window (``Prepared.window``) in ``eng.windows`` (with 6 slots, two
+    requests in slots 0 and 5 do not: a window holds at most as many padding slots as requests)."""
+    eng.windows = []
+    fb = eng.stack.forward_batch
+
+    def spy(tokens, positions, pool, rows, *a, **k):
+        eng.windows.append(rows.prepared(tokens.device).window is not None)
+        return fb(tokens, positions, pool, rows, *a, **k)
+
+    eng.stack.forward_batch = spy
+
+
+@pytest.mark.parametrize("cfg", [SystemConfig.ar(), SystemConfig(drafter="ngram", tree="chain", nodes=4, depth=4,
+                                                                  top_k=1)], ids=["ar", "ngram_chain"])
+def test_compiled_engine_equals_eager_token_for_token(tiny_models, cfg):
+    target = tiny_models[0]
+    reqs = _requests(3, n=14)
+    # first six at once, the middle four ending first: slots 0 and 5 left running, not one window
+    gap = [(p, n) for (p, _), n in zip(_requests(4, n=6), (20, 2, 1, 3, 1, 20))]
+    eager, eng = _engine(target, cfg, False), _engine(target, cfg, True)
+    _windows(eng)
+    from torch._dynamo.utils import counters
+
+    assert eng.compile_shapes() == 2
+    graphs = counters["stats"]["unique_graphs"]
+    for batch in (gap, reqs):
+        prompts, budgets = [p for p, _ in batch], [n for _, n in batch]
+        want = [g.tokens for g in eager.generate_all(prompts, budgets)]
+        assert [g.tokens for g in eng.generate_all(prompts, budgets)] == want
+    assert counters["stats"]["unique_graphs"] == graphs  # compile_shapes compiled every graph the run needed
+    assert eng.stack.passes["eager"] == 0 and eng.stack.passes["compiled"] == len(eng.windows)
+    assert True in eng.windows and False in eng.windows  # slots as one window, and gathered
+    if cfg.drafter:
+        assert eng.exact_passes < sum(n for _, n in reqs + gap)  # drafts were accepted: steps verified several rows
+
+
+def test_prompts_riding_in_a_step_and_a_second_owner(tiny_models):
+    """Prompt admission (prompts in a decode step's pass) through the compiled stack of a second engine on the same
+    target: its own owner and graphs, the same tokens as eager."""
+    target = tiny_models[0]
+    cfg = SystemConfig(drafter="ngram", tree="chain", nodes=3, depth=3, top_k=1, prompt_admission=64)
+    reqs = _requests(11, n=8)
+    prompts, budgets = [p for p, _ in reqs], [n for _, n in reqs]
+    want = [g.tokens for g in _engine(target, cfg, False, slots=3).generate_all(prompts, budgets)]
+    a, b = _engine(target, cfg, True, slots=3), _engine(target, cfg, True, slots=3)
+    assert a.stack.owner != b.stack.owner
+    assert [g.tokens for g in b.generate_all(prompts, budgets)] == want
+    assert b.stack.passes["compiled"] > 0 and a.stack.passes == {"compiled": 0, "eager": 0}
+
+
+def test_one_pass_equals_the_eager_pass_and_writes_the_same_kv(tiny_models):
+    """Hidden states and K/V of single passes (a window of slots, and slots 0 and 3 of 2 requests, gathered) against
+    the eager pass on a copy of the pool."""
+    from specpilot.model.compiled_stack import CompiledStack
+
+    target = tiny_models[0]
+    stack = CompiledStack(target)
+    g = torch.Generator().manual_seed(0)
+    for rows in (BatchRows([0, 1], [0, 0], [3, 5], [None, None]), BatchRows([0, 3], [0, 0], [4, 2], [None, None])):
+        pool_a, pool_b = target.new_pool(5, 16), target.new_pool(5, 16)
+        r = sum(rows.counts)
+        tokens = torch.randint(0, V, (r,), generator=g)
+        positions = torch.cat([torch.arange(c) for c in rows.counts])
+        with torch.inference_mode():
+            want = target.forward_batch(tokens, positions, pool_a, rows, kernel=False)
+            got = stack.forward_batch(tokens, positions, pool_b, BatchRows(*[list(x) for x in (
+                rows.slots, rows.starts, rows.counts, rows.masks)]), kernel=False)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fused norms and RoPE: float32 rounding
+        torch.testing.assert_close(pool_b.k, pool_a.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool_b.v, pool_a.v, rtol=1e-5, atol=1e-5)
+    assert stack.passes == {"compiled": 2, "eager": 0}
+
+
+def test_passes_the_stack_cannot_take_run_eagerly_and_are_counted(tiny_models):
+    """A block drafter reads target features from inside the stack: every pass falls back to the eager one (counted),
+    outputs as the eager engine's; a profiled pass falls back too."""
+    from specpilot.model.compiled_stack import CompiledStack
+    from specpilot.spec.block import BlockDrafter, BlockNet
+
+    from .blockutil import tiny_config
+
+    target = tiny_models[0]
+    torch.manual_seed(0)
+    net = BlockNet(tiny_config(target))
+    cfg = SystemConfig(drafter="block", tree="best_first", nodes=4, depth=3, top_k=2)
+    reqs = _requests(5, n=5)
+    prompts, budgets = [p for p, _ in reqs], [n for _, n in reqs]
+    outs = []
+    for compiled in (False, True):
+        d = BlockDrafter(net, target, top_k=2, max_len=16, max_slots=3)
+        eng = BatchEngine(target, cfg, d, eos_ids=[], max_num_seqs=3, compile_cpu=compiled)
+        outs.append([g.tokens for g in eng.generate_all(prompts, budgets)])
+    assert outs[0] == outs[1]
+    assert eng.stack.passes["compiled"] == 0 and eng.stack.passes["eager"] == eng.exact_passes + eng.prefill_passes > 0
+
+    class Prof:
+        def region(self, name):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+    stack = CompiledStack(target)
+    with torch.inference_mode():
+        stack.forward_batch(torch.tensor([1, 2]), torch.arange(2), target.new_pool(2, 8),
+                            BatchRows([0], [0], [2], [None]), prof=Prof())
+    assert stack.passes == {"compiled": 0, "eager": 1}
+
+
+def test_an_owner_row_goes_with_close_and_with_the_owner(tiny_models):
+    from specpilot.model import compiled_stack as cs
+
+    stack = cs.CompiledStack(tiny_models[0])
+    key = stack.owner
+    assert len(cs._TABLES[key].modules) == 4 * tiny_models[0].args.num_layers
+    stack.close()
+    assert key not in cs._TABLES
+    with pytest.raises(KeyError), torch.inference_mode():
+        stack.forward_batch(torch.tensor([1]), torch.arange(1), tiny_models[0].new_pool(1, 4),
+                            BatchRows([0], [0], [1], [None]))
+    stack = cs.CompiledStack(tiny_models[0])
+    key = stack.owner
+    del stack
+    import gc
+
+    gc.collect()
+    assert key not in cs._TABLES
+
+
+def test_off_the_cpu_is_refused_in_one_line(tiny_dirs, monkeypatch, capsys):
+    """A target off the CPU (the meta device stands in for CUDA here) is refused by the engine; ``serve --compile``
+    on a CUDA device is refused before anything loads."""
+    from specpilot.model.checkpoint import build_model, read_args
+
+    with torch.device("meta"):
+        meta = build_model(read_args(tiny_dirs[0])).fuse_projections()
+    with pytest.raises(SpecPilotError, match=r"compiles the CPU pass only \(the target is on meta"):
+        BatchEngine(meta, SystemConfig.ar(), None, eos_ids=[], max_num_seqs=1, max_len=8, compile_cpu=True)
+    code, out, err = run_cli(monkeypatch, capsys, "serve", "--compile", "--device", "cuda", "--port", "0")
+    assert code == 2 and "--compile compiles the CPU pass only" in err and len(err.strip().splitlines()) == 1
