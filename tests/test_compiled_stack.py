@@ -178,3 +178,30 @@ def test_off_the_cpu_is_refused_in_one_line(tiny_dirs, monkeypatch, capsys):
         BatchEngine(meta, SystemConfig.ar(), None, eos_ids=[], max_num_seqs=1, max_len=8, compile_cpu=True)
     code, out, err = run_cli(monkeypatch, capsys, "serve", "--compile", "--device", "cuda", "--port", "0")
     assert code == 2 and "--compile compiles the CPU pass only" in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_compile_builds_warms_and_serves_the_compiled_engine(monkeypatch):
+    """run_server with ``compile_cpu`` (``serve --compile``): the engine's graphs compiled before it serves, and its
+    outputs equal the eager engine's (the bundled target, AR)."""
+    import socket
+
+    import uvicorn
+
+    from specpilot.engine.deployment import Deployment
+    from specpilot.serve import app as serve_app
+    from specpilot.serve.cli import run_server
+    from specpilot.zoo import bundled_target_dir
+
+    seen = {}
+    monkeypatch.setattr(serve_app, "create_app", lambda ctx: seen.update(ctx=ctx) or object())
+    monkeypatch.setattr(uvicorn.Server, "__init__", lambda self, config: None)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: None)
+    with socket.socket() as sock:
+        run_server(sock, bundled_target_dir(), None, SystemConfig.ar(), "cpu", 2, None, "m", None, 8 << 20, "warning",
+                   "127.0.0.1", 128, compile_cpu=True)
+    eng = seen["ctx"].driver.engine
+    assert eng.stack is not None and eng.stack.passes == {"compiled": 2, "eager": 0}  # compile_shapes ran
+    prompts = [[5, 17, 300, 42, 9, 11], [1000, 7, 7, 7, 250]]
+    want = [g.tokens for g in Deployment(bundled_target_dir()).batch_system(SystemConfig.ar(), 2, max_len=128)
+            .generate_all(prompts, 8)]
+    assert [g.tokens for g in eng.generate_all(prompts, 8)] == want
