@@ -83,7 +83,8 @@ def _spy(drafter, calls, label, eng_ref):
 @pytest.mark.parametrize("small_kind", ["draft_model", "block"])
 def test_outputs_equal_ar_while_the_load_moves_across_sizes(tiny_models, small_kind):
     """Sizes 1 / 3 / 5: one request runs ``small_kind``'s best-first tree, 2-3 share an n-gram budget, 4-5 run AR.
-    Requests arrive in waves so the load climbs and falls through every size several times."""
+    Requests arrive in waves so the load climbs and falls through every size several times (a request that met a
+    step of another system drafts no more with a block drafter: the first runs alone first)."""
     target, small = tiny_models
     rng = random.Random(zlib.crc32(small_kind.encode()))
     one = SystemConfig(drafter=small_kind, tree="best_first", nodes=6, depth=4, top_k=2)
@@ -96,8 +97,12 @@ def test_outputs_equal_ar_while_the_load_moves_across_sizes(tiny_models, small_k
     calls, ref = [], [eng]
     _spy(drafters[0], calls, small_kind, ref)
     _spy(drafters[1], calls, "ngram", ref)
-    reqs = random_requests(rng, 14)
-    got, i, loads = {f"r{k}": [] for k in range(len(reqs))}, 0, set()
+    reqs = [([3, 1, 4, 1, 5, 9, 2, 6], 20, frozenset())] + random_requests(rng, 14)
+    got, i, loads = {f"r{k}": [] for k in range(len(reqs))}, 1, set()
+    eng.add_request(Request("r0", *reqs[0]))  # alone for its first steps: a block drafter's context follows it
+    for _ in range(4):
+        for o in eng.step():
+            got[o.request_id] += o.new_tokens
     while i < len(reqs) or eng.has_work():
         if i < len(reqs) and (not eng.has_work() or rng.random() < 0.3):  # a wave of 1-4 arrivals
             for _ in range(rng.randint(1, 4)):
@@ -165,3 +170,33 @@ def test_server_metrics_count_each_sealed_size_steps():
     fam = {f.name: f for f in text_string_to_metric_families(m.render()[0].decode())}["specpilot:load_plan_steps"]
     got = {s.labels["sealed_size"]: s.value for s in fam.samples if s.name.endswith("_total")}
     assert got == {"1": 5.0, "8": 4.0}
+
+
+def test_steps_of_a_system_without_the_feature_drafter_leave_it_unfed_and_their_requests_undrafted(tiny_models):
+    """Plan {1: block, 3: AR}: the AR steps of three requests do not feed the block drafter (no observe), so those
+    requests never draft again, even alone; a request that arrives alone drafts; every output equals AR."""
+    target, small = tiny_models
+    block = SystemConfig(drafter="block", tree="best_first", nodes=6, depth=4, top_k=2)
+    drafter = drafter_of("block", target, small, 3, block)
+    eng = BatchEngine(target, LoadPlan.from_sizes({1: block, 3: SystemConfig.ar()}), [drafter, None], eos_ids=[],
+                      max_num_seqs=3)
+    fed, observe = [], drafter.observe
+    drafter.observe = lambda slot, feats, start: fed.append(len(eng._running)) or observe(slot, feats, start)
+    reqs = [([5, 9, 2, 7, 5, 9], 6), ([11, 3, 8], 30), ([4, 4, 6, 1, 2], 8)]
+    for k, (p, n) in enumerate(reqs):
+        eng.add_request(Request(f"r{k}", p, n))
+    got, drafted = {f"r{k}": [] for k in range(4)}, {f"r{k}": 0 for k in range(4)}
+    while eng.has_work():
+        for o in eng.step():
+            got[o.request_id] += o.new_tokens
+            drafted[o.request_id] += o.drafted
+    assert len(fed) == 3 and drafted["r1"] == 0  # the prefills only; r1 ran alone after the others ended
+    late = [7, 1, 7, 1, 7, 1]
+    eng.add_request(Request("r3", late, 20))
+    while eng.has_work():
+        for o in eng.step():
+            got[o.request_id] += o.new_tokens
+            drafted[o.request_id] += o.drafted
+    assert drafted["r3"] > 0 and len(fed) > 3
+    for k, (p, n) in enumerate(reqs + [(late, 20)]):
+        assert got[f"r{k}"] == ar(target, p, n, frozenset()), k

@@ -20,12 +20,12 @@ the step's n requests best-first across their lattices (:func:`~specpilot.spec.t
 the padded runner hold a request of the largest budget). ``prompt_admission``: prompts admitted while requests run
 ride in that step's exact pass (causal rows over their own slots) when their rows fit the cap. A prefilled prompt
 starts from the longest prefix another slot holds (:mod:`specpilot.engine.prefix`; by default not on the
-batch-invariant path).
-``drafter_block``: each request asks the drafter for one of the allowed depths, picked from its own history
-(:mod:`specpilot.spec.drafter_block`: recent acceptance, its last draft's confidence); a block drafter drafts the
-batch in one pass and cuts each request's lattice to its own depth. Given a
-:class:`~specpilot.engine.load_plan.LoadPlan` (one sealed system per batch size), each step runs the system of the
-size nearest its number of running requests.
+batch-invariant path). ``drafter_block``: each request asks the drafter for one of the allowed depths, picked from
+its own history (:mod:`specpilot.spec.drafter_block`); a block drafter drafts the batch in one pass and cuts each
+request's lattice to its own depth. Given a :class:`~specpilot.engine.load_plan.LoadPlan` (one sealed system per
+batch size), each step runs the system of the size nearest its number of running requests; a step whose system
+does not draft with the plan's feature-reading drafter does not feed it (eagerly, per request: a plan's AR steps ran
+0.33x AR at 16 requests on an H100 with it), and the requests of that step stay undrafted to their end (lossless).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class _Running:
     generated: int = 0
     history: BlockHistory = field(default_factory=BlockHistory)  # the drafter block's inputs (§4.4)
     depth: int = 0  # draft positions asked this step
+    blind: bool = False  # a plan's step ran without the feature drafter: its context stopped, it drafts no more
 
 
 class BatchEngine:
@@ -68,23 +69,20 @@ class BatchEngine:
     Args:
         target: the target :class:`Transformer`.
         config: tree builder, budget and depth (as for :class:`~specpilot.engine.engine.Engine`), or a
-            :class:`~specpilot.engine.load_plan.LoadPlan`: one system per batch size, each step running the system
-            of the size nearest its number of running requests.
+            :class:`~specpilot.engine.load_plan.LoadPlan` (one system per batch size, module doc).
         drafter: a :class:`~specpilot.spec.drafter.Drafter` with at least ``max_num_seqs`` slots (None: AR); with a
             plan, one per system (the same object where systems share it; None where a system is AR).
         eos_ids: ids that end a request (default: the target config's).
         max_len: context in tokens (default: ``max_position_embeddings``, at most 4096).
         max_num_seqs: requests running at once (KV slots); more wait.
         max_prefill_rows: prompt rows prefilled in one pass (at least one whole prompt is always admitted).
-        padded: decode passes padded to buckets through a :class:`BatchRunner` (CUDA graphs on CUDA); default:
-            on CUDA with Triton, without the certified INT8 head (which settles rows on the host), on a pool that has
-            padded passes (a hybrid target's :class:`~specpilot.model.hybrid_pool.HybridPool` has none).
+        padded: decode passes padded to buckets through a :class:`BatchRunner` (CUDA graphs on CUDA); default: on
+            CUDA with Triton, without the certified INT8 head (it settles rows on the host), not on a hybrid's pool.
         spec_max_requests: draft only in steps with at most this many running requests; in larger steps every
             request verifies its root alone, an AR step (vLLM's ``disable_by_batch_size``). None: always draft.
         prefix_caching: prefill a prompt from the longest prefix a slot holds (:mod:`specpilot.engine.prefix`;
             dense targets, drafters that read no target features). None: on, except where the decode passes are
-            batch-invariant (CUDA's fused path): a prompt prefilled from a reused prefix attends to it in another
-            order than its own prefill would, so its later rows' bits would depend on what ran before it.
+            batch-invariant (CUDA's fused path): a reused prefix is read in another order than a prefill's.
         compile_cpu: passes run the target's decoder stack as one ``torch.compile`` graph, :attr:`stack` (CPU only).
     Raises:
         DrafterError: a drafter does not fit the target or holds fewer slots than ``max_num_seqs``; two drafters
@@ -114,12 +112,11 @@ class BatchEngine:
         self.stack = target.compiled_stack() if compile_cpu else None  # refused off the CPU, before the pool
         self.plan = config if isinstance(config, LoadPlan) else LoadPlan.single(config)
         self._drafter_of, self.drafters, self.feature_drafter = bind_drafters(self.plan, drafter, target, max_num_seqs)
-        self.target, self.config = target, self.plan.configs[0]
-        self.drafter = self.drafters[0] if self.drafters else None
+        self.target, self.config, self.drafter = target, self.plan.configs[0], (self.drafters or [None])[0]
         self.eos_ids = set(target.args.eos_token_ids if eos_ids is None else eos_ids)
         self.max_len = max_len or min(target.args.max_position_embeddings, 4096)
-        self.num_slots, self.max_prefill_rows = max_num_seqs, max_prefill_rows
-        self.spec_max_requests = spec_max_requests
+        self.num_slots, self.max_prefill_rows, self.spec_max_requests = (max_num_seqs, max_prefill_rows,
+                                                                         spec_max_requests)
         drafts = [d is not None for d in self._drafter_of]
         tree_rows = self.plan.tree_rows(max_num_seqs, drafts)  # one request's most nodes (a shared budget: all)
         # one slot more than requests: the scratch slot, where padding rows of a bucketed pass write their K/V
@@ -296,7 +293,8 @@ class BatchEngine:
         for i, r in enumerate(rs):
             room = r.req.max_new_tokens - r.generated
             want = r.history.pick(cfg.drafter_block) if cfg.drafter_block else cfg.depth
-            r.depth = max(0, draft_depth(drafter, len(r.committed), min(want, room - 1)))
+            blind = r.blind and drafter is self.feature_drafter
+            r.depth = 0 if blind else max(0, draft_depth(drafter, len(r.committed), min(want, room - 1)))
             if r.depth >= 1:
                 asks.append((i, DraftRequest(r.slot, r.committed, r.depth)))
         if not asks:
@@ -333,6 +331,7 @@ class BatchEngine:
         argmax, feats = self._pass(rs + list(admitted), tokens, positions, starts, masks, read=read,
                                    bucketed=not admitted)
         self.exact_passes += 1
+        observing = feats is not None and self._drafter_of[self.plan.index_for(len(rs))] is self.feature_drafter
         out, end = [], 0
         for r, t, s in zip(rs, trees, starts):
             first, end = end, end + len(t) + 1
@@ -340,14 +339,16 @@ class BatchEngine:
             rows = torch.tensor(path)
             if path[-1] != len(path) - 1:  # rows 0..k-1 (a path's rows increase) are in place already
                 self.pool.cache(r.slot).compact(s, rows)
-            if feats is not None:
+            if observing and not r.blind:
                 self.feature_drafter.observe(r.slot, feats[first:end][rows.to(feats.device)], s)
+            r.blind |= feats is not None and not observing
             if cfg.drafter_block and r.depth >= 1:
                 r.history.accepted(len(path) - 1)
             out.append(self._commit(r, new, len(t), len(path) - 1))
         for k, r in enumerate(admitted):
-            if feats is not None:
+            if observing:
                 self.feature_drafter.observe(r.slot, feats[end:end + len(r.committed)], 0)
+            r.blind |= feats is not None and not observing
             end += len(r.committed)
             self._running[r.req.request_id] = r
             out.append(self._commit(r, [argmax[len(argmax) - len(admitted) + k]], 0, 0))
@@ -358,8 +359,7 @@ class BatchEngine:
     def _commit(self, r: _Running, new: list[int], drafted: int, accepted: int) -> StepOutput:
         """Keep what the request keeps of ``new``, commit its cache, end it at a stop or its length."""
         kept, reason = keep(new, r.stops, self.eos_ids, r.req.max_new_tokens - r.generated)
-        r.committed += kept
-        r.generated += len(kept)
+        r.committed, r.generated = r.committed + kept, r.generated + len(kept)
         self.pool.cache(r.slot).commit(len(r.committed) - 1)
         finished = reason != "length" or r.generated >= r.req.max_new_tokens
         if finished:
@@ -376,7 +376,8 @@ class BatchEngine:
         :class:`Generation` per prompt, in order (``steps``, ``accepted``, ``rows`` per decode step of that request;
         ``time_s`` the whole run's). Raises PromptError for a bad request (none is queued then)."""
         budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        reqs = [Request(f"g{i}", list(p), n, frozenset(stop_ids or ())) for i, (p, n) in enumerate(zip(prompts, budgets))]
+        stops = frozenset(stop_ids or ())
+        reqs = [Request(f"g{i}", list(p), n, stops) for i, (p, n) in enumerate(zip(prompts, budgets))]
         for q in reqs:
             check_prompt(q.prompt_ids, q.max_new_tokens, self.target.args.vocab_size, self.max_len)
         gens = {q.request_id: Generation(tokens=[], steps=-1) for q in reqs}
@@ -392,9 +393,8 @@ class BatchEngine:
                     g.rows.append(o.drafted + 1)
                 g.steps += 1
                 if o.finished:
-                    tail = g.tokens[-1] if g.tokens else None
                     g.stop_reason = "length" if o.finish_reason == "length" else (
-                        "eos" if tail in self.eos_ids else "stop")
+                        "eos" if g.tokens and g.tokens[-1] in self.eos_ids else "stop")
         for g in gens.values():
             g.time_s = time.perf_counter() - t0
         return [gens[q.request_id] for q in reqs]
