@@ -30,7 +30,6 @@ does not draft with the plan's feature-reading drafter does not feed it (eagerly
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -41,7 +40,7 @@ from specpilot.engine.batch_runner import BatchRunner, runs_padded
 from specpilot.engine.load_plan import LoadPlan, bind_drafters
 from specpilot.engine.prefix import PrefixCache
 from specpilot.engine.requests import check_prompt, keep, stop_id_set
-from specpilot.engine.types import Generation, Request, StepOutput  # noqa: F401  (re-exported)
+from specpilot.engine.types import Generation, Request, StepOutput, run_to_end  # noqa: F401  (re-exported)
 from specpilot.errors import DrafterError, PromptError, SpecPilotError
 from specpilot.model.batch import BatchRows
 from specpilot.model.transformer import Transformer
@@ -270,13 +269,18 @@ class BatchEngine:
                                   [list(range(s, len(r.committed))) for r, s in zip(rs, starts)], starts,
                                   [None] * len(rs), read=[e - 1 for e in ends])
         self.prefill_passes += 1
-        out = []
+        out, feeds = [], feats is not None and self._feeds(len(self._running) + len(rs))
         for r, tok, end in zip(rs, first, ends):
-            if feats is not None:
+            if feeds:
                 self.feature_drafter.observe(r.slot, feats[end - len(r.committed):end], 0)
+            r.blind = feats is not None and not feeds
             self._running[r.req.request_id] = r
             out.append(self._commit(r, [tok], 0, 0))
         return out
+
+    def _feeds(self, m: int) -> bool:
+        """Whether a pass over ``m`` requests feeds the feature drafter: the system of that load drafts with it."""
+        return self._drafter_of[self.plan.index_for(m)] is self.feature_drafter
 
     def _draft(self, rs: list[_Running]) -> tuple[list[Tree], SystemConfig]:
         """Each request's tree under the plan's system for ``len(rs)`` requests, and that system: one propose call
@@ -331,7 +335,7 @@ class BatchEngine:
         argmax, feats = self._pass(rs + list(admitted), tokens, positions, starts, masks, read=read,
                                    bucketed=not admitted)
         self.exact_passes += 1
-        observing = feats is not None and self._drafter_of[self.plan.index_for(len(rs))] is self.feature_drafter
+        observing = feats is not None and self._feeds(len(rs))  # the running requests drafted at this load
         out, end = [], 0
         for r, t, s in zip(rs, trees, starts):
             first, end = end, end + len(t) + 1
@@ -345,10 +349,11 @@ class BatchEngine:
             if cfg.drafter_block and r.depth >= 1:
                 r.history.accepted(len(path) - 1)
             out.append(self._commit(r, new, len(t), len(path) - 1))
+        feeds = feats is not None and self._feeds(len(rs) + len(admitted))  # the admitted ones' next load
         for k, r in enumerate(admitted):
-            if observing:
+            if feeds:
                 self.feature_drafter.observe(r.slot, feats[end:end + len(r.committed)], 0)
-            r.blind |= feats is not None and not observing
+            r.blind = feats is not None and not feeds
             end += len(r.committed)
             self._running[r.req.request_id] = r
             out.append(self._commit(r, [argmax[len(argmax) - len(admitted) + k]], 0, 0))
@@ -375,26 +380,4 @@ class BatchEngine:
         """Run ``prompts`` through the queue to the end (all at once, as many as the slots hold at a time); one
         :class:`Generation` per prompt, in order (``steps``, ``accepted``, ``rows`` per decode step of that request;
         ``time_s`` the whole run's). Raises PromptError for a bad request (none is queued then)."""
-        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        stops = frozenset(stop_ids or ())
-        reqs = [Request(f"g{i}", list(p), n, stops) for i, (p, n) in enumerate(zip(prompts, budgets))]
-        for q in reqs:
-            check_prompt(q.prompt_ids, q.max_new_tokens, self.target.args.vocab_size, self.max_len)
-        gens = {q.request_id: Generation(tokens=[], steps=-1) for q in reqs}
-        t0 = time.perf_counter()
-        for q in reqs:
-            self.add_request(q)
-        while self.has_work():
-            for o in self.step():
-                g = gens[o.request_id]
-                g.tokens += o.new_tokens
-                if g.steps >= 0:
-                    g.accepted.append(len(o.new_tokens))
-                    g.rows.append(o.drafted + 1)
-                g.steps += 1
-                if o.finished:
-                    g.stop_reason = "length" if o.finish_reason == "length" else (
-                        "eos" if g.tokens and g.tokens[-1] in self.eos_ids else "stop")
-        for g in gens.values():
-            g.time_s = time.perf_counter() - t0
-        return [gens[q.request_id] for q in reqs]
+        return run_to_end(self, prompts, max_new_tokens, stop_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -85,3 +86,35 @@ class StepOutput:
     accepted: int = 0
     accepted_by_pos: list[int] = field(default_factory=list)
     draft_depth: int = 0
+
+
+def run_to_end(engine, prompts: list[list[int]], max_new_tokens: int | list[int],
+               stop_ids: list[int] | None = None) -> list[Generation]:
+    """:meth:`~specpilot.engine.batch.BatchEngine.generate_all`: ``prompts`` queued at once in a batched ``engine``
+    and stepped to the end; one :class:`Generation` per prompt, in order. Raises PromptError for a bad request
+    (none is queued then)."""
+    from specpilot.engine.requests import check_prompt
+
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    stops = frozenset(stop_ids or ())
+    reqs = [Request(f"g{i}", list(p), n, stops) for i, (p, n) in enumerate(zip(prompts, budgets))]
+    for q in reqs:
+        check_prompt(q.prompt_ids, q.max_new_tokens, engine.target.args.vocab_size, engine.max_len)
+    gens = {q.request_id: Generation(tokens=[], steps=-1) for q in reqs}
+    t0 = time.perf_counter()
+    for q in reqs:
+        engine.add_request(q)
+    while engine.has_work():
+        for o in engine.step():
+            g = gens[o.request_id]
+            g.tokens += o.new_tokens
+            if g.steps >= 0:
+                g.accepted.append(len(o.new_tokens))
+                g.rows.append(o.drafted + 1)
+            g.steps += 1
+            if o.finished:
+                g.stop_reason = "length" if o.finish_reason == "length" else (
+                    "eos" if g.tokens and g.tokens[-1] in engine.eos_ids else "stop")
+    for g in gens.values():
+        g.time_s = time.perf_counter() - t0
+    return [gens[q.request_id] for q in reqs]
