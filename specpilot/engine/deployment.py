@@ -214,8 +214,9 @@ class Deployment:
         target = self._target(config.configs[0] if isinstance(config, LoadPlan) else config)  # one per plan
         plan = config if isinstance(config, LoadPlan) else LoadPlan.single(config)
         engine_kw.setdefault("eos_ids", self.eos_ids())
-        # one request a step on a GPU: a block drafter's step runs from its CUDA graph, as in the single engine
-        static_step = max_num_seqs == 1 and torch.device(self.device).type == "cuda"
+        # on a GPU a block drafter's step runs from CUDA graphs: the single engine's static step for one slot, the
+        # batched static step (per requests and width bucket) for more
+        static_step = torch.device(self.device).type == "cuda"
         built: dict = {}
         for i, c in enumerate(plan.configs):
             if plan.drafter_key(i) not in built:
@@ -233,8 +234,9 @@ class Deployment:
 
     def _drafter(self, config: SystemConfig, target, slots: int, static_step: bool = False, batched: bool = False):
         """The drafter ``config`` names, holding ``slots`` requests (None for AR); ``static_step``: a block drafter's
-        single-request steps run as one static pass (:class:`~specpilot.spec.block_step.StaticBlockStep`);
-        ``batched``: for a batched engine (a calibrated drafter then reads :attr:`batch_continuations`)."""
+        steps run as static passes (:class:`~specpilot.spec.block_step.StaticBlockStep` for one slot,
+        :class:`~specpilot.spec.block_batch_step.BatchBlockStep` for more, without a Markov head); ``batched``: for a
+        batched engine (a calibrated drafter then reads :attr:`batch_continuations`)."""
         if config.drafter == "ngram":
             return NgramDrafter(config.ngram_max, config.ngram_min, max_matches=max(config.top_k, 1),
                                 max_slots=max(slots, 1024))
@@ -254,7 +256,8 @@ class Deployment:
                                    f"{config.top_k} asked for")
             # one network pass drafts every request of a batch; context buffers start small and grow
             return BlockDrafter(net, target, top_k=config.top_k, max_len=4096 if slots == 1 else 512, max_slots=slots,
-                                static_step=static_step and slots == 1)
+                                static_step=static_step and slots == 1,
+                                batch_step=static_step and slots > 1 and net.cfg.markov_rank == 0)
         if config.drafter == "eagle3":  # sequential drafting, top_k children per node, top_k nodes expanded per depth
             return Eagle3Drafter(self.eagle3_net(config.drafter_path), target, top_k=config.top_k, max_slots=slots)
         if config.drafter == "calibrated":  # simulated acceptance; feed dep.continuations from an AR run first

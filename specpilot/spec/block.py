@@ -20,6 +20,7 @@ from specpilot.errors import DrafterError
 from specpilot.model.transformer import Transformer
 from specpilot.spec.block_net import BlockConfig, BlockNet
 from specpilot.spec.dflash_import import is_dflash_dir, load_dflash
+from specpilot.spec.block_batch_step import BatchBlockStep
 from specpilot.spec.block_step import StaticBlockStep
 from specpilot.spec.drafter import DraftRequest
 from specpilot.spec.lattice import MarkovLattice, PositionalLattice
@@ -43,8 +44,11 @@ class BlockDrafter:
             batches of several requests stay eager.
         compile_step: compile that static pass with ``torch.compile`` before capturing it (CUDA; see
             :class:`~specpilot.spec.block_step.StaticBlockStep`).
+        batch_step: run every batch's observations and draft as one static pass per (requests, width) bucket, CUDA
+            graphs on CUDA (:class:`~specpilot.spec.block_batch_step.BatchBlockStep`; no Markov head); the buffers
+            then hold one scratch slot more.
     Raises:
-        ValueError: ``max_slots < 1``.
+        ValueError: ``max_slots < 1``; ``batch_step`` with a Markov head.
 
     State per slot ``s``: the context K/V of that request's committed positions ``[0, context_length(s))`` in
     :attr:`slot_k` / :attr:`slot_v` ``[max_slots, layers, S, kv_heads, head_dim]`` (the target's dtype and
@@ -59,7 +63,7 @@ class BlockDrafter:
     max_context: int | None = None
 
     def __init__(self, net: BlockNet, target: Transformer, top_k: int = TOP_K, max_len: int = 4096,
-                 max_slots: int = 1, static_step: bool = False, compile_step: bool = False):
+                 max_slots: int = 1, static_step: bool = False, compile_step: bool = False, batch_step: bool = False):
         if max_slots < 1:
             raise ValueError(f"a block drafter holds at least one request, max_slots {max_slots} given")
         self.net, self.target, self.top_k = net.eval(), target, min(top_k, TOP_K)
@@ -67,7 +71,7 @@ class BlockDrafter:
         self.target_layers = tuple(net.cfg.target_layers)
         self.vocab_size = net.cfg.vocab_size
         self.max_slots = max_slots
-        shape = (max_slots, net.cfg.layers, max(max_len, 1), net.cfg.kv_heads, net.cfg.head_dim)
+        shape = (max_slots + batch_step, net.cfg.layers, max(max_len, 1), net.cfg.kv_heads, net.cfg.head_dim)
         self.slot_k = torch.zeros(shape, dtype=target.dtype, device=target.device)
         self.slot_v = torch.zeros(shape, dtype=target.dtype, device=target.device)
         self._lengths = [0] * max_slots  # per slot: committed positions whose context K/V are held (or staged)
@@ -78,6 +82,9 @@ class BlockDrafter:
         self._step = StaticBlockStep(self, compile=compile_step) if static_step else None
         if self._step is not None:
             self._step.capture_all()  # every context width's graph now (CUDA), not inside a timed request
+        self._batch = BatchBlockStep(self) if batch_step else None
+        if self._batch is not None:
+            self._batch.capture_all()
 
     @property
     def ctx_k(self) -> torch.Tensor:
@@ -107,12 +114,16 @@ class BlockDrafter:
         self._lengths[slot] = 0
         if slot == 0 and self._step is not None:
             self._step.flush()  # the staged observation belonged to the request forgotten here
+        if self._batch is not None:
+            self._batch.take(slot)
 
     def _flush(self) -> None:
         """Write slot 0's staged observation (:class:`StaticBlockStep`) eagerly, before an eager read or write."""
         staged = self._step.flush() if self._step is not None else None
         if staged is not None:
             self._write(0, *staged)
+        for slot in list(self._batch.pending) if self._batch is not None else ():
+            self._write(slot, *self._batch.take(slot))
 
     def _reserve(self, n: int) -> None:
         """Context buffers of at least ``n`` positions per slot (doubling; every slot's held positions kept)."""
@@ -133,6 +144,15 @@ class BlockDrafter:
         then ends there (positions past it are forgotten). With :attr:`static_step`, slot 0's observation of at
         most B + 1 positions is staged and written by the next draft's static pass."""
         self.check_slot(slot)
+        if self._batch is not None:  # staged for the slot's next batched draft (an older one written first)
+            if not self._batch.stage(slot, features, start):
+                if (older := self._batch.take(slot)) is not None:
+                    self._write(slot, *older)
+                if not self._batch.stage(slot, features, start):
+                    self._write(slot, features, start)
+                    return
+            self._lengths[slot] = start + features.shape[0]
+            return
         self._flush()
         if slot == 0 and self._step is not None:
             self._reserve(start + self._step.pad_rows)  # the static pass writes its padding rows past the end
@@ -248,6 +268,8 @@ class BlockDrafter:
             i, q, d = drafted[0]
             out[i] = self._static_lattice(q.committed, d)
             return out
+        if self._batch is not None:
+            return self._batch_lattices(drafted, out)
         logits = self.batch_logits([q.slot for _, q, _ in drafted], [q.committed for _, q, _ in drafted])
         toks, marg, idx = self.candidates(logits)  # [Bt, B, 16] each
         if self.cfg.markov_rank == 0:
@@ -263,6 +285,16 @@ class BlockDrafter:
             out[i] = MarkovLattice(toks_c[j, :d], marg_c[j, :d], cond.cpu(), q.committed[-1], self.top_k)
         return out
 
+
+    def _batch_lattices(self, drafted: list, out: list) -> list:
+        """``out`` with each drafted request's lattice from the batched static pass (staged observations first)."""
+        pend = self._batch.pending
+        self._reserve(max(pend[q.slot][0] if q.slot in pend else len(q.committed) - 1 for _, q, _ in drafted)
+                      + self._batch.pad_rows)
+        o = self._batch.run([(q.slot, q.committed[-1], len(q.committed) - 1) for _, q, _ in drafted])
+        for j, (i, _, d) in enumerate(drafted):
+            out[i] = PositionalLattice(o["toks"][j, :d, : self.top_k].clone(), o["marg"][j, :d, : self.top_k].clone())
+        return out
 
     def _static_lattice(self, committed: list[int], d: int) -> PositionalLattice | MarkovLattice:
         """Slot 0's lattice of ``d`` positions through the static pass (the staged observation written first)."""

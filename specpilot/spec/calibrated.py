@@ -359,9 +359,9 @@ def build_calibrated(config, target, continuations: Continuations, slots: int = 
                      static_step: bool = False) -> CalibratedDrafter:
     """The ``calibrated`` drafter of a :class:`~specpilot.config.SystemConfig` (its ``drafter_path`` names the
     calibration file) for ``target``, holding ``slots`` requests, reading ``continuations``; ``static_step``: a block
-    cost drafter runs its single-request step from a CUDA graph, as the real block drafter of a graphed engine does
-    (else the simulated drafter costs what an eager block network does: 5 ms a propose against 0.5 ms graphed at the
-    Qwen3-8B shape on an H200).
+    cost drafter runs its steps from CUDA graphs (one slot's static step, or the batched one), as the real block
+    drafter of a graphed engine does (else the simulated drafter costs what an eager block network does: 5 ms a
+    propose against 0.5 ms graphed at the Qwen3-8B shape on an H200, for one request).
 
     Raises:
         DrafterError: no calibration file, an unreadable one (CalibrationError), ``depth`` / ``top_k`` beyond what

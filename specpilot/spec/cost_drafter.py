@@ -53,9 +53,9 @@ def _random_init(module: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 def cost_drafter(spec: dict | None, target, top_k: int, slots: int = 1, static_step: bool = False):
     """A drafter of the real drafter's shape for ``target``, holding ``slots`` requests, whose proposals the calibrated
-    drafter runs and discards (the drafting cost); ``static_step``: a block network's single-request step runs from
-    a CUDA graph (:class:`~specpilot.spec.block.BlockDrafter`), as in a graphed engine. ``spec`` (a calibration's
-    ``cost``):
+    drafter runs and discards (the drafting cost); ``static_step``: a block network's step runs from CUDA graphs
+    (:class:`~specpilot.spec.block.BlockDrafter`'s static step for one slot, its batched one for more), as in a
+    graphed engine. ``spec`` (a calibration's ``cost``):
 
     - None or ``{"kind": "none"}``: None (no cost);
     - ``{"kind": "ngram", "ngram_max": 4, "ngram_min": 1}``: the n-gram index;
@@ -100,7 +100,8 @@ def cost_drafter(spec: dict | None, target, top_k: int, slots: int = 1, static_s
             if cfg.draft_vocab_size:  # the first ids (random weights: no frequencies to rank them by)
                 net.draft_ids.copy_(torch.arange(cfg.draft_vocab_size))
             return BlockDrafter(net, target, min(top_k, BLOCK_TOP_K), 4096 if slots == 1 else 512, slots,
-                                static_step=static_step and slots == 1)
+                                static_step=static_step and slots == 1,
+                                batch_step=static_step and slots > 1 and cfg.markov_rank == 0)
         if kind == "draft_model":
             if "path" in spec:
                 model = load_model(spec["path"], str(target.dtype).removeprefix("torch."), target.device)
