@@ -65,6 +65,12 @@ def systems(args, workdir: Path) -> dict[str, dict]:
                              + ([] if args.sealed_spec_max is None else
                                 ["--speculative-disable-by-batch-size", str(args.sealed_spec_max)]),
                              "env": env, "label": label},
+        "specpilot_sealed_compiled": {"cmd": sp + sealed_args + ["--compile"], "env": env, "label": label},
+        # glibc keeping freed memory (no munmap and fresh page faults for a step's larger buffers), as vLLM's CPU
+        # workers get by preloading tcmalloc
+        "specpilot_sealed_compiled_keep": {"cmd": sp + sealed_args + ["--compile"], "label": label,
+                                           "env": dict(env, MALLOC_MMAP_THRESHOLD_="33554432",
+                                                       MALLOC_TRIM_THRESHOLD_="4294967296", MALLOC_TOP_PAD_="67108864")},
         "specpilot_ngram_chain6": {"cmd": sp + ["--target", args.target, "--drafter", "ngram", "--tree", "chain",
                                                 "--nodes", "6", "--depth", "6"], "env": env},
     }
