@@ -158,3 +158,23 @@ def test_reuse_never_covers_the_last_prompt_token():
     assert pc.reuse(3, prompt, []) == 6 and pool.copied[-1] == (0, 1, 9)  # its own kept slot: no copy
     assert 3 not in pc.kept and pc.waits(prompt, [prompt], []) and not pc.waits(prompt, [[1]], [])
     assert pc.queried_tokens == 10 + 11 + 10 and pc.reused_tokens == 9 + 6 and pc.hits == 2
+
+
+def test_copies_of_resident_prompts_arriving_together_all_reuse(tiny_models):
+    """Two prompts left resident by a first round; then each arrives three times at once: the first copy takes its
+    own slot without a copy, the other two copy its prefix in the same pass (no prompt prefilled whole)."""
+    target, _ = tiny_models
+    a, b = [(5 * i + 3) % V for i in range(30)], [(3 * i + 7) % V for i in range(25)]
+    eng = BatchEngine(target, SystemConfig.ar(), None, eos_ids=[], max_num_seqs=6)
+    assert [g.tokens for g in eng.generate_all([a, b], 4)] == [ar(target, a, 4), ar(target, b, 4)]
+    hits, reused = eng.prefix.hits, eng.prefix.reused_tokens
+    rows = []
+    real = target.forward_batch
+    target.forward_batch = lambda tokens, *x, **k: rows.append(len(tokens)) or real(tokens, *x, **k)
+    try:
+        outs = eng.generate_all([a, b, a, b, a, b], 5)
+    finally:
+        del target.forward_batch
+    assert [g.tokens for g in outs] == [ar(target, p, 5) for p in [a, b] * 3]
+    assert eng.prefix.hits - hits == 6 and eng.prefix.reused_tokens - reused == 3 * 29 + 3 * 24
+    assert rows[0] == 6 and eng.prefill_passes == 2  # one prefill pass of the six last prompt tokens

@@ -262,8 +262,10 @@ class BatchEngine:
     def _prefill(self, rs: list[_Running]) -> list[StepOutput]:
         if not rs:
             return []
-        resident = self._resident() if self.prefix is not None else []
-        starts = [self.prefix.reuse(r.slot, r.committed, resident) if self.prefix else 0 for r in rs]
+        resident, starts = self._resident() if self.prefix is not None else [], []
+        for r in rs:  # a slot that now holds a reused prefix is a source for the prompts after it in this pass
+            starts.append(self.prefix.reuse(r.slot, r.committed, resident) if self.prefix else 0)
+            resident += [(r.slot, r.committed[: starts[-1]])] if starts[-1] else []
         ends = torch.tensor([len(r.committed) - s for r, s in zip(rs, starts)]).cumsum(0).tolist()
         first, feats = self._pass(rs, [r.committed[s:] for r, s in zip(rs, starts)],
                                   [list(range(s, len(r.committed))) for r, s in zip(rs, starts)], starts,
