@@ -10,7 +10,8 @@
 #          AR and stock at every size
 #
 # Usage: probes/batch_sealed_h200.sh tests|pilot|bench OUT [CAL]; carry [".whl", "cal"] (cal holds CAL). Env: TESTS,
-# TEST_S, SIZES (pilot, default 1,16), PILOT_S, BENCH_SIZES, BENCH_S, BENCH_ARGS. Any ignored gguf_K/ carried along is
+# TEST_S, PROBE_SIZES (tests: then probes/batch_calibrated_probe.py at those sizes), PROBE_S, SIZES (pilot, default
+# 1,16), PILOT_S, BENCH_SIZES, BENCH_S, BENCH_ARGS. Any ignored gguf_K/ carried along is
 # stashed in /tmp/gguf_stash for probes/smollm2_train_h200.sh (its parts ride in these calls' spare room).
 set -u
 mode=$1; out=$2; cal=${3:-cal/block16.json}
@@ -34,6 +35,11 @@ tests)
     > "$out/aligned.log" 2>&1
   el "aligned probe rc=$?"; cp /tmp/aligned/*.json "$out/" 2>/dev/null
   while [ ! -f /tmp/q8/config.json ] || pgrep -f "zoo random" > /dev/null; do sleep 2; done; el "zoo done"
+  if [ -n "${PROBE_SIZES:-}" ]; then  # calibrated systems against AR per size before a pilot spends calls on them
+    timeout "${PROBE_S:-200}" python3 probes/batch_calibrated_probe.py /tmp/q8 "$cal" "$out/calibrated_probe.json" \
+      --sizes "$PROBE_SIZES" > "$out/calibrated_probe.log" 2>&1
+    el "probe rc=$?"; tail -3 "$out/calibrated_probe.log"
+  fi
   ;;
 pilot)
   # resumes: a journal in /tmp/bpilot (this warm machine's) or carried back as cal/bpilot.tgz (a fresh machine's)
