@@ -241,3 +241,22 @@ def test_the_served_plan_runs_each_size_and_equals_ar(monkeypatch):
     ar = Deployment(bundled_target_dir()).batch_system(SystemConfig.ar(), 1, max_len=256)
     want = [g.tokens for g in ar.generate_all(prompts, 12)]
     assert [g.tokens for g in eng.generate_all(prompts, 12)] == want
+
+
+def test_the_port_is_taken_before_loading_but_refuses_connections_until_serving():
+    """``serve`` binds its port first (a busy port fails at once, one line) but listens only when it serves: a client
+    connecting while the model loads is refused, not left hanging."""
+    from specpilot.errors import SpecPilotError
+    from specpilot.serve.cli import _listen
+
+    sock = _listen("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2)
+        sock.listen()
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        with pytest.raises(SpecPilotError, match=f"cannot listen on 127.0.0.1:{port}"):
+            _listen("127.0.0.1", port)
+    finally:
+        sock.close()

@@ -114,3 +114,26 @@ def test_a_forced_quit_answers_requests_in_flight_with_a_503_and_logs_no_traceba
     log = "\n".join(records.lines)
     assert "Traceback" not in log and "CancelledError" not in log and "Exception in" not in log, log
     assert not ctx.driver.alive()
+
+
+def test_a_step_slower_than_the_margin_does_not_hold_the_503_back():
+    """On a loaded machine one engine step can outlast the shutdown's margin: the held requests still get their 503
+    (and the stream its error event and ``[DONE]``) before the grace period ends, not a cancelled 500."""
+    eng = FakeBatchEngine(TOK, EOS, num_slots=4, step_delay_s=2.5)
+    ctx, app = make_app(eng)
+    server, thread, url = _serve(app, ctx, grace_s=2.0)
+    got = {}
+    bodies = (("long", {"max_tokens": 200}), ("stream", {"max_tokens": 200, "stream": True}))
+    jobs = [threading.Thread(target=_post, args=(url, got) + a) for a in bodies]
+    for j in jobs:
+        j.start()
+    while len(eng.added) < 2:
+        time.sleep(0.01)
+    time.sleep(0.3)  # into a step
+    t0 = time.time()
+    server.should_exit = True
+    for j in jobs:
+        j.join(30)
+    thread.join(30)
+    assert not thread.is_alive() and time.time() - t0 < 5.0
+    _assert_shut_down(got)

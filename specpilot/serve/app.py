@@ -218,7 +218,8 @@ class Server(uvicorn.Server):
     Plain uvicorn waits ``timeout_graceful_shutdown`` seconds for running requests and then cancels them: a
     non-streamed one got a bare ``500 Internal Server Error`` and the log a ``CancelledError`` traceback, and the
     app's lifespan, which stops the driver (its 503), ran only after that. Here the driver stops ``margin_s`` before
-    the wait ends, so every request still held answers with the 503 in time and uvicorn has nothing to cancel.
+    the wait ends, so every request still held answers with the 503 in time and uvicorn has nothing to cancel (if
+    the engine's current step runs past half the margin, the driver fails them without waiting for it).
     A second Ctrl-C (uvicorn's ``force_exit``) ends the wait at once and skips the lifespan's shutdown; the event
     loop would then cancel the requests still running (the same bare 500 and tracebacks). Here it stops the driver
     at once instead, gives the requests up to ``drain_s`` seconds to send their 503, and ends the lifespan.
@@ -236,6 +237,7 @@ class Server(uvicorn.Server):
                  margin_s: float = 1.0, drain_s: float = 2.0):
         super().__init__(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s))
         self.ctx, self.fail_after_s, self.drain_s = ctx, max(grace_s - margin_s, 0.0), drain_s
+        self.margin_s = margin_s
 
     async def shutdown(self, sockets=None) -> None:
         late = asyncio.create_task(self._fail_held())
@@ -251,7 +253,8 @@ class Server(uvicorn.Server):
         end = loop.time() + self.fail_after_s
         while not self.force_exit and loop.time() < end:  # a forced quit fails them now, not at the end
             await asyncio.sleep(0.05)
-        await asyncio.to_thread(self.ctx.driver.stop)
+        # a step still running half the margin later (a slow or loaded machine) does not hold the 503s back
+        await asyncio.to_thread(self.ctx.driver.stop, 10.0, self.margin_s / 2)
 
     async def _forced_end(self) -> None:
         """After a forced quit: the driver stopped (its 503 delivered to every held request), the requests' tasks

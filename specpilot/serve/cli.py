@@ -28,17 +28,25 @@ if TYPE_CHECKING:
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (taken before the model loads, so a busy port fails at once).
+    """A TCP socket bound to ``host:port`` before the model loads, so a busy port fails at once; it listens only
+    when the server starts serving (asyncio's ``create_server`` calls ``listen``), so a client that connects while
+    the model loads or compiles is refused at once instead of hanging until then.
 
     Raises:
         SpecPilotError: the address cannot be resolved or bound (one line).
     """
     if not 0 <= port <= 65535:
         raise SpecPilotError(f"--port must lie in 0-65535, got {port}")
+    sock = None
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family, reuse_port=False)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        return sock
     except OSError as e:
+        if sock is not None:
+            sock.close()
         raise SpecPilotError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
@@ -95,7 +103,7 @@ def serve(
              "fused path, where a reused prefix would change the later rows' bits."),
     compile_cpu: bool = typer.Option(False, "--compile", help="CPU only: run each batched pass's decoder stack as one "
                                      "torch.compile graph (norms, RoPE, SiLU and residuals fused; the same tokens). "
-                                     "Its two graphs compile at start: minutes for SmolLM2 on 2 cores."),
+                                     "Its two graphs compile at start: about a minute for SmolLM2 on 2 cores."),
 ):
     """Serve a speculative system over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
     Greedy only: temperature > 0, n > 1 and other sampling fields get a 400."""
@@ -156,7 +164,8 @@ def serve(
         try:
             cfg = SystemConfig(drafter=drafter, tree=tree, nodes=6 if nodes is None else nodes,
                                depth=6 if depth is None else depth,
-                               top_k=1 if tree == "chain" else (4 if top_k is None else top_k), dtype=dtype or "float32")
+                               top_k=1 if tree == "chain" else (4 if top_k is None else top_k),
+                               dtype=dtype or "float32")
         except ValueError as e:
             raise SpecPilotError(f"invalid option: {validation_message(e)}") from None
         bundled = target is None

@@ -5,7 +5,8 @@ A :class:`~specpilot.engine.batch.BatchEngine` is not thread-safe, so one backgr
 (:meth:`EngineDriver.abort`) through a thread-safe queue; the thread adds them to the engine between steps, calls
 ``step()`` while there is work, and hands each :class:`StepOutput` to its request's ``deliver`` callback (the server
 passes a :class:`LoopSink`, which puts the item on the request's asyncio queue with ``loop.call_soon_threadsafe``).
-A step's outputs for :class:`LoopSink` s of one event loop go over in one ``call_soon_threadsafe`` (:meth:`EngineDriver._step`).
+A step's outputs for :class:`LoopSink` s of one event loop go over in one ``call_soon_threadsafe``
+(:meth:`EngineDriver._deliver`).
 
 Per request the callback receives, in order: :data:`ADMITTED` once the engine took the request (or one
 :class:`Failure` with status 400 if it refused it), then its step outputs until one is ``finished``. An exception
@@ -98,6 +99,8 @@ class EngineDriver:
         self._sinks: dict[str, Callable[[object], None]] = {}
         self._held: dict[str, tuple[list[int], list[float]]] = {}  # coalescing sinks: tokens and stamps so far
         self._stop = threading.Event()
+        # _sinks / _held belong to the engine thread; a stop whose step runs long fails them from the stopping thread
+        self._lock = threading.RLock()
         self._thread = threading.Thread(target=self._run, name="specpilot-engine", daemon=True)
         self.steps = self.failures = 0
         self.num_slots = int(engine.num_slots)
@@ -124,12 +127,17 @@ class EngineDriver:
         id is ignored)."""
         self._inbox.put(("abort", request_id, None))
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the thread; requests still held get a 503 :class:`Failure` and are aborted in the engine."""
+    def stop(self, timeout_s: float = 10.0, fail_after_s: float = 0.5) -> None:
+        """Stop the thread; requests still held get a 503 :class:`Failure` and the engine is reset. If the thread's
+        current step runs past ``fail_after_s`` seconds (a slow machine), the 503s go out at once from this thread,
+        so that they reach the clients before the server's grace period ends; the step's outputs are then dropped."""
         self._stop.set()
         self._inbox.put(("wake", None, None))
         if self._thread.is_alive():
-            self._thread.join(timeout_s)
+            self._thread.join(fail_after_s)
+        if self._thread.is_alive():
+            self._fail_sinks(Failure(503, "the server is shutting down"))
+            self._thread.join(max(timeout_s - fail_after_s, 0.0))
 
     # -- the engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -173,8 +181,9 @@ class EngineDriver:
 
     def _drop(self, rid: str) -> None:
         """Forget a request nobody listens to any more (its event loop closed) and end it in the engine."""
-        self._sinks.pop(rid, None)
-        self._held.pop(rid, None)
+        with self._lock:
+            self._sinks.pop(rid, None)
+            self._held.pop(rid, None)
         self._abort_engine(rid)
 
     def _add(self, req, deliver) -> None:
@@ -188,14 +197,17 @@ class EngineDriver:
             self._push(req.request_id, deliver, Failure(500, f"the engine could not take the request: "
                                                              f"{type(e).__name__}: {e}"))
             return
-        self._sinks[req.request_id] = deliver
+        with self._lock:
+            self._sinks[req.request_id] = deliver
         if self.metrics is not None:
             self.metrics.prompt_tokens.labels(self.metrics.model).inc(len(req.prompt_ids))
         self._push(req.request_id, deliver, ADMITTED)
 
     def _abort(self, rid: str) -> None:
-        self._held.pop(rid, None)
-        if self._sinks.pop(rid, None) is not None:
+        with self._lock:
+            self._held.pop(rid, None)
+            held = self._sinks.pop(rid, None)
+        if held is not None:
             self._abort_engine(rid)
 
     def _abort_engine(self, rid: str) -> None:
@@ -220,6 +232,11 @@ class EngineDriver:
             if self.engine.prefix is not None:
                 self.metrics.prefix(self.engine.prefix.queried_tokens, self.engine.prefix.reused_tokens)
             self.metrics.plan(self.engine.plan.sizes, self.engine.plan_steps)
+        with self._lock:  # a stop may have failed the requests while the step ran: then _sinks is empty
+            self._deliver(outs)
+        log.debug("step of %d outputs in %.1f ms", len(outs), 1e3 * (time.perf_counter() - t0))
+
+    def _deliver(self, outs) -> None:
         by_loop: dict = {}  # LoopSink outputs, one call_soon_threadsafe per loop (LoopSink's why)
         now = time.perf_counter()
         for o in outs:
@@ -240,7 +257,6 @@ class EngineDriver:
             except RuntimeError:  # the loop is closed (server shutting down): nobody listens
                 for rid, _, _ in items:
                     self._drop(rid)
-        log.debug("step of %d outputs in %.1f ms", len(outs), 1e3 * (time.perf_counter() - t0))
 
     def _coalesce(self, o, now: float):
         """What a coalescing sink gets of ``o``: its first output as it is, then nothing (held) until the finished
@@ -258,14 +274,19 @@ class EngineDriver:
         del self._held[o.request_id]
         return Coalesced(dataclasses.replace(o, new_tokens=held[0]), held[1])
 
+    def _fail_sinks(self, failure: Failure) -> None:
+        """Deliver ``failure`` to every request still held and forget them (any thread)."""
+        with self._lock:
+            held, self._sinks = self._sinks, {}
+            self._held.clear()
+            for deliver in held.values():
+                try:
+                    deliver(failure)
+                except RuntimeError:
+                    pass
+
     def _fail_all(self, failure: Failure) -> None:
-        held, self._sinks = self._sinks, {}
-        self._held.clear()
-        for rid, deliver in held.items():
-            try:
-                deliver(failure)
-            except RuntimeError:
-                pass
+        self._fail_sinks(failure)
         try:
             self.engine.reset()  # every request it held failed: back to a known state, every slot free
         except Exception:
