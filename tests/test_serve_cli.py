@@ -66,9 +66,9 @@ def test_serve_drafter_eagle3_options(monkeypatch, capsys, eagle3_dir, tmp_path)
     assert (seen["ddir"], seen["cfg"]) == (eagle3_dir, cfg)
 
 
-def test_the_served_eagle3_engine_equals_ar(monkeypatch, eagle3_dir):
-    """run_server builds the batched engine with the EAGLE-3 drafter (prefix reuse off: it reads target features),
-    and its outputs equal plain AR decoding."""
+def test_the_served_eagle3_engine_equals_ar(monkeypatch, capsys, eagle3_dir):
+    """run_server builds the batched engine with the EAGLE-3 drafter (prefix reuse off: it reads target features,
+    as the startup line says), and its outputs equal plain AR decoding."""
     import uvicorn
 
     from specpilot.engine.deployment import Deployment
@@ -85,6 +85,7 @@ def test_the_served_eagle3_engine_equals_ar(monkeypatch, eagle3_dir):
                    "127.0.0.1", 256)
     eng = seen["ctx"].driver.engine
     assert eng.drafter.kind == "eagle3" and eng.prefix is None
+    assert "prefix reuse off (the drafter reads every prompt row's target features)" in capsys.readouterr().err
     prompts = [[5, 17, 300, 42, 9, 11], [1000, 7, 7, 7, 250]]
     ar = Deployment(bundled_target_dir()).batch_system(SystemConfig.ar(), 2, max_len=256)
     want = [g.tokens for g in ar.generate_all(prompts, 12)]

@@ -50,6 +50,19 @@ def _listen(host: str, port: int) -> socket.socket:
         raise SpecPilotError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+def _prefix_state(engine, asked: bool | None) -> str:
+    """The startup line's prefix reuse: ``on``, or ``off`` and why (``asked``: ``--[no-]enable-prefix-caching``)."""
+    if engine.prefix is not None:
+        return "on"
+    if asked is False:
+        return "off (--no-enable-prefix-caching)"
+    if engine.feature_layers:
+        return "off (the drafter reads every prompt row's target features)"
+    if not engine.pool.prefix_reuse:
+        return "off (a hybrid target's recurrent state is not per position)"
+    return "off (the default on CUDA's batch-invariant path; --enable-prefix-caching turns it on)"
+
+
 def serve(
     target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: the bundled target; "
                                           "with --system, its deployment's target, which --target replaces)."),
@@ -274,7 +287,7 @@ def run_server(sock, tdir, ddir, cfg: SystemConfig | LoadPlan, device, max_num_s
     drafting = "" if spec_max_requests is None else f" (drafting while at most {spec_max_requests} run)"
     slots = f"{engine.num_slots} slot{'s' if engine.num_slots != 1 else ''}"
     print(f"specpilot serve: {name!r} ({label}) at http://{host}:{addr[1]}/v1, {slots}"
-          f"{drafting}, prefix reuse {'on' if engine.prefix is not None else 'off'}, "
+          f"{drafting}, prefix reuse {_prefix_state(engine, prefix_caching)}, "
           f"{'compiled stack, ' if engine.stack is not None else ''}"
           f"context {engine.max_len} tokens, chat template: {source}, API key: {'required' if api_key else 'off'}",
           file=sys.stderr)
