@@ -10,9 +10,10 @@
 #          AR and stock at every size
 #
 # Usage: probes/batch_sealed_h200.sh tests|pilot|bench OUT [CAL]; carry [".whl", "cal"] (cal holds CAL). Env: TESTS,
-# TEST_S, PROBE_SIZES (tests: then probes/batch_calibrated_probe.py at those sizes), PROBE_S, SIZES (pilot, default
-# 1,16), PILOT_S, BENCH_SIZES, BENCH_S, BENCH_ARGS. Any ignored gguf_K/ carried along is
-# stashed in /tmp/gguf_stash for probes/smollm2_train_h200.sh (its parts ride in these calls' spare room).
+# TEST_S, ALIGNED (0: skip the aligned-attention probe), PROBE_SIZES (tests: then probes/batch_calibrated_probe.py at
+# those sizes), PROBE_S, SIZES (pilot, default 1,16), PILOT_S, BENCH_SIZES, BENCH_S, BENCH_ARGS. Any ignored gguf_K/
+# carried along is stashed in /tmp/gguf_stash for probes/smollm2_train_h200.sh (its parts ride in these calls' spare
+# room).
 set -u
 mode=$1; out=$2; cal=${3:-cal/block16.json}
 S=/tmp/gguf_stash; mkdir -p $S
@@ -31,9 +32,11 @@ tests)
     tests/test_graphs_gpu.py tests/test_batch_attention.py tests/test_tree_attention.py tests/test_hybrid_static.py} \
     > "$out/gpu_tests.log" 2>&1
   el "tests rc=$?: $(tail -1 "$out/gpu_tests.log")"
-  timeout 120 python3 probes/batch_attention_aligned_h200.py /tmp/aligned --old-file cal/batch_attention_old.py \
-    > "$out/aligned.log" 2>&1
-  el "aligned probe rc=$?"; cp /tmp/aligned/*.json "$out/" 2>/dev/null
+  if [ "${ALIGNED:-1}" = 1 ]; then
+    timeout 120 python3 probes/batch_attention_aligned_h200.py /tmp/aligned --old-file cal/batch_attention_old.py \
+      > "$out/aligned.log" 2>&1
+    el "aligned probe rc=$?"; cp /tmp/aligned/*.json "$out/" 2>/dev/null
+  fi
   while [ ! -f /tmp/q8/config.json ] || pgrep -f "zoo random" > /dev/null; do sleep 2; done; el "zoo done"
   if [ -n "${PROBE_SIZES:-}" ]; then  # calibrated systems against AR per size before a pilot spends calls on them
     timeout "${PROBE_S:-200}" python3 probes/batch_calibrated_probe.py /tmp/q8 "$cal" "$out/calibrated_probe.json" \
