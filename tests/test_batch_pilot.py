@@ -105,6 +105,41 @@ def test_batch_forcing_catches_a_planted_wrong_token():
     assert not res["passed"] and res["events"] >= 2
 
 
+class _TieScorer:
+    """A stand-in scorer whose argmax is token 0 everywhere; any other token is a mismatch of margin 0.1 nats."""
+
+    class model:  # noqa: N801  (what BatchForcing reads of a scorer's model)
+        dtype = "torch.float32"
+
+    def score(self, prompt, out):
+        import numpy as np
+
+        from specpilot.pilot.forcing import TokenScores
+
+        t = np.asarray(out, dtype=np.int64)
+        return TokenScores(t, np.zeros_like(t), np.where(t == 0, 0.0, 0.1))
+
+
+def test_batch_forcing_judges_a_candidate_against_stock_at_its_own_size():
+    """Stock's figures at one size, not pooled over every size: at size 1 stock (as AR) mismatches on half its
+    tokens, at size 2 on none and with ten times the tokens; a candidate at size 1 that mismatches as often as
+    stock there passes, while against the pooled figures (9% mismatches, a small error) it would fail."""
+    half, zeros = (1, 0) * 10, (0,) * 50
+    c1, c2 = ("b", 1, 0), ("b", 2, 0)
+    out1, out2 = ((half,), (half,)), ((zeros,) * 4, (zeros,) * 4)
+    prompts = {c1: (((5,),), ((6,),)), c2: (((5,),) * 4, ((6,),) * 4)}
+    p0 = BatchMeasured({}, {"ar": {c1: out1, c2: out2}, "stock": {c1: out1, c2: out2}, "x": {c1: out1, c2: out2}},
+                       prompts, {}, {})
+    f = BatchForcing(_TieScorer(), p0)
+    assert f.delta == 0.125 and f.by_size[1].mismatch_rate == 0.5 and f.by_size[2].mismatch_rate == 0.0
+    assert f.stock.tokens == 440 and f.stock.mismatches == 20
+    at1 = f.check(p0.at(1), "x", 1)
+    assert at1["passed"] and at1["stock_tokens"] == 40
+    pooled = f.check(p0.at(1), "x")
+    assert not pooled["passed"] and "mismatch rate" in pooled["reasons"][0]
+    assert f.phase0["stock_by_size"]["1"]["mismatch_rate"] == 0.5
+
+
 def test_one_round_has_no_bound_and_is_rejected():
     m = _synthetic({n: 1.5 for n in SIZES}, noise=0.004, seed=5)
     for k in ("a", "b"):

@@ -128,3 +128,14 @@ def test_delta(model, data):
     assert worst > 0 and d >= worst and d - worst < 0.125 and (d * 8) == int(d * 8)
     with pytest.raises(ValueError):
         delta_from_phase0(sc, prompts, clean, clean[:-1])
+
+
+def test_merged_figures_equal_one_audit_of_all_outputs(model, data):
+    prompts, clean, bad = data
+    outs = [(p, o, "b" if i % 2 else "a") for i, (p, o) in enumerate(zip(prompts, bad))]
+    sc = Scorer(model)
+    whole = audit(sc, outs, 0.125)
+    parts = ForcingStats.merged([audit(sc, outs[:1], 0.125), audit(sc, outs[1:], 0.125)])
+    assert parts.to_dict() == whole.to_dict()
+    with pytest.raises(ValueError):
+        ForcingStats.merged([audit(sc, outs[:1], 0.125), audit(sc, outs[1:], 0.25)])

@@ -164,6 +164,12 @@ def render_md(report: dict) -> str:
         else:
             lo = "n/a" if v["lower_bound"] is None else f"{v['lower_bound']:.4f}"
             lines.append(f"| {v['size']} | {v['mechanism']} | {v['candidate']} | {v['gain']:.4f} | {lo} | "
-                         f"+{v['bar']:.2%} | {v['reason']} |")
+                         f"+{v['bar']:.2%} | {v['reason']}{forcing_reasons(v['token_forcing'])} |")
     lines += ["", f"Rule: {report['approval_rule']}.", "", f"Method: {report['method']}.", ""]
     return "\n".join(lines)
+
+
+def forcing_reasons(audited: dict | None) -> str:
+    """``": rule; rule"`` for a failed token-forcing check (:meth:`~specpilot.pilot.batch_pilot.BatchForcing.check`),
+    else ``""``: why a candidate whose output differed was rejected."""
+    return "" if not audited or audited["passed"] else ": " + "; ".join(audited["reasons"])

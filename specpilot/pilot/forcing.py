@@ -131,6 +131,29 @@ class ForcingStats:
         """Events (mismatches with margin >= 2δ) per output token (fraction; 0.0 when no tokens)."""
         return self.events / self.tokens if self.tokens else 0.0
 
+    @staticmethod
+    def merged(parts: Sequence["ForcingStats"]) -> "ForcingStats":
+        """The figures of several audits with the same δ as one audit of all their outputs (counts summed, the
+        largest margins of all, requests in order).
+
+        Raises:
+            ValueError: no parts, or parts audited with different δ."""
+        if not parts or any(p.delta != parts[0].delta for p in parts):
+            raise ValueError("merge the figures of one δ")
+        st = ForcingStats(delta=parts[0].delta)
+        for p in parts:
+            st.tokens, st.mismatches, st.events = st.tokens + p.tokens, st.mismatches + p.mismatches, st.events + p.events
+            st.per_request += p.per_request
+            for bench, b in p.per_benchmark.items():
+                acc = st.per_benchmark.setdefault(bench, {"tokens": 0, "mismatches": 0, "events": 0})
+                for k in ("tokens", "mismatches", "events"):
+                    acc[k] += b[k]
+        for b in st.per_benchmark.values():
+            b["mismatch_rate"] = b["mismatches"] / b["tokens"] if b["tokens"] else 0.0
+            b["event_rate"] = b["events"] / b["tokens"] if b["tokens"] else 0.0
+        st.top_margins = sorted((m for p in parts for m in p.top_margins), reverse=True)[:10]
+        return st
+
     def to_dict(self) -> dict:
         """JSON-ready dict of every figure (for the report)."""
         return {
