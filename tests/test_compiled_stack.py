@@ -62,17 +62,50 @@ def test_compiled_engine_equals_eager_token_for_token(tiny_models, cfg):
     _windows(eng)
     from torch._dynamo.utils import counters
 
-    assert eng.compile_shapes() == 2
+    from specpilot.model import compiled_stack as cs
+
+    # the stack's two graphs; the decode attention's for 2 and 4 query rows per KV head (the tiny target has 2
+    # query heads a KV head), keys a window of the pool or gathered
+    assert eng.compile_shapes() == 2 + 2 * 2
     graphs = counters["stats"]["unique_graphs"]
+    entry, attended = cs._TABLES[eng.stack.owner], []
+    compiled_attend = entry.attend
+    entry.attend = lambda qg, *a: attended.append(qg.shape[2]) or compiled_attend(qg, *a)
     for batch in (gap, reqs):
         prompts, budgets = [p for p, _ in batch], [n for _, n in batch]
         want = [g.tokens for g in eager.generate_all(prompts, budgets)]
         assert [g.tokens for g in eng.generate_all(prompts, budgets)] == want
     assert counters["stats"]["unique_graphs"] == graphs  # compile_shapes compiled every graph the run needed
+    assert attended and set(attended) <= {2, 4}  # decode passes took the compiled attention, wider ones the SDPA
     assert eng.stack.passes["eager"] == 0 and eng.stack.passes["compiled"] == len(eng.windows)
     assert True in eng.windows and False in eng.windows  # slots as one window, and gathered
     if cfg.drafter:
         assert eng.exact_passes < sum(n for _, n in reqs + gap)  # drafts were accepted: steps verified several rows
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_masked_attention_equals_the_sdpa(compiled):
+    """The decode attention against the masked SDPA on a pool-like view: padding slots that see one key, requests
+    of several lengths, rows that see their own keys only up to themselves."""
+    import torch.nn.functional as F
+
+    from specpilot.model.compiled_stack import masked_attention
+
+    g = torch.Generator().manual_seed(0)
+    w, kvh, rows, s, d = 5, 3, 4, 19, 16
+    pool = torch.randn(7, 2, 24, kvh, d, generator=g)  # [slots, layers, slot_len, KVH, D]
+    idx = torch.tensor([6, 0, 3, 2, 4])  # the requests' slots, not one window: gathered
+    qg = torch.randn(w, kvh, rows, d, generator=g)
+    lens = torch.tensor([19, 7, 1, 12, 16])
+    mask = (torch.arange(s)[None, None, :] < (lens[:, None, None] - rows + 1 + torch.arange(rows)[None, :, None]))
+    mask = (mask | (torch.arange(s) == 0))[:, None]  # the padding slot (length 1) sees key 0
+    keys, vals = pool[idx, 0, :s], pool[idx, 1, :s]
+    want = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask)
+    fn = torch.compile(masked_attention, dynamic=True) if compiled else masked_attention
+    torch.testing.assert_close(fn(qg, keys, vals, mask), want, rtol=1e-5, atol=1e-6)  # gathered
+    window = pool[1:6, 0, :s], pool[1:6, 1, :s]  # a view of the pool
+    want = F.scaled_dot_product_attention(qg, window[0].transpose(1, 2), window[1].transpose(1, 2), attn_mask=mask)
+    torch.testing.assert_close(fn(qg, *window, mask), want, rtol=1e-5, atol=1e-6)
 
 
 def test_prompts_riding_in_a_step_and_a_second_owner(tiny_models):

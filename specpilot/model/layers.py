@@ -89,18 +89,29 @@ def grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: 
 def batch_sdpa(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, p: Prepared) -> torch.Tensor:
     """:func:`grouped_sdpa` on a batched pass's packed rows: ``q [R, H, D]`` (request 0's rows, then request 1's,
     ...), ``keys, vals [B, span, KVH, D]`` gathered per request, or ``[W, span, KVH, D]``, the pool's slots
-    ``[lo, lo + W)`` of ``p.window = (lo, W)`` -> ``[R, H, D]``. The rows go to their padded places by one ``index_copy_`` over
-    ``p.flat`` (a reshape when ``p.dense``, as in an AR step over consecutive slots) and come back by one
-    ``index_select``; the grouped mask is built once per pass (:meth:`~specpilot.model.batch.Prepared.grouped_mask`).
-    The SDPA sees the same inputs as :func:`grouped_sdpa` on the padded rows, so the outputs are equal bit for bit
+    ``[lo, lo + W)`` of ``p.window = (lo, W)`` -> ``[R, H, D]``, through :func:`padded_attention`. The SDPA sees the
+    same inputs as :func:`grouped_sdpa` on the padded rows, so the outputs are equal bit for bit
     (``tests/test_grouped_sdpa.py``)."""
-    (_, h, d), b, rm = q.shape, keys.shape[0], p.r_max
-    kvh = keys.shape[2]
+
+    def sdpa(qg, mask):
+        with sdpa_backends(q.device):
+            return F.scaled_dot_product_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask)
+
+    return padded_attention(q, p, keys.shape[0], keys.shape[2], sdpa)
+
+
+def padded_attention(q: torch.Tensor, p: Prepared, b: int, kvh: int, attend) -> torch.Tensor:
+    """A batched pass's packed rows ``q [R, H, D]`` through ``attend(qg [b, KVH, G * r_max, D], mask [b, 1, G * r_max,
+    span] bool) -> [b, KVH, G * r_max, D]``, the attention of each request's (padded) rows grouped per KV head (G =
+    H / KVH query heads a KV head), ``b`` requests at their SDPA batch index (:attr:`Prepared.window`) -> ``[R, H, D]``.
+    The rows go to their padded places by one ``index_copy_`` over ``p.flat`` (a reshape when ``p.dense``, as in an AR
+    step over consecutive slots) and come back by one ``index_select``; the grouped mask is built once per pass
+    (:meth:`~specpilot.model.batch.Prepared.grouped_mask`)."""
+    (_, h, d), rm = q.shape, p.r_max
     g = h // kvh
     qp = q if p.dense else q.new_zeros(b * rm, h, d).index_copy_(0, p.flat, q)
     qg = qp.reshape(b, rm, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * rm, d)
-    with sdpa_backends(q.device):
-        o = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=p.grouped_mask(g))
+    o = attend(qg, p.grouped_mask(g))
     o = o.reshape(b, kvh, g, rm, d).permute(0, 3, 1, 2, 4).reshape(b * rm, h, d)
     return o if p.dense else o.index_select(0, p.flat)
 
