@@ -83,6 +83,29 @@ def test_compiled_engine_equals_eager_token_for_token(tiny_models, cfg):
         assert eng.exact_passes < sum(n for _, n in reqs + gap)  # drafts were accepted: steps verified several rows
 
 
+def test_three_query_heads_a_kv_head_compile_nothing_after_warm_up(tmp_path):
+    """A Llama target (no q/k norms: the queries are a slice of the fused projection, not contiguous) with SmolLM2's
+    grouping of 3 query heads a KV head: after ``compile_shapes`` a run of 1, then 5 requests compiles no graph (the
+    decode attention's query rows once came with other strides than the warm-up's, and Dynamo compiled it again in
+    a served step: 4 s in the first 8-request round on SmolLM2), tokens as the eager engine's."""
+    from torch._dynamo.utils import counters
+
+    from specpilot.model.checkpoint import load_model
+
+    from .conftest import save_tiny
+
+    target = load_model(save_tiny(tmp_path / "g3", "llama", hidden=96, layers=2, heads=6, kv_heads=2, seed=3))
+    cfg = SystemConfig.ar()
+    eager, eng = _engine(target, cfg, False), _engine(target, cfg, True)
+    assert eng.compile_shapes() == 2 + 2  # the stack's two graphs; 3 rows a KV head, keys a window or gathered
+    graphs = counters["stats"]["unique_graphs"]
+    for reqs in (_requests(6, n=1), _requests(7, n=5)):
+        prompts, budgets = [p for p, _ in reqs], [n for _, n in reqs]
+        want = [g.tokens for g in eager.generate_all(prompts, budgets)]
+        assert [g.tokens for g in eng.generate_all(prompts, budgets)] == want
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_masked_attention_equals_the_sdpa(compiled):
     """The decode attention against the masked SDPA on a pool-like view: padding slots that see one key, requests

@@ -100,7 +100,8 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
         vals = v_pool[:, layer, : p.span].index_select(0, p.slots)
     kvh = k.shape[1]
     if e.attend is not None and takes_decode(keys.shape[0], p.span, p.r_max * (q.shape[1] // kvh)):
-        o = padded_attention(q, p, keys.shape[0], kvh, lambda qg, mask: e.attend(qg, keys, vals, mask.contiguous()))
+        o = padded_attention(q, p, keys.shape[0], kvh,  # its inputs' strides as warmed (Dynamo guards on them)
+                             lambda qg, mask: e.attend(qg.contiguous(), keys, vals, mask.contiguous()))
     else:
         o = batch_sdpa(q, keys, vals, p)
     return o.reshape(q.shape[0], q.shape[1] * q.shape[2])
