@@ -52,12 +52,14 @@ from specpilot.model.layers import batch_sdpa, padded_attention
 class _Entry:
     """One owner's row of :data:`_TABLES`: its projections, their output widths, the rows of the pass it is
     running (set by :meth:`CompiledStack.forward_batch` for the length of one pass, read by
-    ``specpilot::window_attention``), and its compiled :func:`masked_attention` (None: every pass takes the SDPA)."""
+    ``specpilot::window_attention``), its compiled :func:`masked_attention` (None: every pass takes the SDPA) and the
+    fewest requests a pass needs to take it (:attr:`CompiledStack.decode_min_requests`)."""
 
     modules: list
     widths: list[int]
     rows: Prepared | None = None
     attend: object = None
+    decode_min: int = 16
 
 
 #: owner key -> that owner's :class:`_Entry`: what the custom ops read. A :class:`CompiledStack` adds its row when
@@ -99,7 +101,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
         keys = k_pool[:, layer, : p.span].index_select(0, p.slots)
         vals = v_pool[:, layer, : p.span].index_select(0, p.slots)
     kvh = k.shape[1]
-    if e.attend is not None and takes_decode(keys.shape[0], p.span, p.r_max * (q.shape[1] // kvh)):
+    if e.attend is not None and takes_decode(keys.shape[0], p.span, p.r_max * (q.shape[1] // kvh), e.decode_min):
         o = padded_attention(q, p, keys.shape[0], kvh,  # its inputs' strides as warmed (Dynamo guards on them)
                              lambda qg, mask: e.attend(qg.contiguous(), keys, vals, mask.contiguous()))
     else:
@@ -118,12 +120,13 @@ def _window_attention_fake(q, k, v, k_pool, v_pool, owner, layer):
 DECODE_ROWS = 4
 
 
-def takes_decode(batch: int, span: int, rows: int) -> bool:
-    """Whether a layer's attention runs :func:`masked_attention`: ``batch`` requests (with the window's padding
-    slots) of at most :data:`DECODE_ROWS` query ``rows`` per KV head, over ``span`` keys. Several requests and
-    keys only: a size of 1 would be one more compiled graph (Dynamo specializes it) for passes that are not where
-    the time goes (one request's decode, a prompt's first token)."""
-    return batch >= 2 and span >= 2 and rows <= DECODE_ROWS
+def takes_decode(batch: int, span: int, rows: int, min_batch: int = 16) -> bool:
+    """Whether a layer's attention runs :func:`masked_attention`: at least ``min_batch`` (and 2) requests, with the
+    window's padding slots, ``batch``, of at most :data:`DECODE_ROWS` query ``rows`` per KV head, over ``span >= 2``
+    keys. Below 16 requests its gain shrinks to what a compiled call costs: on SmolLM2's shape 0.77x the SDPA's time
+    at 32 requests, 0.86x at 8 and 1.35x at 2 (`results/decode_attention_cpu_2026-12-05_*`), while a step of 8
+    requests ran 45 ms both ways. A size of 1 would also be one more compiled graph (Dynamo specializes it)."""
+    return batch >= max(2, min_batch) and span >= 2 and rows <= DECODE_ROWS
 
 
 def masked_attention(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -268,6 +271,16 @@ class CompiledStack:
                            float(target.model.norm.eps), qk, norms, target.model.norm.weight)
         self._fn = torch.compile(_stack_of(self._spec))  # R marked dynamic per call (forward_batch)
         self.passes = {"compiled": 0, "eager": 0}
+
+    @property
+    def decode_min_requests(self) -> int:
+        """The fewest requests (with a window's padding slots) a decode pass needs for its attention to run the
+        compiled :func:`masked_attention` (default 16, :func:`takes_decode`); fewer take the SDPA."""
+        return _TABLES[self.owner].decode_min
+
+    @decode_min_requests.setter
+    def decode_min_requests(self, n: int) -> None:
+        _TABLES[self.owner].decode_min = int(n)
 
     def close(self) -> None:
         """Drop this owner's row of :data:`_TABLES` (a later compiled pass raises KeyError). Idempotent."""
