@@ -15,7 +15,7 @@ fuse them (the prototype: ``results/cpu_stack_compile_cpu_2026-12-05_1f9f580/``)
   only dynamic size is the row count ``R``: two graphs (``R = 1``, ``R >= 2``) serve every pass. Inside it a decode
   pass (several requests, a few rows each) attends through :func:`masked_attention`, compiled on its own with
   dynamic sizes (one graph per row count per KV head and key layout): Inductor's loop over each request's keys in
-  place beat the CPU flash SDPA by a quarter to a third (its docstring); wider passes keep the SDPA.
+  place took 0.73x the CPU flash SDPA's time at 32 requests (its docstring); smaller and wider passes keep the SDPA.
 
 ``owner`` is an int key into :data:`_TABLES`, a row per :class:`CompiledStack` (its projections, and the rows of the
 pass it is running), which the stack adds when built and removes in :meth:`CompiledStack.close` or when it is
@@ -116,16 +116,17 @@ def _window_attention_fake(q, k, v, k_pool, v_pool, owner, layer):
 
 #: the most query rows per KV head (query heads per KV head x the pass's most rows per request) the compiled
 #: :func:`masked_attention` takes; above, the SDPA's blocked GEMMs win (SmolLM2's 3 query heads per KV head, 32
-#: requests, 2 threads: one row each 0.89 against 1.41 ms a layer, four rows each 2.45 against 1.76).
+#: requests, 2 threads, an interactive check: four rows each 2.45 against 1.76 ms a layer).
 DECODE_ROWS = 4
 
 
 def takes_decode(batch: int, span: int, rows: int, min_batch: int = 16) -> bool:
     """Whether a layer's attention runs :func:`masked_attention`: at least ``min_batch`` (and 2) requests, with the
     window's padding slots, ``batch``, of at most :data:`DECODE_ROWS` query ``rows`` per KV head, over ``span >= 2``
-    keys. Below 16 requests its gain shrinks to what a compiled call costs: on SmolLM2's shape 0.77x the SDPA's time
-    at 32 requests, 0.86x at 8 and 1.35x at 2 (`results/decode_attention_cpu_2026-12-05_*`), while a step of 8
-    requests ran 45 ms both ways. A size of 1 would also be one more compiled graph (Dynamo specializes it)."""
+    keys. Below 16 requests its gain shrinks to what a compiled call costs: on SmolLM2's shape 0.73x the SDPA's time
+    at 32 requests, 0.78x at 16, 0.83x at 8 and 1.28x at 2 (``results/decode_attention_cpu_2026-12-05_ef6e89d``),
+    while a whole step of 8 requests ran 45 ms both ways. A size of 1 would also be one more compiled graph (Dynamo
+    specializes it)."""
     return batch >= max(2, min_batch) and span >= 2 and rows <= DECODE_ROWS
 
 
@@ -136,11 +137,12 @@ def masked_attention(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, m
     row sees a key) -> ``[W, KVH, G, D]`` in ``qg``'s dtype: softmax(q k / sqrt(D)) v, accumulated in float32.
 
     Why. A decode step's attention reads each request's K/V once for a handful of query rows. The CPU flash SDPA
-    tiles them as GEMMs over the longest request's keys and ran at about a third of the memory's speed; Inductor's
-    loop over the keys in their stored layout, masked by a select, ran 27-37% faster (SmolLM2 shapes, 32 requests,
-    2 threads: 0.89-0.92 against 1.24-1.41 ms a layer; reading the K/V alone 0.40; gathering the slots inside the
-    graph lost it: 1.09-1.29). The same math as the SDPA rounded in another order (float32: within ~1e-6,
-    ``tests/test_compiled_stack.py``)."""
+    tiles them as GEMMs over the longest request's keys and ran at under a third of the memory's speed; Inductor's
+    loop over the keys in their stored layout, masked by a select, took 0.73x its time (SmolLM2's shape, 32
+    requests, 2 threads: 1.00 against 1.37 ms a layer; reading the K/V once 0.40; keys gathered first, copy
+    included, 0.96x; ``results/decode_attention_cpu_2026-12-05_ef6e89d/run.json``; gathering the slots inside the
+    graph lost the gain). The same math as the SDPA rounded in another order (float32: within ~4e-7).
+    """
     k = keys.permute(0, 2, 1, 3)[:, :, None].float()  # [W, KVH, 1, S, D]
     v = vals.permute(0, 2, 1, 3)[:, :, None].float()
     scores = (qg[:, :, :, None, :].float() * k).sum(-1) * qg.shape[-1] ** -0.5  # [W, KVH, G, S]
