@@ -1,6 +1,6 @@
 """The batched CPU decode step's attention at SmolLM2's shape: the CPU flash SDPA (what the eager pass runs) against
-the compiled stack's ``masked_attention`` (keys a window of the pool, or gathered first), and the time to read the
-same K/V once. 32 requests of the peer workload's lengths (8 GSM8K chat prompts four times, 100 tokens generated),
+the compiled stack's ``masked_attention`` (keys a window of the pool, or gathered first), the SDPA on a head-major
+copy of the pool (a layout not built), and the time to read the same K/V once. 32 requests of the peer workload's lengths (8 GSM8K chat prompts four times, 100 tokens generated),
 one query row each, 2 threads. Every variant's output is checked against the SDPA's.
 
 Usage: ``PYTHONPATH=. python probes/decode_attention_cpu.py OUT.json``
@@ -50,6 +50,13 @@ def sdpa_gathered(layer):
     return F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
 
 
+hm_k, hm_v = pool_k.permute(0, 1, 3, 2, 4).contiguous(), pool_v.permute(0, 1, 3, 2, 4).contiguous()
+
+
+def sdpa_head_major(layer):  # a pool laid out [slot, layer, KVH, pos, D]: each head's keys contiguous
+    return F.scaled_dot_product_attention(q, hm_k[:, layer, :, :span], hm_v[:, layer, :, :span], attn_mask=mask)
+
+
 def read_kv(layer):
     return pool_k[:, layer, :span].sum() + pool_v[:, layer, :span].sum()
 
@@ -63,10 +70,10 @@ def ms(fn, n=60):
     return (time.perf_counter() - t) / n * 1e3
 
 
-errors = {"window": (window(0) - sdpa(0)).abs().max().item(),
+errors = {"window": (window(0) - sdpa(0)).abs().max().item(), "head_major": (sdpa_head_major(0) - sdpa(0)).abs().max().item(),
           "gathered": (gathered(0) - sdpa_gathered(0)).abs().max().item()}
 variants = {"sdpa": sdpa, "masked_attention_window": window, "sdpa_gathered": sdpa_gathered,
-            "masked_attention_gathered": gathered, "read_kv_once": read_kv}
+            "masked_attention_gathered": gathered, "sdpa_head_major": sdpa_head_major, "read_kv_once": read_kv}
 times = {k: [] for k in variants}
 for _ in range(3):  # interleaved rounds
     for name, fn in variants.items():

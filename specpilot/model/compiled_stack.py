@@ -87,13 +87,13 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     (:meth:`~specpilot.model.layers.Attention.forward_batch` without the kernel), over the rows ``p`` of owner
     ``owner``'s current pass: the rows' ``k, v [R, KVH, D]`` written into ``k_pool, v_pool [slots, layers, slot_len,
     KVH, D]`` at ``(p.slot, layer, p.pos)`` (in place: declared, so the pool is never copied), then ``q [R, H, D]``
-    attends to each request's slot, a view of the pool where ``p.window`` says the slots form one, else gathered.
+    attends to each request's slot, a view of the pool where ``p.window`` says the slots form one, else gathered:
+    through the owner's compiled :func:`masked_attention` where :func:`takes_decode` says so, else the masked SDPA.
     Returns ``[R, H * D]`` in ``q``'s dtype. Raises KeyError: the owner was closed."""
     e = _TABLES[owner]
     p = e.rows
     k_pool[p.slot, layer, p.pos] = k.to(k_pool.dtype)
     v_pool[p.slot, layer, p.pos] = v.to(v_pool.dtype)
-    kvh = k.shape[1]
     if p.window is not None:
         w = slice(p.window[0], p.window[0] + p.window[1])
         keys, vals = k_pool[w, layer, : p.span], v_pool[w, layer, : p.span]
