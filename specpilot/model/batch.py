@@ -94,11 +94,11 @@ class Prepared:
     def grouped_mask(self, g: int) -> torch.Tensor:
         """``[W, 1, g * r_max, span]`` bool: :meth:`sdpa_mask` with each padded row repeated for the ``g`` query heads
         of a KV head (the layout of :func:`~specpilot.model.layers.grouped_sdpa`), built once per pass rather than
-        once per layer."""
+        once per layer, contiguous (the compiled decode attention is warmed for that layout)."""
         if g not in self._grouped:
             m = self.sdpa_mask()
             b, r, s = m.shape
-            self._grouped[g] = m[:, None, None].expand(b, 1, g, r, s).reshape(b, 1, g * r, s)
+            self._grouped[g] = m[:, None, None].expand(b, 1, g, r, s).reshape(b, 1, g * r, s).contiguous()
         return self._grouped[g]
 
     @classmethod

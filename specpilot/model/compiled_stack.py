@@ -48,6 +48,11 @@ from specpilot.model.cache import KVPool
 from specpilot.model.layers import batch_sdpa, padded_attention
 
 
+#: the fewest requests (with a window's padding slots) a decode pass needs to take :func:`masked_attention`, by
+#: default (:func:`takes_decode`; per owner: :attr:`CompiledStack.decode_min_requests`).
+DECODE_MIN_REQUESTS = 16
+
+
 @dataclass
 class _Entry:
     """One owner's row of :data:`_TABLES`: its projections, their output widths, the rows of the pass it is
@@ -59,7 +64,7 @@ class _Entry:
     widths: list[int]
     rows: Prepared | None = None
     attend: object = None
-    decode_min: int = 16
+    decode_min: int = DECODE_MIN_REQUESTS
 
 
 #: owner key -> that owner's :class:`_Entry`: what the custom ops read. A :class:`CompiledStack` adds its row when
@@ -102,8 +107,8 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
         vals = v_pool[:, layer, : p.span].index_select(0, p.slots)
     kvh = k.shape[1]
     if e.attend is not None and takes_decode(keys.shape[0], p.span, p.r_max * (q.shape[1] // kvh), e.decode_min):
-        o = padded_attention(q, p, keys.shape[0], kvh,  # its inputs' strides as warmed (Dynamo guards on them)
-                             lambda qg, mask: e.attend(qg.contiguous(), keys, vals, mask.contiguous()))
+        o = padded_attention(q, p, keys.shape[0], kvh,  # the query rows' strides as warmed (Dynamo guards on them)
+                             lambda qg, mask: e.attend(qg.contiguous(), keys, vals, mask))
     else:
         o = batch_sdpa(q, keys, vals, p)
     return o.reshape(q.shape[0], q.shape[1] * q.shape[2])
@@ -120,7 +125,7 @@ def _window_attention_fake(q, k, v, k_pool, v_pool, owner, layer):
 DECODE_ROWS = 4
 
 
-def takes_decode(batch: int, span: int, rows: int, min_batch: int = 16) -> bool:
+def takes_decode(batch: int, span: int, rows: int, min_batch: int = DECODE_MIN_REQUESTS) -> bool:
     """Whether a layer's attention runs :func:`masked_attention`: at least ``min_batch`` (and 2) requests, with the
     window's padding slots, ``batch``, of at most :data:`DECODE_ROWS` query ``rows`` per KV head, over ``span >= 2``
     keys. Below 16 requests its gain shrinks to what a compiled call costs: on SmolLM2's shape 0.73x the SDPA's time
@@ -277,7 +282,8 @@ class CompiledStack:
     @property
     def decode_min_requests(self) -> int:
         """The fewest requests (with a window's padding slots) a decode pass needs for its attention to run the
-        compiled :func:`masked_attention` (default 16, :func:`takes_decode`); fewer take the SDPA."""
+        compiled :func:`masked_attention` (default :data:`DECODE_MIN_REQUESTS`, :func:`takes_decode`); fewer take the
+        SDPA."""
         return _TABLES[self.owner].decode_min
 
     @decode_min_requests.setter
