@@ -15,6 +15,13 @@ def reference(h, w):
     return F.linear(h.to(w.dtype), w).float().argmax(dim=-1)
 
 
+@pytest.fixture(params=[None, False], ids=["default_pass", "int8_reference"])
+def first_pass(request):
+    """The head's first pass: the default (float32 on the CPU: the bf16 pass of :mod:`specpilot.head.cpu`), and the
+    INT8 reference."""
+    return request.param
+
+
 def check(head, h):
     got = head.argmax(h)
     assert got.dtype == torch.long and got.shape == (h.shape[0],)
@@ -23,14 +30,15 @@ def check(head, h):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_random_inputs(dtype):
+def test_random_inputs(dtype, first_pass):
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(3000, 96, generator=g) * 0.05).to(dtype)
-    head = CertifiedInt8Head(w)
+    head = CertifiedInt8Head(w, cpu_first_pass=first_pass)
     for scale in (1.0, 30.0):
         h = (torch.randn(64, 96, generator=g) * scale).to(dtype)
         check(head, h)
     assert head.stats.rows == 128
+    assert (head.cpu_first_pass is not None) == (first_pass is None and dtype == torch.float32)  # the CPU's bf16 pass
     assert head.stats.survivors < 0.1 * 128 * 3000  # the INT8 pass discards most of the vocabulary
 
 
@@ -49,12 +57,12 @@ def test_bound_holds(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_planted_exact_ties_lowest_index(dtype):
+def test_planted_exact_ties_lowest_index(dtype, first_pass):
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(1000, 64, generator=g) * 0.05).to(dtype)
     for v in (500, 10, 900):
         w[v] = w[123]
-    head = CertifiedInt8Head(w)
+    head = CertifiedInt8Head(w, cpu_first_pass=first_pass)
     h = torch.stack([w[123].float() * c for c in (1.0, 50.0, 1e4)] + [torch.randn(64, generator=g)]).to(dtype)
     got = check(head, h)
     assert got[:3].tolist() == [10, 10, 10]
@@ -72,12 +80,12 @@ def real_tie_weights(dtype, n=80, k=256, seed=3):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_adversarial_near_ties(dtype):
+def test_adversarial_near_ties(dtype, first_pass):
     """Planted real-arithmetic ties: the engine's float32 values differ by rounding, and in float32 it picks
     the higher index of a pair in some rows, so neither real values nor "lowest index" decide; the certified
     head must find these rows undecided and settle them with the engine's own computation."""
     w, h = real_tie_weights(dtype)
-    head = CertifiedInt8Head(w)
+    head = CertifiedInt8Head(w, cpu_first_pass=first_pass)
     got = check(head, h)
     assert bool((got // 2 == torch.arange(h.shape[0])).all())  # each row's argmax is one of its pair
     if dtype == torch.float32:
@@ -87,7 +95,7 @@ def test_adversarial_near_ties(dtype):
         assert int((got % 2).sum()) == 0
 
 
-def test_one_ulp_nudges():
+def test_one_ulp_nudges(first_pass):
     """Pairs equal but for one element moved by one ulp (real gap ~1e-9 relative)."""
     g = torch.Generator().manual_seed(7)
     base = torch.randn(60, 256, generator=g) * 0.05
@@ -96,27 +104,27 @@ def test_one_ulp_nudges():
     nudged[torch.arange(60), j] = torch.nextafter(base[torch.arange(60), j], torch.ones(60))
     w = torch.cat([torch.stack([base, nudged], 1).reshape(120, 256), torch.randn(500, 256, generator=g) * 0.05])
     h = base * 20 + torch.randn(60, 256, generator=g) * 0.01
-    got = check(CertifiedInt8Head(w), h)
+    got = check(CertifiedInt8Head(w, cpu_first_pass=first_pass), h)
     assert bool((got // 2 == torch.arange(60)).all())
 
 
-def test_no_full_head_without_near_ties():
+def test_no_full_head_without_near_ties(first_pass):
     """Clear winners: no row is undecided, no full head is computed."""
     w, h = real_tie_weights(torch.float32)
     w[1:160:2] *= 0.5  # pair partners are now far below
-    head = CertifiedInt8Head(w)
+    head = CertifiedInt8Head(w, cpu_first_pass=first_pass)
     check(head, h)
     assert head.stats.undecided_rows == 0 and head.stats.full_head_calls == 0
 
 
-def test_outlier_rows_and_large_norms():
+def test_outlier_rows_and_large_norms(first_pass):
     g = torch.Generator().manual_seed(4)
     w = torch.randn(2048, 128, generator=g) * 0.03
     out_rows = torch.randint(0, 2048, (40,), generator=g)
     w[out_rows, torch.randint(0, 128, (40,), generator=g)] = 30.0  # int8 scale 1000x coarser in these rows
     w[5] = 0.0  # an all-zero row
     w[6, :] = 1e-30  # a tiny row (float32 normal, flushed in bf16)
-    head = CertifiedInt8Head(w)
+    head = CertifiedInt8Head(w, cpu_first_pass=first_pass)
     h = torch.randn(48, 128, generator=g)
     h[:16] *= 1e6
     h[16:24] *= 1e-6
@@ -125,13 +133,13 @@ def test_outlier_rows_and_large_norms():
     got = check(head, h)
     assert got[24:32].tolist() == [0] * 8
     wb = w.to(torch.bfloat16)
-    check(CertifiedInt8Head(wb), h.to(torch.bfloat16))
+    check(CertifiedInt8Head(wb, cpu_first_pass=first_pass), h.to(torch.bfloat16))
 
 
-def test_non_finite_hidden_falls_back():
+def test_non_finite_hidden_falls_back(first_pass):
     g = torch.Generator().manual_seed(5)
     w = torch.randn(500, 32, generator=g)
-    head = CertifiedInt8Head(w)
+    head = CertifiedInt8Head(w, cpu_first_pass=first_pass)
     h = torch.randn(4, 32, generator=g)
     h[1, 3] = float("nan")
     h[2, 0] = float("inf")
@@ -161,7 +169,7 @@ def test_int8_copy():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_bundled_target_real_hidden_states(dtype):
+def test_bundled_target_real_hidden_states(dtype, first_pass):
     from specpilot.model.checkpoint import load_model, load_tokenizer
     from specpilot.zoo import bundled_target_dir
 
@@ -172,7 +180,7 @@ def test_bundled_target_real_hidden_states(dtype):
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
     with torch.no_grad():
         hid = model(ids, torch.arange(len(ids)), model.new_cache(len(ids)), 0)
-    head = CertifiedInt8Head(model.lm_head.weight)
+    head = CertifiedInt8Head(model.lm_head.weight, cpu_first_pass=first_pass)
     got = head.argmax(hid)
     assert torch.equal(got, model.logits(hid).argmax(-1))
     # measured: about 1.5 (float32) / 2.1 (bf16) survivors per row out of 4096

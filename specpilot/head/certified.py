@@ -46,6 +46,8 @@ head (``Transformer.logits``, run with the process's setting) equals unless the 
 reductions and cuBLAS uses them.
 
 This is the plain PyTorch reference; the INT8 product is done in float32 here (``q`` converted per call).
+On the CPU (float32 heads, a oneDNN build) the first pass reads a prepacked bf16 copy of W instead
+(:mod:`specpilot.head.cpu`: the CPU has no int8 GEMM at memory speed here; same certificate, a tighter bound).
 On CUDA (bf16 / float32 heads, triton installed) :meth:`CertifiedInt8Head.argmax` runs the Triton path of
 :mod:`specpilot.head.kernel` instead (same contract; no host sync but the one that checks the
 per-row flags), and :meth:`CertifiedInt8Head.argmax_flagged` gives the sync-free form for CUDA graphs: the ids and,
@@ -62,6 +64,8 @@ import torch.nn.functional as F
 
 from specpilot.errors import SpecPilotError
 from specpilot.head.bound import U_OUT, eps, fp32_reduction, gamma, matmul_units
+from specpilot.head.cpu import Bf16FirstPass
+from specpilot.head.cpu import applies as cpu_applies
 from specpilot.head.kernel import Int8HeadKernel, triton
 
 #: the Triton path serves up to this many rows per call; more rows (prefill chunks, wide passes) take the
@@ -102,6 +106,8 @@ class CertifiedInt8Head:
             the CPU); False = this reference always.
         capacity: survivors per row kept by the Triton path (rows with more take the full head). Calls with
             more than ``KERNEL_MAX_ROWS`` (64) rows take the full head on the Triton path's devices.
+        cpu_first_pass: the bf16 first pass (:class:`~specpilot.head.cpu.Bf16FirstPass`): None = for a float32
+            head on the CPU where oneDNN packs; False = the INT8 reference always.
     Attributes:
         q: int8 ``[V, H]``; scale: float32 ``[V]`` (W ≈ scale[:, None] * q).
         stats: :class:`HeadStats`.
@@ -109,7 +115,8 @@ class CertifiedInt8Head:
         SpecPilotError: W not a 2-D floating tensor or holding inf/NaN (no bound exists).
     """
 
-    def __init__(self, weight: torch.Tensor, use_kernel: bool | None = None, capacity: int = 32):
+    def __init__(self, weight: torch.Tensor, use_kernel: bool | None = None, capacity: int = 32,
+                 cpu_first_pass: bool | None = None):
         w = weight.detach()
         if w.dim() != 2 or w.dtype not in U_OUT:
             raise SpecPilotError(f"the LM head weight must be 2-D float32/bfloat16/float16, got {w.dtype} {tuple(w.shape)}")
@@ -133,6 +140,7 @@ class CertifiedInt8Head:
         self.stats = HeadStats()
         self.use_kernel, self.capacity = use_kernel, capacity
         self._kernel = None
+        self._cpu = None if cpu_first_pass is False or not cpu_applies(w) else Bf16FirstPass(w, self.w_norm)
 
     def kernel(self):
         """The Triton path for this head (built on first use), or None when it does not apply here (see
@@ -212,10 +220,35 @@ class CertifiedInt8Head:
         e = hf.double().norm(dim=1, keepdim=True) * coef * (1 + 1e-9) + 2 * eta
         return a, e
 
+    @property
+    def cpu_first_pass(self) -> Bf16FirstPass | None:
+        """The bf16 first pass :meth:`argmax` runs on the CPU (None: the INT8 reference)."""
+        return self._cpu
+
+    def _survivors(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cols [S] long, keep [R, S] bool)``: the vocab rows whose certified interval reaches the row's highest
+        lower end, ascending, and which row keeps which (the INT8 reference in float64, or the CPU's bf16 first
+        pass); a row with non-finite approximate logits keeps none."""
+        if self._cpu is not None:
+            u_in, u_acc = self._units()
+            return self._cpu.survivors(h, eps(self.weight.shape[1], u_in, u_acc, 0.0))
+        a, e = self.bounds(h)
+        a64 = a.double()
+        inf = torch.tensor(float("inf"), dtype=torch.float64, device=self.weight.device)
+        upper, lower = torch.nextafter(a64 + e, inf), torch.nextafter(a64 - e, -inf)
+        keep = (upper >= lower.max(dim=1, keepdim=True).values) & torch.isfinite(a64).all(1, keepdim=True)
+        cols = keep.any(0).nonzero().squeeze(1)
+        return cols, keep[:, cols]
+
     @torch.no_grad()
-    def argmax(self, h: torch.Tensor) -> torch.Tensor:
+    def argmax(self, h: torch.Tensor, full=None) -> torch.Tensor:
         """``torch.argmax(self.exact_logits(h), -1)`` for ``h [R, H]``, as LongTensor ``[R]`` (module docstring).
 
+        Args:
+            h: ``[R, H]`` hidden states.
+            full: the engine's own head, ``h [R, H] -> ids [R] long``, for the rows the bound leaves undecided (a
+                near-tie within rounding takes the argmax of the GEMM the engine runs, so that its outputs equal
+                the plain engine's); None: :meth:`exact_logits`.
         Raises:
             SpecPilotError: h of the wrong shape.
         """
@@ -229,22 +262,16 @@ class CertifiedInt8Head:
             self.stats.full_head_calls += 1
             return self.exact_logits(h).argmax(dim=1)
         if kern is not None:
-            return self._argmax_kernel(kern, h)
-        a, e = self.bounds(h)
-        a64 = a.double()
-        inf = torch.tensor(float("inf"), dtype=torch.float64, device=w.device)
-        upper, lower = torch.nextafter(a64 + e, inf), torch.nextafter(a64 - e, -inf)
-        keep = upper >= lower.max(dim=1, keepdim=True).values
+            return self._argmax_kernel(kern, h, full)
+        cols, sub = self._survivors(h)
         hn = h.to(w.dtype).double().norm(dim=1)
         limit = torch.finfo(w.dtype).max / 4
-        bad = ~torch.isfinite(hn) | (hn * self.w_norm.max() >= limit) | ~torch.isfinite(a64).all(1)
-        keep &= ~bad[:, None]
-        cols = keep.any(0).nonzero().squeeze(1)
+        bad = ~torch.isfinite(hn) | (hn * self.w_norm.max() >= limit) | ~sub.any(1)  # non-finite: nothing kept
+        sub &= ~bad[:, None]
         out = torch.zeros(r, dtype=torch.long, device=w.device)
         undecided = bad.clone()
         if cols.numel():
             lo, hi = self._enclose(h, cols)
-            sub = keep[:, cols]
             ninf = torch.tensor(float("-inf"), device=w.device)
             lo, hi = torch.where(sub, lo, ninf), torch.where(sub, hi, ninf)
             m = lo.max(dim=1, keepdim=True).values
@@ -253,18 +280,18 @@ class CertifiedInt8Head:
             out = cols[torch.where(cand, lo, ninf).argmax(dim=1)]  # first maximum = lowest vocab index
             undecided |= ~decided
         if bool(undecided.any()):
-            full = self.exact_logits(h).argmax(dim=1)
-            out = torch.where(undecided, full, out)
+            ids = full(h) if full is not None else self.exact_logits(h).argmax(dim=1)
+            out = torch.where(undecided, ids, out)
             self.stats.full_head_calls += 1
         st = self.stats
-        st.last_survivors = keep.sum(1)
+        st.last_survivors = sub.sum(1)
         st.calls, st.rows = st.calls + 1, st.rows + r
         st.survivors += int(st.last_survivors.sum())
         st.rescored += int(cols.numel())
         st.undecided_rows += int(undecided.sum())
         return out
 
-    def _argmax_kernel(self, kern, h: torch.Tensor) -> torch.Tensor:
+    def _argmax_kernel(self, kern, h: torch.Tensor, full=None) -> torch.Tensor:
         """:meth:`argmax` through the Triton path: its flagged rows take the full head (one host sync).
         Stats: calls, rows, undecided_rows (flagged rows), full_head_calls; survivors are not counted here
         (``kern.last_survivors`` holds the device counts)."""
@@ -273,7 +300,7 @@ class CertifiedInt8Head:
         st.calls, st.rows = st.calls + 1, st.rows + h.shape[0]
         bad = int((~ok).sum())
         if bad:
-            tok = torch.where(ok, tok, self.exact_logits(h).argmax(dim=1))
+            tok = torch.where(ok, tok, full(h) if full is not None else self.exact_logits(h).argmax(dim=1))
             st.undecided_rows += bad
             st.full_head_calls += 1
         return tok

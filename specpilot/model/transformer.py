@@ -262,8 +262,8 @@ class Transformer(nn.Module):
         the model dtype: the float32 cast of :meth:`logits` is exact, so the argmax (first index on ties) is
         the same, without writing and re-reading ``R x vocab`` float32 logits. With the ``lm_head_int8``
         mechanism (:attr:`int8_head`) the certified INT8 head finds the same argmax (§4.1)."""
-        if self.int8_head is not None:
-            return self.int8_head.argmax(hidden)
+        if self.int8_head is not None:  # rows the bound leaves undecided take this model's own head
+            return self.int8_head.argmax(hidden, full=self.full_greedy)
         return self.full_greedy(hidden)
 
     def batch_invariant_on(self, x: torch.Tensor, kernel: bool) -> bool:

@@ -1,0 +1,160 @@
+"""The certified head's first pass on the CPU: approximate logits from a oneDNN-prepacked bfloat16 copy of the head
+(§4.1, the same certificate as the INT8 first pass, another approximant).
+
+Why. The first pass exists to read fewer bytes than the exact head. On the CPU the INT8 reference converts the int8
+weights to float32 on every call (slower than the exact head), ``aten._weight_int8pack_mm`` ran 105 ms at 8 rows of
+SmolLM2's 49152 x 576 head against 4.9 ms for the prepacked float32 head, while a prepacked bf16 copy (AVX512-BF16
+dot products) ran 2.5 / 2.8 / 5.3 ms at 1 / 8 / 32 rows against 4.9 / 4.9 / 10.3 (2 threads; the probe
+``probes/cpu_head_first_pass.py``). bf16 keeps 8 significant bits against int8's 7 with a per-row scale, so its
+bound is also tighter: 1.5 survivors a row on SmolLM2's hidden states of real text.
+
+Bound. ``Wb = bf16(W)``, ``hb = bf16(h)`` (round to nearest). oneDNN multiplies them exactly into float32 (8 x 8
+significant bits), sums in float32 in any order and rounds the sum ``s`` to bf16: ``a = bf16(s)``. Then, for row r
+and vocab row v, with ``z = <W_v, h_r>`` in real arithmetic and ``zhat`` the exact head's float32 logit:
+
+* ``|a - s| <= 2^-8 |a|`` (half an ulp of bf16 is ``2^-9 |s|``, and ``|s| <= |a| / (1 - 2^-9)``);
+* ``|s - <Wb_v, hb_r>| <= gamma_K(2^-24) ||Wb_v|| ||hb_r||`` (any order; Cauchy–Schwarz);
+* ``|<Wb_v, hb_r> - z| <= ||Wb_v - W_v|| ||hb_r|| + ||W_v|| ||hb_r - h_r||``;
+* ``|zhat - z| <= eps_x ||W_v|| ||h_r||`` (the exact head's own rounding, :func:`~specpilot.head.bound.eps`);
+* flushed denormals (inputs, products and partial sums under ``2^-126``): at most ``2^-126 (sqrt(K) (||hb_r|| +
+  ||W_v||) + K)``, covered by ``2^-120`` terms.
+
+So ``|zhat - a| <= E = 2^-8 |a| + ||hb_r|| c_v + y_r ||W_v||`` with ``c_v = ||Wb_v - W_v|| + gamma_K ||Wb_v||``
+(float64 at build, rounded up to float32) and ``y_r = ||hb_r - h_r|| + eps_x ||h_r||``, evaluated in float64 and
+inflated past its own roundings. Only a threshold test touches all of ``[R, V]`` (:meth:`Bf16FirstPass.survivors`):
+a full evaluation of ``E`` there, ten passes over the logits, cost as much as the bf16 GEMM saved.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specpilot.head.bound import eps, gamma
+from specpilot.kernels.cpu_linear import packing_available
+
+#: the bound's factor of ``|a|`` (module docstring: the bf16 rounding of the sum) and its absolute floor
+_REL_A, _FLOOR = 2.0**-8, 2.0**-100
+#: columns per block of the candidate search (:meth:`Bf16FirstPass.survivors`)
+BLOCK = 64
+
+
+def applies(weight: torch.Tensor) -> bool:
+    """Whether the bf16 first pass can serve a head of ``weight``: float32 on the CPU, a build that prepacks for
+    oneDNN."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and packing_available()
+
+
+def _block_max(a: torch.Tensor) -> torch.Tensor:
+    """``[R, V]`` float32 -> ``[R, ceil(V / BLOCK)]``: each block of :data:`BLOCK` columns' maximum (NaN propagates)."""
+    r, v = a.shape
+    full = v // BLOCK * BLOCK
+    out = [a[:, :full].view(r, -1, BLOCK).amax(dim=2)] if full else []
+    if full < v:
+        out.append(a[:, full:].amax(dim=1, keepdim=True))
+    return torch.cat(out, dim=1) if len(out) > 1 else out[0]
+
+
+def _up32(x64: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32 rounded toward +inf (nonnegative inputs)."""
+    x = x64.float()
+    return torch.where(x.double() < x64, torch.nextafter(x, torch.full_like(x, math.inf)), x)
+
+
+class Bf16FirstPass:
+    """Approximate logits and their certified error for :class:`~specpilot.head.certified.CertifiedInt8Head` on the
+    CPU (module docstring).
+
+    Args:
+        weight: the head ``W [V, K]`` float32 on the CPU (read once; the pass keeps a packed bf16 copy, half its
+            bytes, and ``2 x V`` float32 coefficients).
+        w_norm: ``||W_v||`` float64 ``[V]`` (the head's own).
+    Raises:
+        ValueError: a weight :func:`applies` rejects.
+    """
+
+    def __init__(self, weight: torch.Tensor, w_norm: torch.Tensor):
+        if not applies(weight):
+            raise ValueError(f"the bf16 first pass takes a float32 CPU head with oneDNN packing, got {weight.dtype} "
+                             f"on {weight.device}")
+        v, k = weight.shape
+        self.k = k
+        wb = weight.detach().bfloat16()
+        self._pack = torch.ops.mkldnn._reorder_linear_weight(wb, None)
+        c = torch.empty(v, dtype=torch.float64)
+        g, tiny = gamma(k, 2.0**-24), 2.0**-120 * math.sqrt(k)
+        step = max(1, (1 << 22) // max(k, 1))
+        for r0 in range(0, v, step):
+            w64, wb64 = weight[r0:r0 + step].double(), wb[r0:r0 + step].double()
+            c[r0:r0 + step] = (w64 - wb64).norm(dim=1) + g * wb64.norm(dim=1) + tiny
+        self.coef = torch.stack([_up32(c), _up32(w_norm + tiny)])  # [2, V]: multiplies ||hb_r|| and y_r
+        self.cmax, self.wmax = (float(m) for m in self.coef.double().max(dim=1).values)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``a [R, V]`` bfloat16: the bf16 copy's logits of ``bf16(h)`` for ``h [R, K]`` float32."""
+        return torch.ops.mkldnn._linear_pointwise(h.bfloat16(), self._pack, None, "none", [], "")
+
+    def survivors(self, h: torch.Tensor, eps_x: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The vocab rows whose interval ``[a - E, a + E]`` (module docstring) reaches the row's highest lower end,
+        which hold the exact head's argmax (and every tie of it) for finite ``h [R, K]`` float32 without overflow (the
+        caller checks those); ``eps_x``: the exact head's relative rounding factor.
+
+        Returns ``(cols [S] long, keep [R, S] bool)``: the union of the rows' survivors, ascending, and which row
+        keeps which. A row whose logits are not finite keeps nothing.
+
+        Two passes over the ``[R, V]`` logits (widened to float32, and each block of :data:`BLOCK` columns' maximum),
+        then float64 on the few candidates: with ``E_v <= 2^-8 |a_v| + B_r`` (``B_r`` from the largest coefficients),
+        a survivor needs ``a_v + 2^-8 |a_v| >= L* - B_r``, ``L*`` a lower bound of the lower end at the row's largest
+        ``a`` (at most the highest lower end): a threshold on ``a_v`` alone, tested on the blocks whose maximum
+        reaches it. The row's highest lower end is a candidate's, so it is found among them. (On this 2-core CPU a
+        boolean pass over ``[8, 49152]`` took 120-200 µs and a bf16 argmax 740, against 46 for both passes here.)
+        """
+        a = self.logits(h).float()  # exact widening: float32 reductions run at ~10x bf16's speed here
+        r, v = a.shape
+        h64, hb64 = h.double(), h.bfloat16().double()
+        x = hb64.norm(dim=1)
+        y = (h64 - hb64).norm(dim=1) + eps_x * h64.norm(dim=1)
+        c, w = self.coef[0].double(), self.coef[1].double()
+        b_max = (x * self.cmax + y * self.wmax + _FLOOR) * (1 + 2.0**-40)  # E_v <= 2^-8 |a_v| + b_max, every v
+
+        def bound(rows, cols, av):  # E of (row, col) pairs in float64, inflated past its own roundings
+            return (_REL_A * av.abs() + x[rows] * c[cols] + y[rows] * w[cols] + _FLOOR) * (1 + 2.0**-40)
+
+        blocks = _block_max(a)  # [R, ceil(V / BLOCK)]
+        top = blocks.amax(dim=1).double()
+        t = top - (_REL_A * top.abs() + b_max) - b_max  # L* (the top column's lower end, at most) less b_max
+        thr = torch.where(t >= 0, t / (1 + _REL_A), t / (1 - _REL_A))
+        thr = thr - 2.0**-30 * thr.abs() - _FLOOR  # down, then down again to float32
+        thr32 = thr.float()
+        thr32 = torch.where(thr32.double() > thr, torch.nextafter(thr32, torch.full_like(thr32, -math.inf)), thr32)
+        rb, bb = (blocks >= thr32[:, None]).nonzero(as_tuple=True)  # the few blocks holding a candidate
+        vi = (bb[:, None] * BLOCK + torch.arange(BLOCK)).clamp_(max=v - 1)  # the tail block's overhang repeats v - 1
+        ri = rb[:, None].expand_as(vi)
+        hit = a[ri, vi] >= thr32[ri]
+        ri, vi = ri[hit], vi[hit]
+        uniq = (ri * v + vi).unique()  # drop the tail block's repeats; ascending
+        ri, vi = uniq // v, uniq % v
+        av = a[ri, vi].double()
+        e = bound(ri, vi, av)
+        lo_max = torch.full((r,), -math.inf, dtype=torch.float64).scatter_reduce_(0, ri, av - e, "amax")
+        kept = (av + e) >= lo_max[ri]
+        ri, vi = ri[kept], vi[kept]
+        cols, inv = torch.unique(vi, return_inverse=True)
+        keep = torch.zeros(r, cols.numel(), dtype=torch.bool)
+        keep[ri, inv] = True
+        return cols, keep
+
+    def survivors_reference(self, h: torch.Tensor, eps_x: float) -> torch.Tensor:
+        """:meth:`survivors` evaluated plainly over all of ``[R, V]`` in float64: ``keep [R, V] bool`` (tests hold the
+        candidate search to it)."""
+        a = self.logits(h).double()
+        h64, hb64 = h.double(), h.bfloat16().double()
+        x = hb64.norm(dim=1)[:, None]
+        y = (h64 - hb64).norm(dim=1)[:, None] + eps_x * h64.norm(dim=1)[:, None]
+        c, w = self.coef[0].double(), self.coef[1].double()
+        e = (_REL_A * a.abs() + x * c + y * w + _FLOOR) * (1 + 2.0**-40)
+        return (a + e) >= (a - e).max(dim=1, keepdim=True).values
+
+
+__all__ = ["Bf16FirstPass", "applies"]
