@@ -12,6 +12,7 @@ import pytest
 from specpilot.config import SystemConfig
 from specpilot.errors import SpecPilotError
 from specpilot.pilot import controller as ctl
+from specpilot.pilot.batch_mechanisms import CPU_MECHANISMS, mechanisms_for
 from specpilot.pilot.batch_pilot import (MECHANISMS, BatchForcing, expected_rest_s, judge_batch, parse_sizes,
                                          run_batch_pilot)
 from specpilot.pilot.batch_runs import BatchMeasured, cell_gain, compare, variant_set
@@ -172,6 +173,10 @@ def test_candidates_follow_the_incumbent():
     assert shared.row_selection == "shared_budget"
     assert MECHANISMS[2][2](SystemConfig.stock("block", depth=16)).drafter_block == (16, 12, 8)
     assert all(m(SystemConfig.ar()) is None for n, _, m in MECHANISMS if n != "prompt_admission")
+    (name, _, head), = CPU_MECHANISMS  # the certified head: built on AR too, a float32 target's only
+    assert head(SystemConfig.ar()).lm_head_int8 and head(SystemConfig.ar(dtype="bfloat16")) is None
+    assert head(SystemConfig.ar(lm_head_int8=True)) is None and name == "lm_head_int8"
+    assert mechanisms_for("cuda") == MECHANISMS
 
 
 @pytest.mark.parametrize("text", ["", "0,2", "1,1", "a", "4,-1"])
@@ -248,7 +253,7 @@ def test_quick_batch_run_end_to_end(tmp_path, capsys):
     assert rep["outputs_equal_ar"] == {"stock": True, "sealed": True} and rep["token_forcing"] is None
     judged = [v for v in rep["verdicts"] if "skipped" not in v]
     assert judged and all(not v["run"]["outputs_differ"] for v in judged)  # lossless: every candidate equals AR
-    assert {v["mechanism"] for v in rep["verdicts"]} == {"stock", *(n for n, _, _ in MECHANISMS)}
+    assert {v["mechanism"] for v in rep["verdicts"]} == {"stock", *(n for n, _, _ in mechanisms_for("cpu"))}
     system = json.loads((out / "system.json").read_text())
     assert system["label"] == rep["sealed_label"] and SystemConfig(**system["config"]).seal() == system["seal"]
     assert system == json.loads((out / "system_n1.json").read_text())  # system.json: the smallest size's

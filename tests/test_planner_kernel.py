@@ -1,5 +1,5 @@
 """The planner's kernel direction (§3.2, §4.1): W12 and the certified INT8 head toggled on the incumbent on
-CUDA with a bf16 target; elsewhere no candidates and a reason."""
+CUDA with a bf16 target, the certified head on the CPU with a float32 one; elsewhere no candidates and a reason."""
 
 from __future__ import annotations
 
@@ -34,10 +34,25 @@ def test_kernel_direction_elsewhere_says_why():
     bf16 = SystemConfig.stock("ngram", dtype="bfloat16")
     cpu = planner("cpu")
     assert cpu.space(bf16, "kernel") == [] and cpu.propose(bf16, "kernel", set(), 3) == []
-    assert "GPU kernels" in cpu.kernel_why_not(bf16) and "cpu" in cpu.kernel_why_not(bf16)
+    assert "float32 target" in cpu.kernel_why_not(bf16)
     f32 = SystemConfig.stock("ngram")
     cuda = planner("cuda")
     assert cuda.space(f32, "kernel") == [] and "bf16 target" in cuda.kernel_why_not(f32)
+
+
+def test_kernel_direction_on_the_cpu_is_the_certified_head():
+    """On the CPU a float32 target's certified head has a fast path (its bf16 first pass); W12 has none."""
+    import torch
+
+    from specpilot.head.cpu import applies
+
+    cpu = planner("cpu")
+    f32 = SystemConfig.stock("ngram")
+    if not applies(torch.ones(1, 1)):
+        assert cpu.space(f32, "kernel") == [] and "oneDNN" in cpu.kernel_why_not(f32)
+        return
+    assert cpu.kernel_why_not(f32) is None
+    assert [c.delta(f32) for c in cpu.space(f32, "kernel")] == [{"lm_head_int8": True}]
 
 
 def test_kernel_direction_on_an_ar_incumbent():

@@ -137,6 +137,7 @@ class CertifiedInt8Head:
             self.q[r0:r0 + step], self.scale[r0:r0 + step] = q.to(torch.int8), s
             self.res_norm[r0:r0 + step] = (w64 - s.double()[:, None] * q64).norm(dim=1)
             self.q_norm[r0:r0 + step], self.w_norm[r0:r0 + step] = q64.norm(dim=1), w64.norm(dim=1)
+        self._w_norm_max = float(self.w_norm.max())
         self.stats = HeadStats()
         self.use_kernel, self.capacity = use_kernel, capacity
         self._kernel = None
@@ -266,7 +267,7 @@ class CertifiedInt8Head:
         cols, sub = self._survivors(h)
         hn = h.to(w.dtype).double().norm(dim=1)
         limit = torch.finfo(w.dtype).max / 4
-        bad = ~torch.isfinite(hn) | (hn * self.w_norm.max() >= limit) | ~sub.any(1)  # non-finite: nothing kept
+        bad = ~torch.isfinite(hn) | (hn * self._w_norm_max >= limit) | ~sub.any(1)  # non-finite: nothing kept
         sub &= ~bad[:, None]
         out = torch.zeros(r, dtype=torch.long, device=w.device)
         undecided = bad.clone()

@@ -20,7 +20,7 @@ and vocab row v, with ``z = <W_v, h_r>`` in real arithmetic and ``zhat`` the exa
   ||W_v||) + K)``, covered by ``2^-120`` terms.
 
 So ``|zhat - a| <= E = 2^-8 |a| + ||hb_r|| c_v + y_r ||W_v||`` with ``c_v = ||Wb_v - W_v|| + gamma_K ||Wb_v||``
-(float64 at build, rounded up to float32) and ``y_r = ||hb_r - h_r|| + eps_x ||h_r||``, evaluated in float64 and
+(float64, at build) and ``y_r = ||hb_r - h_r|| + eps_x ||h_r||``, evaluated in float64 and
 inflated past its own roundings. Only a threshold test touches all of ``[R, V]`` (:meth:`Bf16FirstPass.survivors`):
 a full evaluation of ``E`` there, ten passes over the logits, cost as much as the bf16 GEMM saved.
 """
@@ -56,19 +56,13 @@ def _block_max(a: torch.Tensor) -> torch.Tensor:
     return torch.cat(out, dim=1) if len(out) > 1 else out[0]
 
 
-def _up32(x64: torch.Tensor) -> torch.Tensor:
-    """float64 -> float32 rounded toward +inf (nonnegative inputs)."""
-    x = x64.float()
-    return torch.where(x.double() < x64, torch.nextafter(x, torch.full_like(x, math.inf)), x)
-
-
 class Bf16FirstPass:
     """Approximate logits and their certified error for :class:`~specpilot.head.certified.CertifiedInt8Head` on the
     CPU (module docstring).
 
     Args:
         weight: the head ``W [V, K]`` float32 on the CPU (read once; the pass keeps a packed bf16 copy, half its
-            bytes, and ``2 x V`` float32 coefficients).
+            bytes, and ``2 x V`` float64 coefficients).
         w_norm: ``||W_v||`` float64 ``[V]`` (the head's own).
     Raises:
         ValueError: a weight :func:`applies` rejects.
@@ -88,8 +82,8 @@ class Bf16FirstPass:
         for r0 in range(0, v, step):
             w64, wb64 = weight[r0:r0 + step].double(), wb[r0:r0 + step].double()
             c[r0:r0 + step] = (w64 - wb64).norm(dim=1) + g * wb64.norm(dim=1) + tiny
-        self.coef = torch.stack([_up32(c), _up32(w_norm + tiny)])  # [2, V]: multiplies ||hb_r|| and y_r
-        self.cmax, self.wmax = (float(m) for m in self.coef.double().max(dim=1).values)
+        self.coef = torch.stack([c, w_norm + tiny])  # [2, V] float64: multiplies ||hb_r|| and y_r
+        self.cmax, self.wmax = (float(m) for m in self.coef.max(dim=1).values)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``a [R, V]`` bfloat16: the bf16 copy's logits of ``bf16(h)`` for ``h [R, K]`` float32."""
@@ -115,7 +109,7 @@ class Bf16FirstPass:
         h64, hb64 = h.double(), h.bfloat16().double()
         x = hb64.norm(dim=1)
         y = (h64 - hb64).norm(dim=1) + eps_x * h64.norm(dim=1)
-        c, w = self.coef[0].double(), self.coef[1].double()
+        c, w = self.coef
         b_max = (x * self.cmax + y * self.wmax + _FLOOR) * (1 + 2.0**-40)  # E_v <= 2^-8 |a_v| + b_max, every v
 
         def bound(rows, cols, av):  # E of (row, col) pairs in float64, inflated past its own roundings
@@ -152,7 +146,7 @@ class Bf16FirstPass:
         h64, hb64 = h.double(), h.bfloat16().double()
         x = hb64.norm(dim=1)[:, None]
         y = (h64 - hb64).norm(dim=1)[:, None] + eps_x * h64.norm(dim=1)[:, None]
-        c, w = self.coef[0].double(), self.coef[1].double()
+        c, w = self.coef
         e = (_REL_A * a.abs() + x * c + y * w + _FLOOR) * (1 + 2.0**-40)
         return (a + e) >= (a - e).max(dim=1, keepdim=True).values
 

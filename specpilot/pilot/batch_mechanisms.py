@@ -58,6 +58,29 @@ MECHANISMS = (
 )
 
 
+def _certified_head(inc: SystemConfig, budgets: tuple = ()):
+    return None if inc.lm_head_int8 or inc.dtype != "float32" else inc.apply({"lm_head_int8": True})
+
+
+#: judged on the CPU only, after :data:`MECHANISMS`: the certified head reads a bf16 copy of a float32 head there
+#: (:mod:`specpilot.head.cpu`; AR can use it too); on CUDA the batched engine's graphed step has no certified head
+CPU_MECHANISMS = (
+    ("lm_head_int8", "the certified head (§4.1): its first pass reads a bf16 copy of the LM head, half the float32 "
+                     "head's bytes, and the exact head settles only its few survivors", _certified_head),
+)
+
+
+def mechanisms_for(device) -> tuple:
+    """The candidate list the batched pilot judges on ``device``: :data:`MECHANISMS`, then on the CPU
+    :data:`CPU_MECHANISMS` where the certified head's bf16 pass applies (a build that prepacks for oneDNN)."""
+    import torch
+
+    from specpilot.head.cpu import applies
+
+    cpu = torch.device(device).type == "cpu" and applies(torch.ones(1, 1))
+    return MECHANISMS + (CPU_MECHANISMS if cpu else ())
+
+
 def calibrated_mechanism(path, stock: SystemConfig) -> tuple:
     """The ``calibrated`` entry of the candidate list when the run has a calibration (``--calibration``): the
     SIMULATED drafter of that file as a best-first tree of stock's node count (its depth and top-K capped at what

@@ -14,10 +14,11 @@ judges systems by batch runs (:mod:`specpilot.pilot.batch_runs`) at every asked 
 3. **Shared budgets.** The target's batched pass is measured untimed by total rows at every size up to the largest
    (:mod:`specpilot.pilot.batch_budget`): the budget of a step over m requests is the drafted rows the pass can add
    within its flat region; the ``shared_budget`` candidate carries them (``SystemConfig.shared_budget``).
-4. **Candidates**, a fixed list (:data:`~specpilot.pilot.batch_mechanisms.MECHANISMS`), each judged at each size
-   against that size's incumbent of that moment, built from it (from stock while AR is the incumbent, except prompt
-   admission, which AR can use too), measured at that size only; approved at a size, it becomes that size's
-   incumbent. A candidate can be approved at 1 and rejected at 16. All are lossless row choices.
+4. **Candidates**, a fixed list (:func:`~specpilot.pilot.batch_mechanisms.mechanisms_for` the device), each judged
+   at each size against that size's incumbent of that moment, built from it (from stock while AR is the incumbent,
+   except prompt admission and the certified head, which AR can use too), measured at that size only; approved at a
+   size, it becomes that size's incumbent. A candidate can be approved at 1 and rejected at 16. All are lossless:
+   row choices, and on the CPU the certified head (§4.1).
 5. **Seal.** Per size, AR, stock and that size's incumbent measured interleaved (A S X, X S A) per (benchmark,
    round): tokens/s and speedups vs AR and vs stock with their lower bounds; every output compared with AR's. One
    sealed system per size (:mod:`specpilot.pilot.batch_report`: ``system_n{n}.json``, ``system.json`` the
@@ -48,12 +49,15 @@ from specpilot.errors import SpecPilotError
 from specpilot.pilot import controller as ctl
 from specpilot.pilot.batch_budget import FLAT_TOLERANCE, measure_pass_ms, shared_budgets
 from specpilot.pilot.batch_journal import BatchJournal, run_header
-from specpilot.pilot.batch_mechanisms import MECHANISMS, calibrated_mechanism
+from specpilot.pilot.batch_mechanisms import MECHANISMS, calibrated_mechanism, mechanisms_for
 from specpilot.pilot.batch_report import build_report, forcing_reasons, verdict_record, write_outputs
 from specpilot.pilot.batch_runs import BatchMeasured, compare, measure_batches
 from specpilot.pilot.forcing import ForcingStats, Scorer, audit, delta_from_phase0, forcing_verdict
 from specpilot.pilot.phase0 import RUN_MARKER, requests_for, scorer_model
 from specpilot.pilot.state import Pilot, PilotOptions
+
+#: the candidates built on AR itself when AR is a size's incumbent (the others start from stock)
+AR_TOO = ("prompt_admission", "lm_head_int8")
 
 __all__ = ["MECHANISMS", "BatchForcing", "calibrated_mechanism", "judge_batch", "parse_sizes", "run_batch_pilot"]
 
@@ -141,7 +145,8 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     aa_m = measure({"a": pilot.stock, "b": pilot.stock}, "phase 0: stock A/A")
     if journal.get("phase0_s") is None:
         journal.put("phase0_s", time.perf_counter() - t_p0)
-    n_mech = len(MECHANISMS) + (opts.calibration is not None)
+    listed = mechanisms_for(pilot.dep.device)
+    n_mech = len(listed) + (opts.calibration is not None)
     held = "; less what the journal holds" if journal.resumed else ""
     pilot.say("batch", f"expected duration: about {expected_rest_s(journal.get('phase0_s'), n_mech) / 60:.1f} "
                        f"min more ({n_mech} candidates a size and the seal, priced by Phase 0's own runs{held})")
@@ -177,12 +182,11 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
         pilot.say("batch", f"n={n} stock: {v.reason}{forcing_reasons(audited)}")
         if v.approved:
             incumbent[n] = pilot.stock
-    mechanisms = MECHANISMS if opts.calibration is None else (calibrated_mechanism(opts.calibration, pilot.stock),
-                                                                  *MECHANISMS)
+    mechanisms = listed if opts.calibration is None else (calibrated_mechanism(opts.calibration, pilot.stock), *listed)
     for name, why, make in mechanisms:
         for n in sizes:
             inc = incumbent[n]  # with AR the incumbent, the drafter's mechanisms start from stock
-            cand = make(inc if inc.drafter != "none" or name == "prompt_admission" else pilot.stock, budgets)
+            cand = make(inc if inc.drafter != "none" or name in AR_TOO else pilot.stock, budgets)
             if cand is None:
                 verdicts.append({"mechanism": name, "why": why, "size": n,
                                  "skipped": f"does not apply to {inc.label()}"})

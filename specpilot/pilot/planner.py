@@ -1,12 +1,11 @@
 """The built-in planner (§3.1, §3.2): candidates aimed at the largest ceiling factor, ranked by the cost model.
 
-Each round the master step reads the ceiling's three factors and picks a direction; candidates are the
-mechanism options that move that factor (tree: drafter, builder, budget N, top-K, depth; outside: cheaper
-steps: fewer rows, fewer draft positions, a cheaper drafter; kernel: the kernel mechanisms ``w12`` and
-``lm_head_int8`` (§4.1) toggled on the incumbent, on CUDA with a bf16 target only; elsewhere none, so the
-round moves on to the next factor and says why, :meth:`Planner.kernel_why_not`). Each candidate's τ comes from exact replay
-(no target pass) and its c(N) from measured pass times, so the planner ranks by predicted speedup
-τ / c and sends only the best few to the controller, which alone decides.
+Each round the master step reads the ceiling's three factors and picks a direction; candidates are the mechanism
+options that move that factor (tree: drafter, builder, budget N, top-K, depth; outside: cheaper steps: fewer rows,
+fewer draft positions, a cheaper drafter; kernel: ``w12`` and ``lm_head_int8`` (§4.1) toggled on the incumbent, on
+CUDA with a bf16 target, on the CPU ``lm_head_int8`` with a float32 one; elsewhere none, and the round says why,
+:meth:`Planner.kernel_why_not`). Each candidate's τ comes from exact replay (no target pass) and its c(N) from
+measured pass times, so the planner ranks by predicted speedup τ / c and sends only the best few to the controller.
 """
 
 from __future__ import annotations
@@ -16,8 +15,10 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from specpilot.config import SystemConfig
+from specpilot.head.cpu import applies as cpu_head_applies
 from specpilot.pilot.replay import Recording, TruncatedLattice, replay, replay_steps, replay_trace
 from specpilot.spec.trees import build_tree
 
@@ -25,15 +26,14 @@ from specpilot.spec.trees import build_tree
 NODES = (2, 4, 6, 8, 12, 16, 24, 32)
 TOP_K = (2, 4, 8)
 DEPTH = (3, 4, 6, 8, 10)
-#: Kernel mechanisms (§4.1) the planner toggles in the ``kernel`` direction (SystemConfig bool fields).
-KERNEL_MECHANISMS = ("w12", "lm_head_int8")
+KERNEL_MECHANISMS = ("w12", "lm_head_int8")  # toggled in the ``kernel`` direction (§4.1; SystemConfig bool fields)
 TREE_SAMPLES = 200  # recorded lattices a config's tree-building time is measured on
 #: Block drafters (DFlash-style, ``--block``): block sizes (lattice depth) and builders the planner proposes.
 BLOCK_DEPTH = (8, 12, 16)
 BLOCK_TREES = ("chain", "best_first", "ddtree_marginal", "eagle2_topk")
-#: Row counts whose exact-pass time the cost model measures: one row (AR), two, and every ``[root] + tree`` size
-#: a candidate of the grid verifies, so no prediction interpolates across a step in the pass's cost (on a CPU a
-#: 135M target's pass jumps from 59 to 89 ms between 3 and 4 rows, where the kernel library changes method).
+#: Row counts whose exact-pass time the cost model measures: one row (AR), two, and every ``[root] + tree`` size a
+#: candidate verifies, so no prediction interpolates across a step in the pass's cost (a 135M target's CPU pass
+#: jumps from 59 to 89 ms between 3 and 4 rows, where the kernel library changes method).
 VERIFY_ROWS = tuple(sorted({1, 2, 48, 64} | {n + 1 for n in NODES + DEPTH + BLOCK_DEPTH}))
 
 
@@ -298,11 +298,9 @@ class Planner:
         """Configs one step from ``incumbent`` that move ``direction``.
 
         ``tree``: raise τ (drafter, builder, budget N, top-K, depth; with TLV inputs each also with ``tlv``).
-        ``outside``: make the step cheaper (fewer rows or draft positions, a cheaper drafter). ``kernel``: the incumbent with one kernel
-        mechanism of :data:`KERNEL_MECHANISMS` toggled (``w12``, ``lm_head_int8``; §4.1), when
-        :meth:`kernel_why_not` is None; else no candidates. A toggle leaves τ unchanged, so its predicted
-        speedup is the incumbent's and the pilot's live screening (measured c) decides what reaches the
-        controller.
+        ``outside``: make the step cheaper (fewer rows or draft positions, a cheaper drafter). ``kernel``: one of
+        :meth:`kernel_mechanisms` toggled (§4.1) when :meth:`kernel_why_not` is None: τ unchanged, so the predicted
+        speedup is the incumbent's and the pilot's live screening (measured c) decides what reaches the controller.
         """
         drafters = sorted({kind for kind, _ in self.recordings if not kind.startswith("block")})
         blocks = [rec for (kind, _), rec in self.recordings.items() if kind.startswith("block")]
@@ -332,7 +330,7 @@ class Planner:
                         if c.drafter != "none" and not c.tlv]
         elif direction == "kernel":
             if self.kernel_why_not(incumbent) is None:
-                for name in KERNEL_MECHANISMS:
+                for name in self.kernel_mechanisms():
                     out.append(incumbent.model_copy(update={name: not getattr(incumbent, name)}))
         elif direction == "outside":
             for d in drafters + (["block"] if incumbent.drafter == "block" else []):
@@ -345,18 +343,21 @@ class Planner:
                         out.append(incumbent.model_copy(update={"drafter": d, "depth": dep, "nodes": nodes, "drafter_path": path(d)}))
         return [c for c in _distinct(out) if _canonical(c) != _canonical(incumbent)]
 
+    def kernel_mechanisms(self) -> tuple[str, ...]:
+        """The kernel mechanisms with a fast path here: both on CUDA; on the CPU the certified head (its bf16 first
+        pass, :mod:`specpilot.head.cpu`, where this build prepacks for oneDNN). W12's GEMM is a GPU kernel."""
+        if torch.device(self.device).type == "cuda":
+            return KERNEL_MECHANISMS
+        return ("lm_head_int8",) if cpu_head_applies(torch.ones(1, 1)) else ()
+
     def kernel_why_not(self, incumbent: SystemConfig) -> str | None:
-        """Why the ``kernel`` direction has no candidates for ``incumbent`` here, or None when it has.
-
-        The kernel mechanisms are GPU kernels for bf16 targets: ``w12`` stores bf16 weights in 12 bits (a
-        target in another dtype is not bf16-valued in general) and the certified INT8 head is a memory-bound
-        Triton GEMV whose gain is on the GPU (§4.1); on the CPU both would only run their references.
-        """
-        import torch
-
+        """Why the ``kernel`` direction has no candidates for ``incumbent`` here, or None when it has: on CUDA both
+        mechanisms need bf16 weights (W12 stores bf16 values in 12 bits); the CPU's certified head, a float32 head."""
         if torch.device(self.device).type != "cuda":
-            return (f"the kernel mechanisms (W12, certified INT8 head) are GPU kernels; device {self.device} "
-                    "runs only their CPU references")
+            if not self.kernel_mechanisms():
+                return f"no kernel mechanism has a fast path on {self.device} in this build (no oneDNN packing)"
+            return None if incumbent.dtype == "float32" else (
+                f"on the CPU the certified head's fast path takes a float32 target; this one is {incumbent.dtype}")
         if incumbent.dtype != "bfloat16":
             return f"the kernel mechanisms (W12, certified INT8 head) need a bf16 target; this one is {incumbent.dtype}"
         return None
@@ -394,7 +395,6 @@ def _distinct(cfgs: list[SystemConfig]) -> list[SystemConfig]:
 
 
 def _canonical(cfg: SystemConfig) -> SystemConfig:
-    """``cfg`` with its best-first N cut to what a depth-D, top-K lattice holds (K + … + K^D: best_first N=12 D=4
-    k=1 is a chain of 4, the same system as N=4); TLV configs unchanged (their two drafts hold more)."""
+    """``cfg``, best-first N cut to what its lattice holds (K + … + K^D: N=12 D=4 k=1 is N=4); TLV unchanged."""
     cap = sum(cfg.top_k ** d for d in range(1, cfg.depth + 1))
     return cfg.model_copy(update={"nodes": cap}) if cfg.tree == "best_first" and not cfg.tlv and cfg.nodes > cap else cfg
