@@ -7,7 +7,8 @@ head, SmolLM2 float32, 2 torch threads.
    GEMM alone, and the INT8 pass ``aten._weight_int8pack_mm`` for the record).
 2. In the batched engine (``Deployment.batch_system``, AR, compiled stack, prefix reuse off), 8 GSM8K chat prompts x
    128 new tokens, and one request at a time (the batched engine of 1 slot, 4 prompts): plain vs ``lm_head_int8``,
-   alternating P C, C P, P C; tokens per second and the median full step; outputs equal token for token.
+   alternating P C, C P, ... (``ROUNDS`` pairs, default 3); tokens per second and the median full step; outputs
+   equal token for token.
 
     python probes/cpu_head_first_pass.py SMOLLM2_DIR OUT.json
 """
@@ -94,8 +95,9 @@ def head_alone(dep, tok) -> dict:
 
 
 def in_engine(dep, tok, slots: int, prompts: list, new: int) -> dict:
-    engines = {k: dep.batch_system(SystemConfig.ar(lm_head_int8=k == "certified"), max_num_seqs=slots, max_len=1024,
-                                   prefix_caching=False, compile_cpu=True) for k in ("plain", "certified")}
+    engines = {k: dep.batch_system(SystemConfig.ar(lm_head_int8=k == "certified"), max_num_seqs=slots,
+                                   max_len=1024, prefix_caching=False, compile_cpu=True)
+               for k in ("plain", "certified")}
     for e in engines.values():
         e.compile_shapes()
 
@@ -115,7 +117,7 @@ def in_engine(dep, tok, slots: int, prompts: list, new: int) -> dict:
         return {"tok_s": round(n / wall, 2), "tokens": n, "step_ms_median": round(1e3 * statistics.median(steps), 2)}, outs
 
     runs, outs = {"plain": [], "certified": []}, []
-    for rnd in range(3):
+    for rnd in range(int(os.environ.get("ROUNDS", 3))):
         for name in (("plain", "certified") if rnd % 2 == 0 else ("certified", "plain")):
             r, o = run(name, f"{name}{rnd}-")
             runs[name].append(r)
@@ -123,7 +125,7 @@ def in_engine(dep, tok, slots: int, prompts: list, new: int) -> dict:
             print(slots, name, rnd, r, flush=True)
     med = {k: statistics.median(r["tok_s"] for r in v) for k, v in runs.items()}
     head = engines["certified"].target.int8_head
-    return {"slots": slots, "requests": len(prompts), "max_new_tokens": new, "runs": runs,
+    return {"slots": slots, "rounds": len(runs["plain"]), "requests": len(prompts), "max_new_tokens": new, "runs": runs,
             "median_tok_s": med, "ratio": round(med["certified"] / med["plain"], 3),
             "outputs_equal": all(o == outs[0] for o in outs),
             "head_undecided_rows": head.stats.undecided_rows, "head_rows": head.stats.rows}

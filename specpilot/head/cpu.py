@@ -56,6 +56,13 @@ def _block_max(a: torch.Tensor) -> torch.Tensor:
     return torch.cat(out, dim=1) if len(out) > 1 else out[0]
 
 
+def _row_terms(h: torch.Tensor, eps_x: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` float64 ``[R]`` of ``h [R, K]``: ``x = ||hb||``, ``y = ||h - hb|| + eps_x ||h||`` (module docstring)."""
+    h64, hb64 = h.double(), h.bfloat16().double()
+    n = torch.stack((hb64, h64 - hb64, h64)).norm(dim=2)
+    return n[0], n[1] + eps_x * n[2]
+
+
 class Bf16FirstPass:
     """Approximate logits and their certified error for :class:`~specpilot.head.certified.CertifiedInt8Head` on the
     CPU (module docstring).
@@ -106,46 +113,50 @@ class Bf16FirstPass:
         """
         a = self.logits(h).float()  # exact widening: float32 reductions run at ~10x bf16's speed here
         r, v = a.shape
-        h64, hb64 = h.double(), h.bfloat16().double()
-        x = hb64.norm(dim=1)
-        y = (h64 - hb64).norm(dim=1) + eps_x * h64.norm(dim=1)
-        c, w = self.coef
-        b_max = (x * self.cmax + y * self.wmax + _FLOOR) * (1 + 2.0**-40)  # E_v <= 2^-8 |a_v| + b_max, every v
-
-        def bound(rows, cols, av):  # E of (row, col) pairs in float64, inflated past its own roundings
-            return (_REL_A * av.abs() + x[rows] * c[cols] + y[rows] * w[cols] + _FLOOR) * (1 + 2.0**-40)
-
+        x, y = (t.tolist() for t in _row_terms(h, eps_x))
         blocks = _block_max(a)  # [R, ceil(V / BLOCK)]
-        top = blocks.amax(dim=1).double()
-        t = top - (_REL_A * top.abs() + b_max) - b_max  # L* (the top column's lower end, at most) less b_max
-        thr = torch.where(t >= 0, t / (1 + _REL_A), t / (1 - _REL_A))
-        thr = thr - 2.0**-30 * thr.abs() - _FLOOR  # down, then down again to float32
-        thr32 = thr.float()
-        thr32 = torch.where(thr32.double() > thr, torch.nextafter(thr32, torch.full_like(thr32, -math.inf)), thr32)
-        rb, bb = (blocks >= thr32[:, None]).nonzero(as_tuple=True)  # the few blocks holding a candidate
+        thr = []  # per row, in Python floats (IEEE double, as torch's float64): R is a few dozen at most
+        for top, xr, yr in zip(blocks.amax(dim=1).tolist(), x, y):
+            b_max = (xr * self.cmax + yr * self.wmax + _FLOOR) * (1 + 2.0**-40)  # E_v <= 2^-8 |a_v| + b_max
+            t = top - (_REL_A * abs(top) + b_max) - b_max  # L* (the top column's lower end, at most) less b_max
+            t = t / (1 + _REL_A) if t >= 0 else t / (1 - _REL_A)
+            thr.append(t - 2.0**-30 * abs(t) - _FLOOR)  # down; float32 below, down again
+        thr32 = torch.tensor(thr, dtype=torch.float64)
+        t32 = thr32.float()
+        t32 = torch.where(t32.double() > thr32, torch.nextafter(t32, torch.full_like(t32, -math.inf)), t32)
+        rb, bb = (blocks >= t32[:, None]).nonzero(as_tuple=True)  # the few blocks holding a candidate
         vi = (bb[:, None] * BLOCK + torch.arange(BLOCK)).clamp_(max=v - 1)  # the tail block's overhang repeats v - 1
-        ri = rb[:, None].expand_as(vi)
-        hit = a[ri, vi] >= thr32[ri]
-        ri, vi = ri[hit], vi[hit]
-        uniq = (ri * v + vi).unique()  # drop the tail block's repeats; ascending
-        ri, vi = uniq // v, uniq % v
-        av = a[ri, vi].double()
-        e = bound(ri, vi, av)
-        lo_max = torch.full((r,), -math.inf, dtype=torch.float64).scatter_reduce_(0, ri, av - e, "amax")
-        kept = (av + e) >= lo_max[ri]
-        ri, vi = ri[kept], vi[kept]
-        cols, inv = torch.unique(vi, return_inverse=True)
-        keep = torch.zeros(r, cols.numel(), dtype=torch.bool)
-        keep[ri, inv] = True
-        return cols, keep
+        vals = a[rb[:, None], vi]
+        c, w = self.coef
+        pairs = {}  # (row, col) -> a, for the candidates: a >= the row's threshold
+        for rr, cols_, vs in zip(rb.tolist(), vi.tolist(), vals.tolist()):
+            tr = float(t32[rr])
+            for col, av in zip(cols_, vs):
+                if av >= tr:
+                    pairs[(rr, col)] = av
+        if not pairs:
+            return torch.zeros(0, dtype=torch.long), torch.zeros(r, 0, dtype=torch.bool)
+        rows_l, cols_l = zip(*pairs)
+        cv = c[list(cols_l)].tolist()
+        wv = w[list(cols_l)].tolist()
+        e = [(_REL_A * abs(av) + x[rr] * ci + y[rr] * wi + _FLOOR) * (1 + 2.0**-40)
+             for (rr, _), av, ci, wi in zip(pairs, pairs.values(), cv, wv)]  # E of each candidate, float64
+        lo_max = [-math.inf] * r
+        for (rr, _), av, ei in zip(pairs, pairs.values(), e):
+            lo_max[rr] = max(lo_max[rr], av - ei)
+        kept = [(rr, col) for (rr, col), av, ei in zip(pairs, pairs.values(), e) if av + ei >= lo_max[rr]]
+        cols = sorted({col for _, col in kept})
+        at = {col: k for k, col in enumerate(cols)}
+        keep = torch.zeros(r, len(cols), dtype=torch.bool)
+        if kept:
+            keep[[rr for rr, _ in kept], [at[col] for _, col in kept]] = True
+        return torch.tensor(cols, dtype=torch.long), keep
 
     def survivors_reference(self, h: torch.Tensor, eps_x: float) -> torch.Tensor:
         """:meth:`survivors` evaluated plainly over all of ``[R, V]`` in float64: ``keep [R, V] bool`` (tests hold the
         candidate search to it)."""
         a = self.logits(h).double()
-        h64, hb64 = h.double(), h.bfloat16().double()
-        x = hb64.norm(dim=1)[:, None]
-        y = (h64 - hb64).norm(dim=1)[:, None] + eps_x * h64.norm(dim=1)[:, None]
+        x, y = (t[:, None] for t in _row_terms(h, eps_x))
         c, w = self.coef
         e = (_REL_A * a.abs() + x * c + y * w + _FLOOR) * (1 + 2.0**-40)
         return (a + e) >= (a - e).max(dim=1, keepdim=True).values
