@@ -179,6 +179,36 @@ def test_a_size_where_no_drafted_row_pays_seals_ar(tmp_path):
     assert "each beating the incumbent of its moment: best_first" in md
 
 
+def test_an_approved_system_slower_than_ar_in_its_seal_gives_way_to_ar(tmp_path):
+    """The best-first tree is approved at one request (120 vs AR's 110) but runs 100 in the seal's own runs (as an
+    H100's approvals ran on an H200): that size seals AR, its system file and report say so."""
+    from specpilot.pilot.batch_pilot import run_batch_pilot
+    from specpilot.pilot.state import PilotOptions
+    from specpilot.zoo import bundled_target_dir
+
+    def speeds(systems, m):
+        sealing = "sealed" in systems
+        for name, cfg in systems.items():
+            fast = cfg.tree == "best_first" and cfg.row_selection == "per_request" and not sealing
+            m.tps[name] = {cell: 120.0 if fast and cell[1] == 1 else _speed(cfg, cell[1], ar=110.0) * (
+                100 / 120 if sealing and cfg.tree == "best_first" else 1) for cell in m.tps[name]}
+
+    out = tmp_path / "r"
+    opts = PilotOptions(target=bundled_target_dir(), out=out, quick=True,
+                        overrides={"per_benchmark": 2, "max_new_tokens": 8, "benchmarks": 1})
+    flat = lambda m: {m: 1.0, m + 1: 1.0, m + 2: 1.02, m + 4: 1.04, m + 8: 1.5}  # noqa: E731
+    rep = run_batch_pilot(opts, (1, 2), rounds=2, rng=random.Random(5), pass_ms=flat, adjust=speeds)
+    bf = {v["size"]: v for v in rep["verdicts"] if v["mechanism"] == "best_first"}
+    assert bf[1]["approved"]
+    ps = rep["per_size"]["1"]
+    assert ps["sealed_is"] == "ar" and ps["entries"] == [] and ps["sealed_vs_ar"] == pytest.approx(1.0)
+    assert ps["fell_back"]["label"] == bf[1]["candidate"] and ps["fell_back"]["entries"] == ["best_first"]
+    assert ps["fell_back"]["gain_vs_ar"] == pytest.approx(100 / 110)
+    assert SystemConfig(**json.loads((out / "system_n1.json").read_text())["config"]) == SystemConfig.ar()
+    md = (out / "batch_report.md").read_text()
+    assert f"| 1 | AR | AR: {bf[1]['candidate']} was approved (best_first) but ran 0.909x AR in the seal |" in md
+
+
 def test_a_pilot_cut_short_resumes_from_its_journal(tmp_path, monkeypatch):
     """A run killed in its third measurement, run again in the same directory, measures only what was left (the
     journal's measurements read back) and reaches the verdicts and seals of a run never cut; other options refuse

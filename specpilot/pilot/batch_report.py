@@ -107,6 +107,10 @@ def write_outputs(out, report: dict, sealed: dict, entries: dict) -> None:
 
 def _why(r: dict) -> str:
     """Why a size sealed what it did, in words (from its approved entries and what the sealed system is)."""
+    if r.get("fell_back"):
+        fb = r["fell_back"]
+        how = f"approved ({', '.join(fb['entries'])})" if fb["entries"] else "approved"
+        return f"AR: {fb['label']} was {how} but ran {fb['gain_vs_ar']:.3f}x AR in the seal"
     if r["entries"]:
         return "approved in turn, each beating the incumbent of its moment: " + ", ".join(r["entries"])
     if r["sealed_is"] == "ar":

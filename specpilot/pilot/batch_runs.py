@@ -133,6 +133,13 @@ class BatchMeasured:
                 m.nondeterministic[k] |= p.nondeterministic[k]
         return m
 
+    def aliased(self, name: str, source: str) -> "BatchMeasured":
+        """A copy where system ``name``'s cells, outputs and flags are ``source``'s (a size that seals AR after all
+        reports AR's own runs as its sealed system's). Raises KeyError: either name not measured."""
+        pick = lambda d: {**d, name: d[source]}  # noqa: E731
+        return BatchMeasured(pick(self.tps), pick(self.outputs), dict(self.prompts), pick(self.outside),
+                             pick(self.nondeterministic))
+
 
 def measure_batches(makers: dict[str, BatchFactory], groups: dict[str, list[Req]], sizes: Sequence[int],
                     rounds: int, vocab_size: int, *, avoid_ids=(), rng=None,
