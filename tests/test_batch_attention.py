@@ -54,6 +54,30 @@ def test_kernel_matches_reference(seed, g, d):
     assert torch.equal(out, again)  # deterministic
 
 
+def test_a_grid_wider_than_the_rows_gives_the_same_bits():
+    """An engine sized for a plan's largest tree (33 rows a request) running an AR step (one row each): the programs
+    past each request's rows walk no keys, and the rows get the same bits as from a grid of one row a request."""
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    b, kvh, g, d, s = 5, 2, 4, 32, 90
+    slots = torch.randperm(8, generator=gen)[:b]
+    starts = torch.randint(10, s - 1, (b,), generator=gen)
+    counts = torch.ones(b, dtype=torch.long)
+    row_off = torch.arange(b)
+    q = torch.randn(b, kvh * g, d, generator=gen).to(dtype)
+    k, v = (torch.randn(8, s, kvh, d, generator=gen).to(dtype) for _ in range(2))
+    i32 = lambda t: t.to(torch.int32).to(DEV)  # noqa: E731
+    outs = []
+    for r_max in (1, 33):
+        masks = torch.eye(r_max, dtype=torch.bool).expand(b, r_max, r_max).clone()
+        outs.append(batch_tree_attention(q.to(DEV), k.to(DEV), v.to(DEV), i32(slots), i32(starts), i32(counts),
+                                         i32(row_off), pack_batch_masks(masks).to(DEV), r_max, d ** -0.5))
+        ref = batch_tree_attention_reference(q, k, v, slots, starts, counts, row_off, masks, d ** -0.5)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(outs[-1].cpu().float(), ref.float(), atol=tol, rtol=tol)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("block_n", [32, 64])
 def test_chain_and_prompt_rows_carry_ar_bits(block_n):
     """Keys walked in blocks aligned to absolute positions: each row of a chain (or of a prompt continued after a

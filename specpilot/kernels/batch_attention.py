@@ -149,11 +149,16 @@ if triton is not None:
         # [L', L + R) through the packed mask (committed keys below L always visible). So a chain row at position p
         # walks the same blocks, lanes and arithmetic as an AR row at p (module doc: "Aligned to AR").
         lo = tl.minimum((L // BLOCK_N) * BLOCK_N, S)
+        t_hi = tl.minimum(L + R, S)
+        # a program past the request's rows (the grid spans r_max rows: a plan's largest tree, while an AR step has
+        # one) walks no keys; it stored nothing before either, but walked them all
+        idle = pid_m * BLOCK_M >= R * G
+        lo = tl.where(idle, 0, lo)
+        t_hi = tl.where(idle, lo, t_hi)
         for start_n in range(0, lo, BLOCK_N):
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, start_n, lo,
                                     Words + b * stride_wb, stride_wr, L, row, m_ok, qk_scale, offs_d,
                                     BLOCK_N=BLOCK_N, TREE=False, FP32=FP32)
-        t_hi = tl.minimum(L + R, S)
         for start_n in range(lo, t_hi, BLOCK_N):
             acc, m_i, l_i = _attend_straddle(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, start_n, t_hi,
                                              Words + b * stride_wb, stride_wr, NW, L, row, m_ok, qk_scale, offs_d,
