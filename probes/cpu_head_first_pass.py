@@ -114,7 +114,8 @@ def in_engine(dep, tok, slots: int, prompts: list, new: int) -> dict:
                 steps.append(time.perf_counter() - s0)
         wall = time.perf_counter() - t0
         n = sum(len(v) for v in outs.values())
-        return {"tok_s": round(n / wall, 2), "tokens": n, "step_ms_median": round(1e3 * statistics.median(steps), 2)}, outs
+        step = round(1e3 * statistics.median(steps), 2)
+        return {"tok_s": round(n / wall, 2), "tokens": n, "step_ms_median": step}, outs
 
     runs, outs = {"plain": [], "certified": []}, []
     for rnd in range(int(os.environ.get("ROUNDS", 3))):

@@ -57,7 +57,7 @@ def _block_max(a: torch.Tensor) -> torch.Tensor:
 
 
 def _row_terms(h: torch.Tensor, eps_x: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x, y)`` float64 ``[R]`` of ``h [R, K]``: ``x = ||hb||``, ``y = ||h - hb|| + eps_x ||h||`` (module docstring)."""
+    """``(x, y)`` float64 ``[R]`` of ``h [R, K]``: ``x = ||hb||``, ``y = ||h - hb|| + eps_x ||h||`` (module doc)."""
     h64, hb64 = h.double(), h.bfloat16().double()
     n = torch.stack((hb64, h64 - hb64, h64)).norm(dim=2)
     return n[0], n[1] + eps_x * n[2]
