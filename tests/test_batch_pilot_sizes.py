@@ -209,7 +209,7 @@ def test_an_approved_system_slower_than_ar_in_its_seal_gives_way_to_ar(tmp_path)
     assert f"| 1 | AR | AR: {bf[1]['candidate']} was approved (best_first) but ran 0.909x AR in the seal |" in md
 
 
-def test_a_pilot_cut_short_resumes_from_its_journal(tmp_path, monkeypatch):
+def test_a_pilot_cut_short_resumes_from_its_journal(tmp_path, monkeypatch, capsys):
     """A run killed in its third measurement, run again in the same directory, measures only what was left (the
     journal's measurements read back) and reaches the verdicts and seals of a run never cut; other options refuse
     the directory."""
@@ -253,8 +253,38 @@ def test_a_pilot_cut_short_resumes_from_its_journal(tmp_path, monkeypatch):
     calls.clear()
     again = run(tmp_path / "cut", False)
     assert not calls and strip(again) == strip(whole)  # everything from the journal
+    from specpilot.pilot.batch_journal import machine_name
+
+    assert again["journal_machines"] == {machine_name("cpu"): n_whole}  # every measurement names its machine
+    path = tmp_path / "cut" / JOURNAL
+    j = json.loads(path.read_text())
+    for v in j["entries"].values():
+        if isinstance(v, dict) and "machine" in v:
+            v["machine"] = "NVIDIA H100 80GB HBM3"
+    path.write_text(json.dumps(j))
+    capsys.readouterr()
+    elsewhere = run(tmp_path / "cut", False)
+    assert "its verdicts mix machines" in capsys.readouterr().err and strip(elsewhere) == strip(whole)
+    assert elsewhere["journal_machines"] == {"NVIDIA H100 80GB HBM3": n_whole}
     with pytest.raises(SpecPilotError, match="plan.max_new_tokens 8 there, 9 here"):
         run(tmp_path / "cut", False, max_new_tokens=9)
+
+
+def test_a_journal_resumed_on_another_machine_says_whose_measurements_it_mixes(tmp_path, capsys):
+    """The header's device is "cuda" for any GPU: each measurement names its machine, and a resume elsewhere says
+    that its verdicts mix machines (an H100's approvals were sealed on an H200 and lost there)."""
+    from specpilot.pilot.batch_journal import BatchJournal, machine_name
+    from specpilot.pilot.batch_runs import BatchMeasured
+
+    head = {"sizes": [1], "plan": {}}
+    j = BatchJournal(tmp_path, head, "NVIDIA H100 80GB HBM3")
+    j.measured("a", BatchMeasured)
+    j.put("phase0_s", 1.0)  # not a measurement
+    again = BatchJournal(tmp_path, head, "NVIDIA H200")
+    assert again.machines() == {"NVIDIA H100 80GB HBM3": 1} and again.resumed == 2
+    m, old = again.measured("b", BatchMeasured)
+    assert not old and again.machines() == {"NVIDIA H100 80GB HBM3": 1, "NVIDIA H200": 1}
+    assert machine_name("cpu")  # the CPU's name, never empty
 
 
 def test_a_broken_or_foreign_journal_is_refused_in_one_line(tmp_path):

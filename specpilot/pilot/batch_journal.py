@@ -6,7 +6,9 @@ pure functions of the measurements, so a resumed run reaches the verdicts an uni
 the request plan, seed, calibration file's content) and one entry per finished measurement under a key naming its
 systems and sizes. A run finding a journal with the same header reads its entries instead of measuring again; one
 with another header refuses to mix the two. Each entry is written at once (to a temporary file, then renamed), so a
-run killed at any point loses at most the measurement in progress.
+run killed at any point loses at most the measurement in progress. A measurement also names the machine it ran on
+(:func:`machine_name`: "cuda" in the header is any GPU), so a run resumed on another machine says whose
+measurements its verdicts mix (:meth:`BatchJournal.machines`).
 """
 
 from __future__ import annotations
@@ -14,12 +16,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 from pathlib import Path
+
+import torch
 
 from specpilot.errors import SpecPilotError
 from specpilot.pilot.batch_runs import BatchMeasured
 
 JOURNAL = "journal.json"
+
+
+def machine_name(device) -> str:
+    """The machine a measurement on ``device`` ran on: the GPU's name on CUDA (``NVIDIA H200``), else the CPU's."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return platform.processor() or platform.machine()
 
 
 def run_header(opts, sizes, rounds: int) -> dict:
@@ -39,13 +52,15 @@ class BatchJournal:
     Args:
         out: the run's output directory (created by the caller).
         header: :func:`run_header` of this run.
+        machine: :func:`machine_name` of this run's device, written with each measurement it makes.
     Attributes:
         resumed: entries found at start (0: a fresh run).
     Raises:
         SpecPilotError: ``out`` holds a journal of a run with another header, or one that is not readable.
     """
 
-    def __init__(self, out: Path, header: dict):
+    def __init__(self, out: Path, header: dict, machine: str = "unknown"):
+        self.machine = machine
         self.path = Path(out) / JOURNAL
         self.header = json.loads(json.dumps(header))  # as it reads back
         self.entries: dict = {}
@@ -93,8 +108,17 @@ class BatchJournal:
                 raise SpecPilotError(f"{self.path} is not a readable journal (its entry {key!r} is malformed); "
                                      "delete it to start over") from None
         m = measure()
-        self.put(key, measured_to_json(m))
+        self.put(key, {**measured_to_json(m), "machine": self.machine})
         return m, False
+
+    def machines(self) -> dict[str, int]:
+        """``{machine: measurements}`` of the journaled measurements ("unknown" for those written before machines
+        were named)."""
+        out: dict[str, int] = {}
+        for v in self.entries.values():
+            if isinstance(v, dict) and "tps" in v:
+                out[v.get("machine", "unknown")] = out.get(v.get("machine", "unknown"), 0) + 1
+        return out
 
 
 def _flat(header: dict) -> dict:

@@ -49,7 +49,7 @@ import torch
 from specpilot.errors import SpecPilotError
 from specpilot.pilot import controller as ctl
 from specpilot.pilot.batch_budget import FLAT_TOLERANCE, measure_pass_ms, shared_budgets
-from specpilot.pilot.batch_journal import BatchJournal, run_header
+from specpilot.pilot.batch_journal import BatchJournal, machine_name, run_header
 from specpilot.pilot.batch_mechanisms import MECHANISMS, calibrated_mechanism, mechanisms_for
 from specpilot.pilot.batch_report import build_report, forcing_reasons, verdict_record, write_outputs
 from specpilot.pilot.batch_runs import BatchMeasured, compare, measure_batches
@@ -129,9 +129,12 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     # in float32 an engine held 6 GB of K/V, and a seal holds three engines at once
     max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + ctl.SALT_TOKENS + 1
 
-    journal = BatchJournal(opts.out, run_header(opts, sizes, rounds))
+    journal = BatchJournal(opts.out, run_header(opts, sizes, rounds), machine_name(opts.device))
     if journal.resumed:
-        pilot.say("batch", f"resuming: {journal.resumed} finished measurements from {journal.path}")
+        made = journal.machines()
+        pilot.say("batch", f"resuming: {journal.resumed} finished measurements from {journal.path}"
+                  + (f"; measured on {made}, this run on {journal.machine}: its verdicts mix machines"
+                     if set(made) - {journal.machine} else ""))
 
     def measure(systems: dict, label: str, at=sizes) -> BatchMeasured:
         makers = {k: (lambda n, c=c: pilot.dep.batch_system(c, max_num_seqs=n, max_len=max_len))
@@ -225,6 +228,7 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
                           t0)
     for n, fb in fell_back.items():
         report["per_size"][str(n)]["fell_back"] = fb
+    report["journal_machines"] = journal.machines()  # whose measurements the verdicts rest on
     report["token_forcing"] = None if forcing is None else {**forcing.phase0, "sealed": forcing.check(final, "sealed")}
     write_outputs(opts.out, report, incumbent, entries)
     pilot.say("done", "sealed " + "; ".join(f"n={n}: {incumbent[n].label()}" for n in sizes)

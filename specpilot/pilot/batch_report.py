@@ -15,6 +15,7 @@ import torch
 
 from specpilot.config import SystemConfig
 from specpilot.pilot import controller as ctl
+from specpilot.pilot.batch_journal import machine_name
 from specpilot.pilot.batch_runs import compare
 from specpilot.provenance import versions
 
@@ -55,8 +56,7 @@ def build_report(pilot, sizes, rounds, groups, plan, ar_stock, aa, sigma: dict, 
     dev = torch.device(pilot.o.device)
     first = per_size[str(min(sizes))]
     return {
-        "device": {"type": pilot.o.device, "name": torch.cuda.get_device_name(dev) if dev.type == "cuda"
-                   else (platform.processor() or platform.machine()), "threads": torch.get_num_threads(),
+        "device": {"type": pilot.o.device, "name": machine_name(dev), "threads": torch.get_num_threads(),
                    "threads_reason": pilot.threads_reason, "platform": platform.platform()},
         "versions": versions(), "commit": pilot.commit,
         "deployment": {**pilot.deployment(), "batch": list(sizes)},
