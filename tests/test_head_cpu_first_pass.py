@@ -96,3 +96,63 @@ def test_refuses_what_it_cannot_serve():
         Bf16FirstPass(torch.ones(4, 4, dtype=torch.bfloat16), torch.ones(4, dtype=torch.float64))
     assert CertifiedInt8Head(torch.randn(10, 8).bfloat16()).cpu_first_pass is None
     assert CertifiedInt8Head(torch.randn(10, 8), cpu_first_pass=False).cpu_first_pass is None
+
+
+def test_denormal_hidden_components_are_in_the_bound():
+    """AVX512-BF16 reads denormal inputs as zero: a vocab row fed only by h's denormal components times a large
+    weight (2^30) must not be discarded (it was, before the bound carried 2^-120 sqrt(K) ||W_v||)."""
+    k = 1024
+    h = torch.full((1, k), 127 * 2.0**-133)  # the largest bf16 subnormal, float32-exact
+    h[0, 0] = 2.0**-126
+    w = torch.zeros(2, k)
+    w[0, 0] = 2.0**30
+    w[1, 1:] = 2.0**30
+    head = CertifiedInt8Head(w)
+    want = F.linear(h, w).argmax(-1)
+    assert want.tolist() == [1]
+    assert torch.equal(head.argmax(h, full=lambda x: F.linear(x, w).argmax(-1)), want)
+    fp = head.cpu_first_pass
+    eps_x = eps(k, 0.0, 2.0**-24, 0.0)
+    assert bool(fp.survivors_reference(h, eps_x)[0, 1])
+
+
+def test_the_search_threshold_carries_the_bounds_own_inflation():
+    """h tuned so that the threshold sits within 2^-48 |top| of a candidate's logit (0): the search must still find
+    what the plain evaluation keeps (its threshold once left out the bound's (1 + 2^-40) on 2^-8 |a|)."""
+    import struct
+
+    from specpilot.head.cpu import _FLOOR, _REL_A, _row_terms
+
+    m, k = 256, 256 * 2 + 3
+    g = torch.Generator().manual_seed(0)
+    wv = torch.randn(m, generator=g)
+    w = torch.zeros(2, k)
+    w[0, :m], w[1, m:2 * m] = wv, wv
+    fp = Bf16FirstPass(w, w.double().norm(dim=1))
+    eps_x = eps(k, 0.0, 2.0**-24, 0.0)
+    h = torch.zeros(1, k)
+    h[0, :m] = wv.bfloat16().float() + 0.3 * torch.randn(m, generator=g)
+
+    def gap(h):  # the threshold's distance above 0 as the search computed it before, and the top logit
+        top = float(fp.logits(h).float().max())
+        x, y = (float(t) for t in _row_terms(h, eps_x))
+        b = (x * fp.cmax + y * fp.wmax + _FLOOR) * (1 + 2.0**-40)
+        return top - (_REL_A * abs(top) + b) - b, top
+
+    f32 = lambda v: struct.unpack("f", struct.pack("f", v))[0]  # noqa: E731
+    for j, hi in zip(range(2 * m, k), (1e4, 1e2, 1e0)):  # bisect three free coordinates, coarse to fine
+        lo_v, hi_v = 0.0, hi
+        for _ in range(200):
+            mid = f32((lo_v + hi_v) / 2)
+            if mid in (lo_v, hi_v):
+                break
+            h[0, j] = mid
+            lo_v, hi_v = (mid, hi_v) if gap(h)[0] > 0 else (lo_v, mid)
+        h[0, j] = lo_v
+    t, top = gap(h)
+    assert 0 < t < 2.0**-40 * top  # the case is built
+    want = fp.survivors_reference(h, eps_x)
+    cols, keep = fp.survivors(h, eps_x)
+    got = torch.zeros_like(want)
+    got[:, cols] = keep
+    assert torch.equal(got, want) and bool(want[0, 1])

@@ -12,12 +12,14 @@ Bound. ``Wb = bf16(W)``, ``hb = bf16(h)`` (round to nearest). oneDNN multiplies 
 significant bits), sums in float32 in any order and rounds the sum ``s`` to bf16: ``a = bf16(s)``. Then, for row r
 and vocab row v, with ``z = <W_v, h_r>`` in real arithmetic and ``zhat`` the exact head's float32 logit:
 
-* ``|a - s| <= 2^-8 |a|`` (half an ulp of bf16 is ``2^-9 |s|``, and ``|s| <= |a| / (1 - 2^-9)``);
+* ``|a - s| <= 2^-8 |a|`` (round to nearest with bf16's unit roundoff ``2^-8``: ``a = s / (1 + d)``, ``|d| <= 2^-8``;
+  reached at ``s = 1 + 2^-8``, ``a = 1``);
 * ``|s - <Wb_v, hb_r>| <= gamma_K(2^-24) ||Wb_v|| ||hb_r||`` (any order; Cauchy–Schwarz);
 * ``|<Wb_v, hb_r> - z| <= ||Wb_v - W_v|| ||hb_r|| + ||W_v|| ||hb_r - h_r||``;
 * ``|zhat - z| <= eps_x ||W_v|| ||h_r||`` (the exact head's own rounding, :func:`~specpilot.head.bound.eps`);
-* flushed denormals (inputs, products and partial sums under ``2^-126``): at most ``2^-126 (sqrt(K) (||hb_r|| +
-  ||W_v||) + K)``, covered by ``2^-120`` terms.
+* flushed denormals (AVX512-BF16 reads denormal inputs as zero; products and partial sums under ``2^-126``): at
+  most ``2^-126 (sqrt(K) (||hb_r|| + ||W_v||) + K)``: ``2^-120 sqrt(K)`` in ``c_v`` (times ``||hb_r||``) and in
+  ``y_r`` (times ``||W_v||``), and the floor ``2^-100``.
 
 So ``|zhat - a| <= E = 2^-8 |a| + ||hb_r|| c_v + y_r ||W_v||`` with ``c_v = ||Wb_v - W_v|| + gamma_K ||Wb_v||``
 (float64, at build) and ``y_r = ||hb_r - h_r|| + eps_x ||h_r||``, evaluated in float64 and
@@ -56,11 +58,17 @@ def _block_max(a: torch.Tensor) -> torch.Tensor:
     return torch.cat(out, dim=1) if len(out) > 1 else out[0]
 
 
+def _tiny(k: int) -> float:
+    """``2^-120 sqrt(K)``: more than the ``2^-126 sqrt(K)`` a norm's worth of flushed denormal inputs can move a
+    K-term dot product, per unit of the other factor's norm (module docstring)."""
+    return 2.0**-120 * math.sqrt(k)
+
+
 def _row_terms(h: torch.Tensor, eps_x: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x, y)`` float64 ``[R]`` of ``h [R, K]``: ``x = ||hb||``, ``y = ||h - hb|| + eps_x ||h||`` (module doc)."""
     h64, hb64 = h.double(), h.bfloat16().double()
     n = torch.stack((hb64, h64 - hb64, h64)).norm(dim=2)
-    return n[0], n[1] + eps_x * n[2]
+    return n[0], n[1] + eps_x * n[2] + _tiny(h.shape[1])  # + the flushed denormal inputs of h, times ||W_v||
 
 
 class Bf16FirstPass:
@@ -84,12 +92,12 @@ class Bf16FirstPass:
         wb = weight.detach().bfloat16()
         self._pack = torch.ops.mkldnn._reorder_linear_weight(wb, None)
         c = torch.empty(v, dtype=torch.float64)
-        g, tiny = gamma(k, 2.0**-24), 2.0**-120 * math.sqrt(k)
+        g, tiny = gamma(k, 2.0**-24), _tiny(k)
         step = max(1, (1 << 22) // max(k, 1))
         for r0 in range(0, v, step):
             w64, wb64 = weight[r0:r0 + step].double(), wb[r0:r0 + step].double()
             c[r0:r0 + step] = (w64 - wb64).norm(dim=1) + g * wb64.norm(dim=1) + tiny
-        self.coef = torch.stack([c, w_norm + tiny])  # [2, V] float64: multiplies ||hb_r|| and y_r
+        self.coef = torch.stack([c, w_norm])  # [2, V] float64: multiplies ||hb_r|| and y_r
         self.cmax, self.wmax = (float(m) for m in self.coef.max(dim=1).values)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -102,11 +110,12 @@ class Bf16FirstPass:
         caller checks those); ``eps_x``: the exact head's relative rounding factor.
 
         Returns ``(cols [S] long, keep [R, S] bool)``: the union of the rows' survivors, ascending, and which row
-        keeps which. A row whose logits are not finite keeps nothing.
+        keeps which. A row with a NaN or +inf logit keeps nothing (a -inf logit is dropped alone; such rows
+        overflow, and the caller's overflow check sends them to the full head).
 
         Two passes over the ``[R, V]`` logits (widened to float32, and each block of :data:`BLOCK` columns' maximum),
-        then float64 on the few candidates: with ``E_v <= 2^-8 |a_v| + B_r`` (``B_r`` from the largest coefficients),
-        a survivor needs ``a_v + 2^-8 |a_v| >= L* - B_r``, ``L*`` a lower bound of the lower end at the row's largest
+        then float64 on the few candidates: with ``E_v <= rho |a_v| + B_r`` (``rho`` the bound's factor of ``|a|``,
+        ``B_r`` from the largest coefficients), a survivor needs ``a_v + rho |a_v| >= L* - B_r``, ``L*`` a lower bound of the lower end at the row's largest
         ``a`` (at most the highest lower end): a threshold on ``a_v`` alone, tested on the blocks whose maximum
         reaches it. The row's highest lower end is a candidate's, so it is found among them. (On this 2-core CPU a
         boolean pass over ``[8, 49152]`` took 120-200 µs and a bf16 argmax 740, against 46 for both passes here.)
@@ -116,10 +125,11 @@ class Bf16FirstPass:
         x, y = (t.tolist() for t in _row_terms(h, eps_x))
         blocks = _block_max(a)  # [R, ceil(V / BLOCK)]
         thr = []  # per row, in Python floats (IEEE double, as torch's float64): R is a few dozen at most
+        rel = _REL_A * (1 + 2.0**-40)  # E's factor of |a|, as bound() below inflates it
         for top, xr, yr in zip(blocks.amax(dim=1).tolist(), x, y):
-            b_max = (xr * self.cmax + yr * self.wmax + _FLOOR) * (1 + 2.0**-40)  # E_v <= 2^-8 |a_v| + b_max
-            t = top - (_REL_A * abs(top) + b_max) - b_max  # L* (the top column's lower end, at most) less b_max
-            t = t / (1 + _REL_A) if t >= 0 else t / (1 - _REL_A)
+            b_max = (xr * self.cmax + yr * self.wmax + _FLOOR) * (1 + 2.0**-40)  # E_v <= rel |a_v| + b_max
+            t = top - (rel * abs(top) + b_max) - b_max  # L* (the top column's lower end, at most) less b_max
+            t = t / (1 + rel) if t >= 0 else t / (1 - rel)
             thr.append(t - 2.0**-30 * abs(t) - _FLOOR)  # down; float32 below, down again
         thr32 = torch.tensor(thr, dtype=torch.float64)
         t32 = thr32.float()
