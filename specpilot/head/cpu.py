@@ -115,10 +115,11 @@ class Bf16FirstPass:
 
         Two passes over the ``[R, V]`` logits (widened to float32, and each block of :data:`BLOCK` columns' maximum),
         then float64 on the few candidates: with ``E_v <= rho |a_v| + B_r`` (``rho`` the bound's factor of ``|a|``,
-        ``B_r`` from the largest coefficients), a survivor needs ``a_v + rho |a_v| >= L* - B_r``, ``L*`` a lower bound of the lower end at the row's largest
-        ``a`` (at most the highest lower end): a threshold on ``a_v`` alone, tested on the blocks whose maximum
-        reaches it. The row's highest lower end is a candidate's, so it is found among them. (On this 2-core CPU a
-        boolean pass over ``[8, 49152]`` took 120-200 µs and a bf16 argmax 740, against 46 for both passes here.)
+        ``B_r`` from the largest coefficients), a survivor needs ``a_v + rho |a_v| >= L* - B_r``, ``L*`` a lower
+        bound of the lower end at the row's largest ``a`` (at most the highest lower end): a threshold on ``a_v``
+        alone, tested on the blocks whose maximum reaches it. The row's highest lower end is a candidate's, so it is
+        found among them. (On this 2-core CPU a boolean pass over ``[8, 49152]`` took 120-200 µs and a bf16 argmax
+        740, against 46 for both passes here.)
         """
         a = self.logits(h).float()  # exact widening: float32 reductions run at ~10x bf16's speed here
         r, v = a.shape
