@@ -8,6 +8,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from specpilot.config import SystemConfig
 from specpilot.errors import SpecPilotError
@@ -176,7 +177,9 @@ def test_candidates_follow_the_incumbent():
     (name, _, head), = CPU_MECHANISMS  # the certified head: built on AR too, a float32 target's only
     assert head(SystemConfig.ar()).lm_head_int8 and head(SystemConfig.ar(dtype="bfloat16")) is None
     assert head(SystemConfig.ar(lm_head_int8=True)) is None and name == "lm_head_int8"
-    assert mechanisms_for("cuda") == MECHANISMS
+    big = torch.ones(1, 1).expand(49152, 576)  # SmolLM2's head shape
+    assert mechanisms_for("cuda", big) == MECHANISMS and mechanisms_for("cpu", big[:64]) == MECHANISMS
+    assert mechanisms_for("cpu", big) == MECHANISMS + CPU_MECHANISMS
 
 
 @pytest.mark.parametrize("text", ["", "0,2", "1,1", "a", "4,-1"])
@@ -253,7 +256,7 @@ def test_quick_batch_run_end_to_end(tmp_path, capsys):
     assert rep["outputs_equal_ar"] == {"stock": True, "sealed": True} and rep["token_forcing"] is None
     judged = [v for v in rep["verdicts"] if "skipped" not in v]
     assert judged and all(not v["run"]["outputs_differ"] for v in judged)  # lossless: every candidate equals AR
-    assert {v["mechanism"] for v in rep["verdicts"]} == {"stock", *(n for n, _, _ in mechanisms_for("cpu"))}
+    assert {v["mechanism"] for v in rep["verdicts"]} == {"stock", *(n for n, _, _ in MECHANISMS)}  # a small head
     system = json.loads((out / "system.json").read_text())
     assert system["label"] == rep["sealed_label"] and SystemConfig(**system["config"]).seal() == system["seal"]
     assert system == json.loads((out / "system_n1.json").read_text())  # system.json: the smallest size's

@@ -9,11 +9,11 @@ from specpilot.pilot.planner import Planner
 from specpilot.pilot.replay import record, replay_steps
 
 
-def planner(device):
+def planner(device, cpu_head=False):
     prompts = [[1, 2, 3, 4, 1, 2], [5, 6, 7, 5, 6]]
     ar = [[3, 4, 1, 2, 3, 4], [7, 5, 6, 7, 5]]
     rec = record(NgramDrafter(4, 1, max_matches=1), prompts, ar, 6, 1)
-    return Planner({("ngram", 1): rec}, {1: 1.0, 8: 1.1, 64: 1.5}, 1.2, device=device)
+    return Planner({("ngram", 1): rec}, {1: 1.0, 8: 1.1, 64: 1.5}, 1.2, device=device, cpu_head=cpu_head)
 
 
 def test_kernel_direction_on_cuda_bf16():
@@ -32,7 +32,7 @@ def test_kernel_direction_on_cuda_bf16():
 
 def test_kernel_direction_elsewhere_says_why():
     bf16 = SystemConfig.stock("ngram", dtype="bfloat16")
-    cpu = planner("cpu")
+    cpu = planner("cpu", cpu_head=True)
     assert cpu.space(bf16, "kernel") == [] and cpu.propose(bf16, "kernel", set(), 3) == []
     assert "float32 target" in cpu.kernel_why_not(bf16)
     f32 = SystemConfig.stock("ngram")
@@ -40,19 +40,25 @@ def test_kernel_direction_elsewhere_says_why():
     assert cuda.space(f32, "kernel") == [] and "bf16 target" in cuda.kernel_why_not(f32)
 
 
-def test_kernel_direction_on_the_cpu_is_the_certified_head():
-    """On the CPU a float32 target's certified head has a fast path (its bf16 first pass); W12 has none."""
+def test_kernel_direction_on_the_cpu_is_the_certified_head_where_it_pays():
+    """On the CPU a float32 target's certified head has a fast path (its bf16 first pass) where the head is large
+    enough (``cpu_head``, :func:`specpilot.head.cpu.worth`: SmolLM2's, not the bundled target's); W12 has none."""
     import torch
 
-    from specpilot.head.cpu import applies
+    from specpilot.head.cpu import MIN_HEAD_WEIGHTS, applies, worth
+    from specpilot.zoo import bundled_target_dir
 
-    cpu = planner("cpu")
     f32 = SystemConfig.stock("ngram")
-    if not applies(torch.ones(1, 1)):
-        assert cpu.space(f32, "kernel") == [] and "oneDNN" in cpu.kernel_why_not(f32)
-        return
+    small = planner("cpu")
+    assert small.space(f32, "kernel") == [] and "2^24 weights" in small.kernel_why_not(f32)
+    cpu = planner("cpu", cpu_head=True)
     assert cpu.kernel_why_not(f32) is None
     assert [c.delta(f32) for c in cpu.space(f32, "kernel")] == [{"lm_head_int8": True}]
+    big = torch.ones(1, 1).expand(49152, 576)  # SmolLM2's head shape, no memory
+    assert worth(big) == applies(big) and big.numel() >= MIN_HEAD_WEIGHTS
+    from specpilot.model.checkpoint import load_model
+
+    assert not worth(load_model(bundled_target_dir()).lm_head.weight)  # 4096 x 256: the pass cannot pay there
 
 
 def test_kernel_direction_on_an_ar_incumbent():

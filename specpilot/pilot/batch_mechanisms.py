@@ -70,15 +70,15 @@ CPU_MECHANISMS = (
 )
 
 
-def mechanisms_for(device) -> tuple:
-    """The candidate list the batched pilot judges on ``device``: :data:`MECHANISMS`, then on the CPU
-    :data:`CPU_MECHANISMS` where the certified head's bf16 pass applies (a build that prepacks for oneDNN)."""
+def mechanisms_for(device, head_weight) -> tuple:
+    """The candidate list the batched pilot judges on ``device`` for a target whose LM head weight is
+    ``head_weight``: :data:`MECHANISMS`, then on the CPU :data:`CPU_MECHANISMS` where the certified head's bf16 pass
+    can pay (:func:`specpilot.head.cpu.worth`)."""
     import torch
 
-    from specpilot.head.cpu import applies
+    from specpilot.head.cpu import worth
 
-    cpu = torch.device(device).type == "cpu" and applies(torch.ones(1, 1))
-    return MECHANISMS + (CPU_MECHANISMS if cpu else ())
+    return MECHANISMS + (CPU_MECHANISMS if torch.device(device).type == "cpu" and worth(head_weight) else ())
 
 
 def calibrated_mechanism(path, stock: SystemConfig) -> tuple:

@@ -154,7 +154,7 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     aa_m = measure({"a": pilot.stock, "b": pilot.stock}, "phase 0: stock A/A")
     if journal.get("phase0_s") is None:
         journal.put("phase0_s", time.perf_counter() - t_p0)
-    listed = mechanisms_for(pilot.dep.device)
+    listed = mechanisms_for(pilot.dep.device, pilot.dep.target.lm_head.weight)
     n_mech = len(listed) + (opts.calibration is not None)
     held = "; less what the journal holds" if journal.resumed else ""
     pilot.say("batch", f"expected duration: about {expected_rest_s(journal.get('phase0_s'), n_mech) / 60:.1f} "

@@ -16,6 +16,7 @@ import torch
 
 from specpilot.config import SystemConfig
 from specpilot.errors import SpecPilotError
+from specpilot.head.cpu import worth as cpu_head_worth
 from specpilot.pilot.phase0 import Phase0Result
 from specpilot.pilot.planner import VERIFY_ROWS, Planner
 from specpilot.model.qview import q_view
@@ -101,7 +102,7 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
     pilot.planner = Planner(recs, verify_ms, base_m["ar_step_ms"], device=pilot.o.device,
                             spec_step=(pilot.stock, base_m["step_ms"]), feature_verify_ms=feature_verify,
                             move_ms=move_ms, kind_steps=kind_steps, calib_requests=calib, tlv=tlv,
-                            w12_verify_ms=w12_ms)
+                            w12_verify_ms=w12_ms, cpu_head=cpu_head_worth(pilot.dep.target.lm_head.weight))
     report["spec_overhead_ms"] = pilot.planner.overhead_ms
     report["spec_overhead_by_kind_ms"] = dict(pilot.planner.kind_overhead)
     report["spec_overhead_source"] = pilot.planner.spec_overhead_source

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from specpilot.config import SystemConfig
-from specpilot.head.cpu import applies as cpu_head_applies
 from specpilot.pilot.replay import Recording, TruncatedLattice, replay, replay_steps, replay_trace
 from specpilot.spec.trees import build_tree
 
@@ -117,8 +116,8 @@ class Planner:
                  feature_verify_ms: dict[tuple[int, ...], dict[int, float]] | None = None,
                  move_ms: dict[tuple[int, ...], dict[int, float]] | None = None,
                  kind_steps: list[tuple[SystemConfig, float]] = (), calib_requests: list[int] | None = None,
-                 tlv=None, w12_verify_ms: dict[int, float] | None = None):
-        self.recordings, self.ar_ms, self.device = recordings, ar_ms, str(device)
+                 tlv=None, w12_verify_ms: dict[int, float] | None = None, cpu_head: bool = False):
+        self.recordings, self.ar_ms, self.device, self.cpu_head = recordings, ar_ms, str(device), cpu_head
         self._w12 = (np.array(sorted(w12_verify_ms), dtype=float),
                      monotone([w12_verify_ms[r] for r in sorted(w12_verify_ms)])) if w12_verify_ms else None
         self._tree_ms: dict[tuple, float] = {}
@@ -344,18 +343,19 @@ class Planner:
         return [c for c in _distinct(out) if _canonical(c) != _canonical(incumbent)]
 
     def kernel_mechanisms(self) -> tuple[str, ...]:
-        """The kernel mechanisms with a fast path here: both on CUDA; on the CPU the certified head (its bf16 first
-        pass, :mod:`specpilot.head.cpu`, where this build prepacks for oneDNN). W12's GEMM is a GPU kernel."""
+        """The kernel mechanisms with a fast path here: both on CUDA; on the CPU the certified head where its bf16
+        first pass can pay (``cpu_head``: :func:`specpilot.head.cpu.worth` of the target's head). W12 is GPU-only."""
         if torch.device(self.device).type == "cuda":
             return KERNEL_MECHANISMS
-        return ("lm_head_int8",) if cpu_head_applies(torch.ones(1, 1)) else ()
+        return ("lm_head_int8",) if self.cpu_head else ()
 
     def kernel_why_not(self, incumbent: SystemConfig) -> str | None:
         """Why the ``kernel`` direction has no candidates for ``incumbent`` here, or None when it has: on CUDA both
         mechanisms need bf16 weights (W12 stores bf16 values in 12 bits); the CPU's certified head, a float32 head."""
         if torch.device(self.device).type != "cuda":
             if not self.kernel_mechanisms():
-                return f"no kernel mechanism has a fast path on {self.device} in this build (no oneDNN packing)"
+                return (f"no kernel mechanism pays on {self.device} here: the certified head's CPU pass needs a float32 "
+                        "head of at least 2^24 weights and a build that prepacks for oneDNN")
             return None if incumbent.dtype == "float32" else (
                 f"on the CPU the certified head's fast path takes a float32 target; this one is {incumbent.dtype}")
         if incumbent.dtype != "bfloat16":
