@@ -270,6 +270,10 @@ def pilot(
         if max_new_tokens + SALT_TOKENS + 1 > context:
             raise SpecPilotError(f"--max-new-tokens {max_new_tokens}: no prompt fits the target's context of {context} "
                                  f"tokens with that many new tokens (and the controller's {SALT_TOKENS}-token salt)")
+    if batch is not None:  # its own malformed value first: the --out check below depends on it
+        from specpilot.pilot.batch_pilot import parse_sizes
+
+        parse_sizes(batch)
     output_dir(out, "--out")
     check_report_dir(out, batched=batch is not None)
     devs = tuple(d.strip() for d in devices.split(",")) if devices is not None else ()

@@ -195,6 +195,12 @@ def test_cli_refuses_bad_sizes_and_options_before_loading(monkeypatch, capsys, t
     assert code != 0 and "--adversarial" in err and "Traceback" not in err
     code, _, err = run_cli(monkeypatch, capsys, "pilot", "--batch", "1,x", "--out", str(tmp_path / "r2"))
     assert code != 0 and "--batch" in err and "Traceback" not in err
+    single = tmp_path / "single"  # a single-request run's directory: the malformed sizes are named first
+    single.mkdir()
+    (single / "report.json").write_text("{}")
+    (single / "system.json").write_text("{}")
+    code, _, err = run_cli(monkeypatch, capsys, "pilot", "--batch", "0", "--out", str(single))
+    assert code != 0 and "--batch '0'" in err and "Traceback" not in err
 
 
 def test_cli_batch_reaches_the_batched_pilot(monkeypatch, capsys, tmp_path):
