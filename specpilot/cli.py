@@ -270,10 +270,12 @@ def pilot(
         if max_new_tokens + SALT_TOKENS + 1 > context:
             raise SpecPilotError(f"--max-new-tokens {max_new_tokens}: no prompt fits the target's context of {context} "
                                  f"tokens with that many new tokens (and the controller's {SALT_TOKENS}-token salt)")
-    if batch is not None:  # its own malformed value first: the --out check below depends on it
-        from specpilot.pilot.batch_pilot import parse_sizes
+    if batch is not None:  # the batched pilot, the same options; bad sizes fail first (the --out checks read them)
+        from functools import partial
 
-        parse_sizes(batch)
+        from specpilot.pilot.batch_pilot import parse_sizes, run_batch_pilot
+
+        run_pilot = partial(run_batch_pilot, sizes=parse_sizes(batch))
     output_dir(out, "--out")
     check_report_dir(out, batched=batch is not None)
     devs = tuple(d.strip() for d in devices.split(",")) if devices is not None else ()
@@ -294,12 +296,6 @@ def pilot(
         from specpilot.spec.calibration import load_calibration
 
         load_calibration(calibration)  # a bad file: its one-line CalibrationError, before any measurement
-    if batch is not None:  # the batched pilot: its own procedure, the same options (bad sizes: fail before loading)
-        from functools import partial
-
-        from specpilot.pilot.batch_pilot import parse_sizes, run_batch_pilot
-
-        run_pilot = partial(run_batch_pilot, sizes=parse_sizes(batch))
     run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
                            blocks=tuple(block or ()), adversarial=adversarial, threads=threads, memory=memory,
                            devices=devs, paired_devices=paired_devices, executor=executor, agent=agent,
