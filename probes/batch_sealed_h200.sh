@@ -9,7 +9,7 @@
 #   bench: `specpilot bench --batch 1,2,4,8,16,32 --system /tmp/bpilot`: the per-size seals as one load plan against
 #          AR and stock at every size
 #
-# Usage: probes/batch_sealed_h200.sh tests|pilot|bench OUT [CAL]; carry [".whl", "cal"] (cal holds CAL). Env: TESTS,
+# Usage: probes/batch_sealed_h200.sh tests|pilot|bench|both OUT [CAL] (both: pilot, then bench if it ended rc=0); carry [".whl", "cal"] (cal holds CAL). Env: TESTS,
 # TEST_S, ALIGNED (0: skip the aligned-attention probe), PROBE_SIZES (tests: then probes/batch_calibrated_probe.py at
 # those sizes), PROBE_S, SIZES (pilot, default 1,16), PILOT_S, BENCH_SIZES, BENCH_S, BENCH_ARGS. Any ignored gguf_K/
 # carried along is stashed in /tmp/gguf_stash for probes/smollm2_train_h200.sh (its parts ride in these calls' spare
@@ -54,6 +54,9 @@ pilot)
     --batch "${SIZES:-1,16}" --calibration "$cal" --out /tmp/bpilot > "$out/console.log" 2>&1
   el "pilot rc=$?"; tail -4 "$out/console.log"; cp "$out/console.log" /tmp/bpilot/ 2>/dev/null
   tar czf "$out/bpilot.tgz" -C /tmp bpilot
+  ;;
+both)
+  bash "$0" pilot "$out" "$cal" && grep -q "pilot rc=0" "$out/log.txt" && bash "$0" bench "$out" "$cal"
   ;;
 bench)
   timeout "${BENCH_S:-560}" python3 -m specpilot bench --target /tmp/q8 --batch "${BENCH_SIZES:-1,2,4,8,16,32}" \
