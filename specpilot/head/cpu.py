@@ -152,10 +152,10 @@ class Bf16FirstPass:
         vals = a[rb[:, None], vi]
         c, w = self.coef
         pairs = {}  # (row, col) -> a, for the candidates: a >= the row's threshold
+        thresholds = t32.tolist()
         for rr, cols_, vs in zip(rb.tolist(), vi.tolist(), vals.tolist()):
-            tr = float(t32[rr])
             for col, av in zip(cols_, vs):
-                if av >= tr:
+                if av >= thresholds[rr]:
                     pairs[(rr, col)] = av
         if not pairs:
             return torch.zeros(0, dtype=torch.long), torch.zeros(r, 0, dtype=torch.bool)
