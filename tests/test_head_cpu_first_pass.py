@@ -89,6 +89,8 @@ def test_undecided_rows_take_the_engines_own_head():
     got = head.argmax(h, full=full)
     assert calls == [h.shape[0]] and head.stats.undecided_rows > 0
     assert int((got == 3).sum()) == head.stats.undecided_rows
+    assert head._int8 is None  # the bf16 pass never reads the int8 copy: it was not built
+    assert head.q.dtype == torch.int8 and head._int8 is not None  # built on first use
 
 
 def test_refuses_what_it_cannot_serve():

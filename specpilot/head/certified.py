@@ -109,7 +109,8 @@ class CertifiedInt8Head:
         cpu_first_pass: the bf16 first pass (:class:`~specpilot.head.cpu.Bf16FirstPass`): None = for a float32
             head on the CPU where oneDNN packs; False = the INT8 reference always.
     Attributes:
-        q: int8 ``[V, H]``; scale: float32 ``[V]`` (W ≈ scale[:, None] * q).
+        q: int8 ``[V, H]``; scale: float32 ``[V]`` (W ≈ scale[:, None] * q); built on first use (the CPU's bf16
+            first pass reads only ``w_norm``, float64 ``[V]``).
         stats: :class:`HeadStats`.
     Raises:
         SpecPilotError: W not a 2-D floating tensor or holding inf/NaN (no bound exists).
@@ -123,25 +124,55 @@ class CertifiedInt8Head:
         if not bool(torch.isfinite(w).all()):
             raise SpecPilotError("the LM head weight holds inf or NaN: no certified bound exists")
         self.weight = w
-        v, _ = w.shape
-        self.q = torch.empty_like(w, dtype=torch.int8)
-        self.scale = torch.empty(v, dtype=torch.float32, device=w.device)
-        self.res_norm, self.q_norm, self.w_norm = (torch.empty(v, dtype=torch.float64, device=w.device) for _ in range(3))
         step = max(1, _ROWS_CHUNK // max(w.shape[1], 1))
-        for r0 in range(0, v, step):
-            wf = w[r0:r0 + step].float()
-            amax = wf.abs().amax(1)
-            s = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-            q = torch.round(wf / s[:, None]).clamp_(-127, 127)
-            w64, q64 = wf.double(), q.double()
-            self.q[r0:r0 + step], self.scale[r0:r0 + step] = q.to(torch.int8), s
-            self.res_norm[r0:r0 + step] = (w64 - s.double()[:, None] * q64).norm(dim=1)
-            self.q_norm[r0:r0 + step], self.w_norm[r0:r0 + step] = q64.norm(dim=1), w64.norm(dim=1)
+        self.w_norm = torch.cat([w[r0:r0 + step].double().norm(dim=1) for r0 in range(0, w.shape[0], step)])
         self._w_norm_max = float(self.w_norm.max())
+        self._int8 = None  # (q, scale, res_norm, q_norm), built on first use: the bf16 CPU pass never reads it
         self.stats = HeadStats()
         self.use_kernel, self.capacity = use_kernel, capacity
         self._kernel = None
         self._cpu = None if cpu_first_pass is False or not cpu_applies(w) else Bf16FirstPass(w, self.w_norm)
+
+    def _int8_copy(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, scale, res_norm, q_norm)``, quantized per vocab row on first use, in chunks of rows."""
+        if self._int8 is None:
+            w = self.weight
+            v = w.shape[0]
+            q_all = torch.empty_like(w, dtype=torch.int8)
+            scale = torch.empty(v, dtype=torch.float32, device=w.device)
+            res_norm, q_norm = (torch.empty(v, dtype=torch.float64, device=w.device) for _ in range(2))
+            step = max(1, _ROWS_CHUNK // max(w.shape[1], 1))
+            for r0 in range(0, v, step):
+                wf = w[r0:r0 + step].float()
+                amax = wf.abs().amax(1)
+                s = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+                q = torch.round(wf / s[:, None]).clamp_(-127, 127)
+                w64, q64 = wf.double(), q.double()
+                q_all[r0:r0 + step], scale[r0:r0 + step] = q.to(torch.int8), s
+                res_norm[r0:r0 + step] = (w64 - s.double()[:, None] * q64).norm(dim=1)
+                q_norm[r0:r0 + step] = q64.norm(dim=1)
+            self._int8 = (q_all, scale, res_norm, q_norm)
+        return self._int8
+
+    @property
+    def q(self) -> torch.Tensor:
+        """int8 ``[V, H]``, the quantized head (built on first use)."""
+        return self._int8_copy()[0]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """float32 ``[V]``: ``W ≈ scale[:, None] * q``."""
+        return self._int8_copy()[1]
+
+    @property
+    def res_norm(self) -> torch.Tensor:
+        """float64 ``[V]``: ``||W_v - s_v q_v||``."""
+        return self._int8_copy()[2]
+
+    @property
+    def q_norm(self) -> torch.Tensor:
+        """float64 ``[V]``: ``||q_v||``."""
+        return self._int8_copy()[3]
 
     def kernel(self):
         """The Triton path for this head (built on first use), or None when it does not apply here (see
