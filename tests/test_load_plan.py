@@ -39,15 +39,26 @@ def test_a_step_runs_the_system_of_the_nearest_size_on_a_log_scale():
     assert "1: ngram/chain" in plan.describe() and "32: AR" in plan.describe()
 
 
-def test_pool_rows_follow_the_largest_tree_of_any_size():
+def test_pool_rows_follow_the_largest_tree_a_step_can_run():
     plan = LoadPlan.from_sizes({1: SystemConfig(tree="best_first", nodes=6, top_k=2), 4: NGRAM_SHARED,
                                 16: SystemConfig.ar()})
     assert plan.tree_rows(3) == 6  # the per-request tree of 6 beats the shared budget's 5 at 3 requests
-    assert plan.tree_rows(8) == 2 * 8  # past the budget's entries a shared step gets nodes x n
+    assert [plan.index_for(m) for m in range(1, 9)] == [0, 1, 1, 1, 1, 1, 1, 2]
+    assert plan.tree_rows(8) == 2 * 7  # past the budget's entries a shared step gets nodes x n; at 8 AR runs
     assert plan.step_extra_rows(8) is None  # a per-request system drafts: rows per request bound a step
-    assert LoadPlan.from_sizes({1: NGRAM_SHARED, 8: SystemConfig.ar()}).step_extra_rows(3) == 5
+    assert LoadPlan.from_sizes({1: NGRAM_SHARED, 8: SystemConfig.ar()}).step_extra_rows(3) == 4  # loads 1, 2
     assert LoadPlan.single(SystemConfig.ar()).tree_rows(8) == 0
+    assert LoadPlan.single(NGRAM_SHARED).tree_rows(8) == 16  # one system runs at every load
     assert plan.tree_rows(3, drafts=[False, True, False]) == 5
+
+
+def test_a_budget_for_loads_another_system_runs_sizes_nothing():
+    """A pilot's size-1 seal carries the shared budget of every load (32 nodes at 32 requests), but past one request
+    the plan runs AR: neither the pool nor the CUDA graphs' rows are sized for budgets no step can run."""
+    shared = NGRAM_SHARED.apply({"shared_budget": (8,) * 8 + (32,) * 24})
+    plan = LoadPlan.from_sizes({1: shared, 2: SystemConfig.ar(), 32: SystemConfig.ar()})
+    assert plan.tree_rows(32) == 8 and plan.step_extra_rows(32) == 8
+    assert LoadPlan.single(shared).tree_rows(32) == 32
 
 
 @pytest.mark.parametrize("systems,match", [

@@ -95,21 +95,30 @@ class LoadPlan:
 
     def tree_rows(self, max_num_seqs: int, drafts: list[bool] | None = None) -> int:
         """Most drafted nodes one request's tree can hold in any step of up to ``max_num_seqs`` requests (a shared
-        budget may go to a single request); 0 when no system drafts. ``drafts``: per system, whether it drafts
+        budget may go to a single request; each system counted at the loads it runs at); 0 when no system drafts. ``drafts``: per system, whether it drafts
         (default: whether its config names a drafter). Sizes a slot of the pool."""
-        return max((_tree_rows(c, max_num_seqs) for c in self._drafting(drafts)), default=0)
+        return max((self._rows_of(i, max_num_seqs) for i in self._drafting(drafts)), default=0)
 
     def step_extra_rows(self, max_num_seqs: int, drafts: list[bool] | None = None) -> int | None:
         """Most drafted rows a step adds in all when every drafting system shares its budget (the largest shared
         budget); None when a per-request system drafts (then ``tree_rows`` per request bounds a step) or none does."""
         drafting = self._drafting(drafts)
-        if not drafting or any(c.row_selection != "shared_budget" for c in drafting):
+        if not drafting or any(self.configs[i].row_selection != "shared_budget" for i in drafting):
             return None
         return self.tree_rows(max_num_seqs, drafts)
 
-    def _drafting(self, drafts: list[bool] | None) -> list[SystemConfig]:
+    def _drafting(self, drafts: list[bool] | None) -> list[int]:
         drafts = [c.drafter != "none" for c in self.configs] if drafts is None else drafts
-        return [c for c, d in zip(self.configs, drafts) if d]
+        return [i for i, d in enumerate(drafts) if d]
+
+    def _rows_of(self, i: int, max_num_seqs: int) -> int:
+        """Most nodes one request's tree holds under system ``i``, over the loads (1..``max_num_seqs``) at which a
+        step runs it (:meth:`index_for`): a shared budget's entries for other loads never size a step."""
+        c = self.configs[i]
+        loads = [m for m in range(1, max_num_seqs + 1) if self.index_for(m) == i]
+        if c.row_selection == "shared_budget":
+            return max((c.step_budget(m) for m in loads), default=0)
+        return c.nodes if loads else 0
 
     def describe(self) -> str:
         """One line: each size and its system's label, e.g. ``1: ngram/best_first N=4 ...; 16: AR``."""
@@ -138,12 +147,6 @@ def bind_drafters(plan: LoadPlan, drafter, target, max_num_seqs: int) -> tuple[l
     if len(readers) > 1:
         raise DrafterError(f"at most one drafter may read target features, got {[d.kind for d in readers]}")
     return per, distinct, (readers[0] if readers else None)
-
-
-def _tree_rows(config: SystemConfig, max_num_seqs: int) -> int:
-    if config.row_selection == "shared_budget":
-        return max(config.step_budget(n) for n in range(1, max_num_seqs + 1))
-    return config.nodes
 
 
 __all__ = ["LoadPlan", "bind_drafters", "TARGET_FIELDS", "DRAFTER_FIELDS", "FEATURE_DRAFTERS"]
