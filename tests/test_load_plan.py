@@ -91,18 +91,19 @@ def _spy(drafter, calls, label, eng_ref):
     drafter.propose = propose
 
 
-@pytest.mark.parametrize("small_kind", ["draft_model", "block"])
-def test_outputs_equal_ar_while_the_load_moves_across_sizes(tiny_models, small_kind):
+@pytest.mark.parametrize("small_kind,padded", [("draft_model", False), ("block", False), ("block", True)])
+def test_outputs_equal_ar_while_the_load_moves_across_sizes(tiny_models, small_kind, padded):
     """Sizes 1 / 3 / 5: one request runs ``small_kind``'s best-first tree, 2-3 share an n-gram budget, 4-5 run AR.
     Requests arrive in waves so the load climbs and falls through every size several times (a request that met a
-    step of another system drafts no more with a block drafter: the first runs alone first)."""
+    step of another system drafts no more with a block drafter: the first runs alone first). ``padded``: the
+    BatchRunner's path (the interpreter here), where the AR steps run the one-row layout without features."""
     target, small = tiny_models
     rng = random.Random(zlib.crc32(small_kind.encode()))
     one = SystemConfig(drafter=small_kind, tree="best_first", nodes=6, depth=4, top_k=2)
     plan = LoadPlan.from_sizes({1: one, 3: NGRAM_SHARED, 5: SystemConfig.ar()})
     drafters = [drafter_of(small_kind, target, small, 5, one), drafter_of("ngram", target, small, 5, NGRAM_SHARED),
                 None]
-    eng = BatchEngine(target, plan, drafters, eos_ids=[], max_num_seqs=5)
+    eng = BatchEngine(target, plan, drafters, eos_ids=[], max_num_seqs=5, padded=padded)
     assert eng.drafters == tuple(drafters[:2]) and eng.feature_drafter is (drafters[0] if small_kind == "block" else None)
     eng.step_hook = cache_matches_prefill
     calls, ref = [], [eng]
@@ -131,6 +132,10 @@ def test_outputs_equal_ar_while_the_load_moves_across_sizes(tiny_models, small_k
     for k, (p, n, stops) in enumerate(reqs):
         assert got[f"r{k}"] == ar(target, p, n, stops), (k, p, n, sorted(stops))
     assert eng.free_slots() == 5 and not eng.has_work()
+    if padded:  # trees with the features for the block drafter, AR / n-gram steps without; one-row steps laid out so
+        assert eng.runner.plain_steps and eng.runner.passes == eng.exact_passes
+        assert eng.runner.layouts.get((1, False), 0) > 0 and eng.runner.layouts.get((eng.runner.max_rows, True), 0) > 0
+        assert (eng.runner.max_rows, False) in eng.runner.layouts  # the shared n-gram trees: no features
 
 
 def test_ar_steps_draft_nothing_and_two_feature_readers_are_refused(tiny_models):

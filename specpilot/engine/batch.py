@@ -122,8 +122,10 @@ class BatchEngine:
         self.pool = target.new_pool(max_num_seqs + 1, self.max_len + tree_rows + 1)  # KVPool, or a hybrid's
         self.feature_layers = tuple(self.feature_drafter.target_layers) if self.feature_drafter else ()
         padded = runs_padded(target, self.pool) if padded is None else padded
+        plain = any(d is not self.feature_drafter for d in self._drafter_of)  # steps that do not feed it
         self.runner = BatchRunner(target, self.pool, max_num_seqs, 1 + tree_rows, self.feature_layers,
-                                  step_extra_rows=self.plan.step_extra_rows(max_num_seqs, drafts)) if padded else None
+                                  step_extra_rows=self.plan.step_extra_rows(max_num_seqs, drafts),
+                                  plain_steps=plain) if padded else None
         if prefix_caching is None:
             prefix_caching = not (self.runner is not None and target.kernels.batch_invariant)
         reuse = prefix_caching and self.pool.prefix_reuse and not self.feature_layers
@@ -238,14 +240,15 @@ class BatchEngine:
         return admitted
 
     def _pass(self, rs: list[_Running], tokens: list[list[int]], positions: list[list[int]], starts: list[int],
-              masks: list, read: list[int] | None = None,
-              bucketed: bool = False) -> tuple[list[int], torch.Tensor | None]:
+              masks: list, read: list[int] | None = None, bucketed: bool = False,
+              features: bool = True) -> tuple[list[int], torch.Tensor | None]:
         """One exact pass over the requests' rows; returns the argmax of the rows ``read`` (None: every row; one
-        host read) and the target features of every row (None without a feature-reading drafter). ``bucketed``:
-        through the :class:`BatchRunner` when there is one and the step fits a bucket (a decode step)."""
+        host read) and the target features of every row (None without a feature-reading drafter, or on the
+        bucketed path when ``features`` is False). ``bucketed``: through the :class:`BatchRunner` when there is one
+        and the step fits a bucket (a decode step)."""
         dev = self.target.device
         if bucketed and self.runner is not None:
-            got = self.runner.run([r.slot for r in rs], starts, tokens, positions, masks)
+            got = self.runner.run([r.slot for r in rs], starts, tokens, positions, masks, features)
             if got is not None:
                 ids, feats = got
                 return ids.tolist(), (feats.clone() if feats is not None else None)
@@ -334,20 +337,22 @@ class BatchEngine:
             tokens += [r.committed for r in admitted]
             positions += [list(range(len(r.committed))) for r in admitted]
             starts, masks = starts + [0] * len(admitted), masks + [None] * len(admitted)
+        feeding = self.feature_drafter is not None and self._feeds(len(rs))  # they drafted with it at this load
         argmax, feats = self._pass(rs + list(admitted), tokens, positions, starts, masks, read=read,
-                                   bucketed=not admitted)
+                                   bucketed=not admitted, features=feeding)
         self.exact_passes += 1
-        observing = feats is not None and self._feeds(len(rs))  # the running requests drafted at this load
+        observing = feeding and feats is not None
         out, end = [], 0
         for r, t, s in zip(rs, trees, starts):
             first, end = end, end + len(t) + 1
             path, new = t.accept(argmax[first:end])
-            rows = torch.tensor(path)
-            if path[-1] != len(path) - 1:  # rows 0..k-1 (a path's rows increase) are in place already
+            moved, fed = path[-1] != len(path) - 1, observing and not r.blind  # rows 0..k-1 are in place already
+            rows = torch.tensor(path) if moved or fed else None  # an AR step's request needs neither (host time)
+            if moved:
                 self.pool.cache(r.slot).compact(s, rows)
-            if observing and not r.blind:
+            if fed:
                 self.feature_drafter.observe(r.slot, feats[first:end][rows.to(feats.device)], s)
-            r.blind |= feats is not None and not observing
+            r.blind |= self.feature_drafter is not None and not observing
             if cfg.drafter_block and r.depth >= 1:
                 r.history.accepted(len(path) - 1)
             out.append(self._commit(r, new, len(t), len(path) - 1))

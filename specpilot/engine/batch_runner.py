@@ -8,6 +8,11 @@ filled by one copy from a pinned host twin, and the Triton batched tree attentio
 (:mod:`specpilot.kernels.batch_attention`) reads them on the device: the shapes depend only on the bucket, so one
 CUDA graph replays any step of it (gpt-fast / vLLM-style replay, per bucket pair as vLLM's batch-size graphs).
 
+A step in which every request verifies one row (an AR step, as a load plan runs at the loads where AR was
+sealed) replays graphs laid out for one row a request, and without the drafter's target features when the step does
+not feed it: the same kernels, grids and inputs as an AR engine's step, whatever trees the plan's other systems
+verify (a layout for the largest tree cost a six-size plan 2-4% against AR at its AR loads).
+
 Padding never changes a token: padding rows write their K/V to the pool's scratch slot, which no request owns, and
 belong to no request (the kernel gives them zeros; their outputs are dropped); padding requests have no rows. On
 the CPU the same padded path runs without graphs (in the Triton interpreter), which is how CI tests it.
@@ -49,10 +54,13 @@ class BatchRunner:
         pool: its :class:`KVPool`; ``scratch`` is a slot of it that no request ever owns (padding rows write there).
         max_rows: most rows of one request in a pass (``1 + nodes`` of the tree budget; with a shared budget,
             1 + the largest budget, which one request may take whole).
-        feature_layers: target layers whose outputs a drafter reads (their concatenation is returned per row).
+        feature_layers: target layers whose outputs a drafter reads (their concatenation is returned per row, in the
+            steps that ask for it).
         step_extra_rows: most rows a step adds on top of one per request (a shared budget's largest), which bounds
             the row buckets :meth:`capture_all` captures; None: ``max_rows`` per request.
         graphs: capture CUDA graphs (CUDA only; the CPU runs the padded pass eagerly).
+        plain_steps: steps that do not feed the feature-reading drafter run too (a load plan with other systems):
+            :meth:`capture_all` captures their graphs without the features as well.
         row_buckets / request_buckets: the buckets (increasing).
     Raises:
         ValueError: ``scratch`` outside the pool, ``max_rows < 1``, or a model with the certified INT8 head (its
@@ -62,7 +70,7 @@ class BatchRunner:
 
     def __init__(self, model: Transformer, pool: KVPool, scratch: int, max_rows: int,
                  feature_layers: tuple[int, ...] = (), graphs: bool = True, row_buckets=ROW_BUCKETS,
-                 request_buckets=REQUEST_BUCKETS, step_extra_rows: int | None = None):
+                 request_buckets=REQUEST_BUCKETS, step_extra_rows: int | None = None, plain_steps: bool = False):
         if not 0 <= scratch < pool.num_slots or max_rows < 1:
             raise ValueError(f"scratch slot {scratch} of {pool.num_slots}, max_rows {max_rows}")
         if model.int8_head is not None:
@@ -71,40 +79,43 @@ class BatchRunner:
             raise SpecPilotError("this target's batch (a hybrid target's recurrent states) has no padded batched "
                                  "pass: run BatchEngine(padded=False)")
         self.model, self.pool, self.scratch, self.max_rows = model, pool, scratch, max_rows
-        self.step_extra_rows = step_extra_rows
+        self.step_extra_rows, self.plain_steps = step_extra_rows, plain_steps
         self.feature_layers = tuple(feature_layers)
         self.row_buckets, self.request_buckets = tuple(row_buckets), tuple(request_buckets)
         self.dev = model.device
         self.graphs = graphs and self.dev.type == "cuda"
-        self._static: dict[tuple[int, int], dict] = {}
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # keyed by (requests b, rows r, layout m: rows a request, features f)
+        self._static: dict[tuple[int, int, int, bool], dict] = {}
+        self._graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.passes = self.replays = 0  # padded passes run, and those of them replayed from a graph
+        self.layouts: dict[tuple[int, bool], int] = {}  # passes run per (rows a request m, features f)
 
-    def bucket(self, counts: list[int]) -> tuple[int, int] | None:
-        """The (requests, rows) bucket of a step whose requests have ``counts`` rows; None when it fits none (a
-        request over ``max_rows`` rows, or more requests or rows than the largest bucket: the eager path)."""
+    def bucket(self, counts: list[int], features: bool = True) -> tuple[int, int, int, bool] | None:
+        """The graph key ``(b, r, m, f)`` of a step whose requests have ``counts`` rows: b ≥ requests and r ≥ rows
+        from the buckets, the layout m (1 when every request has one row, else ``max_rows``) and f (the features,
+        when asked for and there are feature layers); None when it fits none (a request over ``max_rows`` rows, or
+        more requests or rows than the largest bucket: the eager path)."""
         if not counts or max(counts) > self.max_rows:
             return None
         b, r = bucket_for(len(counts), self.request_buckets), bucket_for(sum(counts), self.row_buckets)
-        return None if b is None or r is None else (b, r)
+        m = 1 if max(counts) == 1 else self.max_rows
+        return None if b is None or r is None else (b, r, m, bool(features and self.feature_layers))
 
-    def _buffers(self, key: tuple[int, int]) -> dict:
-        """Static inputs of bucket ``key = (b, r)``, views of one int64 device buffer and its pinned host twin."""
+    def _buffers(self, key: tuple[int, int, int, bool]) -> dict:
+        """Static inputs of graph ``key = (b, r, m, f)``, views of one int64 device buffer and its pinned host twin."""
         if key not in self._static:
-            b, r = key
-            m = self.max_rows
+            b, r, m, _ = key
             n = 4 * r + 4 * b + b * m * m
             io = torch.zeros(n, dtype=torch.long, device=self.dev)
             host = torch.zeros(n, dtype=torch.long, pin_memory=self.dev.type == "cuda")
             self._static[key] = {"io": io, "host": host, "np": host.numpy(), "out": None, "copied": None}
         return self._static[key]
 
-    def _body(self, key: tuple[int, int], io: torch.Tensor):
+    def _body(self, key: tuple[int, int, int, bool], io: torch.Tensor):
         from specpilot.kernels.batch_attention import pack_batch_masks  # here: importing it imports Triton
 
-        b, r = key
-        m = self.max_rows
+        b, r, m, f = key
         tokens, positions, row_slot, row_pos = io[:4 * r].view(4, r)
         slots, starts, counts, row_off = io[4 * r:4 * r + 4 * b].view(4, b)
         words = pack_batch_masks(io[4 * r + 4 * b:].view(b, m, m) != 0)
@@ -112,10 +123,11 @@ class BatchRunner:
         p = Prepared(None, None, row_slot, row_pos, slots, 0, m, None, starts.to(i32), counts.to(i32),
                      row_off.to(i32), words)
         feats: list = []
-        hidden = self.model.forward_prepared(tokens, positions, self.pool, p, True, None, feats, self.feature_layers)
+        layers = self.feature_layers if f else ()
+        hidden = self.model.forward_prepared(tokens, positions, self.pool, p, True, None, feats, layers)
         return self.model.batch_greedy(hidden, True), (torch.cat(feats, dim=-1) if feats else None)
 
-    def _capture(self, key: tuple[int, int]) -> None:
+    def _capture(self, key: tuple[int, int, int, bool]) -> None:
         from specpilot.w12.gemm import reserve_split_locks
 
         s = self._buffers(key)
@@ -135,8 +147,7 @@ class BatchRunner:
 
     def _fill(self, key, slots, starts, tokens, positions, masks) -> None:
         """Write one step's inputs to bucket ``key``'s pinned host buffer (numpy: cheap per request)."""
-        b, r = key
-        m = self.max_rows
+        b, r, m, _ = key
         s = self._static[key]
         if s["copied"] is not None:  # the device has not read the last upload yet
             s["copied"].synchronize()
@@ -161,41 +172,48 @@ class BatchRunner:
         req[3, len(slots):] = at
 
     @torch.inference_mode()
-    def capture_all(self, max_requests: int) -> list[tuple[int, int]]:
-        """Capture now every bucket a step of at most ``max_requests`` requests can meet (b requests, r rows with
-        b/2 < B ≤ b and B ≤ R ≤ B · max_rows, or R ≤ b + ``step_extra_rows``), so no capture or Triton compile happens inside a timed or served
-        step. Captured on all-padding inputs: K/V go to the scratch slot only. Returns the buckets captured so far
-        (``[]`` without graphs)."""
+    def capture_all(self, max_requests: int) -> list[tuple[int, int, int, bool]]:
+        """Capture now every graph a step of at most ``max_requests`` requests can meet (b requests, r rows with
+        b/2 < B ≤ b and B ≤ R ≤ B · max_rows, or R ≤ b + ``step_extra_rows``; R = B in the one-row layout; with and,
+        where ``plain_steps``, without the features), so no capture or Triton compile happens inside a timed or
+        served step. Captured on all-padding inputs: K/V go to the scratch slot only. Returns the graph keys
+        captured so far (``[]`` without graphs)."""
         if not self.graphs:
             return []
         top = bucket_for(max_requests, self.request_buckets) or self.request_buckets[-1]
+        feats = [bool(self.feature_layers)] + ([False] if self.feature_layers and self.plain_steps else [])
         for b in self.request_buckets:
             if b > top:
                 break
             lo = bucket_for(b // 2 + 1, self.row_buckets)
             most = b * self.max_rows if self.step_extra_rows is None else min(b * self.max_rows, b + self.step_extra_rows)
-            hi = bucket_for(most, self.row_buckets) or self.row_buckets[-1]
-            for r in self.row_buckets:
-                if lo is not None and lo <= r <= hi and (b, r) not in self._graphs:
-                    self._buffers((b, r))
-                    self._fill((b, r), [], [], [], [], [])
-                    self._static[(b, r)]["io"].copy_(self._static[(b, r)]["host"])
-                    self._capture((b, r))
+            layouts = {self.max_rows: bucket_for(most, self.row_buckets) or self.row_buckets[-1],
+                       1: bucket_for(b, self.row_buckets) or self.row_buckets[-1]}
+            for m, hi in layouts.items():
+                for r in self.row_buckets:
+                    for f in feats:
+                        key = (b, r, m, f)
+                        if lo is not None and lo <= r <= hi and key not in self._graphs:
+                            self._buffers(key)
+                            self._fill(key, [], [], [], [], [])
+                            self._static[key]["io"].copy_(self._static[key]["host"])
+                            self._capture(key)
         torch.cuda.synchronize(self.dev)
         return sorted(self._graphs)
 
     @torch.inference_mode()
     def run(self, slots: list[int], starts: list[int], tokens: list[list[int]], positions: list[list[int]],
-            masks: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+            masks: list, features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """One batched decode pass, request ``i`` with rows ``tokens[i]`` at ``positions[i]``, K/V written to
         ``[starts[i], starts[i] + len(tokens[i]))`` of slot ``slots[i]``, its mask among its rows ``masks[i]``
-        (``[c, c]`` bool host tensor, or None for causal rows).
+        (``[c, c]`` bool host tensor, or None for causal rows); ``features``: return the drafter's features.
 
         Returns:
             the argmax ``[R] long`` of every real row (on the device) and the drafter's features ``[R, k·hidden]``
-            (None without feature layers), or None when the step fits no bucket (the caller runs the eager pass).
+            (None without feature layers or when not asked for), or None when the step fits no bucket (the caller
+            runs the eager pass).
         """
-        key = self.bucket([len(t) for t in tokens])
+        key = self.bucket([len(t) for t in tokens], features)
         if key is None:
             return None
         s = self._buffers(key)
@@ -206,6 +224,7 @@ class BatchRunner:
             s["event"].record()
             s["copied"] = s["event"]
         self.passes += 1
+        self.layouts[key[2:]] = self.layouts.get(key[2:], 0) + 1
         if self.graphs:
             if key not in self._graphs:
                 self._capture(key)
