@@ -113,6 +113,29 @@ def test_three_query_heads_a_kv_head_compile_nothing_after_warm_up(tmp_path):
     assert calls and counters["stats"]["unique_graphs"] == graphs
 
 
+def test_engines_of_other_sizes_share_one_stack_and_compile_it_once(tiny_models):
+    """A pilot builds an engine per system and batch size: given one stack (``Deployment.batch_system`` shares one
+    per target), engines of 2, 5 and 9 slots (other pool shapes) after the first's ``compile_shapes`` compile no
+    graph of the stack, tokens as the eager engine's."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_models[0]
+    first = _engine(target, SystemConfig.ar(), True, slots=3)
+    first.compile_shapes()
+    graphs = counters["stats"]["unique_graphs"]
+    cfg = SystemConfig(drafter="ngram", tree="chain", nodes=3, depth=3, top_k=1)
+    for slots in (2, 5, 9):
+        eng, eager = _engine(target, cfg, False, slots=slots, stack=first.stack), _engine(target, cfg, False, slots)
+        assert eng.stack is first.stack
+        reqs = _requests(slots, n=6)
+        prompts, budgets = [p for p, _ in reqs], [n for _, n in reqs]
+        assert [g.tokens for g in eng.generate_all(prompts, budgets)] == \
+            [g.tokens for g in eager.generate_all(prompts, budgets)]
+    assert counters["stats"]["unique_graphs"] == graphs and first.stack.passes["compiled"] > 0
+    with pytest.raises(ValueError, match="another target"):
+        _engine(tiny_models[1], SystemConfig.ar(), False, stack=first.stack)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_masked_attention_equals_the_sdpa(compiled):
     """The decode attention against the masked SDPA on a pool-like view: padding slots that see one key, requests

@@ -83,12 +83,15 @@ class BatchEngine:
             dense targets, drafters that read no target features). None: on, except where the decode passes are
             batch-invariant (CUDA's fused path): a reused prefix is read in another order than a prefill's.
         compile_cpu: passes run the target's decoder stack as one ``torch.compile`` graph, :attr:`stack` (CPU only).
+        stack: a :class:`~specpilot.model.compiled_stack.CompiledStack` of ``target`` to run instead of building one
+            (engines of one target share it: it compiles once; passes are not thread-safe, one engine at a time).
     Raises:
         DrafterError: a drafter does not fit the target or holds fewer slots than ``max_num_seqs``; two drafters
             that read target features.
         SpecPilotError: ``padded`` on a hybrid target; ``config.tlv`` (single requests only); a plan whose
             systems do not share the target (:class:`~specpilot.engine.load_plan.LoadPlan`); ``compile_cpu`` off CPU.
-        ValueError: ``max_num_seqs`` or ``spec_max_requests`` below 1; a plan and a drafter list of other lengths.
+        ValueError: ``max_num_seqs`` or ``spec_max_requests`` below 1; a plan and a drafter list of other lengths; a
+            ``stack`` of another target.
 
     Attributes:
         plan: the :class:`LoadPlan` (one system at every load when ``config`` is a :class:`SystemConfig`).
@@ -102,13 +105,15 @@ class BatchEngine:
     def __init__(self, target: Transformer, config: SystemConfig | LoadPlan, drafter: Drafter | list | None = None,
                  eos_ids: list[int] | None = None, max_len: int | None = None, max_num_seqs: int = 8,
                  max_prefill_rows: int = 2048, padded: bool | None = None, spec_max_requests: int | None = None,
-                 prefix_caching: bool | None = None, compile_cpu: bool = False):
+                 prefix_caching: bool | None = None, compile_cpu: bool = False, stack=None):
         if min(max_num_seqs, 1 if spec_max_requests is None else spec_max_requests) < 1:
             raise ValueError(f"max_num_seqs and spec_max_requests must be at least 1, got {max_num_seqs}, "
                              f"{spec_max_requests}")
         if isinstance(config, SystemConfig) and config.tlv:  # its Q pass cost more than it saved in batching (§6)
             raise SpecPilotError("tlv runs single requests only (in batching its Q pass costs more than it saves)")
-        self.stack = target.compiled_stack() if compile_cpu else None  # refused off the CPU, before the pool
+        if stack is not None and stack.target is not target:
+            raise ValueError("the compiled stack given belongs to another target")
+        self.stack = stack or (target.compiled_stack() if compile_cpu else None)  # refused off the CPU, before the pool
         self.plan = config if isinstance(config, LoadPlan) else LoadPlan.single(config)
         self._drafter_of, self.drafters, self.feature_drafter = bind_drafters(self.plan, drafter, target, max_num_seqs)
         self.target, self.config, self.drafter = target, self.plan.configs[0], (self.drafters or [None])[0]

@@ -74,6 +74,7 @@ class Deployment:
         self._w12_target = None
         self._int8: dict[int, object] = {}  # id(base target) -> that target with the certified INT8 head
         self._int8_head = None
+        self._stacks: dict[int, object] = {}  # id(target) -> its compiled CPU stack, shared by the engines built here
         # the target's known greedy outputs, read by 'calibrated' drafters; unknown ones come from an AR run here
         self.continuations = Continuations(oracle=self._greedy)
         # the batched engine's: on a GPU its bf16 bits differ from the single-request engine's at near ties, so a
@@ -205,7 +206,8 @@ class Deployment:
     def batch_system(self, config: SystemConfig | LoadPlan, max_num_seqs: int = 8, **engine_kw) -> BatchEngine:
         """A batched engine (continuous batching, one exact pass per step) running ``config`` for up to
         ``max_num_seqs`` requests at once; its drafter holds that many requests (an n-gram index per request; a
-        draft model or block drafter per slot). A :class:`~specpilot.engine.load_plan.LoadPlan` runs each step's
+        draft model or block drafter per slot); ``compile_cpu=True``: the target's compiled stack, one per target
+        for every engine built here (it compiles once). A :class:`~specpilot.engine.load_plan.LoadPlan` runs each step's
         system by load; its systems share a drafter where they name the same one
         (:meth:`~specpilot.engine.load_plan.LoadPlan.drafter_key`). Raises as :meth:`system` (and as
         :class:`LoadPlan`), and ValueError for ``max_num_seqs < 1``."""
@@ -223,6 +225,10 @@ class Deployment:
                 built[plan.drafter_key(i)] = self._drafter(c, target, max_num_seqs, batched=True,
                                                            static_step=static_step)
         drafters = [built[plan.drafter_key(i)] for i in range(len(plan))]
+        if engine_kw.pop("compile_cpu", False):  # one stack per target: the pilot's engines compile it once
+            if id(target) not in self._stacks:
+                self._stacks[id(target)] = target.compiled_stack()
+            engine_kw["stack"] = self._stacks[id(target)]
         return BatchEngine(target, config, drafters, max_num_seqs=max_num_seqs, **engine_kw)
 
     def _target(self, config: SystemConfig):

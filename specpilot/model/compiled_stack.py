@@ -331,6 +331,9 @@ class CompiledStack:
         if x.shape[0] > 1:  # one graph for every R >= 2; R = 1 compiles its own (a size of 1 is specialized)
             for u in (x, cos, sin):
                 torch._dynamo.mark_dynamic(u, 0)
+        for u in (pool.k, pool.v):  # engines of other slot counts and lengths share the graphs (Deployment's stack)
+            torch._dynamo.maybe_mark_dynamic(u, 0)
+            torch._dynamo.maybe_mark_dynamic(u, 2)
         try:
             out = self._fn(x, cos, sin, pool.k, pool.v)
         finally:
