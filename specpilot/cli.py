@@ -1,9 +1,9 @@
 """The ``specpilot`` command line: generate, pilot, audit, memory, replay, bench, train-drafter, calibrate, zoo,
 w12, import-gguf.
 
-Thin: parse, check, call, print; ``bench`` and the sub-apps (``zoo``, ``w12``, ``memory``) live beside what they
-run. Every user error (:class:`~specpilot.errors.SpecPilotError`, and text that is not valid UTF-8) is printed as
-one line ``error: ...`` on stderr with exit status 2, never as a traceback.
+Thin: parse, check, call, print; ``pilot``, ``bench``, ``serve`` and the sub-apps (``zoo``, ``w12``, ``memory``)
+live beside what they run. Every user error (:class:`~specpilot.errors.SpecPilotError`, and text that is not valid
+UTF-8) is printed as one line ``error: ...`` on stderr with exit status 2, never as a traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import typer
 from specpilot.bench.cli import bench, check_float16_device
 from specpilot.errors import SpecPilotError, validation_message
 from specpilot.fileio import output_dir
+from specpilot.pilot.cli import pilot_cmd
 from specpilot.pilot.memory_cli import app as memory_app
 from specpilot.serve.cli import serve
 from specpilot.spec.calibrate_cli import calibrate_cmd
@@ -31,6 +32,7 @@ app.add_typer(w12_app, name="w12", help="W12 lossless 12-bit weights: pack and v
 app.add_typer(memory_app, name="memory", help="Memory of verified entries (§3.5): list, show, check.")
 app.command()(bench)
 app.command()(serve)
+app.command("pilot")(pilot_cmd)
 app.command("import-gguf")(import_gguf)
 app.command("calibrate")(calibrate_cmd)
 app.command("train-drafter")(train_drafter_cmd)
@@ -183,125 +185,6 @@ def generate(
         print(text)
         print(f"[{len(gen.tokens)} tokens, {gen.steps} exact passes, tau {gen.tau:.2f}, "
               f"{gen.tokens_per_s:.1f} tok/s, stop: {gen.stop_reason}]", file=sys.stderr)
-
-
-#: files a pilot run writes into its --out (rewritten by the next run into the same directory)
-PILOT_FILES = ("report.json", "report.md", "system.json", "speedup.png", "tau_vs_n.png", "c_vs_n.png", "ceiling.png",
-               "outputs/stock_phase0.jsonl", "outputs/sealed.jsonl", "batch_report.json", "batch_report.md")
-
-
-def check_report_dir(out: Path, batched: bool = False) -> None:
-    """Raise :class:`SpecPilotError` when ``out`` already holds a file a pilot writes (:data:`PILOT_FILES`) but no
-    earlier pilot's ``report.json`` or run marker: the run would overwrite a user's own file (``--out .`` in a project);
-    or when it holds the other kind of pilot run (``batched``: this one is ``--batch``), whose ``system.json`` this run
-    would replace under its report. An earlier report of the same kind is rewritten, as documented; files of other
-    names are never touched."""
-    from specpilot.pilot.phase0 import RUN_MARKER
-
-    other = ("report.json",) if batched else ("batch_report.json", "journal.json")
-    if any((out / n).exists() for n in other):
-        kind = "single-request" if batched else "batched (--batch)"
-        raise SpecPilotError(f"--out {out} holds a {kind} pilot run, whose system.json this run would replace: "
-                             "choose another directory")
-
-    clash = [n for n in PILOT_FILES if (out / n).exists()] + sorted(p.name for p in out.glob("system_n*.json"))
-    if not clash or (out / RUN_MARKER).is_file():  # a pilot wrote them, maybe in a run that failed before its report
-        return
-    try:
-        ours = {"deployment", "phase0"} <= set(json.loads((out / "report.json").read_text()))
-    except (OSError, ValueError, TypeError):
-        ours = False
-    if not ours:
-        raise SpecPilotError(f"--out {out} already holds {', '.join(clash[:3])}, which a pilot run would overwrite, and "
-                             "no earlier pilot report: choose a new or empty directory")
-
-
-@app.command()
-def pilot(
-    quick: bool = typer.Option(False, help="Smoke run: its plan is sized from measured step times to fit about 3 minutes (the expected duration is printed before it starts)."),
-    per_benchmark: Optional[int] = typer.Option(None, min=2, help="Requests per benchmark, at least 2 (the paired bootstrap needs two requests of a benchmark; default 4; --quick 2)."),
-    max_new_tokens: Optional[int] = typer.Option(None, min=1, help="New tokens per request (default 64; --quick at most 32)."),
-    rounds: Optional[int] = typer.Option(None, min=0, help="Planner rounds after round 0 (default 3; --quick 1)."),
-    adversarial: bool = typer.Option(False, help="Also judge A vs A and the cheating candidates (cached outputs, "
-                                     "lazy outputs, a thread left running, a logit bias, FP8 verification, skipped "
-                                     "verification) in this run; each must be rejected (report section)."),
-    out: Path = typer.Option(Path("specpilot-report"), help="Report directory."),
-    target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: bundled)."),
-    drafter_path: Optional[Path] = typer.Option(None, help="Draft model directory (default: bundled drafter with the bundled target)."),
-    device: Optional[str] = typer.Option(None, help="torch device of the pilot's own process (profiling, scorer). Default: the first of --devices, else cpu."),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16"),
-    seed: int = typer.Option(0, help="Seed for request sampling and bootstrap."),
-    block: Optional[List[Path]] = typer.Option(None, help="Block drafter directory the planner may propose (repeatable; default with the bundled target: the bundled block and block_markov drafters)."),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: 1 on a CPU device with <= 2 cores, else torch's default)."),
-    memory: Optional[Path] = typer.Option(None, help="Memory directory of an earlier run: start from stock + its entries, re-tuned and re-measured here (§3.5)."),
-    devices: Optional[str] = typer.Option(None, help="Comma-separated devices judging candidates at once, one worker process per system (e.g. cuda:0,cuda:1; cpu,cpu on the CPU). Default: just --device."),
-    paired_devices: Optional[bool] = typer.Option(None, "--paired-devices/--no-paired-devices", help="Judge on device pairs (A on one, B on the other, swapped). Default: on iff exactly two devices."),
-    executor: str = typer.Option("auto", help="auto | local (in-process, one device) | workers (one process per system). auto: workers with several devices or --agent."),
-    agent: Optional[str] = typer.Option(None, help="External coding agent, a shell command template with {brief} and {worktree}; called once per round after the config candidates."),
-    agent_timeout: float = typer.Option(1800.0, help="Seconds the agent may run per round."),
-    scorer_dtype: Optional[str] = typer.Option(None, help="Token forcing's scorer body dtype: default the deployment's (the paper: stock's target with an FP32 LM head); float32 loads a float32 copy of the target (compares every system to unrounded arithmetic; needs the memory)."),
-    calibration: Optional[Path] = typer.Option(None, help="Calibration file of a real pair (docs/calibrated-drafter.md): the planner may also propose the 'calibrated' drafter, whose acceptance is SIMULATED (for random-weight targets of real shapes); not with --agent."),
-    batch: Optional[str] = typer.Option(None, help="Batch sizes, e.g. 1,4,16: the batched pilot (docs/batch-pilot.md) judges systems by batch runs at these sizes instead (--rounds: its A B B A rounds, default 3, --quick 2)."),
-):
-    """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
-    from specpilot.model.checkpoint import DTYPES
-    from specpilot.engine.deployment import check_device
-    from specpilot.pilot.run import PilotOptions, run_pilot
-
-    if dtype not in DTYPES:
-        raise SpecPilotError(f"unknown --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    if scorer_dtype is not None and scorer_dtype not in ("float32", dtype):
-        raise SpecPilotError(f"--scorer-dtype {scorer_dtype!r}: the scorer runs in float32 or in the deployment's "
-                             f"--dtype ({dtype}, the default: leave the flag out)")
-    tdir, ddir = target, drafter_path
-    if ddir is not None:  # stock's draft model: a block drafter goes to --block (planner candidates)
-        check_drafter_kind("draft_model", ddir)
-    if tdir is None:
-        from specpilot.zoo import bundled_block_dir, bundled_block_markov_dir, bundled_drafter_dir, bundled_target_dir
-
-        tdir, ddir = bundled_target_dir(), ddir or bundled_drafter_dir()
-        if block is None:
-            block = [bundled_block_dir(), bundled_block_markov_dir()]
-    if max_new_tokens is not None:  # hopeless before any measurement (the run itself drops single long prompts)
-        from specpilot.model.checkpoint import read_args
-        from specpilot.pilot.controller import SALT_TOKENS
-
-        context = min(read_args(tdir).max_position_embeddings, 4096)  # the engine's max_len
-        if max_new_tokens + SALT_TOKENS + 1 > context:
-            raise SpecPilotError(f"--max-new-tokens {max_new_tokens}: no prompt fits the target's context of {context} "
-                                 f"tokens with that many new tokens (and the controller's {SALT_TOKENS}-token salt)")
-    if batch is not None:  # the batched pilot, the same options; bad sizes fail first (the --out checks read them)
-        from functools import partial
-
-        from specpilot.pilot.batch_pilot import parse_sizes, run_batch_pilot
-
-        run_pilot = partial(run_batch_pilot, sizes=parse_sizes(batch))
-    output_dir(out, "--out")
-    check_report_dir(out, batched=batch is not None)
-    devs = tuple(d.strip() for d in devices.split(",")) if devices is not None else ()
-    if any(not d for d in devs):
-        raise SpecPilotError(f"--devices {devices!r}: give comma-separated devices, e.g. cuda:0,cuda:1")
-    for d in devs:
-        check_device(d)
-    device = device or (devs[0] if devs else "cpu")
-    check_float16_device(dtype, check_device(device))
-    if agent is not None and ("{worktree}" not in agent or not agent.strip()):
-        raise SpecPilotError("--agent must be a command template containing {worktree} (and usually {brief})")
-    if agent_timeout <= 0:
-        raise SpecPilotError(f"--agent-timeout must be positive, got {agent_timeout}")
-    if calibration is not None:  # its drafter learns each timed prompt's AR output untimed: no code candidates
-        if agent is not None:
-            raise SpecPilotError("--calibration and --agent: a simulated drafter is told each prompt's greedy output "
-                                 "before the clock starts, which a code candidate could use; run them apart")
-        from specpilot.spec.calibration import load_calibration
-
-        load_calibration(calibration)  # a bad file: its one-line CalibrationError, before any measurement
-    run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
-                           blocks=tuple(block or ()), adversarial=adversarial, threads=threads, memory=memory,
-                           devices=devs, paired_devices=paired_devices, executor=executor, agent=agent,
-                           agent_timeout=agent_timeout, scorer_dtype=scorer_dtype, calibration=calibration,
-                           overrides={k: v for k, v in (("per_benchmark", per_benchmark), ("max_new_tokens", max_new_tokens),
-                                                        ("rounds", rounds)) if v is not None} or None))
 
 
 @app.command()

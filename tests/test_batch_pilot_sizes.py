@@ -309,7 +309,7 @@ def test_a_broken_or_foreign_journal_is_refused_in_one_line(tmp_path):
 
 
 def test_a_pilot_refuses_the_other_kinds_directory(tmp_path):
-    from specpilot.cli import check_report_dir
+    from specpilot.pilot.cli import check_report_dir
 
     (tmp_path / "journal.json").write_text("{}")
     with pytest.raises(SpecPilotError, match="holds a batched"):

@@ -258,7 +258,7 @@ def test_pilot_drafter_path_of_a_block_drafter_is_refused(monkeypatch, capsys, t
 def test_pilot_will_not_overwrite_a_users_files(monkeypatch, capsys, tmp_path):
     """Fresh-user run 16: ``pilot --out ''`` ran in the current directory; a user's report.md there would have been
     overwritten. A directory holding a file a pilot writes is refused unless it holds an earlier pilot report."""
-    from specpilot.cli import check_report_dir
+    from specpilot.pilot.cli import check_report_dir
     from specpilot.errors import SpecPilotError
 
     proj = tmp_path / "proj"
