@@ -296,3 +296,27 @@ def test_a_calibration_adds_the_simulated_drafter_first(real, tmp_path):  # noqa
     assert sorted(v["size"] for v in vs) == [1, 2]  # judged at each size
     assert all("run" in v and not v["run"]["outputs_differ"] for v in vs)
     assert rep["outputs_equal_ar"] == {"stock": True, "sealed": True}
+
+
+def test_compiled_batch_run_measures_the_compiled_pass_and_compiles_once(tmp_path, monkeypatch, capsys):
+    """``--compile``: every engine of the run (AR, stock, candidates, seal) and the shared budget's pass table run
+    the target's compiled stack, built once; outputs still equal AR's in float32; the report says how to serve it."""
+    from specpilot.model import compiled_stack as cs
+    from specpilot.pilot.state import PilotOptions
+    from specpilot.zoo import bundled_target_dir
+
+    built, passes = [], []
+    real_init, real_fwd = cs.CompiledStack.__init__, cs.CompiledStack.forward_batch
+    monkeypatch.setattr(cs.CompiledStack, "__init__", lambda self, t: built.append(t) or real_init(self, t))
+    monkeypatch.setattr(cs.CompiledStack, "forward_batch", lambda self, *a, **k: passes.append(1) or
+                        real_fwd(self, *a, **k))
+    out = tmp_path / "c"
+    opts = PilotOptions(target=bundled_target_dir(), out=out, quick=True, compile_cpu=True,
+                        overrides={"per_benchmark": 2, "max_new_tokens": 8, "benchmarks": 1})
+    rep = run_batch_pilot(opts, (1, 2), rounds=2, rng=random.Random(6))
+    assert len(built) == 1 and len(passes) > 100  # one stack for the run; the pass table and every batch run
+    assert rep["compiled"] is True and rep["outputs_equal_ar"] == {"stock": True, "sealed": True}
+    assert "`specpilot serve --compile --system" in (out / "batch_report.md").read_text()
+    assert json.loads((out / "journal.json").read_text())["header"]["compile_cpu"] is True
+    code, _, err = run_cli(monkeypatch, capsys, "pilot", "--compile", "--out", str(tmp_path / "x"))
+    assert code != 0 and "needs --batch" in err and "Traceback" not in err

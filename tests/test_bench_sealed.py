@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from specpilot.config import SystemConfig
@@ -21,7 +22,8 @@ def _system_file(path, cfg: SystemConfig, n: int) -> None:
                                                "device": "cpu", "batch": [n]}}))
 
 
-def test_sealed_plan_measured_against_ar_and_stock_at_every_size(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_sealed_plan_measured_against_ar_and_stock_at_every_size(monkeypatch, capsys, tmp_path, compiled):
     pilot = tmp_path / "pilot"
     pilot.mkdir()
     one = SystemConfig(drafter="ngram", tree="best_first", nodes=4, depth=4, top_k=2)
@@ -31,7 +33,7 @@ def test_sealed_plan_measured_against_ar_and_stock_at_every_size(monkeypatch, ca
     try:
         code, out, err = run_cli(monkeypatch, capsys, "bench", "--batch", "1,3", "--system", str(pilot), "--device",
                                  "cpu", "--rounds", "2", "--per-benchmark", "2", "--new-tokens", "6", "--out",
-                                 str(tmp_path / "out"))
+                                 str(tmp_path / "out"), *(["--compile"] if compiled else []))
     finally:
         torch.set_num_threads(n)
     assert code == 0, err
@@ -49,6 +51,7 @@ def test_sealed_plan_measured_against_ar_and_stock_at_every_size(monkeypatch, ca
                for k in ("vs_ar", "vs_stock"))
     assert res["meets_bar_at_every_size"] == want and f"against AR and stock: {want}" in out
     assert res["device"] == "cpu" and res["commit"] and res["versions"] and math.isfinite(res["duration_s"])
+    assert res["compiled"] is compiled
 
 
 def test_sealed_bench_refuses_bad_options_in_one_line(monkeypatch, capsys, tmp_path):

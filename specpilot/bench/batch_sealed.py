@@ -39,7 +39,8 @@ BAR = 0.98
 
 
 def run_sealed_bench(plan: LoadPlan, tdir: Path, ddir: Path | None, sizes: list[int], device: str, out_dir: Path,
-                     rounds: int = 3, per_benchmark: int = 2, max_new_tokens: int = 64, rng=None) -> dict:
+                     rounds: int = 3, per_benchmark: int = 2, max_new_tokens: int = 64, rng=None,
+                     compile_cpu: bool = False) -> dict:
     """Measure ``plan`` against AR and stock at every size of ``sizes`` (module doc); write the JSON and return it.
 
     Args:
@@ -48,7 +49,7 @@ def run_sealed_bench(plan: LoadPlan, tdir: Path, ddir: Path | None, sizes: list[
         rounds: A B B A rounds per (benchmark, size), at least 2. per_benchmark: prompts of each bundled benchmark
             (cycled, each salted afresh, to fill a size). max_new_tokens: per request. rng: salts and order (None: OS
             entropy; seeded in tests). Stock is the pilot's: the draft model's chain where ``ddir`` holds one, else
-            the n-gram chain, depth 6.
+            the n-gram chain, depth 6. compile_cpu: every engine runs the target's compiled CPU stack (one compile).
     Raises:
         SpecPilotError: fewer than 2 rounds, no size, no prompt that fits the target's context.
     """
@@ -68,7 +69,8 @@ def run_sealed_bench(plan: LoadPlan, tdir: Path, ddir: Path | None, sizes: list[
     stock = SystemConfig.stock("draft_model" if dep.draft_model is not None else "ngram", depth=6, dtype=dtype)
     systems = {"ar": SystemConfig.ar(dtype=dtype), "stock": stock, "sealed": plan}
     max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) + ctl.SALT_TOKENS + 1  # slots sized to need
-    makers = {k: (lambda n, c=c: dep.batch_system(c, max_num_seqs=n, max_len=max_len)) for k, c in systems.items()}
+    makers = {k: (lambda n, c=c: dep.batch_system(c, max_num_seqs=n, max_len=max_len, compile_cpu=compile_cpu))
+              for k, c in systems.items()}
     avoid = frozenset(dep.eos_ids()) | frozenset(dep.tokenizer.all_special_ids if dep.tokenizer is not None else ())
     per_size = {}
     for n in sizes:  # one size at a time: engines of one size live at once
@@ -89,7 +91,8 @@ def run_sealed_bench(plan: LoadPlan, tdir: Path, ddir: Path | None, sizes: list[
     meets = all(_ok(f["vs_ar"]["lower_bound"]) and _ok(f["vs_stock"]["lower_bound"]) for f in per_size.values())
     res = {"device": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu",
            "versions": versions(), "commit": git_commit(), "date": _dt.datetime.now().isoformat(timespec="seconds"),
-           "target": str(tdir), "dtype": dtype, "threads": torch.get_num_threads(), "sizes": sizes, "rounds": rounds,
+           "target": str(tdir), "dtype": dtype, "threads": torch.get_num_threads(), "compiled": compile_cpu,
+           "sizes": sizes, "rounds": rounds,
            "benchmarks": {b: len(g) for b, g in groups.items()}, "max_new_tokens": max_new_tokens,
            "plan": {str(n): c.label() for n, c in zip(plan.sizes, plan.configs)}, "stock": stock.label(),
            "method": "measure_batches: A S X / X S A per benchmark and round, fresh salted variants; gain = geometric "

@@ -64,6 +64,8 @@ def bench(
                                           "the systems' dtype; --target replaces their recorded target)."),
     rounds: int = typer.Option(3, help="With --batch --system: A B B A rounds per benchmark and size (at least 2)."),
     per_benchmark: int = typer.Option(2, help="With --batch --system: prompts of each bundled benchmark."),
+    compile_cpu: bool = typer.Option(False, "--compile", help="With --batch --system on the CPU: AR, stock and the "
+                                     "plan all run the compiled batched pass (`serve --compile`'s)."),
 ):
     """Benchmarks: our AR and speculative systems beside transformers' generate, c(N) and the byte floor (the
     default systems suite); --suite w12, lm-head, read-floor, drafter-step or tlv for the W12, certified-head,
@@ -72,7 +74,7 @@ def bench(
     from specpilot.model.checkpoint import DTYPES, read_args
 
     if system is not None:
-        return _sealed(system, target, batch, device, new_tokens, out, threads, rounds, per_benchmark)
+        return _sealed(system, target, batch, device, new_tokens, out, threads, rounds, per_benchmark, compile_cpu)
     if batch is not None:
         return _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, drafter_path, tree, nodes, depth,
                       top_k, threads)
@@ -163,7 +165,7 @@ def _batch(target, batch, device, dtype, prefix, new_tokens, out, drafter, draft
     print(f"wrote {res['path']}")
 
 
-def _sealed(system, target, batch, device, new_tokens, out, threads, rounds, per_benchmark) -> None:
+def _sealed(system, target, batch, device, new_tokens, out, threads, rounds, per_benchmark, compile_cpu=False) -> None:
     """``specpilot bench --batch SIZES --system PILOT_DIR``: :func:`specpilot.bench.batch_sealed.run_sealed_bench`."""
     from specpilot.engine.deployment import check_device
     from specpilot.engine.load_plan import LoadPlan
@@ -178,12 +180,15 @@ def _sealed(system, target, batch, device, new_tokens, out, threads, rounds, per
     sealed = load_sealed(system, target, False, None, device)
     plan = sealed.config if isinstance(sealed.config, LoadPlan) else LoadPlan.single(sealed.config)
     dev = check_device(device)
+    if compile_cpu and dev.split(":")[0] != "cpu":
+        raise SpecPilotError(f"--compile runs the compiled batched CPU pass: not on {device}")
     check_float16_device(plan.configs[0].dtype, dev)
     use_threads(dev, threads)
     output_dir(out, "--out")
     from specpilot.bench.batch_sealed import run_sealed_bench
 
-    res = run_sealed_bench(plan, sealed.tdir, sealed.ddir, sizes, dev, out, rounds, per_benchmark, new_tokens)
+    res = run_sealed_bench(plan, sealed.tdir, sealed.ddir, sizes, dev, out, rounds, per_benchmark, new_tokens,
+                           compile_cpu=compile_cpu)
     print(f"every size's lower bound >= {res['bar']} against AR and stock: {res['meets_bar_at_every_size']}")
     print(f"wrote {res['path']}")
 

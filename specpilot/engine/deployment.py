@@ -226,10 +226,17 @@ class Deployment:
                                                            static_step=static_step)
         drafters = [built[plan.drafter_key(i)] for i in range(len(plan))]
         if engine_kw.pop("compile_cpu", False):  # one stack per target: the pilot's engines compile it once
-            if id(target) not in self._stacks:
-                self._stacks[id(target)] = target.compiled_stack()
-            engine_kw["stack"] = self._stacks[id(target)]
+            engine_kw["stack"] = self.compiled_stack(target)
         return BatchEngine(target, config, drafters, max_num_seqs=max_num_seqs, **engine_kw)
+
+    def compiled_stack(self, target=None):
+        """The :class:`~specpilot.model.compiled_stack.CompiledStack` of ``target`` (default :attr:`target`), built
+        on first use and shared by every batched engine built here with ``compile_cpu`` (one compile per target).
+        Raises SpecPilotError: a target the stack cannot compile (off the CPU, not a dense decoder)."""
+        target = self.target if target is None else target
+        if id(target) not in self._stacks:
+            self._stacks[id(target)] = target.compiled_stack()
+        return self._stacks[id(target)]
 
     def _target(self, config: SystemConfig):
         if not isinstance(config, SystemConfig):

@@ -47,7 +47,7 @@ def _device_sync(dev: torch.device) -> None:
 
 @torch.inference_mode()
 def measure_pass_ms(target, m: int, extras=EXTRA_ROWS, tolerance: float = FLAT_TOLERANCE, prefix: int = PREFIX,
-                    repeats: int = REPEATS, _clock=time.perf_counter) -> dict[int, float]:
+                    repeats: int = REPEATS, stack=None, _clock=time.perf_counter) -> dict[int, float]:
     """Ms of one batched exact pass of ``m`` requests by total rows (module doc), ``{m: ms, m + e: ms, ...}`` for
     ``e`` in ``extras`` ascending, stopping after two totals in a row whose cost passes ``1 + tolerance`` times the
     ``m``-row pass's (the totals past them are outside the flat region whatever they cost: :func:`flat_budget`).
@@ -58,7 +58,8 @@ def measure_pass_ms(target, m: int, extras=EXTRA_ROWS, tolerance: float = FLAT_T
     Args:
         target: a :class:`~specpilot.model.transformer.Transformer` (its ``new_pool``, ``forward_batch``,
             ``batch_greedy``). m: requests in the pass (>= 1). prefix: committed positions per request (less when
-            the target's context is shorter than it and the rows).
+            the target's context is shorter than it and the rows). stack: the target's
+            :class:`~specpilot.model.compiled_stack.CompiledStack` when the engines run it (``compile_cpu``).
     Raises:
         ValueError: ``m < 1``, ``repeats < 1``, or rows that leave no prefix in the target's context.
     """
@@ -73,7 +74,8 @@ def measure_pass_ms(target, m: int, extras=EXTRA_ROWS, tolerance: float = FLAT_T
                          f"{target.args.max_position_embeddings} positions")
     pool = target.new_pool(m + 1, prefix + most + 1)  # slot m: the scratch slot a padded pass's padding writes to
     runner = BatchRunner(target, pool, m, most) if runs_padded(target, pool) else None
-    target.forward_batch(torch.zeros(m * prefix, dtype=torch.long, device=dev),
+    fwd = (stack or target).forward_batch  # the pass the engines run
+    fwd(torch.zeros(m * prefix, dtype=torch.long, device=dev),
                          torch.arange(prefix, device=dev).repeat(m), pool,
                          BatchRows(list(range(m)), [0] * m, [prefix] * m, [None] * m))
     for s in range(m):  # the prefix committed, as the engine's prefill leaves it
@@ -95,7 +97,7 @@ def measure_pass_ms(target, m: int, extras=EXTRA_ROWS, tolerance: float = FLAT_T
                 got[0].tolist()
             else:
                 rows = BatchRows(list(range(m)), [prefix] * m, counts, [None] * m)  # prepared per pass, as the engine
-                target.batch_greedy(target.forward_batch(toks, pos, pool, rows, kernel=kernel), kernel).tolist()
+                target.batch_greedy(fwd(toks, pos, pool, rows, kernel=kernel), kernel).tolist()
             _device_sync(dev)
             return 1e3 * (_clock() - t0)
         return one

@@ -137,7 +137,8 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
                      if set(made) - {journal.machine} else ""))
 
     def measure(systems: dict, label: str, at=sizes) -> BatchMeasured:
-        makers = {k: (lambda n, c=c: pilot.dep.batch_system(c, max_num_seqs=n, max_len=max_len))
+        makers = {k: (lambda n, c=c: pilot.dep.batch_system(c, max_num_seqs=n, max_len=max_len,
+                                                             compile_cpu=opts.compile_cpu))
                   for k, c in systems.items()}
         key = f"{label} @ {list(at)} :: " + ", ".join(f"{k}={c.seal()}" for k, c in systems.items())
         m, old = journal.measured(key, lambda: measure_batches(makers, groups, at, rounds, **kw))
@@ -171,7 +172,8 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     if not exact:
         pilot.say("batch", "token forcing: δ and stock's figures from Phase 0's batched outputs")
     forcing = None if exact else BatchForcing(Scorer(scorer_model(pilot)), p0)
-    pass_fn = pass_ms or (lambda m: measure_pass_ms(pilot.dep.target, m))
+    stack = pilot.dep.compiled_stack() if opts.compile_cpu else None  # the flat region of the pass served
+    pass_fn = pass_ms or (lambda m: measure_pass_ms(pilot.dep.target, m, stack=stack))
 
     def table(m: int) -> dict[int, float]:  # journaled like every measurement
         if journal.get(f"pass_ms m={m}") is None:

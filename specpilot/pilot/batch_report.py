@@ -61,6 +61,7 @@ def build_report(pilot, sizes, rounds, groups, plan, ar_stock, aa, sigma: dict, 
         "versions": versions(), "commit": pilot.commit,
         "deployment": {**pilot.deployment(), "batch": list(sizes)},
         "sizes": list(sizes), "rounds": rounds, "benchmarks": {b: len(r) for b, r in groups.items()},
+        "compiled": pilot.o.compile_cpu,  # measured on the compiled batched CPU pass (serve --compile's)
         "max_new_tokens": plan["max_new_tokens"], "stock_label": pilot.stock.label(),
         "sealed_label": first["sealed_label"], "sealed_seal": first["sealed_seal"],  # system.json's (smallest size)
         "sigma": {str(n): sigma[n] for n in sizes},
@@ -125,7 +126,9 @@ def render_md(report: dict) -> str:
     lines = ["# Batched pilot: sealed per batch size", "",
              f"Device {report['device']['type']} ({report['device']['name']}), commit {report['commit']}, sizes "
              f"{report['sizes']}, {report['rounds']} rounds, benchmarks {report['benchmarks']}, "
-             f"{report['max_new_tokens']} new tokens; stock {report['stock_label']}.", "",
+             f"{report['max_new_tokens']} new tokens; stock {report['stock_label']}"
+             + ("; every system measured on the compiled batched pass (`serve --compile`)." if report.get("compiled")
+                else "."), "",
              "| n | sealed | why | file | vs AR | vs stock | σ (bar) | outputs equal AR |",
              "|---|---|---|---|---|---|---|---|"]
     for n, r in ps.items():
@@ -133,7 +136,8 @@ def render_md(report: dict) -> str:
                      f"{r['system_file']} | {f(r['sealed_vs_ar'], r['sealed_vs_ar_low'])} | "
                      f"{f(r['sealed_vs_stock'], r['sealed_vs_stock_low'])} | {r['sigma']:.4f} (+{r['bar']:.2%}) | "
                      f"{r['outputs_equal_ar']['sealed']} |")
-    lines += ["", "Serve them all: `specpilot serve --system <this directory>` (each step runs the system sealed "
+    flag = "--compile " if report.get("compiled") else ""
+    lines += ["", f"Serve them all: `specpilot serve {flag}--system <this directory>` (each step runs the system sealed "
                   "nearest its number of running requests; `specpilot bench --batch SIZES --system <this directory>` "
                   "measures that against AR and stock); one size alone: `--system system_n<n>.json` (system.json is "
                   f"system_n{min(report['sizes'])}.json). Over all sizes, each "

@@ -169,6 +169,7 @@ def measure_batches(makers: dict[str, BatchFactory], groups: dict[str, list[Req]
             before = set(threading.enumerate())
             engines[k] = makers[k](n)
             engines[k].capture_graphs()  # every (requests, rows) bucket's CUDA graph now, not in a timed run
+            engines[k].compile_shapes()  # and a compiled CPU stack's graphs (compile_cpu)
             m.outside[k] |= {t.name for t in threading.enumerate() if t not in before}
             reqs = groups[rng.choice(list(groups))]
             m.outside[k] |= timed_batch(engines[k], variant_set(reqs, n, salted), reqs[0].max_new_tokens)[2]

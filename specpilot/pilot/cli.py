@@ -73,6 +73,7 @@ def pilot_cmd(
     scorer_dtype: Optional[str] = typer.Option(None, help="Token forcing's scorer body dtype: default the deployment's (the paper: stock's target with an FP32 LM head); float32 loads a float32 copy of the target (compares every system to unrounded arithmetic; needs the memory)."),
     calibration: Optional[Path] = typer.Option(None, help="Calibration file of a real pair (docs/calibrated-drafter.md): the planner may also propose the 'calibrated' drafter, whose acceptance is SIMULATED (for random-weight targets of real shapes); not with --agent."),
     batch: Optional[str] = typer.Option(None, help="Batch sizes, e.g. 1,4,16: the batched pilot (docs/batch-pilot.md) judges systems by batch runs at these sizes instead (--rounds: its A B B A rounds, default 3, --quick 2)."),
+    compile_cpu: bool = typer.Option(False, "--compile", help="With --batch on the CPU: every system is measured on the compiled batched pass that `serve --compile` runs (compiled once at start, about 30-40 s for SmolLM2 on 2 cores)."),
 ):
     """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
     from specpilot.model.checkpoint import DTYPES
@@ -116,6 +117,9 @@ def pilot_cmd(
     for d in devs:
         check_device(d)
     device = device or (devs[0] if devs else "cpu")
+    if compile_cpu and (batch is None or device.split(":")[0] != "cpu"):
+        raise SpecPilotError("--compile measures the batched CPU pass that `serve --compile` runs: it needs --batch "
+                             f"and a CPU device (got {'no --batch' if batch is None else device})")
     check_float16_device(dtype, check_device(device))
     if agent is not None and ("{worktree}" not in agent or not agent.strip()):
         raise SpecPilotError("--agent must be a command template containing {worktree} (and usually {brief})")
@@ -132,5 +136,6 @@ def pilot_cmd(
                            blocks=tuple(block or ()), adversarial=adversarial, threads=threads, memory=memory,
                            devices=devs, paired_devices=paired_devices, executor=executor, agent=agent,
                            agent_timeout=agent_timeout, scorer_dtype=scorer_dtype, calibration=calibration,
+                           compile_cpu=compile_cpu,
                            overrides={k: v for k, v in (("per_benchmark", per_benchmark), ("max_new_tokens", max_new_tokens),
                                                         ("rounds", rounds)) if v is not None} or None))

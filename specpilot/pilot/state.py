@@ -60,6 +60,7 @@ class PilotOptions:
     agent_timeout: float = 1800.0  # seconds
     scorer_dtype: str | None = None  # token forcing's scorer body: None = the deployment dtype (§3.4), or float32
     calibration: Path | None = None  # a calibration file: the planner may propose the SIMULATED 'calibrated' drafter
+    compile_cpu: bool = False  # --batch on the CPU: every batched engine runs the compiled stack (serve --compile's)
 
     @property
     def plan(self) -> dict:
