@@ -320,3 +320,26 @@ def test_compiled_batch_run_measures_the_compiled_pass_and_compiles_once(tmp_pat
     assert json.loads((out / "journal.json").read_text())["header"]["compile_cpu"] is True
     code, _, err = run_cli(monkeypatch, capsys, "pilot", "--compile", "--out", str(tmp_path / "x"))
     assert code != 0 and "needs --batch" in err and "Traceback" not in err
+
+
+def test_a_thread_left_running_counts_but_torch_compiles_progress_monitor_does_not():
+    """A system's run that leaves a thread is judged as work outside the timed region; tqdm's monitor thread, which
+    an Inductor compile (``--compile``) starts and leaves idle, is not."""
+    import threading
+    from types import SimpleNamespace
+
+    from specpilot.pilot.batch_runs import timed_batch
+
+    stop = threading.Event()
+
+    def run_leaving(name):
+        def generate_all(prompts, max_new):
+            threading.Thread(target=stop.wait, name=name, daemon=True).start()
+            return [SimpleNamespace(tokens=[1, 2]) for _ in prompts]
+        return SimpleNamespace(drafters=(), generate_all=generate_all)
+
+    try:
+        assert timed_batch(run_leaving("tqdm_monitor"), [[3, 4]], 2)[2] == set()
+        assert timed_batch(run_leaving("prefetch"), [[3, 4]], 2)[2] == {"prefetch"}
+    finally:
+        stop.set()
