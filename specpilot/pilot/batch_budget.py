@@ -47,10 +47,13 @@ def _device_sync(dev: torch.device) -> None:
 
 @torch.inference_mode()
 def measure_pass_ms(target, m: int, extras=EXTRA_ROWS, tolerance: float = FLAT_TOLERANCE, prefix: int = PREFIX,
-                    repeats: int = REPEATS, stack=None, _clock=time.perf_counter) -> dict[int, float]:
+                    repeats: int = REPEATS, stack=None, worth: dict[int, float] | None = None,
+                    _clock=time.perf_counter) -> dict[int, float]:
     """Ms of one batched exact pass of ``m`` requests by total rows (module doc), ``{m: ms, m + e: ms, ...}`` for
     ``e`` in ``extras`` ascending, stopping after two totals in a row whose cost passes ``1 + tolerance`` times the
-    ``m``-row pass's (the totals past them are outside the flat region whatever they cost: :func:`flat_budget`).
+    ``m``-row pass's (the totals past them are outside the flat region whatever they cost: :func:`flat_budget`), or,
+    given ``worth`` (``e`` -> the most ``m + e`` rows may cost relative to ``m`` and still pay:
+    :func:`~specpilot.pilot.batch_budget_replay.break_even`), past the larger of the two bounds.
 
     Each ``m + e`` is timed in ``repeats`` rounds interleaved with the ``m``-row pass; its figure is the ``m``-row
     median of the whole run times the ratio of the two medians of its own rounds, so drift between totals cancels.
@@ -118,7 +121,8 @@ def measure_pass_ms(target, m: int, extras=EXTRA_ROWS, tolerance: float = FLAT_T
             t.append(one())
         base_all += b
         out[m + e] = sorted(t)[len(t) // 2] / max(sorted(b)[len(b) // 2], 1e-9)  # a ratio for now
-        over = over + 1 if out[m + e] > 1 + tolerance else 0
+        bound = max(1 + tolerance, (worth or {}).get(e, 0.0))
+        over = over + 1 if out[m + e] > bound else 0
         if over == 2:
             break
     if not base_all:  # no extras: the m-row pass alone

@@ -18,7 +18,9 @@ PROMPT_ADMISSION_ROWS = 256  # prompt rows a step may carry (the paper's FP8 sys
 BEST_FIRST_TOP_K = 4  # candidates per position of the best-first tree
 
 
-def _best_first(inc: SystemConfig, budgets: tuple = ()):
+def best_first_tree(inc: SystemConfig, budgets: tuple = ()) -> SystemConfig | None:
+    """``inc``'s drafter verified as a best-first tree of ``inc``'s nodes from its top-4 lattice; None where
+    ``inc`` is AR or already not a chain."""
     if inc.drafter == "none" or inc.tree != "chain":
         return None
     return inc.apply({"tree": "best_first", "top_k": BEST_FIRST_TOP_K})  # same nodes: the chain's rows, rearranged
@@ -27,7 +29,7 @@ def _best_first(inc: SystemConfig, budgets: tuple = ()):
 def _shared(inc: SystemConfig, budgets: tuple = ()):
     if inc.drafter == "none" or inc.row_selection == "shared_budget":
         return None
-    inc = _best_first(inc) or inc  # the shared budget fills best-first trees: a chain incumbent gets one too
+    inc = best_first_tree(inc) or inc  # the shared budget fills best-first trees: a chain incumbent gets one too
     return inc.apply({"row_selection": "shared_budget", "shared_budget": tuple(budgets)})
 
 
@@ -47,7 +49,7 @@ def _admission(inc: SystemConfig, budgets: tuple = ()):
 MECHANISMS = (
     ("best_first", "the stock drafter's top-4 lattice verified as a best-first tree of the same nodes as the "
                    "chain (§4.2): no more rows per request, more accepted tokens where the drafter is unsure",
-     _best_first),
+     best_first_tree),
     ("shared_budget", "one node budget per step filled best-first across requests (§4.4), per batch size from the "
                       "flat region of the target's measured batched pass; on a chain incumbent it comes with the "
                       "best-first tree it needs", _shared),

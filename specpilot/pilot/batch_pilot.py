@@ -50,7 +50,8 @@ from specpilot.errors import SpecPilotError
 from specpilot.pilot import controller as ctl
 from specpilot.pilot.batch_budget import FLAT_TOLERANCE, measure_pass_ms, shared_budgets
 from specpilot.pilot.batch_journal import BatchJournal, machine_name, run_header
-from specpilot.pilot.batch_mechanisms import MECHANISMS, calibrated_mechanism, mechanisms_for
+from specpilot.pilot.batch_budget_replay import Replays
+from specpilot.pilot.batch_mechanisms import MECHANISMS, best_first_tree, calibrated_mechanism, mechanisms_for
 from specpilot.pilot.batch_report import build_report, forcing_reasons, verdict_record, write_outputs
 from specpilot.pilot.batch_runs import BatchMeasured, compare, measure_batches
 from specpilot.pilot.forcing import ForcingStats, Scorer, audit, delta_from_phase0, forcing_verdict
@@ -173,7 +174,11 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
         pilot.say("batch", "token forcing: δ and stock's figures from Phase 0's batched outputs")
     forcing = None if exact else BatchForcing(Scorer(scorer_model(pilot)), p0)
     stack = pilot.dep.compiled_stack() if opts.compile_cpu else None  # the flat region of the pass served
-    pass_fn = pass_ms or (lambda m: measure_pass_ms(pilot.dep.target, m, stack=stack))
+    bases = [best_first_tree(pilot.stock) or pilot.stock] + ([calibrated_mechanism(opts.calibration, pilot.stock)[2](
+        pilot.ar)] if opts.calibration is not None else [])  # the drafters a shared budget's candidate can have
+    replays = Replays(pilot.dep, p0, sizes, journal)
+    worth = {m: replays.worth(bases, m) for m in range(1, max(sizes) + 1)}  # how far a pass's cost is worth timing
+    pass_fn = pass_ms or (lambda m: measure_pass_ms(pilot.dep.target, m, stack=stack, worth=worth[m]))
 
     def table(m: int) -> dict[int, float]:  # journaled like every measurement
         if journal.get(f"pass_ms m={m}") is None:
@@ -182,6 +187,13 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
 
     budgets, tables = shared_budgets(max(sizes), table)
     pilot.say("batch", f"shared budget by batch size 1..{max(sizes)} (flat region of the batched pass): {list(budgets)}")
+
+    def budgets_for(inc) -> tuple:  # the shared budget of inc's drafter: replayed over the measured pass
+        got = replays.budgets(best_first_tree(inc) or inc, tables, budgets)
+        if got is not budgets:
+            pilot.say("batch", f"shared budget of {inc.drafter} by replay, sizes {list(sizes)}: "
+                               f"{[got[n - 1] for n in sizes]}")
+        return got
     verdicts, incumbent, entries = [], {n: pilot.ar for n in sizes}, {n: [] for n in sizes}
     for n in sizes:  # round 0: stock against AR on Phase 0's own runs at that size; speculation pays for its rows
         p0n = p0.at(n)
@@ -197,7 +209,8 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     for name, why, make in mechanisms:
         for n in sizes:
             inc = incumbent[n]  # with AR the incumbent, the drafter's mechanisms start from stock
-            cand = make(inc if inc.drafter != "none" or name in AR_TOO else pilot.stock, budgets)
+            base = inc if inc.drafter != "none" or name in AR_TOO else pilot.stock
+            cand = make(base, budgets_for(base) if name == "shared_budget" else budgets)
             if cand is None:
                 verdicts.append({"mechanism": name, "why": why, "size": n,
                                  "skipped": f"does not apply to {inc.label()}"})
@@ -226,7 +239,8 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     final = BatchMeasured.merged(seals)
     report = build_report(pilot, sizes, rounds, groups, plan, ar_stock, aa, sigma, verdicts, entries, incumbent,
                           final, {"budgets": list(budgets), "tolerance": FLAT_TOLERANCE,
-                                  "pass_ms": {str(m): {str(r): t for r, t in c.items()} for m, c in tables.items()}},
+                                  "pass_ms": {str(m): {str(r): t for r, t in c.items()} for m, c in tables.items()},
+                                  "replay": replays.report},
                           t0)
     for n, fb in fell_back.items():
         report["per_size"][str(n)]["fell_back"] = fb
