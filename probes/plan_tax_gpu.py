@@ -9,11 +9,12 @@ drafter (every pass returns target features). Variants, measured side by side by
 
 - ``ar``: the AR engine; ``plan``: the sealed plan as a server runs it;
 - ``plan33``: the plan with the size-1 system's budget 32 at every load (the old sizing: 33 rows a request);
-- ``plan_ngram``: the plan with the size-1 system's drafter swapped for the n-gram drafter (no target features).
+- ``plan_ngram``: the plan with the size-1 system's drafter swapped for the n-gram drafter (no target features);
+- ``plan_ar``: the plan with AR at every size (the load plan's own machinery, no drafter); ``--systems`` picks.
 
 Then one cProfile of a timed batch run of ``ar`` and of ``plan`` at the largest size (top functions by own time).
 
-    python probes/plan_tax_gpu.py TARGET_DIR PILOT_DIR OUT_DIR [--sizes 16,32] [--rounds 2] [--new 64]
+    python probes/plan_tax_gpu.py TARGET_DIR PILOT_DIR OUT_DIR [--sizes 16,32] [--rounds 2] [--new 64] [--systems ar,plan,...]
 """
 
 import argparse
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--systems", default="ar,plan,plan33,plan_ngram,plan_ar")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,7 +61,9 @@ def main() -> None:
     ngram = first.apply({"drafter": "ngram", "drafter_path": None})
     systems = {"ar": SystemConfig.ar(dtype=first.dtype), "plan": plan,
                "plan33": LoadPlan(plan.sizes, (wide,) + plan.configs[1:]),
-               "plan_ngram": LoadPlan(plan.sizes, (ngram,) + plan.configs[1:])}
+               "plan_ngram": LoadPlan(plan.sizes, (ngram,) + plan.configs[1:]),
+               "plan_ar": LoadPlan(plan.sizes, (SystemConfig.ar(dtype=first.dtype),) + plan.configs[1:])}
+    systems = {k: v for k, v in systems.items() if k in args.systems.split(",")}
     rows = {k: (v.tree_rows(max(sizes)) if isinstance(v, LoadPlan) else 0) for k, v in systems.items()}
     print("tree rows per request:", rows, flush=True)
     context = min(dep.target.args.max_position_embeddings, 4096)
@@ -85,7 +89,7 @@ def main() -> None:
     n = max(sizes)
     salted = _salter(dep.target.args.vocab_size, avoid, rng)
     prompts = variant_set(groups[sorted(groups)[0]], n, salted)
-    for k in ("ar", "plan"):
+    for k in [k for k in ("ar", "plan") if k in systems]:
         eng = makers[k](n)
         eng.capture_graphs()
         timed_batch(eng, prompts, args.new)  # warm
