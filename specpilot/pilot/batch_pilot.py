@@ -189,8 +189,9 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     pilot.say("batch", f"shared budget by batch size 1..{max(sizes)} (flat region of the batched pass): {list(budgets)}")
 
     def budgets_for(inc) -> tuple:  # the shared budget of inc's drafter: replayed over the measured pass
+        said = len(replays.report)
         got = replays.budgets(best_first_tree(inc) or inc, tables, budgets)
-        if got is not budgets:
+        if len(replays.report) > said:
             pilot.say("batch", f"shared budget of {inc.drafter} by replay, sizes {list(sizes)}: "
                                f"{[got[n - 1] for n in sizes]}")
         return got
