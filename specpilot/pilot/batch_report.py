@@ -147,6 +147,11 @@ def render_md(report: dict) -> str:
     if sb:
         lines += [f"Shared budget by batch size (flat region of the batched pass, ±{sb['tolerance']:.0%}): "
                   f"{sb['budgets']} nodes for 1, 2, ... requests.", ""]
+        for key, r in (sb.get("replay") or {}).items():  # the candidates' budgets: replayed over the measured pass
+            pred = "; ".join(f"{n}: " + ", ".join(f"{b} → {x:.3f}x" for b, x in p.items())
+                             for n, p in r["predicted"].items())
+            lines += [f"By replay for {key} (never below the flat region's): {r['budgets']}; predicted speedup over "
+                      f"AR per budget at each size: {pred}.", ""]
     tf = report.get("token_forcing")
     if tf:
         lines += [f"Token forcing ({tf['scorer_dtype']} scorer, δ = {tf['delta']}): stock mismatch rate "
