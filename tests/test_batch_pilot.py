@@ -344,17 +344,3 @@ def test_a_thread_left_running_counts_but_torch_compiles_progress_monitor_does_n
     finally:
         stop.set()
 
-
-def test_a_timed_batch_run_starts_its_clock_after_collecting_the_garbage_before_it(monkeypatch):
-    """Another system's garbage (its engine, its drafter's setup) is collected untimed, not in this run's clock."""
-    from types import SimpleNamespace
-
-    import specpilot.pilot.batch_runs as br
-
-    events = []
-    monkeypatch.setattr(br.gc, "collect", lambda *a: events.append("collect") or 0)
-    clock = lambda: events.append("clock") or float(len(events))  # noqa: E731
-    eng = SimpleNamespace(drafters=(), generate_all=lambda p, n: events.append("run") or
-                          [SimpleNamespace(tokens=[1]) for _ in p])
-    br.timed_batch(eng, [[3, 4]], 1, _clock=clock, _sync=lambda: None)
-    assert events == ["collect", "clock", "run", "clock"]

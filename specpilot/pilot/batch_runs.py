@@ -23,7 +23,6 @@ the paired samples resampled within it (so at least two rounds are needed for a 
 
 from __future__ import annotations
 
-import gc
 import math
 import random
 import threading
@@ -65,10 +64,8 @@ def prepare_batch_untimed(engine, prompts, max_new: int) -> None:
 def timed_batch(engine, prompts, max_new: int, _clock=time.perf_counter, _sync=_device_sync,
                 _enum=threading.enumerate) -> tuple[tuple[tuple[int, ...], ...], float, set[str]]:
     """One batch run: every prompt queued at once, run to the end. Returns (tokens per prompt, wall seconds of the
-    timed region, names of Python threads it left running, less :data:`LIBRARY_THREADS`). The garbage of what ran
-    before (another system's engine, its drafter's setup) is collected untimed, not charged to this run."""
+    timed region, names of Python threads it left running, less :data:`LIBRARY_THREADS`)."""
     prepare_batch_untimed(engine, prompts, max_new)
-    gc.collect()
     before = set(_enum())
     t0 = _clock()
     gens = engine.generate_all([list(p) for p in prompts], max_new)
