@@ -26,7 +26,9 @@ from specpilot.spec.train_cli import train_drafter_cmd
 from specpilot.w12.cli import app as w12_app
 from specpilot.zoo.cli import app as zoo_app, import_gguf
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Lossless speculative decoding, tuned per deployment.")
+# plain click help (rich_markup_mode=None): it wraps help text where rich tables cut long flags at 80 columns
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Lossless speculative decoding, tuned per deployment.")
 app.add_typer(zoo_app, name="zoo", help="Bundled default models: paths, the training recipe; SmolLM2 from its GGUF.")
 app.add_typer(w12_app, name="w12", help="W12 lossless 12-bit weights: pack and verify checkpoint directories.")
 app.add_typer(memory_app, name="memory", help="Memory of verified entries (§3.5): list, show, check.")

@@ -92,3 +92,14 @@ def test_train_drafter_quiet_hides_transformers_loading_bar(tmp_path, tiny_dirs,
         seen[quiet] = capsys.readouterr().err
         assert seqs.shape == (2, 6) and hf_logging.is_progress_bar_enabled()
     assert "Loading weights" in seen[False] and "Loading weights" not in seen[True], seen
+
+
+def test_help_at_80_columns_names_every_option_in_full(monkeypatch, capsys):
+    """A terminal (or pipe) of 80 columns still shows each flag whole: plain click help, which wraps the help text
+    instead of cutting the option column (rich's tables cut ``--allow-edited-system`` to ``--allow-edited-syst…``)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    serve = _help(monkeypatch, capsys, "serve")
+    for flag in ("--allow-edited-system", "--no-allow-edited-system", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching"):
+        assert flag in serve.split() or f"{flag} " in serve + " ", flag
+    assert "…" not in serve and "…" not in _help(monkeypatch, capsys, "pilot")

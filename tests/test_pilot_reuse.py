@@ -130,3 +130,19 @@ def test_memory_whose_every_entry_is_broken_is_refused_before_phase0(tmp_path, m
     code, out, err = run_cli(monkeypatch, capsys, "pilot", "--memory", str(mem), "--out", str(tmp_path / "r"))
     assert code == 2 and "none of its 2 entries can be used" in err and "Traceback" not in err
     assert not (tmp_path / "r" / "report.md").exists()
+
+
+def test_memory_given_as_a_report_directory_points_at_its_memory_subdirectory(tmp_path):
+    """``--memory REPORT_DIR`` (the pilot's output, whose entries live in ``memory/``) says where they are, as
+    ``specpilot memory list`` does; an empty directory without one gets no such hint."""
+    from specpilot.errors import SpecPilotError
+    from specpilot.pilot.reuse import open_source
+
+    report = tmp_path / "specpilot-report"
+    (report / "memory" / "e1").mkdir(parents=True)
+    with pytest.raises(SpecPilotError, match=r"its entries are in .*specpilot-report/memory"):
+        open_source(report)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecPilotError) as e:
+        open_source(tmp_path / "empty")
+    assert "its entries are in" not in str(e.value)

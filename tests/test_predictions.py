@@ -58,7 +58,10 @@ def test_spec_overhead_is_calibrated_on_the_measured_step():
     tree = p.tree_time(stock)
     assert 0 < tree < 1.0  # the host's tree building, measured (ms)
     assert p.overhead_ms == pytest.approx(6.0 - mean_pass - 0.25 - tree)
-    assert "measured live" in p.spec_overhead_source
+    assert "live step (6.000 ms)" in p.spec_overhead_source and "below 0" not in p.spec_overhead_source
+    # a live step shorter than its parts priced apart: T_spec 0, and the source says by how much it fell below
+    tight = _planner(spec_step=(stock, mean_pass))
+    assert tight.overhead_ms == 0.0 and "below 0, so 0" in tight.spec_overhead_source
     # the calibration step itself is predicted at its measured cost
     assert p.predict(stock).c == pytest.approx(6.0 / 3.5)
     bigger = p.predict(SystemConfig(drafter="ngram", tree="chain", nodes=6, depth=6, top_k=1))

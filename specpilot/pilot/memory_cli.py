@@ -23,7 +23,7 @@ from rich.table import Table
 from specpilot.errors import SpecPilotError
 from specpilot.pilot.memory import Memory, MemoryEntryError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Memory of verified entries (§3.5): list, show, reproduction check.")
 
 

@@ -138,14 +138,18 @@ class Planner:
             trace = replay_trace(rec if calib_requests is None else rec.subset(calib_requests), cfg)
             steps = [(k, r) for k, r, _ in trace]
             pass_ms = self.pass_time(steps, rec.target_layers)
-            resid = max(step_ms - pass_ms - self.draft_time(cfg, steps, calib_requests) - self.tree_time(cfg, steps)
-                        - self.move_time([mv for *_, mv in trace], rec.target_layers), 0.0)
+            draft_ms, tree_ms = self.draft_time(cfg, steps, calib_requests), self.tree_time(cfg, steps)
+            move_ms = self.move_time([mv for *_, mv in trace], rec.target_layers)
+            raw = step_ms - pass_ms - draft_ms - tree_ms - move_ms
+            resid = max(raw, 0.0)
             self.kind_overhead.setdefault(cfg.drafter, resid)
             if i == 0:
                 self.overhead_ms = resid
-                self.spec_overhead_source = (f"{cfg.label()} measured live: {step_ms:.3f} ms a step less its passes "
-                                             f"(mean {pass_ms:.3f} ms over its replayed rows), its drafting and its "
-                                             "tree building")
+                self.spec_overhead_source = (
+                    f"{cfg.label()}'s live step ({step_ms:.3f} ms) less its mean pass ({pass_ms:.3f} ms over its "
+                    f"replayed rows), drafting ({draft_ms:.3f}), tree building ({tree_ms:.3f}) and KV moves "
+                    f"({move_ms:.3f})" + (f": {raw:.3f} ms, below 0, so 0 (those parts, priced apart, already fill "
+                                          "the live step)" if raw < 0 else ""))
 
     def overhead(self, cfg: SystemConfig) -> float:
         """``T_spec`` for ``cfg``, ms: the residual of a live step of its drafter kind when one was measured (a residual

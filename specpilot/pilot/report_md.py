@@ -94,8 +94,9 @@ def _headline_warnings(r: dict) -> list[str]:
         out.append(f"- Note: the headline speedup ({_num(vs_ar)}x) and τ / c ({_num(tc)}) of the same runs differ by "
                    f"{abs(vs_ar / tc - 1):.0%}: the headline is the geometric mean over benchmarks of per-request "
                    "throughput ratios (prefill included, each request's faster run: the controller's statistic), "
-                   "τ / c sums decode steps over all requests (long requests weigh more). Neither is wrong; they "
-                   "answer different questions.")
+                   "τ / c pools the decode steps and tokens of all requests, so each request weighs by its time "
+                   "and those speculation speeds up most weigh least. For the decode throughput of this whole mix "
+                   "read τ / c; for the typical request (§5.1's gain), the headline.")
     out += _phase0_vs_headline(r)
     return out
 

@@ -44,7 +44,8 @@ def open_source(directory: str | Path) -> Memory:
         raise SpecPilotError(f"--memory {d}: " + ("is a file, not a memory directory" if d.exists() else "no such directory"))
     mem = Memory(d)
     if not mem.ids():
-        raise SpecPilotError(f"--memory {d}: no memory entries (sub-directories with entry.json) in it")
+        hint = f"; a pilot's report directory? its entries are in {d / 'memory'}" if (d / "memory").is_dir() else ""
+        raise SpecPilotError(f"--memory {d}: no memory entries (sub-directories with entry.json) in it{hint}")
     usable, broken = ordered(mem)
     if not usable:
         first = next(iter(broken.items()))

@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(help="W12 lossless 12-bit weights: pack a checkpoint directory, verify one.", no_args_is_help=True)
+app = typer.Typer(help="W12 lossless 12-bit weights: pack a checkpoint directory, verify one.", no_args_is_help=True, rich_markup_mode=None)
 
 
 @app.command()

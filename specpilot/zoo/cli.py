@@ -23,7 +23,7 @@ from specpilot.fileio import output_dir
 from specpilot.zoo.corpus import DEFAULT_GSM8K
 
 app = typer.Typer(help="Build the bundled target/drafter pair (corpus, tokenizer, tokens, training); SmolLM2 "
-                       "from its GGUF.", no_args_is_help=True)
+                       "from its GGUF.", no_args_is_help=True, rich_markup_mode=None)
 console = Console()
 
 
