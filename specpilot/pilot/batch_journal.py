@@ -44,7 +44,8 @@ def run_header(opts, sizes, rounds: int) -> dict:
     return {"target": str(Path(opts.target).resolve()), "drafter": opts.drafter and str(Path(opts.drafter).resolve()),
             "dtype": opts.dtype, "device": opts.device, "threads": opts.threads, "sizes": sorted(sizes),
             "rounds": rounds, "plan": dict(opts.plan), "seed": opts.seed, "calibration_sha256": cal,
-            **({"compile_cpu": True} if opts.compile_cpu else {})}  # absent when off: older journals still resume
+            **({"compile_cpu": True} if opts.compile_cpu else {}),  # absent when off: older journals still resume
+            **({"prompts_sha256": hashlib.sha256(Path(opts.prompts).read_bytes()).hexdigest()} if opts.prompts else {})}
 
 
 class BatchJournal:

@@ -129,6 +129,8 @@ def render_md(report: dict) -> str:
              f"{report['max_new_tokens']} new tokens; stock {report['stock_label']}"
              + ("; every system measured on the compiled batched pass (`serve --compile`)." if report.get("compiled")
                 else "."), "",
+             *([f"Requests: {report['deployment']['requests']}; benchmarks above are its groups.", ""]
+               if report.get("deployment", {}).get("requests") else []),
              "| n | sealed | why | file | vs AR | vs stock | σ (bar) | outputs equal AR |",
              "|---|---|---|---|---|---|---|---|"]
     for n, r in ps.items():

@@ -73,6 +73,7 @@ def pilot_cmd(
     scorer_dtype: Optional[str] = typer.Option(None, help="Token forcing's scorer body dtype: default the deployment's (the paper: stock's target with an FP32 LM head); float32 loads a float32 copy of the target (compares every system to unrounded arithmetic; needs the memory)."),
     calibration: Optional[Path] = typer.Option(None, help="Calibration file of a real pair (docs/calibrated-drafter.md): the planner may also propose the 'calibrated' drafter, whose acceptance is SIMULATED (for random-weight targets of real shapes); not with --agent."),
     batch: Optional[str] = typer.Option(None, help="Batch sizes, e.g. 1,4,16: the batched pilot (docs/batch-pilot.md) judges systems by batch runs at these sizes instead (--rounds: its A B B A rounds, default 3, --quick 2)."),
+    prompts: Optional[Path] = typer.Option(None, help="The deployment's own requests instead of the bundled benchmarks: JSON Lines, one OpenAI request body per line (chat or completion, as sent to `specpilot serve`), an optional \"group\" per line as the stratum (docs/batch-pilot.md); --per-benchmark caps the requests per group, --max-new-tokens each body's max_tokens."),
     compile_cpu: bool = typer.Option(False, "--compile", help="With --batch on the CPU: every system is measured on the compiled batched pass that `serve --compile` runs (compiled once at start, about 30-40 s for SmolLM2 on 2 cores)."),
 ):
     """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
@@ -125,6 +126,8 @@ def pilot_cmd(
         raise SpecPilotError("--agent must be a command template containing {worktree} (and usually {brief})")
     if agent_timeout <= 0:
         raise SpecPilotError(f"--agent-timeout must be positive, got {agent_timeout}")
+    if prompts is not None and not prompts.is_file():
+        raise SpecPilotError(f"--prompts {prompts}: " + ("is a directory, not a file" if prompts.exists() else "not found"))
     if calibration is not None:  # its drafter learns each timed prompt's AR output untimed: no code candidates
         if agent is not None:
             raise SpecPilotError("--calibration and --agent: a simulated drafter is told each prompt's greedy output "
@@ -136,6 +139,6 @@ def pilot_cmd(
                            blocks=tuple(block or ()), adversarial=adversarial, threads=threads, memory=memory,
                            devices=devs, paired_devices=paired_devices, executor=executor, agent=agent,
                            agent_timeout=agent_timeout, scorer_dtype=scorer_dtype, calibration=calibration,
-                           compile_cpu=compile_cpu,
+                           compile_cpu=compile_cpu, prompts=prompts,
                            overrides={k: v for k, v in (("per_benchmark", per_benchmark), ("max_new_tokens", max_new_tokens),
                                                         ("rounds", rounds)) if v is not None} or None))

@@ -59,7 +59,7 @@ def requests_for(pilot: Pilot, plan: dict) -> list:
     """The request set of ``plan``: ``per_benchmark`` prompts of every benchmark (of the first ``benchmarks``
     of the mix, when set) that fit the engine's context with ``max_new_tokens`` new tokens and the salt."""
     context = min(pilot.dep.target.args.max_position_embeddings, 4096)  # the engine's max_len
-    reqs = [r for r in build_requests(pilot.dep, plan["per_benchmark"], plan["max_new_tokens"])
+    reqs = [r for r in build_requests(pilot.dep, plan["per_benchmark"], plan["max_new_tokens"], pilot.o.prompts)
             if len(r.prompt_ids) + ctl.SALT_TOKENS + r.max_new_tokens <= context]  # room for the salt
     keep = list(dict.fromkeys(r.benchmark for r in reqs))[: plan.get("benchmarks") or None]
     return [r for r in reqs if r.benchmark in keep]

@@ -15,8 +15,10 @@ from specpilot.pilot.controller import Req
 BYTE_ID_OFFSET = 256  # byte b of a prompt becomes token id 256 + b when the target has no tokenizer
 
 
-def build_requests(dep, per_benchmark: int, max_new_tokens: int) -> list[Req]:
-    """The pilot's request set: the first ``per_benchmark`` prompts of every bundled benchmark.
+def build_requests(dep, per_benchmark: int, max_new_tokens: int, prompts=None) -> list[Req]:
+    """The pilot's request set: the first ``per_benchmark`` prompts of every bundled benchmark, or with ``prompts``
+    (a path: ``--prompts FILE``) of every group of that file of the deployment's own requests
+    (:func:`~specpilot.pilot.request_file.load_request_file`, which raises SpecPilotError for a bad file).
 
     MT-Bench goes through the tokenizer's chat template when it has one. Prompts are tokenized without
     special tokens; requests whose prompt would not fit the context are skipped. A target without a
@@ -28,11 +30,16 @@ def build_requests(dep, per_benchmark: int, max_new_tokens: int) -> list[Req]:
     """
     tok = dep.tokenizer
     vocab = dep.target.args.vocab_size
+    limit = min(dep.target.args.max_position_embeddings, 4096) - max_new_tokens
+    if prompts is not None:  # a text prompt's byte ids outside a small vocabulary: the file's own one-line error
+        from specpilot.pilot.request_file import load_request_file
+
+        got = load_request_file(prompts, tok, vocab, max_new_tokens, BYTE_ID_OFFSET)
+        return [r for r in got if r.index < per_benchmark and len(r.prompt_ids) <= limit]
     if tok is None and vocab < BYTE_ID_OFFSET + 256:
         raise SpecPilotError(f"{dep.target_dir} has no tokenizer and a vocabulary of {vocab} ids, too small to feed "
                              f"the prompts as byte ids (needs {BYTE_ID_OFFSET + 256})")
     reqs = []
-    limit = min(dep.target.args.max_position_embeddings, 4096) - max_new_tokens
     for r in load_mix(per_benchmark, tokenizer=tok):
         if tok is None:
             ids = [BYTE_ID_OFFSET + b for b in r.text.encode("utf-8")]

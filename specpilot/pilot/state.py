@@ -61,6 +61,7 @@ class PilotOptions:
     scorer_dtype: str | None = None  # token forcing's scorer body: None = the deployment dtype (§3.4), or float32
     calibration: Path | None = None  # a calibration file: the planner may propose the SIMULATED 'calibrated' drafter
     compile_cpu: bool = False  # --batch on the CPU: every batched engine runs the compiled stack (serve --compile's)
+    prompts: Path | None = None  # --prompts FILE: the deployment's own requests instead of the bundled benchmarks
 
     @property
     def plan(self) -> dict:
@@ -234,6 +235,11 @@ class Pilot:
             q = load_calibration(self.o.calibration).q_agreement is not None  # then its TLV Q agreement is too
             dep["calibration"] = (f"{self.o.calibration} (the calibrated drafter's acceptance"
                                   f"{' and TLV Q-pass agreement are' if q else ' is'} SIMULATED)")
+        if self.o.prompts is not None:  # tuned on the deployment's own requests, not the bundled benchmarks
+            import hashlib
+
+            h = hashlib.sha256(Path(self.o.prompts).read_bytes()).hexdigest()
+            dep["requests"] = f"{self.o.prompts} (sha256 {h[:16]}: the deployment's own, --prompts)"
         return dep
 
     def entry(self, rnd, incumbent, cand, run, forcing, requires, reused_from: str | None = None) -> Entry:
