@@ -82,7 +82,34 @@ def test_outside_float32_a_different_output_needs_forcing_and_the_3_percent_bar(
     small = compare(_synthetic({n: 1.02 for n in SIZES}, noise=0.002, seed=7), "a", "b")
     small = type(small)(**{**small.__dict__, "outputs_differ": True})
     assert not judge_batch(small, 0.001, exact=False, forcing_passed=True).approved  # 2% < the 3% bar
-    assert not judge_batch(run, 0.001, exact=True, forcing_passed=True).approved  # float32: a broken engine
+    # float32: parting at rounding ties only (the tie audit passed) is a lossless output: the 1% + 2σ bar
+    v = judge_batch(small, 0.001, exact=True, forcing_passed=True)
+    assert v.approved and v.bar == pytest.approx(ctl.BASE_BAR + 0.002), v.reason
+    for audit in (None, False):  # not audited, or a token beyond a tie: a broken engine
+        v = judge_batch(run, 0.001, exact=True, forcing_passed=audit)
+        assert not v.approved and "beyond float32 rounding ties" in v.reason
+
+
+def test_float32_rounding_ties_pass_ar_and_fail_a_planted_wrong_token():
+    """The float32 audit of outputs that part from the incumbent's (``BatchMeasured.differing``, ``rounding_ties``):
+    AR's own batched outputs are the scorer's argmax to rounding; a token one id off is nats below it."""
+    from specpilot.engine.deployment import Deployment
+    from specpilot.pilot.forcing import F32_TIE, Scorer, rounding_ties
+    from specpilot.zoo import bundled_target_dir
+
+    dep = Deployment(bundled_target_dir())
+    prompts = ((5, 6, 7, 8), (9, 10, 11))
+    ar = tuple(tuple(g.tokens) for g in dep.batch_system(SystemConfig.ar(), max_num_seqs=2).generate_all(
+        [list(p) for p in prompts], 8))
+    cell = ("b", 2, 0)
+    bad = (ar[0][:3] + ((ar[0][3] + 1) % 4096,) + ar[0][4:], ar[1])
+    m = BatchMeasured({}, {"ar": {cell: (ar, ar)}, "x": {cell: (ar, bad)}}, {cell: (prompts, prompts)}, {}, {})
+    assert m.differing("ar", "ar") == [] and m.differing("ar", "x") == [(prompts[0], bad[0], "b")]
+    scorer = Scorer(dep.target)
+    ok = rounding_ties(scorer, [(p, o, "b") for p, o in zip(prompts, ar)])
+    assert ok["passed"] and ok["tokens"] == 16 and ok["largest_margin"] <= F32_TIE and not ok["reasons"]
+    got = rounding_ties(scorer, m.differing("ar", "x"))
+    assert not got["passed"] and got["largest_margin"] > 100 * F32_TIE and "nats below" in got["reasons"][0]
 
 
 def test_batch_forcing_catches_a_planted_wrong_token():
@@ -259,7 +286,10 @@ def test_quick_batch_run_end_to_end(tmp_path, capsys):
         row = rep["per_size"][n]
         assert all(row[f"{k}_tokens_per_s"] > 0 for k in ("ar", "stock", "sealed"))
         assert row["phase0_stock_vs_ar"] > 0 and row["sealed_vs_stock"] > 0
-    assert rep["outputs_equal_ar"] == {"stock": True, "sealed": True} and rep["token_forcing"] is None
+    assert rep["outputs_equal_ar"] == {"stock": True, "sealed": True}
+    ties = rep["token_forcing"]["sealed"]  # float32: the rounding-tie audit of outputs parting from AR's (none here)
+    assert ties["rule"] == "float32 rounding ties" and ties["passed"] and ties["tokens"] == 0
+    assert "Float32 rounding ties: 0 tokens" in (out / "batch_report.md").read_text()
     judged = [v for v in rep["verdicts"] if "skipped" not in v]
     assert judged and all(not v["run"]["outputs_differ"] for v in judged)  # lossless: every candidate equals AR
     assert {v["mechanism"] for v in rep["verdicts"]} == {"stock", *(n for n, _, _ in MECHANISMS)}  # a small head
@@ -344,3 +374,29 @@ def test_a_thread_left_running_counts_but_torch_compiles_progress_monitor_does_n
     finally:
         stop.set()
 
+
+
+def test_phase0_stock_beyond_rounding_ties_stops_the_run_as_a_broken_engine(tmp_path, monkeypatch):
+    """float32: stock may part from AR's outputs at rounding ties only; a planted token nats below the argmax in
+    stock's Phase 0 output stops the run before any candidate is judged."""
+    import specpilot.pilot.batch_pilot as bp
+    from specpilot.pilot.state import PilotOptions
+    from specpilot.zoo import bundled_target_dir
+
+    real_measure = bp.measure_batches
+
+    def planted(makers, *a, **kw):
+        m = real_measure(makers, *a, **kw)
+        if "stock" in makers:
+            cell = next(iter(m.outputs["stock"]))
+            first, *rest = m.outputs["stock"][cell]
+            out0 = first[0]
+            first = ((out0[:1] + ((out0[1] + 7) % 4096,) + out0[2:]),) + tuple(first[1:])
+            m.outputs["stock"][cell] = (first, *rest)
+        return m
+
+    monkeypatch.setattr(bp, "measure_batches", planted)
+    opts = PilotOptions(target=bundled_target_dir(), out=tmp_path / "r", quick=True,
+                        overrides={"per_benchmark": 2, "max_new_tokens": 4, "benchmarks": 1})
+    with pytest.raises(SpecPilotError, match="beyond rounding ties .*nats below.*the engine is broken"):
+        run_batch_pilot(opts, (1, 2), rounds=2, rng=random.Random(5))

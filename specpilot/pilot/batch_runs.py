@@ -107,6 +107,13 @@ class BatchMeasured:
         return [(p, o, cell[0]) for cell, sets in sorted(self.prompts.items())
                 for ps, os_ in zip(sets, self.outputs[name][cell]) for p, o in zip(ps, os_)]
 
+    def differing(self, a: str, b: str) -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
+        """``(prompt_ids, output_ids, benchmark)`` of every variant on which ``b``'s output differs from ``a``'s (the
+        same prompt, ``b``'s tokens): what the float32 rounding-tie check audits."""
+        return [(p, ob, cell[0]) for cell, sets in sorted(self.prompts.items())
+                for ps, oa, obs in zip(sets, self.outputs[a][cell], self.outputs[b][cell])
+                for p, x, ob in zip(ps, oa, obs) if x != ob]
+
     def equal_outputs(self, a: str, b: str) -> bool:
         """Whether ``b``'s tokens equal ``a``'s on every variant of every cell."""
         return all(self.outputs[a][c] == self.outputs[b][c] for c in self.outputs[a])
