@@ -198,7 +198,7 @@ def test_pilot_prices_simulated_tlv_as_the_live_engine_runs_it(tiny_dirs, tiny_m
         cfg.model_copy(update={"tlv": False})).tau
     from specpilot.pilot.state import Pilot
 
-    o = SimpleNamespace(target="T", drafter=None, device="cpu", dtype="float32", calibration=path)
+    o = SimpleNamespace(target="T", drafter=None, device="cpu", dtype="float32", calibration=path, prompts=None)
     assert "TLV Q-pass agreement are SIMULATED" in Pilot.deployment(SimpleNamespace(o=o))["calibration"]
     o.calibration = save_calibration(real[1], tmp_path / "old.json")  # no Q agreement: acceptance alone
     assert Pilot.deployment(SimpleNamespace(o=o))["calibration"].endswith("acceptance is SIMULATED)")

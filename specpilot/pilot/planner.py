@@ -138,18 +138,15 @@ class Planner:
             trace = replay_trace(rec if calib_requests is None else rec.subset(calib_requests), cfg)
             steps = [(k, r) for k, r, _ in trace]
             pass_ms = self.pass_time(steps, rec.target_layers)
-            draft_ms, tree_ms = self.draft_time(cfg, steps, calib_requests), self.tree_time(cfg, steps)
-            move_ms = self.move_time([mv for *_, mv in trace], rec.target_layers)
-            raw = step_ms - pass_ms - draft_ms - tree_ms - move_ms
-            resid = max(raw, 0.0)
-            self.kind_overhead.setdefault(cfg.drafter, resid)
+            parts = (self.draft_time(cfg, steps, calib_requests), self.tree_time(cfg, steps),
+                     self.move_time([mv for *_, mv in trace], rec.target_layers))  # drafting, tree, KV moves
+            raw = step_ms - pass_ms - sum(parts)
+            self.kind_overhead.setdefault(cfg.drafter, max(raw, 0.0))
             if i == 0:
-                self.overhead_ms = resid
-                self.spec_overhead_source = (
+                self.overhead_ms, self.spec_overhead_source = max(raw, 0.0), (
                     f"{cfg.label()}'s live step ({step_ms:.3f} ms) less its mean pass ({pass_ms:.3f} ms over its "
-                    f"replayed rows), drafting ({draft_ms:.3f}), tree building ({tree_ms:.3f}) and KV moves "
-                    f"({move_ms:.3f})" + (f": {raw:.3f} ms, below 0, so 0 (those parts, priced apart, already fill "
-                                          "the live step)" if raw < 0 else ""))
+                    "replayed rows), drafting ({:.3f}), tree building ({:.3f}) and KV moves ({:.3f})".format(*parts)
+                    + (f": {raw:.3f} ms, below 0, so 0 (the parts priced apart fill the step)" if raw < 0 else ""))
 
     def overhead(self, cfg: SystemConfig) -> float:
         """``T_spec`` for ``cfg``, ms: the residual of a live step of its drafter kind when one was measured (a residual
@@ -381,10 +378,7 @@ class Planner:
             p = self.predict(cfg)
             if p is not None:
                 families.setdefault((cfg.drafter, cfg.drafter_path), []).append((cfg, p))
-        picked = []
-        for fam in families.values():
-            fam.sort(key=lambda cp: -cp[1].speedup)
-            picked += fam[:k]
+        picked = [cp for fam in families.values() for cp in sorted(fam, key=lambda cp: -cp[1].speedup)[:k]]
         picked.sort(key=lambda cp: -cp[1].speedup)
         return picked
 
