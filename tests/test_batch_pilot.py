@@ -93,16 +93,10 @@ def test_outside_float32_a_different_output_needs_forcing_and_the_3_percent_bar(
 def test_float32_rounding_ties_pass_ar_and_fail_a_planted_wrong_token():
     """The float32 audit of outputs that part from the incumbent's (``BatchMeasured.differing``, ``rounding_ties``):
     AR's own batched outputs are the scorer's argmax to rounding; a token one id off is nats below it."""
-    from specpilot.engine.deployment import Deployment
     from specpilot.pilot.forcing import F32_TIE, Scorer, rounding_ties
-    from specpilot.zoo import bundled_target_dir
 
-    dep = Deployment(bundled_target_dir())
-    prompts = ((5, 6, 7, 8), (9, 10, 11))
-    ar = tuple(tuple(g.tokens) for g in dep.batch_system(SystemConfig.ar(), max_num_seqs=2).generate_all(
-        [list(p) for p in prompts], 8))
+    dep, prompts, ar, bad = _ar_and_a_planted_token()
     cell = ("b", 2, 0)
-    bad = (ar[0][:3] + ((ar[0][3] + 1) % 4096,) + ar[0][4:], ar[1])
     m = BatchMeasured({}, {"ar": {cell: (ar, ar)}, "x": {cell: (ar, bad)}}, {cell: (prompts, prompts)}, {}, {})
     assert m.differing("ar", "ar") == [] and m.differing("ar", "x") == [(prompts[0], bad[0], "b")]
     scorer = Scorer(dep.target)
@@ -112,19 +106,26 @@ def test_float32_rounding_ties_pass_ar_and_fail_a_planted_wrong_token():
     assert not got["passed"] and got["largest_margin"] > 100 * F32_TIE and "nats below" in got["reasons"][0]
 
 
-def test_batch_forcing_catches_a_planted_wrong_token():
-    """δ and stock's figures from batched AR and stock outputs; a candidate whose outputs carry a token the
-    scorer rates far below its argmax fails the events rule."""
+def _ar_and_a_planted_token():
+    """The bundled target, two prompts, their batched AR outputs (8 tokens) and a copy with token 3 of the first
+    one id off (a token the scorer rates far below its argmax)."""
     from specpilot.engine.deployment import Deployment
-    from specpilot.pilot.forcing import Scorer
     from specpilot.zoo import bundled_target_dir
 
     dep = Deployment(bundled_target_dir())
     prompts = ((5, 6, 7, 8), (9, 10, 11))
     ar = tuple(tuple(g.tokens) for g in dep.batch_system(SystemConfig.ar(), max_num_seqs=2).generate_all(
         [list(p) for p in prompts], 8))
+    return dep, prompts, ar, (ar[0][:3] + ((ar[0][3] + 1) % 4096,) + ar[0][4:], ar[1])
+
+
+def test_batch_forcing_catches_a_planted_wrong_token():
+    """δ and stock's figures from batched AR and stock outputs; a candidate whose outputs carry a token the
+    scorer rates far below its argmax fails the events rule."""
+    from specpilot.pilot.forcing import Scorer
+
+    dep, prompts, ar, bad = _ar_and_a_planted_token()
     cell = ("b", 2, 0)
-    bad = (ar[0][:3] + ((ar[0][3] + 1) % 4096,) + ar[0][4:], ar[1])
     p0 = BatchMeasured({}, {"ar": {cell: (ar, ar)}, "stock": {cell: (ar, ar)}, "x": {cell: (bad, bad)}},
                        {cell: (prompts, prompts)}, {}, {})
     f = BatchForcing(Scorer(dep.target), p0)
