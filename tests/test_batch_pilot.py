@@ -376,6 +376,44 @@ def test_a_thread_left_running_counts_but_torch_compiles_progress_monitor_does_n
         stop.set()
 
 
+def test_inductors_compile_pool_is_a_library_thread_but_a_systems_own_executor_is_not(monkeypatch):
+    """The first CPU-stack compile starts Inductor's compile pool (threads named ``ThreadPoolExecutor-N_M``, idle
+    afterwards): not work the system left running. A system's own executor, named alike, still is."""
+    import functools
+    import sys
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import ModuleType, SimpleNamespace
+
+    from specpilot.pilot.paired import new_threads
+
+    pool = ThreadPoolExecutor(2)
+
+    class AsyncCompile:
+        @staticmethod
+        @functools.lru_cache(1)
+        def pool():
+            return pool
+
+    fake = ModuleType("torch._inductor.async_compile")
+    fake.AsyncCompile = AsyncCompile
+    monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", fake)
+    own = ThreadPoolExecutor(1)
+    stop = threading.Event()
+    try:
+        before = set(threading.enumerate())
+        assert new_threads(before) == set()  # the pool not made yet: nothing to exclude, nothing new
+        AsyncCompile.pool().submit(stop.wait, 0.01).result()
+        assert pool._threads and new_threads(before) == set()
+        own.submit(stop.wait, 0.01).result()
+        (mine,) = own._threads
+        assert new_threads(before) == {mine.name} and mine.name.startswith("ThreadPoolExecutor-")
+    finally:
+        stop.set()
+        pool.shutdown()
+        own.shutdown()
+
+
 
 def test_phase0_stock_beyond_rounding_ties_stops_the_run_as_a_broken_engine(tmp_path, monkeypatch):
     """float32: stock may part from AR's outputs at rounding ties only; a planted token nats below the argmax in

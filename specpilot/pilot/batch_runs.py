@@ -31,18 +31,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from specpilot.pilot.bootstrap import gain_and_bound
-from specpilot.pilot.paired import Req, _device_sync, _salter
+from specpilot.pilot.paired import Req, _device_sync, _salter, new_threads
 from specpilot.spec.calibrated import CalibratedDrafter
 
 Cell = tuple  # (benchmark, size, round)
-#: threads a library starts that do no work of the system: tqdm's idle monitor of torch.compile's progress bar
-#: (``--compile``: Inductor opens one per compile and the monitor outlives it), never judged as work left running
-LIBRARY_THREADS = frozenset({"tqdm_monitor"})
-
-
-def _new_threads(before: set, enum=threading.enumerate) -> set[str]:
-    """Names of threads running now that were not in ``before``, less :data:`LIBRARY_THREADS`."""
-    return {t.name for t in enum() if t not in before} - LIBRARY_THREADS
 BatchFactory = Callable[[int], object]  # size n -> a BatchEngine of n slots
 
 
@@ -64,7 +56,7 @@ def prepare_batch_untimed(engine, prompts, max_new: int) -> None:
 def timed_batch(engine, prompts, max_new: int, _clock=time.perf_counter, _sync=_device_sync,
                 _enum=threading.enumerate) -> tuple[tuple[tuple[int, ...], ...], float, set[str]]:
     """One batch run: every prompt queued at once, run to the end. Returns (tokens per prompt, wall seconds of the
-    timed region, names of Python threads it left running, less :data:`LIBRARY_THREADS`)."""
+    timed region, names of Python threads it left running, less :func:`~specpilot.pilot.paired.library_threads`)."""
     prepare_batch_untimed(engine, prompts, max_new)
     before = set(_enum())
     t0 = _clock()
@@ -72,7 +64,7 @@ def timed_batch(engine, prompts, max_new: int, _clock=time.perf_counter, _sync=_
     tokens = tuple(tuple(int(t) for t in g.tokens) for g in gens)
     _sync()
     dt = _clock() - t0
-    return tokens, dt, _new_threads(before, _enum)
+    return tokens, dt, new_threads(before, _enum)
 
 
 @dataclass
@@ -185,7 +177,7 @@ def measure_batches(makers: dict[str, BatchFactory], groups: dict[str, list[Req]
             engines[k] = makers[k](n)
             engines[k].capture_graphs()  # every (requests, rows) bucket's CUDA graph now, not in a timed run
             engines[k].compile_shapes()  # and a compiled CPU stack's graphs (compile_cpu)
-            m.outside[k] |= _new_threads(before)
+            m.outside[k] |= new_threads(before)
             reqs = groups[rng.choice(list(groups))]
             m.outside[k] |= timed_batch(engines[k], variant_set(reqs, n, salted), reqs[0].max_new_tokens)[2]
         for r in range(rounds):

@@ -63,11 +63,30 @@ def _device_sync() -> None:
         torch.cuda.synchronize()
 
 
+def library_threads(enum=threading.enumerate) -> set:
+    """Threads running now that a library owns and that do no work of a system: tqdm's idle monitor (torch.compile's
+    progress bar opens one per compile and it outlives the compile) and the threads of Inductor's compile pool
+    (started by the first compile of a CPU stack with parallel compile threads, then kept idle for the process).
+    The pool's threads are matched by identity, not by their generic ``ThreadPoolExecutor-N_M`` names, so a
+    system's own executor is still seen."""
+    owned = {t for t in enum() if t.name == "tqdm_monitor"}
+    inductor = sys.modules.get("torch._inductor.async_compile")
+    if inductor is not None and inductor.AsyncCompile.pool.cache_info().currsize:  # only if Inductor made it
+        owned |= set(inductor.AsyncCompile.pool()._threads)  # CPython's ThreadPoolExecutor keeps them here
+    return owned
+
+
+def new_threads(before: set, enum=threading.enumerate) -> set[str]:
+    """Names of threads running now that were not in ``before``, less :func:`library_threads`: work a system left
+    running outside the timed region."""
+    return {t.name for t in set(enum()) - before - library_threads(enum)}
+
+
 def _build(make: Factory, _enum=threading.enumerate) -> tuple[object, set[str]]:
     """``make()`` untimed; returns (system, names of threads it started that are still running)."""
     before = set(_enum())
     system = make()
-    return system, {t.name for t in _enum() if t not in before}
+    return system, new_threads(before, _enum)
 
 
 def _timed(system, prompt: tuple[int, ...], max_new: int, _clock=time.perf_counter, _sync=_device_sync,
@@ -82,7 +101,7 @@ def _timed(system, prompt: tuple[int, ...], max_new: int, _clock=time.perf_count
     tokens = tuple(int(t) for t in gen.tokens)
     _sync()
     dt = _clock() - t0
-    return tokens, dt, {t.name for t in _enum() if t not in before}
+    return tokens, dt, new_threads(before, _enum)
 
 
 def _salter(vocab_size: int, avoid_ids, rng) -> Callable[[Sequence[int]], tuple[int, ...]]:
