@@ -61,6 +61,7 @@ def systems(args, workdir: Path) -> dict[str, dict]:
                          "smollm2", "--disable-uvicorn-access-log"],
                  "env": dict(env, VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_KVCACHE_SPACE="2")},
         "specpilot_ar": {"cmd": sp + ["--target", args.target, "--drafter", "none"], "env": env},
+        "specpilot_ar_compiled": {"cmd": sp + ["--target", args.target, "--drafter", "none", "--compile"], "env": env},
         "specpilot_sealed": {"cmd": sp + sealed_args
                              + ([] if args.sealed_spec_max is None else
                                 ["--speculative-disable-by-batch-size", str(args.sealed_spec_max)]),
