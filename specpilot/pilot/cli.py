@@ -56,7 +56,8 @@ def pilot_cmd(
     adversarial: bool = typer.Option(False, help="Also judge A vs A and the cheating candidates (cached outputs, "
                                      "lazy outputs, a thread left running, a logit bias, FP8 verification, skipped "
                                      "verification) in this run; each must be rejected (report section)."),
-    out: Path = typer.Option(Path("specpilot-report"), help="Report directory."),
+    out: Path = typer.Option(Path("specpilot-report"), help="Report directory (with --batch: one sealed system per "
+                             "size, the directory `serve --system` and `bench --batch --system` take)."),
     target: Optional[Path] = typer.Option(None, help="Target checkpoint directory (default: bundled)."),
     drafter_path: Optional[Path] = typer.Option(None, help="Draft model directory (default: bundled drafter with the bundled target)."),
     device: Optional[str] = typer.Option(None, help="torch device of the pilot's own process (profiling, scorer). Default: the first of --devices, else cpu."),
