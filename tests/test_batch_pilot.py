@@ -383,7 +383,7 @@ def test_inductors_compile_pool_is_a_library_thread_but_a_systems_own_executor_i
     import sys
     import threading
     from concurrent.futures import ThreadPoolExecutor
-    from types import ModuleType, SimpleNamespace
+    from types import ModuleType
 
     from specpilot.pilot.paired import new_threads
 
