@@ -1,6 +1,7 @@
 """The batched CPU decode step's attention at SmolLM2's shape: the CPU flash SDPA (what the eager pass runs) against
-the compiled stack's ``masked_attention`` (keys a window of the pool, or gathered first), the SDPA on a head-major
-copy of the pool (a layout not built), and the time to read the same K/V once. 32 requests of the peer workload's lengths (8 GSM8K chat prompts four times, 100 tokens generated),
+the compiled stack's ``masked_attention`` (keys a window of the pool, or gathered first), the C++ kernel over each
+request's own keys (``specpilot.kernels.cpu_attention``), the SDPA on a head-major copy of the pool (a layout not
+built), and the time to read the same K/V once. 32 requests of the peer workload's lengths (8 GSM8K chat prompts four times, 100 tokens generated),
 one query row each, 2 threads. Every variant's output is checked against the SDPA's.
 
 Usage: ``PYTHONPATH=. python probes/decode_attention_cpu.py OUT.json``
@@ -15,6 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from specpilot.kernels import cpu_attention
 from specpilot.model.compiled_stack import masked_attention
 
 torch.set_num_threads(2)
@@ -57,6 +59,13 @@ def sdpa_head_major(layer):  # a pool laid out [slot, layer, KVH, pos, D]: each 
     return F.scaled_dot_product_attention(q, hm_k[:, layer, :, :span], hm_v[:, layer, :, :span], attn_mask=mask)
 
 
+slots_all = torch.arange(W)
+
+
+def cpp_decode(layer):  # one query row a request: q [W, H, D]
+    return cpu_attention.decode_attention(q.reshape(W, KVH * G, D), pool_k, pool_v, layer, slots_all, lens)
+
+
 def read_kv(layer):
     return pool_k[:, layer, :span].sum() + pool_v[:, layer, :span].sum()
 
@@ -71,15 +80,16 @@ def ms(fn, n=60):
 
 
 errors = {"window": (window(0) - sdpa(0)).abs().max().item(), "head_major": (sdpa_head_major(0) - sdpa(0)).abs().max().item(),
-          "gathered": (gathered(0) - sdpa_gathered(0)).abs().max().item()}
+          "gathered": (gathered(0) - sdpa_gathered(0)).abs().max().item(),
+          "cpp_decode": (cpp_decode(0).reshape(W, KVH, G, D) - sdpa(0)).abs().max().item()}
 variants = {"sdpa": sdpa, "masked_attention_window": window, "sdpa_gathered": sdpa_gathered,
-            "masked_attention_gathered": gathered, "sdpa_head_major": sdpa_head_major, "read_kv_once": read_kv}
+            "masked_attention_gathered": gathered, "sdpa_head_major": sdpa_head_major, "cpp_decode": cpp_decode, "read_kv_once": read_kv}
 times = {k: [] for k in variants}
 for _ in range(3):  # interleaved rounds
     for name, fn in variants.items():
         times[name].append(ms(fn))
 sweep = {}  # the window form against the SDPA by request count (the same lengths, the first W of them)
-for w in (2, 4, 8, 16, 32):
+for w in (1, 2, 4, 8, 16, 32):
     sw = int(lens[:w].max())
     mw = mask[:w, :, :, :sw].contiguous()
 
@@ -90,11 +100,17 @@ for w in (2, 4, 8, 16, 32):
     def ma(layer, w=w, sw=sw, mw=mw):
         return compiled(q[:w], pool_k[:w, layer, :sw], pool_v[:w, layer, :sw], mw)
 
-    a, b = [], []
+    def cd(layer, w=w):
+        return cpu_attention.decode_attention(q[:w].reshape(w, KVH * G, D), pool_k, pool_v, layer, slots_all[:w],
+                                              lens[:w])
+
+    a, b, c = [], [], []
     for _ in range(3):
         a.append(ms(sd, 100))
         b.append(ms(ma, 100))
-    sweep[str(w)] = {"sdpa_ms": min(a), "masked_attention_ms": min(b), "ratio": min(b) / min(a)}
+        c.append(ms(cd, 100))
+    sweep[str(w)] = {"sdpa_ms": min(a), "masked_attention_ms": min(b), "cpp_decode_ms": min(c),
+                     "ratio": min(b) / min(a), "cpp_ratio": min(c) / min(a)}
 res = {"probe": "decode_attention_cpu", "date": time.strftime("%Y-%m-%d"),
        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
        "versions": {"torch": torch.__version__, "python": platform.python_version()},
@@ -104,7 +120,10 @@ res = {"probe": "decode_attention_cpu", "date": time.strftime("%Y-%m-%d"),
        "ms_per_layer": {k: min(v) for k, v in times.items()}, "ms_per_layer_rounds": times,
        "max_abs_error_vs_sdpa": errors, "by_requests": sweep}
 res["ratio_to_sdpa"] = {"window": res["ms_per_layer"]["masked_attention_window"] / res["ms_per_layer"]["sdpa"],
-                        "gathered": res["ms_per_layer"]["masked_attention_gathered"] / res["ms_per_layer"]["sdpa_gathered"]}
+                        "gathered": res["ms_per_layer"]["masked_attention_gathered"] / res["ms_per_layer"]["sdpa_gathered"],
+                        "cpp_decode": res["ms_per_layer"]["cpp_decode"] / res["ms_per_layer"]["sdpa"],
+                        "cpp_decode_to_window": res["ms_per_layer"]["cpp_decode"]
+                        / res["ms_per_layer"]["masked_attention_window"]}
 json.dump(res, open(sys.argv[1], "w"), indent=1)
 print(json.dumps({k: res[k] for k in ("ms_per_layer", "ratio_to_sdpa", "max_abs_error_vs_sdpa", "by_requests")},
                  indent=1))

@@ -33,9 +33,28 @@ def _requests(seed: int, n: int = 10):
     return out
 
 
-def _engine(target, cfg, compile_cpu, slots=6, **kw):
+def _engine(target, cfg, compile_cpu, slots=6, decode_kernel=None, **kw):
+    """A batched engine of ``slots``; compiled, its own stack unless ``stack`` is given (``decode_kernel``: whether its
+    one-row passes take the C++ decode attention; None: where it builds)."""
     drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min, max_matches=1, max_slots=slots) if cfg.drafter else None
+    if compile_cpu and "stack" not in kw:
+        from specpilot.model.compiled_stack import CompiledStack
+
+        kw["stack"] = CompiledStack(target, decode_kernel=decode_kernel)
     return BatchEngine(target, cfg, drafter, eos_ids=[], max_num_seqs=slots, compile_cpu=compile_cpu, **kw)
+
+
+def _kernel_calls(monkeypatch) -> list:
+    """Record each call of the C++ decode attention (its request count) in the returned list."""
+    from specpilot.kernels import cpu_attention
+
+    calls, real = [], cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    return calls
+
+
+KERNEL = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not __import__("specpilot.kernels.cpu_attention", fromlist=["x"]).available(), reason="no C++ toolchain"))]
 
 
 def _windows(eng):
@@ -51,22 +70,25 @@ def _windows(eng):
     eng.stack.forward_batch = spy
 
 
+@pytest.mark.parametrize("kernel", KERNEL, ids=["masked", "kernel"])
 @pytest.mark.parametrize("cfg", [SystemConfig.ar(), SystemConfig(drafter="ngram", tree="chain", nodes=4, depth=4,
                                                                   top_k=1)], ids=["ar", "ngram_chain"])
-def test_compiled_engine_equals_eager_token_for_token(tiny_models, cfg):
+def test_compiled_engine_equals_eager_token_for_token(tiny_models, cfg, kernel, monkeypatch):
     target = tiny_models[0]
     reqs = _requests(3, n=14)
     # first six at once, the middle four ending first: slots 0 and 5 left running, not one window
     gap = [(p, n) for (p, _), n in zip(_requests(4, n=6), (20, 2, 1, 3, 1, 20))]
-    eager, eng = _engine(target, cfg, False), _engine(target, cfg, True)
+    eager, eng = _engine(target, cfg, False), _engine(target, cfg, True, decode_kernel=kernel)
     _windows(eng)
+    kernel_calls = _kernel_calls(monkeypatch)
     from torch._dynamo.utils import counters
 
     from specpilot.model import compiled_stack as cs
 
     # the stack's two graphs; the decode attention's for 2 and 4 query rows per KV head (the tiny target has 2
-    # query heads a KV head), keys a window of the pool or gathered
-    assert eng.compile_shapes() == 2 + 2 * 2
+    # query heads a KV head; 2 is one row a request, which the C++ kernel takes where it is on), keys a window of
+    # the pool or gathered
+    assert eng.compile_shapes() == 2 + 2 * (1 if kernel else 2)
     eng.stack.decode_min_requests = 2  # its default (16) is past these engines' slots
     graphs = counters["stats"]["unique_graphs"]
     entry, attended = cs._TABLES[eng.stack.owner], []
@@ -77,7 +99,10 @@ def test_compiled_engine_equals_eager_token_for_token(tiny_models, cfg):
         want = [g.tokens for g in eager.generate_all(prompts, budgets)]
         assert [g.tokens for g in eng.generate_all(prompts, budgets)] == want
     assert counters["stats"]["unique_graphs"] == graphs  # compile_shapes compiled every graph the run needed
-    assert attended and set(attended) <= {2, 4}  # decode passes took the compiled attention, wider ones the SDPA
+    if kernel:  # one-row passes took the kernel (a single request too); two rows each the compiled attention
+        assert kernel_calls and 1 in kernel_calls and set(attended) <= {4} and (cfg.drafter is None) != bool(attended)
+    else:  # decode passes took the compiled attention, wider ones the SDPA
+        assert not kernel_calls and attended and set(attended) <= {2, 4}
     assert eng.stack.passes["eager"] == 0 and eng.stack.passes["compiled"] == len(eng.windows)
     assert True in eng.windows and False in eng.windows  # slots as one window, and gathered
     if cfg.drafter:
@@ -97,7 +122,7 @@ def test_three_query_heads_a_kv_head_compile_nothing_after_warm_up(tmp_path):
 
     target = load_model(save_tiny(tmp_path / "g3", "llama", hidden=96, layers=2, heads=6, kv_heads=2, seed=3))
     cfg = SystemConfig.ar()
-    eager, eng = _engine(target, cfg, False), _engine(target, cfg, True)
+    eager, eng = _engine(target, cfg, False), _engine(target, cfg, True, decode_kernel=False)
     assert eng.compile_shapes() == 2 + 2  # the stack's two graphs; 3 rows a KV head, keys a window or gathered
     eng.stack.decode_min_requests = 2
     graphs = counters["stats"]["unique_graphs"]
@@ -238,7 +263,7 @@ def test_an_owner_row_goes_with_close_and_with_the_owner(tiny_models):
 
     stack = cs.CompiledStack(tiny_models[0])
     key = stack.owner
-    assert len(cs._TABLES[key].modules) == 4 * tiny_models[0].args.num_layers
+    assert len(cs._TABLES[key].forwards) == 4 * tiny_models[0].args.num_layers
     stack.close()
     assert key not in cs._TABLES
     with pytest.raises(KeyError), torch.inference_mode():

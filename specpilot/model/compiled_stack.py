@@ -3,32 +3,23 @@
 
 Why. On the CPU a batched decode step of a small model is dispatch-bound: each layer runs ~20 small elementwise ops
 (RMSNorm, RoPE, SiLU·mul, residual adds) around its projections. One compiled function over all layers lets Inductor
-fuse them (the prototype: ``results/cpu_stack_compile_cpu_2026-12-05_1f9f580/``). Two custom ops stay opaque to it:
+fuse them (the prototype: ``results/cpu_stack_compile_cpu_2026-12-05_1f9f580/``). Two ops stay opaque to it
+(:mod:`~specpilot.model.stack_ops`): ``specpilot::stack_linear``, a projection through the target's own module, and
+``specpilot::window_attention``, the rows' K/V written into the pool and the layer's attention over the requests'
+slots. Everything that depends on the requests (slots, starts, masks) stays inside the latter, so the graph's only
+dynamic size is the row count ``R``: two graphs (``R = 1``, ``R >= 2``) serve every pass.
 
-- ``specpilot::stack_linear(x, owner, index)``: a projection through the target's own module (the oneDNN-prepacked
-  :class:`~specpilot.kernels.cpu_linear.PackedLinear`, a plain ``nn.Linear``, a W12 layer), the eager pass's GEMM.
-- ``specpilot::window_attention(q, k, v, k_pool, v_pool, owner, layer)``: the rows' K/V written into the pool, then
-  the eager pass's masked SDPA (:func:`~specpilot.model.layers.batch_sdpa`) over the requests' slots, a view of the
-  pool where they form a window, else gathered. It declares that it mutates the pool (the prototype's K/V written
-  by index assignment inside the graph made the functionalized ``index_put`` copy the whole pool every step: 590 ms
-  a step on SmolLM2). Everything that depends on the requests (slots, starts, masks) stays inside it, so the graph's
-  only dynamic size is the row count ``R``: two graphs (``R = 1``, ``R >= 2``) serve every pass. Inside it a decode
-  pass (several requests, a few rows each) attends through :func:`masked_attention`, compiled on its own with
-  dynamic sizes (one graph per row count per KV head and key layout): Inductor's loop over each request's keys in
-  place took 0.73x the CPU flash SDPA's time at 32 requests (its docstring); smaller and wider passes keep the SDPA.
+Each :class:`CompiledStack` owns a row of :data:`~specpilot.model.stack_ops._TABLES` (its projections, and the rows
+of the pass it is running), added when built and removed in :meth:`CompiledStack.close` or when it is
+garbage-collected, and compiles its own copy of the stack function (its own code object), so two targets in one
+process never share, evict or recompile each other's graphs, and nothing process-wide is switched. Passes the stack
+does not take (the Triton batched attention, a profiler, a drafter reading target features) run the eager pass;
+:attr:`CompiledStack.passes` counts both.
 
-``owner`` is an int key into :data:`_TABLES`, a row per :class:`CompiledStack` (its projections, and the rows of the
-pass it is running), which the stack adds when built and removes in :meth:`CompiledStack.close` or when it is
-garbage-collected. The ops are registered once, when this module is first imported (the package imports it only for
-an engine that asks for it). Each :class:`CompiledStack` compiles its own copy of the stack function (its own code
-object), so two targets in one process never share, evict or recompile each other's graphs, and nothing
-process-wide is switched. Passes the stack does not take (the Triton batched attention, a profiler, a drafter reading
-target features) run the eager pass; :attr:`CompiledStack.passes` counts both.
-
-Numerics: the projections and attention are the eager pass's own calls; the fused norms and RoPE round differently
-in the last bits (float32: hidden states within ~5e-7 of the eager pass's on a tiny target), as another GEMM order
-would. Every committed token is still the argmax of an exact pass of the target's weights; in the tests the tokens
-equal the eager engine's.
+Numerics: the projections are the eager pass's own calls; the fused norms and RoPE, and the attention's forms,
+round differently in the last bits (float32: hidden states within ~5e-7 of the eager pass's on a tiny target), as
+another GEMM order would. Every committed token is still the argmax of an exact pass of the target's weights; in the
+tests the tokens equal the eager engine's.
 """
 
 from __future__ import annotations
@@ -40,127 +31,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from specpilot.errors import SpecPilotError
-from specpilot.model.batch import BatchRows, Prepared
+from specpilot.kernels import cpu_attention
+from specpilot.model.batch import BatchRows
 from specpilot.model.cache import KVPool
-from specpilot.model.layers import batch_sdpa, padded_attention
+from specpilot.model.stack_ops import (DECODE_MIN_REQUESTS, DECODE_ROWS, _KEYS, _TABLES, _attention_of, _Entry,
+                                       masked_attention, stack_linear, takes_decode, window_attention)
 
-
-#: the fewest requests (with a window's padding slots) a decode pass needs to take :func:`masked_attention`, by
-#: default (:func:`takes_decode`; per owner: :attr:`CompiledStack.decode_min_requests`).
-DECODE_MIN_REQUESTS = 16
-
-
-@dataclass
-class _Entry:
-    """One owner's row of :data:`_TABLES`: its projections, their output widths, the rows of the pass it is
-    running (set by :meth:`CompiledStack.forward_batch` for the length of one pass, read by
-    ``specpilot::window_attention``), its compiled :func:`masked_attention` (None: every pass takes the SDPA) and the
-    fewest requests a pass needs to take it (:attr:`CompiledStack.decode_min_requests`)."""
-
-    modules: list
-    widths: list[int]
-    rows: Prepared | None = None
-    attend: object = None
-    decode_min: int = DECODE_MIN_REQUESTS
-
-
-#: owner key -> that owner's :class:`_Entry`: what the custom ops read. A :class:`CompiledStack` adds its row when
-#: built and removes it in :meth:`CompiledStack.close` or when it is garbage-collected; nothing else writes here.
-_TABLES: dict[int, _Entry] = {}
-_KEYS = itertools.count(1)
-
-
-@torch.library.custom_op("specpilot::stack_linear", mutates_args=())
-def stack_linear(x: torch.Tensor, owner: int, index: int) -> torch.Tensor:
-    """``x [R, in]`` through projection ``index`` of owner ``owner`` -> ``[R, out]`` (the module's own forward).
-    Raises KeyError: the owner was closed."""
-    return _TABLES[owner].modules[index](x)
-
-
-@stack_linear.register_fake
-def _stack_linear_fake(x, owner, index):
-    return x.new_empty(x.shape[0], _TABLES[owner].widths[index])
-
-
-@torch.library.custom_op("specpilot::window_attention", mutates_args=("k_pool", "v_pool"))
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     owner: int, layer: int) -> torch.Tensor:
-    """Layer ``layer`` of the batched pass's attention, as the eager pass runs it
-    (:meth:`~specpilot.model.layers.Attention.forward_batch` without the kernel), over the rows ``p`` of owner
-    ``owner``'s current pass: the rows' ``k, v [R, KVH, D]`` written into ``k_pool, v_pool [slots, layers, slot_len,
-    KVH, D]`` at ``(p.slot, layer, p.pos)`` (in place: declared, so the pool is never copied), then ``q [R, H, D]``
-    attends to each request's slot, a view of the pool where ``p.window`` says the slots form one, else gathered:
-    through the owner's compiled :func:`masked_attention` where :func:`takes_decode` says so, else the masked SDPA.
-    Returns ``[R, H * D]`` in ``q``'s dtype. Raises KeyError: the owner was closed."""
-    e = _TABLES[owner]
-    p = e.rows
-    k_pool[p.slot, layer, p.pos] = k.to(k_pool.dtype)
-    v_pool[p.slot, layer, p.pos] = v.to(v_pool.dtype)
-    if p.window is not None:
-        w = slice(p.window[0], p.window[0] + p.window[1])
-        keys, vals = k_pool[w, layer, : p.span], v_pool[w, layer, : p.span]
-    else:
-        keys = k_pool[:, layer, : p.span].index_select(0, p.slots)
-        vals = v_pool[:, layer, : p.span].index_select(0, p.slots)
-    kvh = k.shape[1]
-    if e.attend is not None and takes_decode(keys.shape[0], p.span, p.r_max * (q.shape[1] // kvh), e.decode_min):
-        o = padded_attention(q, p, keys.shape[0], kvh,  # the query rows' strides as warmed (Dynamo guards on them)
-                             lambda qg, mask: e.attend(qg.contiguous(), keys, vals, mask))
-    else:
-        o = batch_sdpa(q, keys, vals, p)
-    return o.reshape(q.shape[0], q.shape[1] * q.shape[2])
-
-
-@window_attention.register_fake
-def _window_attention_fake(q, k, v, k_pool, v_pool, owner, layer):
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-
-
-#: the most query rows per KV head (query heads per KV head x the pass's most rows per request) the compiled
-#: :func:`masked_attention` takes; above, the SDPA's blocked GEMMs win (SmolLM2's 3 query heads per KV head, 32
-#: requests, 2 threads, an interactive check: four rows each 2.45 against 1.76 ms a layer).
-DECODE_ROWS = 4
-
-
-def takes_decode(batch: int, span: int, rows: int, min_batch: int = DECODE_MIN_REQUESTS) -> bool:
-    """Whether a layer's attention runs :func:`masked_attention`: at least ``min_batch`` (and 2) requests, with the
-    window's padding slots, ``batch``, of at most :data:`DECODE_ROWS` query ``rows`` per KV head, over ``span >= 2``
-    keys. Below 16 requests its gain shrinks to what a compiled call costs: on SmolLM2's shape 0.73x the SDPA's time
-    at 32 requests, 0.78x at 16, 0.83x at 8 and 1.28x at 2 (``results/decode_attention_cpu_2026-12-05_ef6e89d``),
-    while a whole step of 8 requests ran 45 ms both ways. A size of 1 would also be one more compiled graph (Dynamo
-    specializes it)."""
-    return batch >= max(2, min_batch) and span >= 2 and rows <= DECODE_ROWS
-
-
-def masked_attention(qg: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The SDPA of a few query rows per request, written for ``torch.compile`` to fuse into one pass over each
-    request's keys as the pool holds them: ``qg [W, KVH, G, D]`` (the G query rows of each KV head), ``keys, vals
-    [W, S, KVH, D]`` (a view of the pool's slots, or gathered), ``mask [W, 1, G, S]`` bool (True = may attend; every
-    row sees a key) -> ``[W, KVH, G, D]`` in ``qg``'s dtype: softmax(q k / sqrt(D)) v, accumulated in float32.
-
-    Why. A decode step's attention reads each request's K/V once for a handful of query rows. The CPU flash SDPA
-    tiles them as GEMMs over the longest request's keys and ran at under a third of the memory's speed; Inductor's
-    loop over the keys in their stored layout, masked by a select, took 0.73x its time (SmolLM2's shape, 32
-    requests, 2 threads: 1.00 against 1.37 ms a layer; reading the K/V once 0.40; keys gathered first, copy
-    included, 0.96x; ``results/decode_attention_cpu_2026-12-05_ef6e89d/run.json``; gathering the slots inside the
-    graph lost the gain). The same math as the SDPA rounded in another order (float32: within ~4e-7).
-    """
-    k = keys.permute(0, 2, 1, 3)[:, :, None].float()  # [W, KVH, 1, S, D]
-    v = vals.permute(0, 2, 1, 3)[:, :, None].float()
-    scores = (qg[:, :, :, None, :].float() * k).sum(-1) * qg.shape[-1] ** -0.5  # [W, KVH, G, S]
-    w = torch.softmax(torch.where(mask, scores, float("-inf")), dim=-1)
-    return (w[..., None] * v).sum(-2).to(qg.dtype)
-
-
-def _attention_of(owner: int):
-    """A copy of :func:`masked_attention` with its own code object, compiled for one owner: Dynamo keeps compiled
-    graphs (and its recompile limit) per code object, so owners never share or evict each other's."""
-    code = masked_attention.__code__.replace(co_name=f"masked_attention_{owner}")
-    fn = types.FunctionType(code, masked_attention.__globals__, code.co_name)
-    return torch.compile(fn, dynamic=True)
+__all__ = ["CompiledStack", "DECODE_MIN_REQUESTS", "DECODE_ROWS", "masked_attention", "supported", "takes_decode",
+           "stack_linear", "window_attention"]
 
 
 @dataclass(frozen=True)
@@ -245,6 +125,8 @@ class CompiledStack:
     Args:
         target: a dense :class:`~specpilot.model.transformer.Transformer` on the CPU with fused projections (as
             :func:`~specpilot.model.checkpoint.load_model` builds it).
+        decode_kernel: whether one-row-a-request passes attend through the C++ decode attention (None: where it
+            builds, :func:`~specpilot.kernels.cpu_attention.available`; the first build takes about 20 s).
     Raises:
         SpecPilotError: the target is not on the CPU, or not a dense decoder with fused projections
             (:func:`supported` says why, in one line).
@@ -257,7 +139,7 @@ class CompiledStack:
     at start through :meth:`warm_up`. Not thread-safe: one engine thread drives it.
     """
 
-    def __init__(self, target):
+    def __init__(self, target, decode_kernel: bool | None = None):
         why = supported(target)
         if why is not None:
             raise SpecPilotError(f"cannot compile the batched CPU pass (compile_cpu, serve --compile): {why}")
@@ -266,8 +148,9 @@ class CompiledStack:
         layers = target.model.layers
         mods = [m for ly in layers for m in (ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj,
                                               ly.mlp.down_proj)]
-        _TABLES[self.owner] = _Entry(mods, [int(m.out_features) for m in mods],
-                                     attend=_attention_of(self.owner))
+        _TABLES[self.owner] = _Entry([m.forward for m in mods], [int(m.out_features) for m in mods],
+                                     attend=_attention_of(self.owner),
+                                     kernel=cpu_attention.available() if decode_kernel is None else decode_kernel)
         self._finalizer = weakref.finalize(self, _TABLES.pop, self.owner, None)
         a = target.args
         qk = bool(a.qk_norm)
@@ -278,6 +161,13 @@ class CompiledStack:
                            float(target.model.norm.eps), qk, norms, target.model.norm.weight)
         self._fn = torch.compile(_stack_of(self._spec))  # R marked dynamic per call (forward_batch)
         self.passes = {"compiled": 0, "eager": 0}
+
+    @property
+    def decode_kernel(self) -> bool:
+        """Whether passes of one row a request attend through the C++ decode attention
+        (:func:`~specpilot.kernels.cpu_attention.decode_attention`; the constructor's ``decode_kernel``, by default
+        where it builds); the others keep :func:`masked_attention` or the SDPA."""
+        return _TABLES[self.owner].kernel
 
     @property
     def decode_min_requests(self) -> int:
@@ -326,7 +216,7 @@ class CompiledStack:
         if max(s + c for s, c in zip(rows.starts, rows.counts)) > pool.slot_len:
             raise ValueError(f"rows past a slot's {pool.slot_len} positions")
         entry = _TABLES[self.owner]
-        entry.rows = rows.prepared(tokens.device)
+        entry.rows, entry.views = rows.prepared(tokens.device), None
         x, cos, sin = t._embed(tokens, positions, None)
         if x.shape[0] > 1:  # one graph for every R >= 2; R = 1 compiles its own (a size of 1 is specialized)
             for u in (x, cos, sin):
@@ -337,7 +227,7 @@ class CompiledStack:
         try:
             out = self._fn(x, cos, sin, pool.k, pool.v)
         finally:
-            entry.rows = None
+            entry.rows = entry.views = None
         self.passes["compiled"] += 1
         return out
 
@@ -361,7 +251,8 @@ class CompiledStack:
         and a real pass whose count differed would compile again. Returns the calls made."""
         a, attend = self.target.args, _TABLES[self.owner].attend
         g = a.n_heads // a.n_kv_heads
-        rows_each = list(range(g, DECODE_ROWS + 1, g))
+        # one row a request (g query rows a KV head) takes the C++ kernel where the owner has it
+        rows_each = list(range(2 * g if self.decode_kernel else g, DECODE_ROWS + 1, g))
         taken = {a.n_kv_heads, a.head_dim, pool.num_slots, *rows_each}
         w = min(next(n for n in itertools.count(2) if n not in taken), pool.num_slots)
         span = min(next(n for n in itertools.count(2) if n not in taken | {w}), pool.slot_len)
