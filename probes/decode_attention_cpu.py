@@ -111,6 +111,33 @@ for w in (1, 2, 4, 8, 16, 32):
         c.append(ms(cd, 100))
     sweep[str(w)] = {"sdpa_ms": min(a), "masked_attention_ms": min(b), "cpp_decode_ms": min(c),
                      "ratio": min(b) / min(a), "cpp_ratio": min(c) / min(a)}
+by_rows = {}  # several rows a request (a chain's or tree's verification): the SDPA of the eager pass against the kernel
+from specpilot.kernels.batch_attention import pack_batch_masks  # noqa: E402
+from specpilot.model.batch import BatchRows  # noqa: E402
+from specpilot.model.layers import batch_sdpa  # noqa: E402
+
+for w in (1, 8, 32):
+    for r in (2, 4, 7, 16):
+        rows = BatchRows(list(range(w)), [int(x) - r for x in lens[:w]], [r] * w, [None] * w)
+        p = rows.prepared("cpu")
+        qr = torch.randn(w * r, KVH * G, D)
+        sw = p.span
+
+        def sd(layer, p=p, qr=qr, sw=sw, w=w):
+            return batch_sdpa(qr, pool_k[:w, layer, :sw], pool_v[:w, layer, :sw], p)
+
+        def kr(layer, p=p, qr=qr):
+            return cpu_attention.tree_decode_attention(qr, pool_k, pool_v, layer, p.slots, p.starts, p.counts,
+                                                       p.row_off, p.words)
+
+        err = (sd(0) - kr(0)).abs().max().item()
+        a, c = [], []
+        for _ in range(3):
+            a.append(ms(sd, 40))
+            c.append(ms(kr, 40))
+        by_rows[f"{w}x{r}"] = {"requests": w, "rows_each": r, "sdpa_ms": min(a), "kernel_ms": min(c),
+                               "ratio": min(c) / min(a), "max_abs_error": err}
+        print(f"{w}x{r}", by_rows[f"{w}x{r}"], flush=True)
 res = {"probe": "decode_attention_cpu", "date": time.strftime("%Y-%m-%d"),
        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
        "versions": {"torch": torch.__version__, "python": platform.python_version()},
@@ -118,7 +145,7 @@ res = {"probe": "decode_attention_cpu", "date": time.strftime("%Y-%m-%d"),
        "shape": {"requests": W, "kv_heads": KVH, "rows_per_kv_head": G, "head_dim": D, "span": span,
                  "mean_keys": float(lens.float().mean()), "dtype": "float32"},
        "ms_per_layer": {k: min(v) for k, v in times.items()}, "ms_per_layer_rounds": times,
-       "max_abs_error_vs_sdpa": errors, "by_requests": sweep}
+       "max_abs_error_vs_sdpa": errors, "by_requests": sweep, "by_rows": by_rows}
 res["ratio_to_sdpa"] = {"window": res["ms_per_layer"]["masked_attention_window"] / res["ms_per_layer"]["sdpa"],
                         "gathered": res["ms_per_layer"]["masked_attention_gathered"] / res["ms_per_layer"]["sdpa_gathered"],
                         "cpp_decode": res["ms_per_layer"]["cpp_decode"] / res["ms_per_layer"]["sdpa"],

@@ -44,3 +44,53 @@ def test_bad_layouts_raise():
         ca.decode_attention(q, kp, kp, 0, slots.int(), lens)
     with pytest.raises(RuntimeError, match="layer"):
         ca.decode_attention(q, kp, kp, 1, slots, lens)
+
+
+def _tree_mask(c: int, rng: torch.Generator) -> torch.Tensor:
+    """A random tree's ``[c, c]`` ancestor-or-self mask (row 0 the root; each later row's parent an earlier row)."""
+    m = torch.eye(c, dtype=torch.bool)
+    for i in range(1, c):
+        parent = int(torch.randint(0, i, (1,), generator=rng))
+        m[i] |= m[parent]
+    return m
+
+
+@pytest.mark.parametrize("b,kvh,g,d", [(1, 1, 2, 64), (4, 3, 3, 64), (7, 2, 2, 128), (3, 1, 4, 48)])
+def test_tree_rows_match_the_batched_tree_reference(b, kvh, g, d):
+    from specpilot.kernels.batch_attention import batch_tree_attention_reference, pack_batch_masks
+
+    rng = torch.Generator().manual_seed(b * 7 + d)
+    slots_n, layers, slot_len = b + 2, 2, 48
+    kp = torch.randn(slots_n, layers, slot_len, kvh, d, generator=rng)
+    vp = torch.randn(slots_n, layers, slot_len, kvh, d, generator=rng)
+    counts = torch.randint(1, 9, (b,), generator=rng)
+    counts[0] = 1
+    starts = torch.stack([torch.randint(0, slot_len - int(c) + 1, (1,), generator=rng)[0] for c in counts])
+    starts[-1] = 0  # a request with no committed keys (a prompt's first rows)
+    r_max = int(counts.max())
+    masks = torch.zeros(b, r_max, r_max, dtype=torch.bool)
+    for i, c in enumerate(counts.tolist()):  # trees, and a causal chain
+        masks[i, :c, :c] = torch.ones(c, c, dtype=torch.bool).tril() if i % 2 else _tree_mask(c, rng)
+    slots = torch.randperm(slots_n, generator=rng)[:b]
+    row_off = (counts.cumsum(0) - counts).int()
+    q = torch.randn(int(counts.sum()), kvh * g, d, generator=rng)
+    for layer in range(layers):
+        got = ca.tree_decode_attention(q, kp, vp, layer, slots, starts.int(), counts.int(), row_off,
+                                       pack_batch_masks(masks))
+        want = batch_tree_attention_reference(q, kp[:, layer], vp[:, layer], slots, starts, counts, row_off, masks,
+                                              d ** -0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_rows_out_of_range_raise_before_reading():
+    kp = torch.randn(2, 1, 8, 1, 64)
+    words = torch.ones(2, 1, 1, dtype=torch.int32)
+    one, slots = torch.ones(2, dtype=torch.int32), torch.tensor([0, 1])
+    q = torch.randn(2, 1, 64)
+    for starts, row_off, sl in [((7, 8), (0, 1), slots), ((0, 0), (0, 2), slots), ((0, 0), (0, 1), torch.tensor([0, 2]))]:
+        with pytest.raises(RuntimeError, match="out of range"):
+            ca.tree_decode_attention(q, kp, kp, 0, sl, torch.tensor(starts, dtype=torch.int32), one,
+                                     torch.tensor(row_off, dtype=torch.int32), words)
+    with pytest.raises(RuntimeError, match="rows"):
+        ca.tree_decode_attention(q[:1], kp, kp, 0, slots, torch.zeros(2, dtype=torch.int32), one,
+                                 torch.tensor([0, 1], dtype=torch.int32), words)

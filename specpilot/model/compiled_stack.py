@@ -36,8 +36,8 @@ from specpilot.errors import SpecPilotError
 from specpilot.kernels import cpu_attention
 from specpilot.model.batch import BatchRows
 from specpilot.model.cache import KVPool
-from specpilot.model.stack_ops import (DECODE_MIN_REQUESTS, DECODE_ROWS, _KEYS, _TABLES, _attention_of, _Entry,
-                                       masked_attention, stack_linear, takes_decode, window_attention)
+from specpilot.model.stack_ops import (DECODE_MIN_REQUESTS, DECODE_ROWS, KERNEL_ROWS, _KEYS, _TABLES, _attention_of,
+                                       _Entry, masked_attention, stack_linear, takes_decode, window_attention)
 
 __all__ = ["CompiledStack", "DECODE_MIN_REQUESTS", "DECODE_ROWS", "masked_attention", "supported", "takes_decode",
            "stack_linear", "window_attention"]
@@ -125,7 +125,7 @@ class CompiledStack:
     Args:
         target: a dense :class:`~specpilot.model.transformer.Transformer` on the CPU with fused projections (as
             :func:`~specpilot.model.checkpoint.load_model` builds it).
-        decode_kernel: whether one-row-a-request passes attend through the C++ decode attention (None: where it
+        decode_kernel: whether passes of a few rows a request attend through the C++ kernel (None: where it
             builds, :func:`~specpilot.kernels.cpu_attention.available`; the first build takes about 20 s).
     Raises:
         SpecPilotError: the target is not on the CPU, or not a dense decoder with fused projections
@@ -164,9 +164,9 @@ class CompiledStack:
 
     @property
     def decode_kernel(self) -> bool:
-        """Whether passes of one row a request attend through the C++ decode attention
-        (:func:`~specpilot.kernels.cpu_attention.decode_attention`; the constructor's ``decode_kernel``, by default
-        where it builds); the others keep :func:`masked_attention` or the SDPA."""
+        """Whether passes of at most :data:`~specpilot.model.stack_ops.KERNEL_ROWS` rows a request attend through
+        the C++ kernel (:func:`~specpilot.kernels.cpu_attention.tree_decode_attention`; the constructor's
+        ``decode_kernel``, by default where it builds); the others keep :func:`masked_attention` or the SDPA."""
         return _TABLES[self.owner].kernel
 
     @property
@@ -251,8 +251,9 @@ class CompiledStack:
         and a real pass whose count differed would compile again. Returns the calls made."""
         a, attend = self.target.args, _TABLES[self.owner].attend
         g = a.n_heads // a.n_kv_heads
-        # one row a request (g query rows a KV head) takes the C++ kernel where the owner has it
-        rows_each = list(range(2 * g if self.decode_kernel else g, DECODE_ROWS + 1, g))
+        # passes of up to KERNEL_ROWS rows a request (g query rows a KV head each) take the C++ kernel where the
+        # owner has it
+        rows_each = [r for r in range(g, DECODE_ROWS + 1, g) if not (self.decode_kernel and r // g <= KERNEL_ROWS)]
         taken = {a.n_kv_heads, a.head_dim, pool.num_slots, *rows_each}
         w = min(next(n for n in itertools.count(2) if n not in taken), pool.num_slots)
         span = min(next(n for n in itertools.count(2) if n not in taken | {w}), pool.slot_len)

@@ -6,7 +6,7 @@ per-owner table, and the decode attention forms they choose between.
 - ``specpilot::window_attention(q, k, v, k_pool, v_pool, owner, layer)``: the rows' K/V written into the pool, then
   the layer's attention over the requests' slots. It declares that it mutates the pool (K/V written by index
   assignment inside the graph made the functionalized ``index_put`` copy the whole pool every step: 590 ms a step on
-  SmolLM2). A pass of one row a request attends through the C++ kernel over each request's own keys
+  SmolLM2). A pass of a few rows a request attends through the C++ kernel over each request's own keys
   (:mod:`~specpilot.kernels.cpu_attention`) where the owner has it; a decode pass of a few rows a request through
   :func:`masked_attention`, compiled on its own with dynamic sizes; wider passes through the eager pass's masked SDPA
   (:func:`~specpilot.model.layers.batch_sdpa`), over a view of the pool where the slots form a window, else gathered.
@@ -58,14 +58,19 @@ class _PassViews:
     (:func:`_pass_views`): ``put [L, R] long`` (each row's place in the pool's ``[slots * L * slot_len]`` positions,
     per layer; None: the pool is not contiguous, the rows are put by index), ``k, v`` (the window's slots
     ``[W, L, span, KVH, D]``, a view; None: gathered per layer), whether the pass attends through
-    :func:`masked_attention`, and ``lens [B] long`` (the keys each request's one row sees) where it attends
-    through the C++ decode attention instead (None: it does not)."""
+    :func:`masked_attention`, and whether it attends through the C++ kernel instead."""
 
     put: torch.Tensor | None
     k: torch.Tensor | None
     v: torch.Tensor | None
     decode: bool
-    lens: torch.Tensor | None = None
+    kernel: bool = False
+
+
+#: the most rows a request a pass may have to attend through the C++ kernel (SmolLM2's shape, 2 threads: 2 rows
+#: each 0.55-0.66x the SDPA's time at 1, 8 and 32 requests, 4 rows 0.87-1.08x, 7 rows 1.04-1.24x;
+#: ``probes/decode_attention_cpu.py``, ``by_rows``): its dot products run per query row, the SDPA's as GEMMs
+KERNEL_ROWS = 3
 
 
 #: owner key -> that owner's :class:`_Entry`: what the custom ops read. A :class:`CompiledStack` adds its row when
@@ -91,17 +96,18 @@ def _stack_linear(x: torch.Tensor, owner: int, index: int) -> torch.Tensor:
 
 def _pass_views(p: Prepared, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: int, e: _Entry) -> _PassViews:
     """:class:`_PassViews` of pass ``p`` of owner ``e`` over ``k_pool, v_pool [slots, L, slot_len, KVH, D]``;
-    ``rows``: its query rows per KV head. A pass of one row a request over a contiguous float32 pool attends
-    through the C++ decode attention where the owner has it: at SmolLM2's shape 0.32-0.57x the SDPA's time at 1-32
-    requests, 0.49x :func:`masked_attention`'s at 32 (``probes/decode_attention_cpu.py``)."""
+    ``rows``: its query rows per KV head. A pass of at most :data:`KERNEL_ROWS` rows a request over a contiguous
+    float32 pool attends through the C++ kernel where the owner has it: one row each at SmolLM2's shape took
+    0.32-0.57x the SDPA's time at 1-32 requests, 0.49x :func:`masked_attention`'s at 32
+    (``probes/decode_attention_cpu.py``)."""
     n_layers, slot_len = k_pool.shape[1], k_pool.shape[2]
     put = None
     flat = k_pool.is_contiguous() and v_pool.is_contiguous()
     if flat:
         base = p.slot * (n_layers * slot_len) + p.pos
         put = base[None] + torch.arange(n_layers, device=base.device)[:, None] * slot_len
-    if e.kernel and flat and p.r_max == 1 and k_pool.dtype == v_pool.dtype == torch.float32:
-        return _PassViews(put, None, None, False, (p.starts + p.counts).long())
+    if e.kernel and flat and p.r_max <= KERNEL_ROWS and k_pool.dtype == v_pool.dtype == torch.float32:
+        return _PassViews(put, None, None, False, kernel=True)
     k = v = None
     if p.window is not None:
         w = slice(p.window[0], p.window[0] + p.window[1])
@@ -131,8 +137,9 @@ def _window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool:
     else:
         k_pool[p.slot, layer, p.pos] = k.to(k_pool.dtype)
         v_pool[p.slot, layer, p.pos] = v.to(v_pool.dtype)
-    if pv.lens is not None:  # one row a request (the rows in request order): the C++ kernel over its own keys
-        o = cpu_attention.decode_attention(q.float().contiguous(), k_pool, v_pool, layer, p.slots, pv.lens)
+    if pv.kernel:  # a few rows a request: the C++ kernel over each request's own keys
+        o = cpu_attention.tree_decode_attention(q.float().contiguous(), k_pool, v_pool, layer, p.slots, p.starts,
+                                                p.counts, p.row_off, p.words)
         return o.to(q.dtype).reshape(q.shape[0], q.shape[1] * q.shape[2])
     if pv.k is not None:
         keys, vals = pv.k[:, layer], pv.v[:, layer]
