@@ -8,8 +8,8 @@ where this 2-core machine streams 52. This kernel walks each request's ``len`` k
 (``[slots, layers, slot_len, KVH, D]``: one position's heads are one contiguous row), scores all its query rows
 against a key row while it is in cache (a committed key seen by every row, a key of its own rows where its mask
 says: a chain's causal mask, a tree's ancestors), then the softmax, then the same walk over V. At SmolLM2's shape,
-one row each, it took 0.32-0.57x the SDPA's time a layer at 1-32 requests and 0.49x the compiled masked attention's
-at 32; its dot products run per query row, so at 4 rows a request it is even with the SDPA's GEMMs and at 7 behind
+one row each, it took 0.41-0.75x the SDPA's time a layer at 1-32 requests and 0.52x the compiled masked attention's
+at 32; its dot products run per query row, so at 4 rows a request it is 0.64-0.99x the SDPA's GEMMs and at 7 even
 (``results/decode_attention_cpu_2026-12-06_*/run.json``, ``by_requests``, ``by_rows``).
 
 Numerics: the same softmax(q k / sqrt(D)) v in float32, accumulated in another order (within ~5e-7 of the SDPA's on
@@ -48,20 +48,23 @@ static void one(const float* q, const float* kb, const float* vb, float* out, in
   const int64_t n = s0 + c;
   sc.resize(rows * n);
   o.assign(rows * D, 0.f);
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = 0; t < n; ++t) {  // the committed prefix (t < s0) seen by every row, no mask to read
     const float* row = kb + t * step;
     for (int64_t h = h0; h < h1; ++h) {
       const float* kk = row + h * D;
       for (int64_t i = 0; i < c; ++i) {
-        const bool seen = t < s0 || ((words[i * nw + (t - s0) / 32] >> ((t - s0) % 32)) & 1);
+        float* dst = sc.data() + ((h - h0) * per_h + i * G) * n + t;
+        if (t >= s0 && !((words[i * nw + (t - s0) / 32] >> ((t - s0) % 32)) & 1)) {
+          for (int64_t g = 0; g < G; ++g) dst[g * n] = -INFINITY;
+          continue;
+        }
+        const float* qi = q + i * H * D + h * G * D;
         for (int64_t g = 0; g < G; ++g) {
-          float* dst = sc.data() + ((h - h0) * per_h + i * G + g) * n + t;
-          if (!seen) { *dst = -INFINITY; continue; }
-          const float* qq = q + i * H * D + (h * G + g) * D;
+          const float* qq = qi + g * D;
           float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
           for (int64_t d = 0; d < D; ++d) acc += qq[d] * kk[d];
-          *dst = acc * scale;
+          dst[g * n] = acc * scale;
         }
       }
     }
@@ -72,7 +75,7 @@ static void one(const float* q, const float* kb, const float* vb, float* out, in
     for (int64_t t = 0; t < n; ++t) m = std::max(m, sr[t]);
     float sum = 0.f;
     for (int64_t t = 0; t < n; ++t) {
-      const float e = sr[t] == -INFINITY ? 0.f : std::exp(sr[t] - m);
+      const float e = std::exp(sr[t] - m);  // exp(-inf) = 0: an unseen key
       sr[t] = e;
       sum += e;
     }
@@ -85,7 +88,6 @@ static void one(const float* q, const float* kb, const float* vb, float* out, in
       const float* vv = row + h * D;
       for (int64_t r = 0; r < per_h; ++r) {
         const float p = sc[((h - h0) * per_h + r) * n + t];
-        if (p == 0.f) continue;
         float* oo = o.data() + ((h - h0) * per_h + r) * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) oo[d] += p * vv[d];

@@ -67,10 +67,10 @@ class _PassViews:
     kernel: bool = False
 
 
-#: the most rows a request a pass may have to attend through the C++ kernel (SmolLM2's shape, 2 threads: 2 rows
-#: each 0.55-0.66x the SDPA's time at 1, 8 and 32 requests, 4 rows 0.87-1.08x, 7 rows 1.04-1.24x;
+#: the most rows a request a pass may have to attend through the C++ kernel (SmolLM2's shape, 2 threads, against the
+#: SDPA's time: 2 rows each 0.39-0.61x at 1, 8 and 32 requests, 4 rows 0.64-0.99x, 7 rows 0.86-1.15x;
 #: ``probes/decode_attention_cpu.py``, ``by_rows``): its dot products run per query row, the SDPA's as GEMMs
-KERNEL_ROWS = 3
+KERNEL_ROWS = 4
 
 
 #: owner key -> that owner's :class:`_Entry`: what the custom ops read. A :class:`CompiledStack` adds its row when
