@@ -8,9 +8,9 @@ where this 2-core machine streams 52. This kernel walks each request's ``len`` k
 (``[slots, layers, slot_len, KVH, D]``: one position's heads are one contiguous row), scores all its query rows
 against a key row while it is in cache (a committed key seen by every row, a key of its own rows where its mask
 says: a chain's causal mask, a tree's ancestors), then the softmax, then the same walk over V. At SmolLM2's shape,
-one row each, it took 0.41-0.75x the SDPA's time a layer at 1-32 requests and 0.52x the compiled masked attention's
-at 32; its dot products run per query row, so at 4 rows a request it is 0.64-0.99x the SDPA's GEMMs and at 7 even
-(``results/decode_attention_cpu_2026-12-06_*/run.json``, ``by_requests``, ``by_rows``).
+one row each, it took 0.40-0.78x the SDPA's time a layer at 1-32 requests and 0.54x the compiled masked attention's
+at 32; its dot products run per query row, so at 4 rows a request it is about even with the SDPA's GEMMs and at 7
+behind (``results/decode_attention_cpu_2026-12-06_adb92fe/run.json``, ``by_requests``, ``by_rows``).
 
 Numerics: the same softmax(q k / sqrt(D)) v in float32, accumulated in another order (within ~5e-7 of the SDPA's on
 unit-normal inputs); like any other GEMM order, it can move a rounding tie of the target's argmax.

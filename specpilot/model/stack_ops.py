@@ -68,9 +68,10 @@ class _PassViews:
 
 
 #: the most rows a request a pass may have to attend through the C++ kernel (SmolLM2's shape, 2 threads, against the
-#: SDPA's time: 2 rows each 0.39-0.61x at 1, 8 and 32 requests, 4 rows 0.64-0.99x, 7 rows 0.86-1.15x;
-#: ``probes/decode_attention_cpu.py``, ``by_rows``): its dot products run per query row, the SDPA's as GEMMs
-KERNEL_ROWS = 4
+#: SDPA's time at 1, 8 and 32 requests over two runs: 2 rows each 0.39-0.67x, 4 rows 0.64-1.12x, 7 rows 0.86-1.39x;
+#: ``results/decode_attention_cpu_2026-12-06_adb92fe/run.json``, ``by_rows``): its dot products run per query row, the
+#: SDPA's as GEMMs
+KERNEL_ROWS = 3
 
 
 #: owner key -> that owner's :class:`_Entry`: what the custom ops read. A :class:`CompiledStack` adds its row when
