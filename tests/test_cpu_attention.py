@@ -5,9 +5,10 @@ import torch
 
 from specpilot.kernels import cpu_attention as ca
 
-pytestmark = pytest.mark.skipif(not ca.available(), reason="no C++ toolchain to build the CPU decode attention")
+needs_build = pytest.mark.skipif(not ca.available(), reason="no C++ toolchain to build the CPU decode attention")
 
 
+@needs_build
 @pytest.mark.parametrize("b,kvh,g,d", [(1, 1, 1, 64), (3, 3, 3, 64), (5, 2, 4, 128), (9, 4, 2, 32), (40, 3, 3, 64)])
 def test_decode_attention_matches_the_reference(b, kvh, g, d):
     torch.manual_seed(b * 100 + d)
@@ -23,6 +24,7 @@ def test_decode_attention_matches_the_reference(b, kvh, g, d):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
+@needs_build
 def test_keys_past_a_requests_length_are_never_read():
     torch.manual_seed(1)
     kp, vp = torch.randn(4, 2, 16, 2, 64), torch.randn(4, 2, 16, 2, 64)
@@ -33,6 +35,7 @@ def test_keys_past_a_requests_length_are_never_read():
     torch.testing.assert_close(ca.decode_attention(q, kp, vp, 1, slots, lens), before, rtol=0, atol=0)
 
 
+@needs_build
 def test_bad_layouts_raise():
     kp = torch.randn(2, 1, 8, 1, 64)
     q, slots, lens = torch.randn(1, 1, 64), torch.tensor([0]), torch.tensor([3])
@@ -55,6 +58,7 @@ def _tree_mask(c: int, rng: torch.Generator) -> torch.Tensor:
     return m
 
 
+@needs_build
 @pytest.mark.parametrize("b,kvh,g,d", [(1, 1, 2, 64), (4, 3, 3, 64), (7, 2, 2, 128), (3, 1, 4, 48)])
 def test_tree_rows_match_the_batched_tree_reference(b, kvh, g, d):
     from specpilot.kernels.batch_attention import batch_tree_attention_reference, pack_batch_masks
@@ -82,6 +86,7 @@ def test_tree_rows_match_the_batched_tree_reference(b, kvh, g, d):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
+@needs_build
 def test_rows_out_of_range_raise_before_reading():
     kp = torch.randn(2, 1, 8, 1, 64)
     words = torch.ones(2, 1, 1, dtype=torch.int32)
@@ -94,3 +99,22 @@ def test_rows_out_of_range_raise_before_reading():
     with pytest.raises(RuntimeError, match="rows"):
         ca.tree_decode_attention(q[:1], kp, kp, 0, slots, torch.zeros(2, dtype=torch.int32), one,
                                  torch.tensor([0, 1], dtype=torch.int32), words)
+
+
+def test_a_machine_that_cannot_build_it_warns_once_and_the_stack_keeps_its_pytorch_attention(monkeypatch, tiny_models):
+    import torch.utils.cpp_extension as ext
+
+    from specpilot.model.compiled_stack import CompiledStack
+
+    def no_compiler(*a, **k):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(ext, "load_inline", no_compiler)
+    monkeypatch.setattr(ca, "_BUILT", {})
+    with pytest.warns(UserWarning, match="did not build .*Ninja is required"):
+        assert not ca.available()
+    assert not ca.available()  # no second try, no second warning
+    with pytest.raises(RuntimeError, match="not available"):
+        ca.decode_attention(torch.zeros(1, 1, 64), torch.zeros(1, 1, 2, 1, 64), torch.zeros(1, 1, 2, 1, 64), 0,
+                            torch.tensor([0]), torch.tensor([1]))
+    assert not CompiledStack(tiny_models[0]).decode_kernel

@@ -157,8 +157,23 @@ at::Tensor tree_decode_attention(const at::Tensor& q, const at::Tensor& kp, cons
 }
 """
 
-#: the built extension (None: not tried yet; False: the build failed, :func:`available` says so once)
+#: the built extension under "m" (absent: not tried yet; False: the build failed, :func:`available` warned once)
 _BUILT: dict[str, object] = {}
+
+
+def _isa_tag() -> str:
+    """8 hex digits of this CPU's instruction-set flags (``/proc/cpuinfo``; elsewhere the machine's name): part of
+    the extension's name, so a build for ``-march=native`` in a cache shared between CPU models is never loaded by
+    another model."""
+    import hashlib
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1((flags or platform.machine()).encode()).hexdigest()[:8]
 
 
 def _module():
@@ -166,7 +181,7 @@ def _module():
         try:
             from torch.utils.cpp_extension import load_inline
 
-            _BUILT["m"] = load_inline("specpilot_cpu_tree_decode_attention", cpp_sources=[_SOURCE],
+            _BUILT["m"] = load_inline(f"specpilot_cpu_tree_decode_attention_{_isa_tag()}", cpp_sources=[_SOURCE],
                                       functions=["tree_decode_attention"],
                                       extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
         except Exception as e:  # no compiler, no ninja, headers missing: callers keep their PyTorch form
