@@ -79,16 +79,9 @@ KERNEL_ROWS = 3
 _TABLES: dict[int, _Entry] = {}
 _KEYS = itertools.count(1)
 
-# The two ops are defined through ``torch.library.Library`` rather than ``torch.library.custom_op``: a call through
-# a custom_op's Python wrapper cost ~27 us against ~10 here (121 projections of a step of SmolLM2: ~2 ms; probed on
-# this 2-core CPU, torch 2.13). Their fake (meta) kernels give the compiled graph their output shapes.
-_LIB = torch.library.Library("specpilot", "DEF")
-_LIB.define("stack_linear(Tensor x, int owner, int index) -> Tensor")
-_LIB.define("window_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, int owner, "
-            "int layer) -> Tensor")
 
-
-def _stack_linear(x: torch.Tensor, owner: int, index: int) -> torch.Tensor:
+@torch.library.custom_op("specpilot::stack_linear", mutates_args=())
+def stack_linear(x: torch.Tensor, owner: int, index: int) -> torch.Tensor:
     """``specpilot::stack_linear``: ``x [R, in]`` through projection ``index`` of owner ``owner`` -> ``[R, out]`` (the
     module's own forward: the oneDNN-prepacked :class:`~specpilot.kernels.cpu_linear.PackedLinear`, a plain
     ``nn.Linear``, a W12 layer). Raises KeyError: the owner was closed."""
@@ -99,7 +92,7 @@ def _pass_views(p: Prepared, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: i
     """:class:`_PassViews` of pass ``p`` of owner ``e`` over ``k_pool, v_pool [slots, L, slot_len, KVH, D]``;
     ``rows``: its query rows per KV head. A pass of at most :data:`KERNEL_ROWS` rows a request over a contiguous
     float32 pool attends through the C++ kernel where the owner has it: one row each at SmolLM2's shape took
-    0.32-0.57x the SDPA's time at 1-32 requests, 0.49x :func:`masked_attention`'s at 32
+    0.40-0.78x the SDPA's time at 1-32 requests, 0.54x :func:`masked_attention`'s at 32
     (``probes/decode_attention_cpu.py``)."""
     n_layers, slot_len = k_pool.shape[1], k_pool.shape[2]
     put = None
@@ -117,8 +110,9 @@ def _pass_views(p: Prepared, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: i
     return _PassViews(put, k, v, e.attend is not None and takes_decode(b, p.span, rows, e.decode_min))
 
 
-def _window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                      owner: int, layer: int) -> torch.Tensor:
+@torch.library.custom_op("specpilot::window_attention", mutates_args=("k_pool", "v_pool"))
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     owner: int, layer: int) -> torch.Tensor:
     """``specpilot::window_attention``: layer ``layer`` of the batched pass's attention, as the eager pass runs it
     (:meth:`~specpilot.model.layers.Attention.forward_batch` without the kernel), over the rows ``p`` of owner
     ``owner``'s current pass: the rows' ``k, v [R, KVH, D]`` written into ``k_pool, v_pool [slots, layers, slot_len,
@@ -155,22 +149,14 @@ def _window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool:
     return o.reshape(q.shape[0], q.shape[1] * q.shape[2])
 
 
-_LIB.impl("stack_linear", _stack_linear, "CompositeExplicitAutograd")
-_LIB.impl("window_attention", _window_attention, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("specpilot::stack_linear")
+@stack_linear.register_fake
 def _stack_linear_fake(x, owner, index):
     return x.new_empty(x.shape[0], _TABLES[owner].widths[index])
 
 
-@torch.library.register_fake("specpilot::window_attention")
+@window_attention.register_fake
 def _window_attention_fake(q, k, v, k_pool, v_pool, owner, layer):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-
-
-stack_linear = torch.ops.specpilot.stack_linear
-window_attention = torch.ops.specpilot.window_attention
 
 
 #: the most query rows per KV head (query heads per KV head x the pass's most rows per request) the compiled
