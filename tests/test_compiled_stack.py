@@ -295,9 +295,10 @@ def test_off_the_cpu_is_refused_in_one_line(tiny_dirs, monkeypatch, capsys):
     assert code == 2 and "--compile compiles the CPU pass only" in err and len(err.strip().splitlines()) == 1
 
 
-def test_serve_compile_builds_warms_and_serves_the_compiled_engine(monkeypatch):
-    """run_server with ``compile_cpu`` (``serve --compile``): the engine's graphs compiled before it serves, and its
-    outputs equal the eager engine's (the bundled target, AR)."""
+def test_serve_compile_builds_warms_and_serves_the_compiled_engine(monkeypatch, capsys):
+    """run_server with ``compile_cpu`` (``serve --compile``): the engine's graphs compiled before it serves, its
+    start line says which decode attention it runs, and its outputs equal the eager engine's (the bundled target,
+    AR)."""
     import socket
 
     import uvicorn
@@ -316,7 +317,29 @@ def test_serve_compile_builds_warms_and_serves_the_compiled_engine(monkeypatch):
                    "127.0.0.1", 128, compile_cpu=True)
     eng = seen["ctx"].driver.engine
     assert eng.stack is not None and eng.stack.passes == {"compiled": 2, "eager": 0}  # compile_shapes ran
+    kind = "C++" if eng.stack.decode_kernel else "PyTorch"
+    assert f"compiled stack ({kind} decode attention)" in capsys.readouterr().err
     prompts = [[5, 17, 300, 42, 9, 11], [1000, 7, 7, 7, 250]]
     want = [g.tokens for g in Deployment(bundled_target_dir()).batch_system(SystemConfig.ar(), 2, max_len=128)
             .generate_all(prompts, 8)]
     assert [g.tokens for g in eng.generate_all(prompts, 8)] == want
+
+
+def test_serve_compile_without_a_cxx_compiler_is_one_line(monkeypatch):
+    """Inductor's CPU backend needs a C++ compiler: where it finds none, ``serve --compile`` stops with one line
+    saying so, not Inductor's traceback."""
+    import socket
+
+    from specpilot.serve.cli import run_server
+    from specpilot.zoo import bundled_target_dir
+
+    class InvalidCxxCompiler(RuntimeError):  # Inductor's exception, by name and message
+        pass
+
+    def no_compiler(self):
+        raise InvalidCxxCompiler("No working C++ compiler found in torch._inductor.config.cpp.cxx: (None, 'c++')")
+
+    monkeypatch.setattr(BatchEngine, "compile_shapes", no_compiler)
+    with socket.socket() as sock, pytest.raises(SpecPilotError, match="--compile needs a working C\\+\\+ compiler"):
+        run_server(sock, bundled_target_dir(), None, SystemConfig.ar(), "cpu", 2, None, "m", None, 8 << 20, "warning",
+                   "127.0.0.1", 128, compile_cpu=True)

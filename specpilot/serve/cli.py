@@ -50,6 +50,13 @@ def _listen(host: str, port: int) -> socket.socket:
         raise SpecPilotError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+def _stack_state(stack) -> str:
+    """The start line's words for the compiled stack (``--compile``): which decode attention it runs."""
+    if stack is None:
+        return ""
+    return f"compiled stack ({'C++' if stack.decode_kernel else 'PyTorch'} decode attention), "
+
+
 def _prefix_state(engine, asked: bool | None) -> str:
     """The startup line's prefix reuse: ``on``, or ``off`` and why (``asked``: ``--[no-]enable-prefix-caching``)."""
     if engine.prefix is not None:
@@ -116,7 +123,9 @@ def serve(
              "fused path, where a reused prefix would change the later rows' bits."),
     compile_cpu: bool = typer.Option(False, "--compile", help="CPU only: run each batched pass's decoder stack as one "
                                      "torch.compile graph (norms, RoPE, SiLU and residuals fused; the same tokens). "
-                                     "Its two graphs compile at start: about a minute for SmolLM2 on 2 cores."),
+                                     "Its two graphs compile at start: about a minute for SmolLM2 on 2 cores. Needs a "
+                                     "C++ compiler; its decode attention is a C++ kernel built on first use (~20 s, "
+                                     "cached; needs ninja, else PyTorch's attention)."),
 ):
     """Serve a speculative system over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics).
     Greedy only: temperature > 0, n > 1 and other sampling fields get a 400."""
@@ -273,7 +282,13 @@ def run_server(sock, tdir, ddir, cfg: SystemConfig | LoadPlan, device, max_num_s
         engine.capture_graphs()  # CUDA graphs of every bucket before the first request, not inside it
         if compile_cpu:
             print("specpilot serve: compiling the batched pass (--compile) ...", file=sys.stderr, flush=True)
-            engine.compile_shapes()  # its graphs before the first request, not inside it
+            try:
+                engine.compile_shapes()  # its graphs before the first request, not inside it
+            except Exception as e:  # Inductor's CPU backend without a working C++ compiler: one line, not its trace
+                if "C++ compiler" not in str(e) and "CxxCompiler" not in type(e).__name__ + str(e):
+                    raise
+                raise SpecPilotError("--compile needs a working C++ compiler (torch.compile's CPU backend; g++ or "
+                                     "CXX): none was found; serve without --compile") from None
         return dep, engine
 
     dep, engine = in_passing_thread(load)
@@ -288,7 +303,7 @@ def run_server(sock, tdir, ddir, cfg: SystemConfig | LoadPlan, device, max_num_s
     slots = f"{engine.num_slots} slot{'s' if engine.num_slots != 1 else ''}"
     print(f"specpilot serve: {name!r} ({label}) at http://{host}:{addr[1]}/v1, {slots}"
           f"{drafting}, prefix reuse {_prefix_state(engine, prefix_caching)}, "
-          f"{'compiled stack, ' if engine.stack is not None else ''}"
+          f"{_stack_state(engine.stack)}"
           f"context {engine.max_len} tokens, chat template: {source}, API key: {'required' if api_key else 'off'}",
           file=sys.stderr)
     if source == "fallback":
