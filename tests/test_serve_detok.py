@@ -289,3 +289,19 @@ def test_serve_system_takes_its_sealed_batch_size_and_refuses_tree_options(monke
     f.write_text(json.dumps(sealed))
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--system", str(f), "--port", "0")
     assert code == 0 and seen["slots"] == 16, err
+
+
+def test_a_prompt_past_the_context_is_told_the_length_this_request_allows():
+    """A prompt of the whole context is refused with the longest prompt that would fit with this request's
+    max_tokens (a completion's default 16 included), not the context less one."""
+    from types import SimpleNamespace
+
+    from specpilot.serve.protocol import APIError
+    from specpilot.serve.run import make_spec
+
+    ctx = SimpleNamespace(max_len=64, vocab_size=1000)
+    for max_tokens, said in ((None, "at most 63 tokens"), (16, "at most 48 tokens or lower max_tokens"),
+                             (64, "shorten the prompt and lower max_tokens")):
+        with pytest.raises(APIError) as e:
+            make_spec(ctx, [1] * 64, max_tokens, None)
+        assert said in e.value.message and e.value.status == 400

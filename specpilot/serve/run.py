@@ -69,8 +69,11 @@ def make_spec(ctx: ServeContext, prompt_ids: list[int], max_tokens: int | None, 
         raise APIError(400, f"prompt token ids must lie in [0, {ctx.vocab_size})", param="prompt", code="invalid_value")
     if n >= ctx.max_len or (max_tokens is not None and n + max_tokens > ctx.max_len):
         asked = "" if max_tokens is None else f" + {max_tokens} in the completion = {n + max_tokens}"
+        room = ctx.max_len - (1 if max_tokens is None else max_tokens)  # the longest prompt this request allows
         fix = (f"shorten the prompt or lower max_tokens (at most {ctx.max_len - n} here)" if n < ctx.max_len
-               else f"shorten the prompt to at most {ctx.max_len - 1} tokens")
+               else f"shorten the prompt to at most {room} tokens" if room >= 1 and max_tokens is None
+               else f"shorten the prompt to at most {room} tokens or lower max_tokens" if room >= 1
+               else "shorten the prompt and lower max_tokens")
         raise APIError(400, f"this model's maximum context length is {ctx.max_len} tokens; the request has {n} "
                        f"prompt tokens{asked}: {fix}", param="max_tokens" if n < ctx.max_len else "prompt",
                        code="context_length_exceeded")
