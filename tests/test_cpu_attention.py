@@ -1,9 +1,11 @@
-"""The C++ CPU decode attention against its plain PyTorch reference (each request's SDPA over its own keys)."""
+"""The C++ CPU decode attention against the plain PyTorch reference of the batched tree attention (each request's SDPA
+over its own keys)."""
 
 import pytest
 import torch
 
 from specpilot.kernels import cpu_attention as ca
+from specpilot.kernels.batch_attention import batch_tree_attention_reference
 
 needs_build = pytest.mark.skipif(not ca.available(), reason="no C++ toolchain to build the CPU decode attention")
 
@@ -20,7 +22,9 @@ def test_decode_attention_matches_the_reference(b, kvh, g, d):
     lens[0] = 1  # a request that sees one key
     for layer in range(layers):
         got = ca.decode_attention(q, kp, vp, layer, slots, lens)
-        want = ca.decode_attention_reference(q, kp, vp, layer, slots, lens)
+        ones = torch.ones(b, dtype=torch.long)  # one row a request, seeing every key before its own and itself
+        want = batch_tree_attention_reference(q, kp[:, layer], vp[:, layer], slots, lens - 1, ones, torch.arange(b),
+                                              torch.ones(b, 1, 1, dtype=torch.bool), d ** -0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
@@ -61,7 +65,7 @@ def _tree_mask(c: int, rng: torch.Generator) -> torch.Tensor:
 @needs_build
 @pytest.mark.parametrize("b,kvh,g,d", [(1, 1, 2, 64), (4, 3, 3, 64), (7, 2, 2, 128), (3, 1, 4, 48)])
 def test_tree_rows_match_the_batched_tree_reference(b, kvh, g, d):
-    from specpilot.kernels.batch_attention import batch_tree_attention_reference, pack_batch_masks
+    from specpilot.kernels.batch_attention import pack_batch_masks
 
     rng = torch.Generator().manual_seed(b * 7 + d)
     slots_n, layers, slot_len = b + 2, 2, 48

@@ -19,7 +19,8 @@ Build. The kernel is compiled on first use with ``torch.utils.cpp_extension.load
 cached by PyTorch in its extensions directory, so a later process loads it at once), for this machine's own
 instruction set (``-march=native``) and threaded by ATen's ``at::parallel_for`` (torch's own thread pool: one
 OpenMP runtime). Without a C++ compiler or ninja, :func:`available` is False and callers keep their PyTorch form.
-:func:`decode_attention_reference` is the plain PyTorch form the tests hold it to.
+:func:`~specpilot.kernels.batch_attention.batch_tree_attention_reference` (each request's SDPA over its own keys)
+is the plain PyTorch form the tests hold it to.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 _SOURCE = r"""
 #include <ATen/ATen.h>
@@ -235,18 +235,3 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     ones = torch.ones(b, dtype=torch.int32)
     return tree_decode_attention(q, k_pool, v_pool, layer, slots, (lens - 1).int(), ones,
                                  torch.arange(b, dtype=torch.int32), ones.view(b, 1, 1))
-
-
-def decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int,
-                               slots: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """:func:`decode_attention` in plain PyTorch: each request's SDPA over its own keys, one at a time (the oracle
-    of the tests). Same arguments and result."""
-    kvh = k_pool.shape[3]
-    g = q.shape[1] // kvh
-    out = torch.empty_like(q)
-    for b in range(q.shape[0]):
-        n, s = int(lens[b]), int(slots[b])
-        k = k_pool[s, layer, :n].repeat_interleave(g, dim=1).transpose(0, 1)  # [H, n, D]
-        v = v_pool[s, layer, :n].repeat_interleave(g, dim=1).transpose(0, 1)
-        out[b] = F.scaled_dot_product_attention(q[b][:, None], k, v)[:, 0]
-    return out

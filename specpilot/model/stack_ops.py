@@ -55,12 +55,10 @@ class _Entry:
 @dataclass
 class _PassViews:
     """What every layer of one pass reads of the pool alike, built once by its first layer
-    (:func:`_pass_views`): ``put [L, R] long`` (each row's place in the pool's ``[slots * L * slot_len]`` positions,
-    per layer; None: the pool is not contiguous, the rows are put by index), ``k, v`` (the window's slots
+    (:func:`_pass_views`): ``k, v`` (the window's slots
     ``[W, L, span, KVH, D]``, a view; None: gathered per layer), whether the pass attends through
     :func:`masked_attention`, and whether it attends through the C++ kernel instead."""
 
-    put: torch.Tensor | None
     k: torch.Tensor | None
     v: torch.Tensor | None
     decode: bool
@@ -94,20 +92,15 @@ def _pass_views(p: Prepared, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: i
     float32 pool attends through the C++ kernel where the owner has it: one row each at SmolLM2's shape took
     0.40-0.78x the SDPA's time at 1-32 requests, 0.54x :func:`masked_attention`'s at 32
     (``probes/decode_attention_cpu.py``)."""
-    n_layers, slot_len = k_pool.shape[1], k_pool.shape[2]
-    put = None
-    flat = k_pool.is_contiguous() and v_pool.is_contiguous()
-    if flat:
-        base = p.slot * (n_layers * slot_len) + p.pos
-        put = base[None] + torch.arange(n_layers, device=base.device)[:, None] * slot_len
-    if e.kernel and flat and p.r_max <= KERNEL_ROWS and k_pool.dtype == v_pool.dtype == torch.float32:
-        return _PassViews(put, None, None, False, kernel=True)
+    if (e.kernel and p.r_max <= KERNEL_ROWS and k_pool.is_contiguous() and v_pool.is_contiguous()
+            and k_pool.dtype == v_pool.dtype == torch.float32):
+        return _PassViews(None, None, False, kernel=True)
     k = v = None
     if p.window is not None:
         w = slice(p.window[0], p.window[0] + p.window[1])
         k, v = k_pool[w, :, : p.span], v_pool[w, :, : p.span]
     b = p.window[1] if p.window is not None else p.slots.shape[0]
-    return _PassViews(put, k, v, e.attend is not None and takes_decode(b, p.span, rows, e.decode_min))
+    return _PassViews(k, v, e.attend is not None and takes_decode(b, p.span, rows, e.decode_min))
 
 
 @torch.library.custom_op("specpilot::window_attention", mutates_args=("k_pool", "v_pool"))
@@ -117,21 +110,17 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     (:meth:`~specpilot.model.layers.Attention.forward_batch` without the kernel), over the rows ``p`` of owner
     ``owner``'s current pass: the rows' ``k, v [R, KVH, D]`` written into ``k_pool, v_pool [slots, layers, slot_len,
     KVH, D]`` at ``(p.slot, layer, p.pos)`` (in place: declared, so the pool is never copied), then ``q [R, H, D]``
-    attends to each request's slot, a view of the pool where ``p.window`` says the slots form one, else gathered:
-    through the owner's compiled :func:`masked_attention` where :func:`takes_decode` says so, else the masked SDPA.
-    Returns ``[R, H * D]`` in ``q``'s dtype. Raises KeyError: the owner was closed."""
+    attends to each request's keys: through the C++ kernel (:func:`~specpilot.kernels.cpu_attention.
+    tree_decode_attention`) where :func:`_pass_views` says so, else over its slot, a view of the pool where
+    ``p.window`` says the slots form one, else gathered: through the owner's compiled :func:`masked_attention` where
+    :func:`takes_decode` says so, else the masked SDPA. Returns ``[R, H * D]`` in ``q``'s dtype. Raises KeyError: the owner was closed."""
     e = _TABLES[owner]
     p, kvh = e.rows, k.shape[1]
     if e.views is None:
         e.views = _pass_views(p, k_pool, v_pool, p.r_max * (q.shape[1] // kvh), e)
     pv = e.views
-    if pv.put is not None:
-        idx = pv.put[layer]
-        k_pool.view(-1, kvh, k.shape[2]).index_copy_(0, idx, k.to(k_pool.dtype))
-        v_pool.view(-1, kvh, v.shape[2]).index_copy_(0, idx, v.to(v_pool.dtype))
-    else:
-        k_pool[p.slot, layer, p.pos] = k.to(k_pool.dtype)
-        v_pool[p.slot, layer, p.pos] = v.to(v_pool.dtype)
+    k_pool[p.slot, layer, p.pos] = k.to(k_pool.dtype)
+    v_pool[p.slot, layer, p.pos] = v.to(v_pool.dtype)
     if pv.kernel:  # a few rows a request: the C++ kernel over each request's own keys
         o = cpu_attention.tree_decode_attention(q.float().contiguous(), k_pool, v_pool, layer, p.slots, p.starts,
                                                 p.counts, p.row_off, p.words)
