@@ -10,11 +10,15 @@ the format ``train_drafter(data_cache=...)`` reads, so the training itself is th
 
 Data (§1.1, DFlash-style): snippets of ``--tokens`` (the target's tokenizer over ``specpilot zoo corpus``:
 stdlib source + GSM8K train, never an evaluation prompt; the last 1% of the tokens is never used), each continued
-greedily by the target for ``--gen-len`` tokens without an EOS stop.
+greedily by the target for ``--gen-len`` tokens without an EOS stop. ``--chat-prompts`` mixes in chat turns (a
+fraction ``--chat-fraction`` of the sequences): ``chat`` renders GSM8K **train** questions through the target's chat
+template and keeps the last ``--prompt-len`` tokens of each (ending in the assistant header), so the drafter also sees
+the target answering as an assistant, as it does on MT-Bench; the last 1% of the questions is never used.
 
 Usage (from the repository root; a CUDA GPU makes it minutes, the CPU hours)::
 
-    python probes/smollm2_drafters.py data --target DIR --tokens T.npy --cache C.pt --device cuda
+    python probes/smollm2_drafters.py chat --target DIR --questions gsm8k_train.jsonl --prompt-len 64 --out Q.npy
+    python probes/smollm2_drafters.py data --target DIR --tokens T.npy --cache C.pt --device cuda [--chat-prompts Q.npy]
     python probes/smollm2_drafters.py train --target DIR --tokens T.npy --cache C.pt --kind block --out OUT ...
 """
 
@@ -29,7 +33,8 @@ from pathlib import Path
 import torch
 
 from specpilot.model.checkpoint import load_model, read_args
-from specpilot.spec.train_block import default_target_layers, make_sequences, target_features, train_drafter
+from specpilot.spec.train_block import (default_target_layers, greedy_continuations, make_sequences, target_features,
+                                        train_drafter)
 
 
 @torch.no_grad()
@@ -59,12 +64,53 @@ def cache_key(target_dir, n_seqs, prompt_len, gen_len, seed, layers) -> dict:
                 target=str(Path(target_dir).resolve()))
 
 
+def chat_prompts(target_dir, questions_jsonl, prompt_len: int, held_out: float = 0.01):
+    """``[n, prompt_len] int32``: the last ``prompt_len`` tokens of each question's chat rendering (user turn +
+    assistant header), for the questions whose rendering is at least that long; the last ``held_out`` of the file's
+    questions are left out."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    qs = [json.loads(line)["question"] for line in Path(questions_jsonl).read_text().splitlines() if line.strip()]
+    qs = qs[: int(len(qs) * (1 - held_out))]
+    rows = []
+    for q in qs:
+        text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False).input_ids
+        if len(ids) >= prompt_len:
+            rows.append(ids[-prompt_len:])
+    return np.asarray(rows, dtype=np.int32)
+
+
+def mixed_sequences(a) -> torch.Tensor:
+    """``[n_seqs, prompt_len + gen_len] long``: corpus snippets, then (``--chat-prompts``) a ``--chat-fraction`` of
+    chat prompts drawn with the seed, each continued greedily by the target."""
+    import numpy as np
+
+    n_chat = int(round(a.n_seqs * a.chat_fraction)) if a.chat_prompts else 0
+    seqs = make_sequences(a.target, a.tokens, a.n_seqs - n_chat, a.prompt_len, a.gen_len, a.seed, batch=a.gen_batch,
+                          device=a.device)
+    if not n_chat:
+        return seqs
+    q = np.load(a.chat_prompts)
+    if q.ndim != 2 or q.shape[1] != a.prompt_len:
+        raise SystemExit(f"{a.chat_prompts}: shape {q.shape}, expected [n, {a.prompt_len}]")
+    pick = np.random.default_rng(a.seed + 7).integers(0, len(q), n_chat)
+    chat = greedy_continuations(a.target, torch.from_numpy(q[pick].astype(np.int64)), a.gen_len, batch=a.gen_batch,
+                                device=a.device)
+    return torch.cat([seqs, chat])[torch.randperm(a.n_seqs, generator=torch.Generator().manual_seed(a.seed))]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=("data", "train"))
+    ap.add_argument("stage", choices=("chat", "data", "train"))
     ap.add_argument("--target", required=True)
-    ap.add_argument("--tokens", required=True)
-    ap.add_argument("--cache", required=True)
+    ap.add_argument("--tokens")
+    ap.add_argument("--cache")
+    ap.add_argument("--questions", help="chat: GSM8K train JSONL")
+    ap.add_argument("--chat-prompts", default=None, help="data: .npy of chat prompts from the chat stage")
+    ap.add_argument("--chat-fraction", type=float, default=0.25)
     ap.add_argument("--n-seqs", type=int, default=8192)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=128)
@@ -83,14 +129,22 @@ def main(argv=None) -> None:
     ap.add_argument("--anchors", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--draft-vocab", type=int, default=None, help="train: eagle3's draft vocabulary (most frequent ids)")
+    ap.add_argument("--ttt-steps", type=int, default=4, help="train: eagle3's training-time-test steps")
     a = ap.parse_args(argv)
+    if a.stage == "chat":
+        import numpy as np
+
+        q = chat_prompts(a.target, a.questions, a.prompt_len)
+        np.save(a.out, q)
+        print(json.dumps({"stage": "chat", "prompts": list(q.shape), "out": a.out}))
+        return
     nl = read_args(a.target).num_layers
     layers = default_target_layers(nl) if a.target_layers is None else tuple(int(x) for x in a.target_layers.split(","))
     key = cache_key(a.target, a.n_seqs, a.prompt_len, a.gen_len, a.seed, layers)
     if a.stage == "data":
         t0 = time.time()
-        seqs = make_sequences(a.target, a.tokens, a.n_seqs, a.prompt_len, a.gen_len, a.seed, batch=a.gen_batch,
-                              device=a.device)
+        seqs = mixed_sequences(a)
         t1 = time.time()
         target = load_model(a.target, "float32", a.device).requires_grad_(False)
         feats = packed_features(target, seqs, layers)
@@ -109,7 +163,8 @@ def main(argv=None) -> None:
     prov = train_drafter(a.target, a.out, kind=a.kind, block=a.block, steps=a.steps, batch_size=a.batch_size,
                          anchors=a.anchors, lr=a.lr, n_seqs=a.n_seqs, prompt_len=a.prompt_len, gen_len=a.gen_len,
                          layers=a.layers, target_layers=layers, seed=a.seed, tokens_path=a.tokens, device=a.device,
-                         command=cmd, quiet=True, data_cache=a.cache, max_seconds=a.max_seconds)
+                         command=cmd, quiet=True, data_cache=a.cache, max_seconds=a.max_seconds,
+                         draft_vocab_size=a.draft_vocab, ttt_steps=a.ttt_steps)
     print(json.dumps({k: prov[k] for k in ("kind", "parameters", "initial_heldout_loss", "final_heldout_loss",
                                            "final_heldout_top1_acc_pos0", "training")}), flush=True)
 

@@ -36,8 +36,6 @@ def make_sequences(target_dir, tokens_path, n_seqs: int, prompt_len: int, gen_le
     (:func:`hf_progress_bars`). Raises SpecPilotError when the token file is missing, not a 1-D integer .npy
     array, too short, or holds ids outside the target's vocabulary.
     """
-    from transformers import AutoModelForCausalLM
-
     p = Path(tokens_path)
     if not p.is_file():
         raise SpecPilotError(f"token file not found: {p} (run `specpilot zoo corpus` / `zoo tokenize` first)")
@@ -60,13 +58,23 @@ def make_sequences(target_dir, tokens_path, n_seqs: int, prompt_len: int, gen_le
     g = np.random.default_rng(seed)
     starts = g.integers(0, usable, n_seqs)
     prompts = torch.from_numpy(np.stack([arr[s : s + prompt_len] for s in starts]).astype(np.int64))
+    return greedy_continuations(target_dir, prompts, gen_len, batch=batch, device=device, quiet=quiet)
+
+
+def greedy_continuations(target_dir, prompts: torch.Tensor, gen_len: int, batch: int = 256, device: str = "cpu",
+                         quiet: bool = False) -> torch.Tensor:
+    """``[N, P + gen_len] long``: each row of ``prompts`` (``[N, P]`` integer token ids) followed by the target's
+    greedy continuation of ``gen_len`` tokens (transformers' batched ``generate``, float32, no EOS stop, so every
+    row has the same length). ``quiet``: no "Loading weights" bar (:func:`hf_progress_bars`)."""
+    from transformers import AutoModelForCausalLM
+
     with hf_progress_bars(not quiet):
         model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
     model.generation_config.eos_token_id = None  # continue past EOS: every row gets gen_len greedy tokens
     out = []
     with torch.no_grad():
-        for i in range(0, n_seqs, batch):
-            x = prompts[i : i + batch].to(device)
+        for i in range(0, len(prompts), batch):
+            x = prompts[i : i + batch].to(device, torch.long)
             y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=gen_len,
                                min_new_tokens=gen_len, do_sample=False, pad_token_id=0)
             out.append(y.cpu())
