@@ -218,8 +218,10 @@ class Server(uvicorn.Server):
     Plain uvicorn waits ``timeout_graceful_shutdown`` seconds for running requests and then cancels them: a
     non-streamed one got a bare ``500 Internal Server Error`` and the log a ``CancelledError`` traceback, and the
     app's lifespan, which stops the driver (its 503), ran only after that. Here the driver stops ``margin_s`` before
-    the wait ends, so every request still held answers with the 503 in time and uvicorn has nothing to cancel (if
-    the engine's current step runs past half the margin, the driver fails them without waiting for it).
+    the grace period ends (if the engine's current step runs past half the margin, it fails them without waiting for
+    it), and uvicorn's own wait is ``drain_s`` longer than the grace period, so every request still held has the
+    margin and the drain to write its 503 before uvicorn would cancel it: on a loaded machine the margin alone once
+    was not enough (a bare 500). The wait ends as soon as the requests have answered.
     A second Ctrl-C (uvicorn's ``force_exit``) ends the wait at once and skips the lifespan's shutdown; the event
     loop would then cancel the requests still running (the same bare 500 and tracebacks). Here it stops the driver
     at once instead, gives the requests up to ``drain_s`` seconds to send their 503, and ends the lifespan.
@@ -230,12 +232,13 @@ class Server(uvicorn.Server):
         log_level: uvicorn's log level.
         grace_s: seconds requests may still finish normally after a shutdown begins (> ``margin_s``).
         margin_s: seconds before the end of ``grace_s`` at which held requests are failed.
-        drain_s: on a forced quit, seconds the failed requests get to send their answers.
+        drain_s: seconds the failed requests get to send their answers after the grace period (and on a forced
+            quit after it).
     """
 
     def __init__(self, app: FastAPI, ctx: ServeContext, log_level: str = "info", grace_s: float = 5.0,
                  margin_s: float = 1.0, drain_s: float = 2.0):
-        super().__init__(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s))
+        super().__init__(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + drain_s))
         self.ctx, self.fail_after_s, self.drain_s = ctx, max(grace_s - margin_s, 0.0), drain_s
         self.margin_s = margin_s
 
