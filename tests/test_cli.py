@@ -311,7 +311,7 @@ def test_train_drafter_refuses_bad_numbers_and_token_files(monkeypatch, capsys, 
     import numpy as np
 
     for opt, v in (("--steps", "-1"), ("--n-seqs", "0"), ("--batch-size", "0"), ("--anchors", "0"), ("--lr", "-1"),
-                   ("--markov-rank", "0"), ("--block", "0"), ("--gen-len", "0")):
+                   ("--markov-rank", "0"), ("--block", "0"), ("--gen-len", "0"), ("--prompt-len", "0")):
         code, out, err = run_cli(monkeypatch, capsys, "train-drafter", "--out", str(tmp_path / "o"), opt, v)
         assert code == 2 and f"Invalid value for '{opt}'" in out + err, (opt, out + err)
     garbage = tmp_path / "g.txt"

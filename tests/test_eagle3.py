@@ -151,9 +151,10 @@ def test_train_drafter_eagle3_end_to_end(tmp_path, tiny_dirs, monkeypatch, capsy
     out = tmp_path / "e3"
     code, stdout, err = run_cli(monkeypatch, capsys, "train-drafter", "--kind", "eagle3", "--target", tiny_dirs[0],
                                 "--out", str(out), "--tokens", str(tokens), "--steps", "40", "--batch-size", "8",
-                                "--lr", "3e-3", "--n-seqs", "24", "--gen-len", "24", "--draft-vocab", "40",
-                                "--ttt-steps", "2", "--quiet")
+                                "--lr", "3e-3", "--n-seqs", "24", "--prompt-len", "12", "--gen-len", "24",
+                                "--draft-vocab", "40", "--ttt-steps", "2", "--quiet")
     assert code == 0, err
+    assert json.loads((out / "provenance.json").read_text())["data"]["prompt_len"] == 12
     res = json.loads(stdout.strip().splitlines()[-1])
     assert res["kind"] == "eagle3" and res["eagle3"]["draft_vocab_size"] == 40
     assert res["final_heldout_loss"] < res["initial_heldout_loss"]

@@ -26,6 +26,7 @@ def train_drafter_cmd(
     anchors: int = typer.Option(4, min=1, help="Anchor positions (blocks) per sequence."),
     lr: float = typer.Option(2e-3, min=1e-12, help="Peak learning rate (> 0)."),
     n_seqs: int = typer.Option(1536, min=1, help="Training-text snippets continued greedily by the target."),
+    prompt_len: int = typer.Option(32, min=1, help="Tokens of training text per snippet (the prompt the target continues)."),
     gen_len: int = typer.Option(80, min=1, help="Greedy tokens generated per snippet."),
     markov_rank: int = typer.Option(16, min=1, help="Rank of the Markov head (block_markov)."),
     target_layers: Optional[str] = typer.Option(None, help="Comma-separated 0-based target layers the drafter reads (default: 1, L/2 and L-1 of the target's L layers)."),
@@ -56,7 +57,7 @@ def train_drafter_cmd(
             raise SpecPilotError(f"--target-layers takes comma-separated integers, got {target_layers!r}") from None
     cmd = "specpilot " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     prov = train_drafter(target or bundled_target_dir(), out, kind=kind, block=block, steps=steps,
-                         batch_size=batch_size, anchors=anchors, lr=lr, n_seqs=n_seqs, gen_len=gen_len,
+                         batch_size=batch_size, anchors=anchors, lr=lr, n_seqs=n_seqs, prompt_len=prompt_len, gen_len=gen_len,
                          markov_rank=markov_rank, target_layers=layers, seed=seed, tokens_path=tokens, device=device,
                          command=cmd, quiet=quiet, data_cache=data_cache, draft_vocab_size=draft_vocab,
                          ttt_steps=ttt_steps, max_seconds=max_seconds)
