@@ -199,3 +199,28 @@ def test_default_target_layers_follow_the_targets_depth(monkeypatch, capsys, tmp
         code, _, err = run_cli(monkeypatch, capsys, "train-drafter", "--out", str(tmp_path / bad), "--target-layers",
                                bad, "--tokens", str(tmp_path / "none.npy"), "--steps", "1", "--quiet")
         assert code == 2 and len(err.strip().splitlines()) == 1 and why in err, err
+
+
+def test_train_drafter_reuses_its_data_cache(tmp_path, tiny_dirs, monkeypatch):
+    """A ``data_cache`` written by one run is read back (memory-mapped) by the next run with the same key, which
+    generates nothing; a run with another key regenerates and rewrites it."""
+    import numpy as np
+    import torch
+
+    import specpilot.spec.train_block as tb
+
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 64, 20000).astype(np.uint16))
+    cache = tmp_path / "cache.pt"
+    kw = dict(kind="block", block=4, steps=2, batch_size=4, n_seqs=12, prompt_len=8, gen_len=12, layers=1,
+              target_layers=(0, 1), tokens_path=tokens, quiet=True, data_cache=cache)
+    tb.train_drafter(tiny_dirs[0], tmp_path / "a", **kw)
+    first = torch.load(cache)
+    calls = []
+    real = tb.make_sequences
+    monkeypatch.setattr(tb, "make_sequences", lambda *a, **k: calls.append(a) or real(*a, **k))
+    tb.train_drafter(tiny_dirs[0], tmp_path / "b", **kw)
+    assert calls == []  # same key: read back, nothing generated
+    tb.train_drafter(tiny_dirs[0], tmp_path / "c", **{**kw, "gen_len": 14})
+    assert len(calls) == 1 and torch.load(cache)["seqs"].shape == (12, 22)
+    assert first["seqs"].shape == (12, 20) and first["feats"].shape[:2] == (12, 20)

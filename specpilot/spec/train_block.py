@@ -202,7 +202,8 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
     cp = Path(data_cache) if data_cache else None
     key = dict(n_seqs=n_seqs, prompt_len=prompt_len, gen_len=gen_len, seed=seed, layers=list(target_layers),
                target=str(Path(target_dir).resolve()))
-    d = torch.load(cp) if cp is not None and cp.is_file() else None
+    # mmap: a cache of tens of GB (the features) pages in as batches read it, instead of loading whole first
+    d = torch.load(cp, mmap=True) if cp is not None and cp.is_file() else None
     if d is not None and d["key"] == key:
         seqs, feats = d["seqs"], d["feats"]
     else:
@@ -210,7 +211,9 @@ def train_drafter(target_dir, out, kind: str = "block", block: int = 16, steps: 
         feats = target_features(target, seqs, list(target_layers))
         if cp is not None:
             cp.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"key": key, "seqs": seqs, "feats": feats}, cp)
+            tmp = cp.with_name(cp.name + ".tmp")  # a new file, renamed over: a mapped older cache stays intact
+            torch.save({"key": key, "seqs": seqs, "feats": feats}, tmp)
+            tmp.replace(cp)
     data_s = time.time() - t0
     n_val = max(1, len(seqs) // 20)
     tr_s, tr_f, va_s, va_f = seqs[:-n_val], feats[:-n_val], seqs[-n_val:], feats[-n_val:]
