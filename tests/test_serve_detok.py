@@ -305,3 +305,25 @@ def test_a_prompt_past_the_context_is_told_the_length_this_request_allows():
         with pytest.raises(APIError) as e:
             make_spec(ctx, [1] * 64, max_tokens, None)
         assert said in e.value.message and e.value.status == 400
+
+
+def test_a_port_taken_while_the_model_loads_is_one_line(monkeypatch, capsys):
+    """Fresh-user run: two servers started on one port seconds apart both bound it (neither listened yet); the second
+    died at listen() with a 176-line traceback. Now one line and exit 2."""
+    import specpilot.serve.cli as serve_cli
+
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    other.bind(("127.0.0.1", 0))
+    port = other.getsockname()[1]
+    ours = serve_cli._listen("127.0.0.1", port)  # bound beside it: neither listens yet
+    other.listen()  # the other server gets there first
+    try:
+        monkeypatch.setattr(serve_cli, "_listen", lambda host, p: ours)
+        code, _, err = run_cli(monkeypatch, capsys, "serve", "--port", str(port))
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and "Traceback" not in err, err  # no start line either: it never served
+        assert f"cannot listen on 127.0.0.1:{port}" in err and "another process" in err
+    finally:
+        other.close()
+        ours.close()

@@ -11,6 +11,7 @@ variable ``SPECPILOT_API_KEY``) makes every ``/v1`` request without ``Authorizat
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import sys
@@ -29,8 +30,8 @@ if TYPE_CHECKING:
 
 def _listen(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` before the model loads, so a busy port fails at once; it listens only
-    when the server starts serving (asyncio's ``create_server`` calls ``listen``), so a client that connects while
-    the model loads or compiles is refused at once instead of hanging until then.
+    once the model is loaded (:func:`run_server`, just before serving), so a client that connects while the model
+    loads or compiles is refused at once instead of hanging until then.
 
     Raises:
         SpecPilotError: the address cannot be resolved or bound (one line).
@@ -299,6 +300,14 @@ def run_server(sock, tdir, ddir, cfg: SystemConfig | LoadPlan, device, max_num_s
                        eos_ids=frozenset(dep.eos_ids()), metrics=metrics, chat_template=template, chat_source=source,
                        api_key=api_key, max_body_bytes=max_body_bytes)
     addr = sock.getsockname()
+    try:  # now, not in uvicorn's start (a traceback there): another server may have started on the port meanwhile
+        sock.listen(2048)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        ctx.driver.stop()
+        raise SpecPilotError(f"cannot listen on {host}:{addr[1]}: another process started listening on it while the "
+                             "model loaded") from None
     drafting = "" if spec_max_requests is None else f" (drafting while at most {spec_max_requests} run)"
     slots = f"{engine.num_slots} slot{'s' if engine.num_slots != 1 else ''}"
     print(f"specpilot serve: {name!r} ({label}) at http://{host}:{addr[1]}/v1, {slots}"
