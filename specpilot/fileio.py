@@ -40,7 +40,22 @@ def save_safetensors(tensors: dict, path: str | Path, metadata: dict | None = No
     return path
 
 
-__all__ = ["current_umask", "normal_file_mode", "save_safetensors"]
+def load_safetensors(path: str | Path, error: type[Exception]) -> dict:
+    """The tensors of the safetensors file ``path`` (name -> CPU tensor).
+
+    Raises:
+        error: (the caller's one-line error class) the file is truncated, corrupted or unreadable, naming it.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise error(f"{path} is not a readable safetensors file (truncated or corrupted?): {str(e)[:120]}") from None
+
+
+__all__ = ["current_umask", "load_safetensors", "normal_file_mode", "save_safetensors"]
 
 
 def output_dir(path: str | Path, flag: str = "output", empty: bool = False, error: type = None) -> Path:

@@ -164,3 +164,25 @@ def test_train_drafter_eagle3_end_to_end(tmp_path, tiny_dirs, monkeypatch, capsy
     code, _, err = run_cli(monkeypatch, capsys, "train-drafter", "--kind", "eagle3", "--target", tiny_dirs[0],
                            "--out", str(tmp_path / "bad"), "--tokens", str(tokens), "--draft-vocab", "65", "--quiet")
     assert code == 2 and "--draft-vocab must be in [1, 64]" in err and len(err.strip().splitlines()) == 1
+
+
+def test_truncated_drafter_weights_are_one_line(tiny_models, trained, tmp_path, monkeypatch, capsys):
+    """Fresh-user run: a truncated ``model.safetensors`` in a drafter directory gave safetensors' 65-126-line
+    traceback; now a one-line error naming the file, for eagle3 and block drafters (the CLI's exit 2)."""
+    import shutil
+
+    from specpilot.zoo import bundled_block_dir
+
+    from .conftest import run_cli
+
+    out = save_eagle3(trained[0], tmp_path / "e3", dtype=torch.float32)
+    w = out / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    with pytest.raises(DrafterError, match="not a readable safetensors file"):
+        load_eagle3(out, tiny_models[0])
+    block = shutil.copytree(bundled_block_dir(), tmp_path / "block")
+    w = block / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:1000])
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--prompt", "x", "--drafter", "block", "--drafter-path",
+                           str(block))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "not a readable safetensors file" in err, err

@@ -340,7 +340,7 @@ def load_block(path, target: Transformer) -> BlockNet:
         DrafterError: missing files, or the drafter does not fit the target (hidden size, vocabulary,
             layer indices); a DFlash directory's errors as :func:`~specpilot.spec.dflash_import.load_dflash`.
     """
-    from safetensors.torch import load_file
+    from specpilot.fileio import load_safetensors
 
     p = Path(path)
     if is_dflash_dir(p):
@@ -365,7 +365,7 @@ def load_block(path, target: Transformer) -> BlockNet:
         net = BlockNet(cfg)
     net = net.to_empty(device="cpu")
     try:
-        net.load_state_dict(load_file(str(p / "model.safetensors")))
+        net.load_state_dict(load_safetensors(p / "model.safetensors", DrafterError))
     except RuntimeError as e:
         raise DrafterError(f"block drafter weights in {p} do not match its config.json: {str(e)[:200]}") from None
     return net.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)

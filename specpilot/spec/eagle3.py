@@ -284,9 +284,9 @@ def read_config(raw: dict, target_args, where: str) -> Eagle3Config:
 
 def _read_weights(p: Path) -> dict:
     if (p / "model.safetensors").is_file():
-        from safetensors.torch import load_file
+        from specpilot.fileio import load_safetensors
 
-        return load_file(str(p / "model.safetensors"))
+        return load_safetensors(p / "model.safetensors", DrafterError)
     if (p / "pytorch_model.bin").is_file():
         return torch.load(p / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise DrafterError(f"eagle3 drafter {p}: no model.safetensors or pytorch_model.bin")
