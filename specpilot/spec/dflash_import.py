@@ -130,8 +130,9 @@ def dflash_block_config(raw: dict, target_args, where: str = "DFlash checkpoint"
 
 def read_weights(path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory: ``model.safetensors``, or the shards named by
-    ``model.safetensors.index.json``. Raises :class:`DrafterError` when neither is there or a shard is missing."""
-    from safetensors.torch import load_file
+    ``model.safetensors.index.json``. Raises :class:`DrafterError` when neither is there, a shard is missing or one
+    is unreadable."""
+    from specpilot.fileio import load_safetensors
 
     p = Path(path)
     if (p / "model.safetensors").is_file():
@@ -149,10 +150,7 @@ def read_weights(path) -> dict[str, torch.Tensor]:
         raise DrafterError(f"{p} has no model.safetensors (nor model.safetensors.index.json)")
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        try:
-            out.update(load_file(str(f)))
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise DrafterError(f"{f} is not a readable safetensors file: {str(e)[:120]}") from None
+        out.update(load_safetensors(f, DrafterError))
     return out
 
 
