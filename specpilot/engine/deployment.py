@@ -7,6 +7,7 @@ The pilot builds many systems (stock, candidates, the sealed one) over the same 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,6 +43,9 @@ class Deployment:
         pack: target, draft model and drafter networks project through oneDNN-prepacked weights
             (:mod:`specpilot.kernels.cpu_linear`); None = on the CPU in float32 (twice the projections' weight
             memory there).
+        aligned: the target's single-request passes run the batched engine's kernels
+            (:attr:`~specpilot.model.transformer.KernelConfig.aligned`: a tree's top chain gets the one-row AR pass's
+            bits in bf16 on CUDA); every engine built here shares it.
     Raises:
         CheckpointError: target or drafter checkpoint missing / unsupported / corrupted.
         DrafterError: the drafter's vocabulary does not fit the target's (or a block drafter's hidden size /
@@ -49,13 +53,15 @@ class Deployment:
     """
 
     def __init__(self, target_dir, drafter_dir=None, dtype: str = "float32", device: str = "cpu", block_dirs=(),
-                 pack: bool | None = None):
+                 pack: bool | None = None, aligned: bool = False):
         if not isinstance(target_dir, (str, Path)):
             raise CheckpointError(f"the target must be a checkpoint directory path, got {type(target_dir).__name__}")
         self.target_dir = Path(target_dir)
         self.drafter_dir = Path(drafter_dir) if drafter_dir else None
         self.dtype, self.device = dtype, check_device(device)
         self.target = load_model(self.target_dir, dtype, device, pack=pack)
+        self.aligned = aligned
+        self.target.kernels = replace(self.target.kernels, aligned=aligned)  # before any copy shares it
         self.tokenizer = load_tokenizer(self.target_dir)  # None: the checkpoint has no tokenizer files
         self.draft_model = None
         self.block_dirs = [Path(b) for b in block_dirs]

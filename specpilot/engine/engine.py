@@ -292,7 +292,9 @@ class Engine:
         """One exact pass; returns (accepted draft tokens + the bonus, before the stop checks; rows)."""
         start = len(committed) - 1
         assert self.cache.length == start, "cache must hold every committed token but the last"
-        tree = self._tree(committed, remaining, prof)
+        # top chain first, at its own positions: accepting along it moves no K/V, and an aligned pass
+        # (KernelConfig.aligned) gives its rows AR's bits
+        tree = self._tree(committed, remaining, prof).chain_first()
         r = len(tree) + 1
         tok_list = [committed[-1]] + tree.tokens
         pos_list = [start] + [start + d for d in tree.depths]

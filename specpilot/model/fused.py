@@ -69,18 +69,34 @@ def forward_fused(model, x, cos, sin, cache, start: torch.Tensor, tree_mask, fea
                   feature_layers: tuple[int, ...]) -> torch.Tensor:
     """The static pass of ``model`` (a :class:`~specpilot.model.transformer.Transformer`) through
     :func:`fused_layer`; the tree mask is packed once per pass. ``x [R, hidden]`` embeddings -> final-norm
-    hidden states ``[R, hidden]``; the outputs of ``feature_layers`` are appended to ``features``."""
+    hidden states ``[R, hidden]``; the outputs of ``feature_layers`` are appended to ``features``. With the
+    model's ``kernels.aligned`` the pass is the batched engine's for one request (:func:`forward_batch_fused`'s
+    kernels: batch-invariant GEMMs, AR-aligned attention over the cache as a pool of one slot), so its rows at
+    their own positions carry the one-row AR pass's bits."""
     a = model.args
-    words = pack_tree_mask(tree_mask)
+    aligned = model.kernels.aligned
+    if aligned:
+        from specpilot.kernels.batch_attention import batch_tree_attention, pack_batch_masks
+
+        r = x.shape[0]
+        words = pack_batch_masks(tree_mask[None])
+        zero = torch.zeros(1, dtype=torch.int32, device=x.device)
+        starts = start.reshape(1).to(torch.int32)
+        counts = torch.full((1,), r, dtype=torch.int32, device=x.device)
+    else:
+        words = pack_tree_mask(tree_mask)
 
     def attend(i):
         def run(qkv, qw, kw):
             q = fused.qk_norm_rope_store(qkv, qw, kw, cos, sin, cache.k[i], cache.v[i], start, a.n_heads,
                                          a.n_kv_heads, a.rms_norm_eps)
+            if aligned:
+                return batch_tree_attention(q, cache.k[i][None], cache.v[i][None], zero, starts, counts, zero, words,
+                                            r, a.head_dim**-0.5)
             return tree_attention(q, cache.k[i], cache.v[i], start, words, a.head_dim**-0.5)
         return run
 
-    return _fused_layers(model, x, attend, features, feature_layers)
+    return _fused_layers(model, x, attend, features, feature_layers, invariant_linear if aligned else None)
 
 
 def forward_batch_fused(model, x, cos, sin, pool, p, features: list | None, feature_layers: tuple[int, ...]):

@@ -53,6 +53,14 @@ class KernelConfig:
             0.95 ms against the path kernel's 1.65 (results/gdn_wy_h200_2026-12-04_b5f1f3c/), but a whole step
             with it has not been timed at a bucket it verifies, and its outputs match the committed state only up
             to rounding.
+        aligned: single-request static passes on the fused path (the engine's row buckets: AR steps, tree
+            verification, prompt chunks) take the batched engine's kernels: every ``nn.Linear`` projection and
+            the LM head through the batch-invariant GEMM, the attention through the AR-aligned batched kernel
+            (:mod:`specpilot.kernels.batch_attention`) as one request. A tree's top chain, laid out first
+            (:meth:`~specpilot.spec.trees.Tree.chain_first`), then carries the one-row AR pass's bits in bf16, so
+            near ties resolve as AR's do and a recorded greedy continuation (the calibrated drafter's) holds in
+            tree passes. Off by default: cuBLAS and split-KV attention are faster (``specpilot pilot --aligned``
+            measures every system on it); W12 and Q-view layers keep their own kernels either way.
     """
 
     fused: bool | None = None
@@ -62,6 +70,7 @@ class KernelConfig:
     batch_kernel: bool = False
     batch_invariant: bool = True
     gdn_wy: bool = False
+    aligned: bool = False
 
 
 class Transformer(nn.Module):
@@ -264,6 +273,10 @@ class Transformer(nn.Module):
         mechanism (:attr:`int8_head`) the certified INT8 head finds the same argmax (§4.1)."""
         if self.int8_head is not None:  # rows the bound leaves undecided take this model's own head
             return self.int8_head.argmax(hidden, full=self.full_greedy)
+        if self.kernels.aligned and self.fused_on(hidden):  # the head of an aligned pass (KernelConfig.aligned)
+            from specpilot.kernels.gemm import invariant_linear
+
+            return invariant_linear(hidden, self.lm_head).argmax(dim=-1)
         return self.full_greedy(hidden)
 
     def batch_invariant_on(self, x: torch.Tensor, kernel: bool) -> bool:

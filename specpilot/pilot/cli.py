@@ -75,6 +75,7 @@ def pilot_cmd(
     calibration: Optional[Path] = typer.Option(None, help="Calibration file of a real pair (docs/calibrated-drafter.md): the planner may also propose the 'calibrated' drafter, whose acceptance is SIMULATED (for random-weight targets of real shapes); not with --agent."),
     batch: Optional[str] = typer.Option(None, help="Batch sizes, e.g. 1,4,16: the batched pilot (docs/batch-pilot.md) judges systems by batch runs at these sizes instead (--rounds: its A B B A rounds, default 3, --quick 2)."),
     prompts: Optional[Path] = typer.Option(None, help="The deployment's own requests instead of the bundled benchmarks: JSON Lines, one OpenAI request body per line (chat or completion, as sent to `specpilot serve`), an optional \"group\" per line as the stratum (docs/batch-pilot.md); --per-benchmark caps the requests per group, --max-new-tokens each body's max_tokens."),
+    aligned: bool = typer.Option(False, help="Every system's single-request passes run the batched engine's kernels (batch-invariant GEMMs, AR-aligned attention), so on CUDA a tree's top chain gets the one-row AR pass's bits in bf16 and a calibrated drafter's recorded continuation holds in tree passes (docs/tlv.md). Slower than cuBLAS and split-KV; single-request pilot only."),
     compile_cpu: bool = typer.Option(False, "--compile", help="With --batch on the CPU: every system is measured on the compiled batched pass that `serve --compile` runs (compiled once at start, about 30-40 s for SmolLM2 on 2 cores)."),
 ):
     """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
@@ -122,6 +123,9 @@ def pilot_cmd(
     if compile_cpu and (batch is None or device.split(":")[0] != "cpu"):
         raise SpecPilotError("--compile measures the batched CPU pass that `serve --compile` runs: it needs --batch "
                              f"and a CPU device (got {'no --batch' if batch is None else device})")
+    if aligned and batch is not None:
+        raise SpecPilotError("--aligned puts single-request passes on the batched engine's kernels; --batch runs "
+                             "the batched engine, whose passes have them already: drop one of the two")
     check_float16_device(dtype, check_device(device))
     if agent is not None and ("{worktree}" not in agent or not agent.strip()):
         raise SpecPilotError("--agent must be a command template containing {worktree} (and usually {brief})")
@@ -140,6 +144,6 @@ def pilot_cmd(
                            blocks=tuple(block or ()), adversarial=adversarial, threads=threads, memory=memory,
                            devices=devs, paired_devices=paired_devices, executor=executor, agent=agent,
                            agent_timeout=agent_timeout, scorer_dtype=scorer_dtype, calibration=calibration,
-                           compile_cpu=compile_cpu, prompts=prompts,
+                           compile_cpu=compile_cpu, prompts=prompts, aligned=aligned,
                            overrides={k: v for k, v in (("per_benchmark", per_benchmark), ("max_new_tokens", max_new_tokens),
                                                         ("rounds", rounds)) if v is not None} or None))

@@ -62,6 +62,7 @@ class PilotOptions:
     calibration: Path | None = None  # a calibration file: the planner may propose the SIMULATED 'calibrated' drafter
     compile_cpu: bool = False  # --batch on the CPU: every batched engine runs the compiled stack (serve --compile's)
     prompts: Path | None = None  # --prompts FILE: the deployment's own requests instead of the bundled benchmarks
+    aligned: bool = False  # --aligned: the target's single-request passes on the batched engine's kernels
 
     @property
     def plan(self) -> dict:
@@ -112,14 +113,15 @@ class Pilot:
         except ValueError as e:
             raise SpecPilotError(str(e)) from None
         torch.set_num_threads(self.threads)
-        self.dep = Deployment(opts.target, opts.drafter, dtype=opts.dtype, device=opts.device, block_dirs=opts.blocks)
+        self.dep = Deployment(opts.target, opts.drafter, dtype=opts.dtype, device=opts.device, block_dirs=opts.blocks,
+                              aligned=opts.aligned)
         self.drafter_kind = "draft_model" if self.dep.draft_model is not None else "ngram"
         self.stock = SystemConfig.stock(self.drafter_kind, depth=6, dtype=opts.dtype)
         self.ar = SystemConfig.ar(dtype=opts.dtype)
         self.engines: dict[str, object] = {}
         spec = DeploymentSpec(str(self.dep.target_dir.resolve()),
                               str(self.dep.drafter_dir.resolve()) if self.dep.drafter_dir else None, opts.dtype,
-                              tuple(str(b.resolve()) for b in self.dep.block_dirs))
+                              tuple(str(b.resolve()) for b in self.dep.block_dirs), opts.aligned)
         self.dispatch = plan_dispatch(opts.device, opts.devices, opts.paired_devices, opts.executor,
                                       bool(opts.agent), spec, torch.get_num_threads())
         self.code_tree, self.code_entries = None, []  # the incumbent's code: approved agent patches (§3.5)

@@ -83,7 +83,7 @@ def main() -> None:
         from specpilot.engine.deployment import Deployment
 
         dep = Deployment(init["target"], init.get("drafter"), dtype=init["dtype"], device=init["device"],
-                         block_dirs=init.get("blocks") or ())
+                         block_dirs=init.get("blocks") or (), aligned=bool(init.get("aligned")))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which rejects the candidate
         _send(out, _error(e))
         return

@@ -46,12 +46,13 @@ class WorkerError(SpecPilotError):
 @dataclass(frozen=True)
 class DeploymentSpec:
     """What every worker loads (the arguments of :class:`~specpilot.engine.deployment.Deployment`):
-    checkpoint directories (absolute), dtype and block drafter directories."""
+    checkpoint directories (absolute), dtype, block drafter directories and the aligned kernels' choice."""
 
     target: str
     drafter: str | None = None
     dtype: str = "float32"
     blocks: tuple[str, ...] = ()
+    aligned: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,8 @@ class Worker:
         self._finalizer = weakref.finalize(self, _reap, self.proc, self._log.name)
         try:
             self.send({"tree": self.tree, "device": device, "dtype": dep.dtype, "target": dep.target,
-                       "drafter": dep.drafter, "blocks": list(dep.blocks), "threads": threads})
+                       "drafter": dep.drafter, "blocks": list(dep.blocks), "threads": threads,
+                       "aligned": dep.aligned})
         except BaseException:
             self.kill()
             self.close()
