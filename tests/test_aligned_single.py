@@ -83,19 +83,22 @@ def test_aligned_engine_equals_ar(tiny_dirs, cfg, monkeypatch):
 
 
 def test_deployment_sets_the_aligned_kernels(tiny_dirs):
-    """``Deployment(aligned=True)`` is the target's ``KernelConfig.aligned`` (off by default); the pilot refuses
-    ``--aligned`` with ``--batch`` in one line."""
+    """``Deployment(aligned=True)`` is the target's ``KernelConfig.aligned`` (off by default)."""
     from specpilot.engine.deployment import Deployment
 
     assert Deployment(tiny_dirs[0], None, aligned=True).target.kernels.aligned
     assert not Deployment(tiny_dirs[0], None).target.kernels.aligned
 
 
-def test_pilot_refuses_aligned_with_batch(monkeypatch, capsys, tmp_path):
+def test_pilot_refuses_aligned_with_batch_or_off_cuda(monkeypatch, capsys, tmp_path):
+    """``pilot --aligned`` with ``--batch`` (whose passes are aligned already) or on a CPU device (no fused path): one
+    line, exit 2, before anything loads."""
     from .conftest import run_cli
 
     code, out, err = run_cli(monkeypatch, capsys, "pilot", "--aligned", "--batch", "1", "--out", str(tmp_path / "r"))
-    assert code == 2 and "--aligned" in err and len(err.strip().splitlines()) == 1, err
+    assert code == 2 and "--batch" in err and len(err.strip().splitlines()) == 1, err
+    code, out, err = run_cli(monkeypatch, capsys, "pilot", "--aligned", "--out", str(tmp_path / "r"))
+    assert code == 2 and "CUDA" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.skipif(not CUDA, reason="bf16 near ties need a GPU")

@@ -126,6 +126,9 @@ def pilot_cmd(
     if aligned and batch is not None:
         raise SpecPilotError("--aligned puts single-request passes on the batched engine's kernels; --batch runs "
                              "the batched engine, whose passes have them already: drop one of the two")
+    if aligned and device.split(":")[0] != "cuda":
+        raise SpecPilotError(f"--aligned picks CUDA kernels (Triton); on {device} the single-request pass has no "
+                             "fused path to align: leave the flag out")
     check_float16_device(dtype, check_device(device))
     if agent is not None and ("{worktree}" not in agent or not agent.strip()):
         raise SpecPilotError("--agent must be a command template containing {worktree} (and usually {brief})")
