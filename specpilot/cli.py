@@ -100,7 +100,8 @@ def check_drafter_kind(drafter: str, path: Path) -> None:
                              "not a draft model: use --drafter block (pilot: --block)")
     if (kind == "eagle3") != (drafter == "eagle3"):
         raise SpecPilotError(f"--drafter-path {path} holds a drafter of kind {kind} (from its config.json), not "
-                             f"{drafter}: use --drafter {'block' if kind.startswith('block') else kind}")
+                             f"{drafter}: use --drafter {'block' if kind.startswith('block') else kind} (pilot: "
+                             f"--{'block' if kind.startswith('block') else kind})")
     if drafter == "block" and kind == "draft_model":
         mt = json.loads((Path(path) / "config.json").read_text()).get("model_type")
         raise SpecPilotError(f"--drafter-path {path} is a draft model (model_type {mt}, from its config.json), "

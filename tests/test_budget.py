@@ -79,7 +79,7 @@ def test_shrink_applies_the_levers_in_order_until_it_fits():
 def fake_pilot(quick: bool, ar_ms: float, overrides=None):
     """What :func:`size_plan` reads of a pilot, with requests of 100 prompt tokens (2 per benchmark, 4 benchmarks)."""
     o = SimpleNamespace(quick=quick, overrides=overrides, adversarial=False)
-    dep = SimpleNamespace(draft_model=None, block_dirs=())
+    dep = SimpleNamespace(draft_model=None, block_dirs=(), eagle3_dirs=())
     return SimpleNamespace(o=o, plan=dict(PLAN), dep=dep, source=None, t0=time.perf_counter(), ar_ms=ar_ms)
 
 

@@ -43,6 +43,8 @@ class Deployment:
         pack: target, draft model and drafter networks project through oneDNN-prepacked weights
             (:mod:`specpilot.kernels.cpu_linear`); None = on the CPU in float32 (twice the projections' weight
             memory there).
+        eagle3_dirs: EAGLE-3 drafter directories (ours or public heads); the first is the default of
+            ``SystemConfig(drafter="eagle3")`` without ``drafter_path`` (a ``drafter_dir`` that is one comes first).
         aligned: the target's single-request passes run the batched engine's kernels
             (:attr:`~specpilot.model.transformer.KernelConfig.aligned`: a tree's top chain gets the one-row AR pass's
             bits in bf16 on CUDA); every engine built here shares it.
@@ -53,7 +55,7 @@ class Deployment:
     """
 
     def __init__(self, target_dir, drafter_dir=None, dtype: str = "float32", device: str = "cpu", block_dirs=(),
-                 pack: bool | None = None, aligned: bool = False):
+                 pack: bool | None = None, aligned: bool = False, eagle3_dirs=()):
         if not isinstance(target_dir, (str, Path)):
             raise CheckpointError(f"the target must be a checkpoint directory path, got {type(target_dir).__name__}")
         self.target_dir = Path(target_dir)
@@ -72,9 +74,9 @@ class Deployment:
             self.drafter_dir = None
         self.pack = pack if pack is not None else pack_by_default(self.device, dtype)
         self._blocks = {str(b.resolve()): self._packed(load_block(b, self.target)) for b in self.block_dirs}
-        self.eagle3_dirs: list[Path] = []
+        self.eagle3_dirs: list[Path] = [Path(d) for d in eagle3_dirs]
         if self.drafter_dir is not None and is_eagle3_dir(self.drafter_dir):
-            self.eagle3_dirs.append(self.drafter_dir)
+            self.eagle3_dirs.insert(0, self.drafter_dir)
             self.drafter_dir = None
         self._eagle3 = {str(d.resolve()): self._packed(load_eagle3(d, self.target)) for d in self.eagle3_dirs}
         self._w12_target = None

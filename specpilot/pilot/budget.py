@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 from specpilot.errors import SpecPilotError
 from specpilot.pilot.paired import SALT_TOKENS
-from specpilot.pilot.planner import VERIFY_ROWS
+from specpilot.pilot.planner import EAGLE3_TOP_K, VERIFY_ROWS
 from specpilot.pilot.steps import fastest, step_stats
 
 #: Phases of a run, in order (the keys of :func:`estimate_s` and of the report's per-phase wall times).
@@ -77,7 +77,8 @@ class RunShape:
 
     Attributes:
         requests: requests in the set. prompt_tokens: their mean prompt length (salt included).
-        draft_model: the deployment has a draft model. blocks: block drafters (``--block``).
+        draft_model: the deployment has a draft model. blocks / eagle3: block and EAGLE-3 drafters (``--block``,
+            ``--eagle3``).
         round0: AR is judged in round 0 (stock predicted slower than AR). adversarial: ``--adversarial``.
         reuse_entries: entries of ``--memory`` to re-measure. elapsed_s: seconds already spent (setup).
     """
@@ -86,6 +87,7 @@ class RunShape:
     prompt_tokens: float
     draft_model: bool = False
     blocks: int = 0
+    eagle3: int = 0
     round0: bool = False
     adversarial: bool = False
     reuse_entries: int = 0
@@ -117,16 +119,17 @@ def estimate_s(plan: dict, shape: RunShape, costs: StepCosts) -> dict[str, float
     verify = 200 * c.prefill_ms_per_token + VERIFY_PASSES * sum(
         c.ar_ms + (r - 1) * c.prefill_ms_per_token for r in VERIFY_ROWS)
     per_position = 4 * c.record_ms.get("ngram", 0.0) + shape.draft_model * c.record_ms.get("draft_model", 0.0) \
-        + shape.blocks * c.record_ms.get("block", 0.0)
-    record = R * (M - 1) * per_position + shape.blocks * R * (P + M) * c.prefill_ms_per_token
-    families = 1 + shape.draft_model + shape.blocks  # the planner proposes up to `candidates` per drafter
+        + shape.blocks * c.record_ms.get("block", 0.0) + shape.eagle3 * len(EAGLE3_TOP_K) * c.record_ms.get("eagle3", 0.0)
+    learned = shape.blocks + shape.eagle3 * len(EAGLE3_TOP_K)  # recordings that run the target over each sequence
+    record = R * (M - 1) * per_position + learned * R * (P + M) * c.prefill_ms_per_token
+    families = 1 + shape.draft_model + shape.blocks + shape.eagle3  # the planner proposes up to `candidates` each
     best = min(ar, sp)  # incumbents, judged candidates and the sealed system: at least as fast as AR or stock
     rounds = (ceiling(sp) + judge(sp, ar)) if shape.round0 else 0.0
     rounds += shape.reuse_entries * (RETUNED * measure(3, sp) + judge(sp, sp))
     rounds += plan["rounds"] * (ceiling(best) + families * plan["candidates"] * measure(3, sp)
                                 + plan["candidates"] * judge(best, best))
     ms = {"phase0": (2 * R + 2) * (ar + sp) + (2 * R + 2) * 2 * sp + 2 * forcing,
-          "cost_inputs": measure(4, sp) + (1 + shape.blocks) * verify + record,  # a block's pass: with features
+          "cost_inputs": measure(4, sp) + (1 + shape.blocks + shape.eagle3) * verify + record,  # passes with features
           "rounds": rounds,
           "adversarial": ADVERSARIES * judge(sp, sp) if shape.adversarial else 0.0,
           "seal": (2 * R + 2) * (ar + sp + best) + forcing + ceiling(best)}
@@ -192,11 +195,15 @@ def measure_step_costs(pilot, reqs: list, new_tokens: int = 16) -> StepCosts:
         drafters["draft_model"] = (SystemConfig(drafter="draft_model", top_k=8, depth=depth, nodes=depth), depth, 8)
     if dep.block_dirs:
         drafters["block"] = (SystemConfig(drafter="block", drafter_path=str(dep.block_dirs[0]), top_k=16), None, 16)
+    if dep.eagle3_dirs:
+        k = max(EAGLE3_TOP_K)
+        drafters["eagle3"] = (SystemConfig(drafter="eagle3", drafter_path=str(dep.eagle3_dirs[0]), top_k=k, depth=depth,
+                                           nodes=depth), depth, k)
     record_ms = {}
     for kind, (cfg, d, k) in drafters.items():
         drafter = dep.system(cfg).drafter
         d = d or drafter.cfg.block_size
-        rec = record(drafter, [probe], [list(ar.tokens)], d, k, target=dep.target if kind == "block" else None)
+        rec = record(drafter, [probe], [list(ar.tokens)], d, k, target=dep.target if drafter.target_layers else None)
         # a position's recording: its propose, a draft model's second one-position propose, the observation
         record_ms[kind] = rec.draft_ms + (rec.draft1_ms or 0.0) + rec.observe_ms
     return StepCosts(ar_ms=ar_st.step_ms, spec_step_ms=sp_st.step_ms, tau=sp_st.tau,
@@ -219,6 +226,7 @@ def size_plan(pilot, requests_for) -> tuple[dict, dict]:
     costs = measure_step_costs(pilot, requests_for(plan), new_tokens=min(16, plan["max_new_tokens"]))
     src = pilot.source
     base = {"draft_model": pilot.dep.draft_model is not None, "blocks": len(pilot.dep.block_dirs),
+            "eagle3": len(pilot.dep.eagle3_dirs),
             "round0": costs.spec_step_ms / max(costs.tau, 1.0) > costs.ar_ms, "adversarial": o.adversarial,
             "reuse_entries": len(src.ids()) if src is not None else 0}
 

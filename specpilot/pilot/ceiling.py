@@ -86,10 +86,10 @@ def tree_tau_best(planner, cfg: SystemConfig, tau: float, ar_nodes: int) -> tupl
             if t > best:
                 best, src = t, f"AR incumbent: best recorded drafter's oracle ({kind}, top-{k}, N={ar_nodes})"
         return best, src
-    if cfg.drafter == "block":
+    if cfg.drafter in ("block", "eagle3"):  # the checkpoint's recordings ("<kind>:<dir>")
         t = max([replay(rec, cfg.model_copy(update={"depth": rec.depth, "top_k": k}), policy="oracle")[0]
                  for (kind, k), rec in planner.recordings.items()
-                 if kind.startswith("block") and rec.drafter_path == cfg.drafter_path] or [0.0])
+                 if kind.startswith(cfg.drafter + ":") and rec.drafter_path == cfg.drafter_path] or [0.0])
     else:
         t = planner.oracle_tau(cfg)
     return max(t, tau), f"{cfg.drafter} oracle at N={cfg.nodes}"

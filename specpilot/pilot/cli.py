@@ -64,6 +64,7 @@ def pilot_cmd(
     dtype: str = typer.Option("float32", help="float32 | bfloat16"),
     seed: int = typer.Option(0, help="Seed for request sampling and bootstrap."),
     block: Optional[List[Path]] = typer.Option(None, help="Block drafter directory the planner may propose (repeatable; default with the bundled target: the bundled block and block_markov drafters)."),
+    eagle3: Optional[List[Path]] = typer.Option(None, help="EAGLE-3 drafter directory the planner may propose (ours from `train-drafter --kind eagle3`, or a public head; repeatable)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: 1 on a CPU device with <= 2 cores, else torch's default)."),
     memory: Optional[Path] = typer.Option(None, help="Memory directory of an earlier run: start from stock + its entries, re-tuned and re-measured here (§3.5)."),
     devices: Optional[str] = typer.Option(None, help="Comma-separated devices judging candidates at once, one worker process per system (e.g. cuda:0,cuda:1; cpu,cpu on the CPU). Default: just --device."),
@@ -92,6 +93,8 @@ def pilot_cmd(
     tdir, ddir = target, drafter_path
     if ddir is not None:  # stock's draft model: a block drafter goes to --block (planner candidates)
         check_drafter_kind("draft_model", ddir)
+    for e in eagle3 or ():
+        check_drafter_kind("eagle3", e)
     if tdir is None:
         from specpilot.zoo import bundled_block_dir, bundled_block_markov_dir, bundled_drafter_dir, bundled_target_dir
 
@@ -144,7 +147,7 @@ def pilot_cmd(
 
         load_calibration(calibration)  # a bad file: its one-line CalibrationError, before any measurement
     run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
-                           blocks=tuple(block or ()), adversarial=adversarial, threads=threads, memory=memory,
+                           blocks=tuple(block or ()), eagle3=tuple(eagle3 or ()), adversarial=adversarial, threads=threads, memory=memory,
                            devices=devs, paired_devices=paired_devices, executor=executor, agent=agent,
                            agent_timeout=agent_timeout, scorer_dtype=scorer_dtype, calibration=calibration,
                            compile_cpu=compile_cpu, prompts=prompts, aligned=aligned,

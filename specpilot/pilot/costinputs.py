@@ -3,7 +3,8 @@
 After Phase 0 the pilot measures AR interleaved with stock (one source of truth for T_AR, :mod:`.steps`),
 the exact pass's time by row count right after (again with each block drafter's target layers gathered), the
 time to move an accepted path into place, and records every drafter's lattices along AR's outputs
-(n-gram at top-1/2/4/8, the draft model, each block drafter at its full block) so the planner can replay
+(n-gram at top-1/2/4/8, the draft model, each block drafter at its full block, each EAGLE-3 drafter at each of the
+planner's top-K) so the planner can replay
 any tree over them (§2.4). From these it builds the :class:`~specpilot.pilot.planner.Planner` and the
 report's c(N) and τ(N) curves.
 """
@@ -18,7 +19,7 @@ from specpilot.config import SystemConfig
 from specpilot.errors import SpecPilotError
 from specpilot.head.cpu import worth as cpu_head_worth
 from specpilot.pilot.phase0 import Phase0Result
-from specpilot.pilot.planner import VERIFY_ROWS, Planner
+from specpilot.pilot.planner import EAGLE3_TOP_K, VERIFY_ROWS, Planner
 from specpilot.model.qview import q_view
 from specpilot.pilot.replay import Recording, record
 from specpilot.pilot.replay_tlv import QRecording, record_q
@@ -62,7 +63,7 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
                              "source": "cost-model inputs"})
     prompts, ar_out = p0.prompts, p0.ar_outputs
     budgets = [r.max_new_tokens for r in pilot.reqs]
-    recs, feature_verify = {}, {}
+    recs, feature_verify, layers = {}, {}, set()
     for k in (1, 2, 4, 8):
         ngram = dep.system(SystemConfig(drafter="ngram", top_k=k, depth=depth_max, nodes=depth_max)).drafter
         recs[("ngram", k)] = record(ngram, prompts, ar_out, depth_max, k, max_new_tokens=budgets)
@@ -76,11 +77,21 @@ def cost_inputs(pilot: Pilot, p0: Phase0Result) -> CostInputs:
         recs[(f"block:{bd}", 16)] = record(bdr, prompts, ar_out, bdr.cfg.block_size, 16, target=dep.target,
                                            max_new_tokens=budgets)
         recs[(f"block:{bd}", 16)].drafter_path = str(bd)
-        layers = tuple(bdr.target_layers)
-        if layers not in feature_verify:  # its system's exact pass also gathers these layers' outputs
-            feature_verify[layers] = measure_verify_ms(dep.target, prefix_len=200, rows=VERIFY_ROWS, static=static,
-                                                       feature_layers=layers)
-            move_ms[layers] = measure_move_ms(dep.target, prefix_len=200, feature_layers=layers)
+        layers.add(tuple(bdr.target_layers))
+    for ed in dep.eagle3_dirs:  # EAGLE-3 drafters (--eagle3): one recording per top-K (planner.EAGLE3_TOP_K)
+        pilot.say("cost model", f"recording EAGLE-3 lattices of {ed} at top-{'/'.join(map(str, EAGLE3_TOP_K))} "
+                                "(exact replay)")
+        for k in EAGLE3_TOP_K:
+            edr = dep.system(SystemConfig(drafter="eagle3", drafter_path=str(ed), top_k=k, depth=depth_max,
+                                          nodes=depth_max)).drafter
+            recs[(f"eagle3:{ed}", k)] = record(edr, prompts, ar_out, depth_max, k, target=dep.target,
+                                               max_new_tokens=budgets)
+            recs[(f"eagle3:{ed}", k)].drafter_path = str(ed)
+        layers.add(tuple(edr.target_layers))
+    for lay in sorted(layers):  # a learned drafter's exact pass also gathers these layers' outputs for it
+        feature_verify[lay] = measure_verify_ms(dep.target, prefix_len=200, rows=VERIFY_ROWS, static=static,
+                                                feature_layers=lay)
+        move_ms[lay] = measure_move_ms(dep.target, prefix_len=200, feature_layers=lay)
     if pilot.o.calibration is not None:  # SIMULATED acceptance (the calibrated drafter), told Phase 0's AR outputs
         pilot.say("cost model", f"recording the calibrated drafter of {pilot.o.calibration} (simulated acceptance)")
         key, rec = record_calibrated(dep, pilot.o.calibration, prompts, ar_out, budgets)

@@ -10,7 +10,6 @@ measured pass times, so the planner ranks by predicted speedup τ / c and sends 
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass
 
@@ -19,17 +18,12 @@ import torch
 
 from specpilot.config import SystemConfig
 from specpilot.pilot.replay import Recording, TruncatedLattice, replay, replay_steps, replay_trace
+from specpilot.pilot.space import (BLOCK_DEPTH, BLOCK_TREES, DEPTH, EAGLE3_TOP_K, KERNEL_MECHANISMS, NODES,  # noqa: F401
+                                   TOP_K, _canonical, _distinct, candidate_space)
 from specpilot.spec.trees import build_tree
 
-#: Option grid the planner searches (kept small: every candidate costs a paired run).
-NODES = (2, 4, 6, 8, 12, 16, 24, 32)
-TOP_K = (2, 4, 8)
-DEPTH = (3, 4, 6, 8, 10)
-KERNEL_MECHANISMS = ("w12", "lm_head_int8")  # toggled in the ``kernel`` direction (§4.1; SystemConfig bool fields)
 TREE_SAMPLES = 200  # recorded lattices a config's tree-building time is measured on
-#: Block drafters (DFlash-style, ``--block``): block sizes (lattice depth) and builders the planner proposes.
-BLOCK_DEPTH = (8, 12, 16)
-BLOCK_TREES = ("chain", "best_first", "ddtree_marginal", "eagle2_topk")
+
 #: Row counts whose exact-pass time the cost model measures: one row (AR), two, and every ``[root] + tree`` size a
 #: candidate verifies, so no prediction interpolates across a step in the pass's cost (a 135M target's CPU pass
 #: jumps from 59 to 89 ms between 3 and 4 rows, where the kernel library changes method).
@@ -83,7 +77,8 @@ class Planner:
     Args:
         recordings: ``{(drafter, top_k_recorded): Recording}`` from :func:`specpilot.pilot.replay.record`.
             For ``draft_model`` one recording at the largest K serves every K; for ``ngram`` one per K; a
-            block drafter is keyed ``("block:<dir>", 16)`` with ``rec.drafter_path`` set to its directory.
+            block drafter is keyed ``("block:<dir>", 16)`` with ``rec.drafter_path`` set to its directory, an EAGLE-3
+            drafter ``("eagle3:<dir>", K)`` once per K of :data:`EAGLE3_TOP_K` (replayed at that K only).
         verify_ms: ``{rows: ms}`` measured time of one exact pass (forward + LM head + argmax) by rows.
         ar_ms: measured AR step time, ms (the unit of c).
         device: the deployment's torch device (``cpu``, ``cuda``, ``cuda:1``): kernel mechanisms are
@@ -191,7 +186,8 @@ class Planner:
         beyond a later one (``first_ms − draft_ms``: the prompt's catch-up) spread over the steps: live it falls on
         the request's first step, so it weighs (requests / steps), not (requests / positions). A draft model's
         propose is affine in depth (one pass per position after a catch-up pass and a host read): interpolated
-        between its two measured depths, one position (``draft1_ms``) and the recorded one (``draft_ms``); without
+        between its two measured depths, one position (``draft1_ms``) and the recorded one (``draft_ms``), and so is an
+        EAGLE-3 drafter's (one pass over the expanded nodes per depth); without
         ``draft1_ms``, scaled by ``cfg.depth / rec.depth``. 0 without a recording or a drafter.
 
         Args:
@@ -204,7 +200,7 @@ class Planner:
             return 0.0
         rec = rec if requests is None else rec.subset(requests)
         propose = rec.draft_ms
-        if cfg.drafter == "draft_model":
+        if cfg.drafter in ("draft_model", "eagle3"):  # one drafter pass per depth level
             if rec.draft1_ms is not None and rec.depth > 1:
                 propose = rec.draft1_ms + (rec.draft_ms - rec.draft1_ms) * (cfg.depth - 1) / (rec.depth - 1)
             else:
@@ -231,7 +227,7 @@ class Planner:
                 t0 = time.perf_counter()
                 for lat in lats:
                     build_tree(cfg.tree, TruncatedLattice(lat, min(cfg.depth, lat.depth), cfg.top_k),
-                               cfg.nodes).ancestor_mask()
+                               cfg.nodes).chain_first().ancestor_mask()
                 ms = 1e3 * (time.perf_counter() - t0) / len(lats)
             self._tree_ms[key] = ms
         steps = replay_steps(rec, cfg) if steps is None else steps
@@ -247,10 +243,10 @@ class Planner:
         if cfg.drafter == "ngram":
             rec = self.recordings.get(("ngram", cfg.top_k))
             return rec if rec is not None and rec.depth >= cfg.depth else None
-        if cfg.drafter == "block":
+        if cfg.drafter in ("block", "eagle3"):  # one recording per checkpoint ("<kind>:<dir>"), eagle3's per K
             for (kind, k), rec in self.recordings.items():
-                if kind.startswith("block") and rec.drafter_path == cfg.drafter_path and k >= cfg.top_k \
-                        and rec.depth >= cfg.depth:
+                if kind.startswith(cfg.drafter + ":") and rec.drafter_path == cfg.drafter_path and rec.depth >= cfg.depth \
+                        and (k == cfg.top_k if cfg.drafter == "eagle3" else k >= cfg.top_k):
                     return rec
             return None
         for (kind, k), rec in self.recordings.items():
@@ -302,46 +298,7 @@ class Planner:
         :meth:`kernel_mechanisms` toggled (§4.1) when :meth:`kernel_why_not` is None: τ unchanged, so the predicted
         speedup is the incumbent's and the pilot's live screening (measured c) decides what reaches the controller.
         """
-        drafters = sorted({kind for kind, _ in self.recordings if not kind.startswith("block")})
-        blocks = [rec for (kind, _), rec in self.recordings.items() if kind.startswith("block")]
-        out = []
-
-        paths = {kind: rec.drafter_path for (kind, _), rec in self.recordings.items() if kind == "calibrated"}
-        def path(d):  # a calibrated drafter's calibration file goes with it
-            return incumbent.drafter_path if d == incumbent.drafter else paths.get(d)
-
-        if direction == "tree":
-            for rec in blocks:  # block drafters: kind (checkpoint), block size (depth), builder, N
-                for dep in sorted({d for d in BLOCK_DEPTH if d <= rec.depth} | {rec.depth}):
-                    base = {"drafter": "block", "drafter_path": rec.drafter_path, "top_k": 16, "depth": dep}
-                    out.append(incumbent.model_copy(update={**base, "tree": "chain", "nodes": dep}))
-                    for tree, n in itertools.product(BLOCK_TREES[1:], NODES):
-                        out.append(incumbent.model_copy(update={**base, "tree": tree, "nodes": n}))
-            for d, n, k, dep in itertools.product(drafters, NODES, TOP_K, DEPTH):
-                # a best-first tree of n nodes is at most n deep: depth > n is the same system as depth n
-                # (uncapped, N=4 with D=4, 8 and 10 were judged as three candidates), so cap it
-                out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": paths.get(d), "tree": "best_first",
-                                                        "nodes": n, "top_k": k, "depth": min(dep, n)}))
-            for d, dep in itertools.product(drafters, DEPTH):
-                out.append(incumbent.model_copy(update={"drafter": d, "drafter_path": paths.get(d), "tree": "chain", "nodes": dep, "top_k": 1, "depth": dep}))
-            out = _distinct(out)
-            if self.tlv is not None:  # TLV (§4.3) raises tokens per exact pass: each tree candidate with it too
-                out += [c.model_copy(update={"tlv": True, "q_weights": self.tlv.weights}) for c in out
-                        if c.drafter != "none" and not c.tlv]
-        elif direction == "kernel":
-            if self.kernel_why_not(incumbent) is None:
-                for name in self.kernel_mechanisms():
-                    out.append(incumbent.model_copy(update={name: not getattr(incumbent, name)}))
-        elif direction == "outside":
-            for d in drafters + (["block"] if incumbent.drafter == "block" else []):
-                for n in NODES:
-                    if n < incumbent.nodes:
-                        out.append(incumbent.model_copy(update={"drafter": d, "nodes": n, "drafter_path": path(d)}))
-                for dep in DEPTH:
-                    if dep < incumbent.depth:
-                        nodes = min(incumbent.nodes, dep) if incumbent.tree == "chain" else incumbent.nodes
-                        out.append(incumbent.model_copy(update={"drafter": d, "depth": dep, "nodes": nodes, "drafter_path": path(d)}))
-        return [c for c in _distinct(out) if _canonical(c) != _canonical(incumbent)]
+        return candidate_space(self, incumbent, direction)
 
     def kernel_mechanisms(self) -> tuple[str, ...]:
         """The kernel mechanisms with a fast path here: both on CUDA; on the CPU the certified head where its bf16
@@ -381,18 +338,3 @@ class Planner:
         picked = [cp for fam in families.values() for cp in sorted(fam, key=lambda cp: -cp[1].speedup)[:k]]
         picked.sort(key=lambda cp: -cp[1].speedup)
         return picked
-
-
-def _distinct(cfgs: list[SystemConfig]) -> list[SystemConfig]:
-    """One of each set of equivalent configs (same :func:`_canonical`): the smallest N (a measured row count)."""
-    best: dict[SystemConfig, SystemConfig] = {}
-    for c in cfgs:
-        if (key := _canonical(c)) not in best or c.nodes < best[key].nodes:
-            best[key] = c
-    return list(best.values())
-
-
-def _canonical(cfg: SystemConfig) -> SystemConfig:
-    """``cfg``, best-first N cut to what its lattice holds (K + … + K^D: N=12 D=4 k=1 is N=4); TLV unchanged."""
-    cap = sum(cfg.top_k ** d for d in range(1, cfg.depth + 1))
-    return cfg.model_copy(update={"nodes": cap}) if cfg.tree == "best_first" and not cfg.tlv and cfg.nodes > cap else cfg

@@ -106,9 +106,9 @@ def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None,
            max_new_tokens: list[int] | None = None) -> Recording:
     """Propose a lattice at every committed length of every AR output (one drafter pass per position), timing
     each ``propose`` (:attr:`Recording.draft_ms`, :attr:`Recording.first_ms`), each ``observe`` of a drafter with
-    ``target_layers``
-    (:attr:`Recording.observe_ms`) and, for a draft model, a second ``propose`` of one position on the same
-    prefix (:attr:`Recording.draft1_ms`; its lattice is dropped).
+    ``target_layers`` (:attr:`Recording.observe_ms`) and, for a draft model or an EAGLE-3 drafter (one pass per
+    depth), a second ``propose`` of one position on the same prefix (:attr:`Recording.draft1_ms`; its lattice is
+    dropped).
 
     Args:
         drafter: a :class:`~specpilot.spec.drafter.Drafter` built with ``top_k`` candidates (slot 0 is used).
@@ -131,7 +131,7 @@ def record(drafter, prompts, ar_outputs, depth: int, top_k: int, target=None,
     layers = rec.target_layers = tuple(drafter.target_layers)
     if layers and target is None:
         raise ValueError("recording a block drafter needs the target (its hidden states are the context)")
-    sequential = drafter.kind == "draft_model"  # one pass per drafted position: time one position too
+    sequential = drafter.kind in ("draft_model", "eagle3")  # one pass per drafted position: time one position too
     calls, t_total, firsts, t_first, t_one, observes, t_obs = 0, 0.0, 0, 0.0, 0.0, 0, 0.0
     if not layers and rec.ar and len(rec.ar[0]) > 1:  # untimed, then forgotten: a static draft model captures its
         drafter.reset(0)  # drafting loop's graph per depth on first use (a block drafter captures when built)
@@ -204,7 +204,7 @@ def replay_trace(rec: Recording, config: SystemConfig, policy: str | None = None
                  sequoia: SequoiaBuilder | None = None) -> list[tuple[int, int, int]]:
     """:func:`replay_steps` with each step's moved rows: ``[(tokens kept, rows verified, rows moved)]``. Rows moved
     is the accepted path's length (root + accepted nodes) when the path is not the tree's rows ``0 … k−1`` in
-    place, else 0: the engine then compacts the target's cache (and gathers the rows' features for a drafter
+    place (the tree laid out top chain first, :meth:`~specpilot.spec.trees.Tree.chain_first`), else 0: the engine then compacts the target's cache (and gathers the rows' features for a drafter
     that reads them) so the path lies in place (``Engine._step``); a chain never moves. The oracle policy moves
     nothing (it is no tree the engine runs). Raises ValueError as :func:`replay`."""
     if config.depth > rec.depth or config.top_k > rec.top_k:
@@ -245,7 +245,7 @@ def _walk(lat: Lattice, target: list[int], config: SystemConfig, policy: str | N
                 break
             path += (target[len(path)],)
         return len(path), 1 + limit, True
-    tree = build_tree(config.tree, lat, config.nodes, sequoia)
+    tree = build_tree(config.tree, lat, config.nodes, sequoia).chain_first()  # laid out as the engine verifies it
     kids, row, n = tree.child_maps(), 0, 0
     while n < len(target) and target[n] in kids[row]:
         row = kids[row][target[n]]

@@ -49,6 +49,7 @@ class PilotOptions:
     seed: int = 0
     overrides: dict | None = None
     blocks: tuple = ()  # block drafter directories the planner may propose (kind, block size, builder)
+    eagle3: tuple = ()  # EAGLE-3 drafter directories the planner may propose (top-K, depth, builder)
     adversarial: bool = False  # judge the cheating candidates of :mod:`.adversarial` in this run
     threads: int | None = None  # torch intra-op threads (None: 1 on a CPU device with <= 2 cores, else torch's)
     memory: Path | None = None  # memory directory of an earlier run to start from (§3.5)
@@ -114,14 +115,15 @@ class Pilot:
             raise SpecPilotError(str(e)) from None
         torch.set_num_threads(self.threads)
         self.dep = Deployment(opts.target, opts.drafter, dtype=opts.dtype, device=opts.device, block_dirs=opts.blocks,
-                              aligned=opts.aligned)
+                              aligned=opts.aligned, eagle3_dirs=opts.eagle3)
         self.drafter_kind = "draft_model" if self.dep.draft_model is not None else "ngram"
         self.stock = SystemConfig.stock(self.drafter_kind, depth=6, dtype=opts.dtype)
         self.ar = SystemConfig.ar(dtype=opts.dtype)
         self.engines: dict[str, object] = {}
         spec = DeploymentSpec(str(self.dep.target_dir.resolve()),
                               str(self.dep.drafter_dir.resolve()) if self.dep.drafter_dir else None, opts.dtype,
-                              tuple(str(b.resolve()) for b in self.dep.block_dirs), opts.aligned)
+                              tuple(str(b.resolve()) for b in self.dep.block_dirs), opts.aligned,
+                              tuple(str(e.resolve()) for e in self.dep.eagle3_dirs))
         self.dispatch = plan_dispatch(opts.device, opts.devices, opts.paired_devices, opts.executor,
                                       bool(opts.agent), spec, torch.get_num_threads())
         self.code_tree, self.code_entries = None, []  # the incumbent's code: approved agent patches (§3.5)

@@ -82,8 +82,9 @@ def main() -> None:
         from specpilot.config import SystemConfig
         from specpilot.engine.deployment import Deployment
 
+        extra = {k: v for k, v in (("aligned", init.get("aligned")), ("eagle3_dirs", init.get("eagle3"))) if v}
         dep = Deployment(init["target"], init.get("drafter"), dtype=init["dtype"], device=init["device"],
-                         block_dirs=init.get("blocks") or (), aligned=bool(init.get("aligned")))
+                         block_dirs=init.get("blocks") or (), **extra)  # options a tree of older code lacks: only if set
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which rejects the candidate
         _send(out, _error(e))
         return

@@ -46,13 +46,14 @@ class WorkerError(SpecPilotError):
 @dataclass(frozen=True)
 class DeploymentSpec:
     """What every worker loads (the arguments of :class:`~specpilot.engine.deployment.Deployment`):
-    checkpoint directories (absolute), dtype, block drafter directories and the aligned kernels' choice."""
+    checkpoint directories (absolute), dtype, block and EAGLE-3 drafter directories and the aligned kernels' choice."""
 
     target: str
     drafter: str | None = None
     dtype: str = "float32"
     blocks: tuple[str, ...] = ()
     aligned: bool = False
+    eagle3: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class Worker:
         try:
             self.send({"tree": self.tree, "device": device, "dtype": dep.dtype, "target": dep.target,
                        "drafter": dep.drafter, "blocks": list(dep.blocks), "threads": threads,
-                       "aligned": dep.aligned})
+                       "aligned": dep.aligned, "eagle3": list(dep.eagle3)})
         except BaseException:
             self.kill()
             self.close()
