@@ -263,3 +263,22 @@ def test_generate_cli_runs_tlv_and_refuses_bad_options(monkeypatch, capsys):
                                          "weights apply with tlv)")
     code, _, err = run_cli(monkeypatch, capsys, "generate", "--prompt", "x", "--drafter", "none", "--tlv")
     assert code == 2 and "tlv needs a drafter" in err and len(err.strip().splitlines()) == 1
+
+
+def test_tlv_engines_of_a_deployment_share_one_q_view(tiny_dirs):
+    """Every TLV engine a deployment builds runs its Q pass over the deployment's one Q view per weight set (a view8
+    copy of an 8B bf16 target is about 12 GB; a pilot that built one per system ran out of an 80 GB GPU), and
+    still equals AR."""
+    from specpilot.engine.deployment import Deployment
+
+    from .test_engine import ar_tokens
+
+    dep = Deployment(tiny_dirs[0], tiny_dirs[1])
+    a = dep.system(SystemConfig(drafter="draft_model", tree="best_first", nodes=6, depth=3, top_k=2, tlv=True),
+                   eos_ids=[])
+    b = dep.system(SystemConfig(drafter="ngram", tree="chain", nodes=4, depth=4, tlv=True), eos_ids=[])
+    c = dep.system(SystemConfig(drafter="ngram", tree="chain", nodes=4, depth=4, tlv=True, q_weights="int8"), eos_ids=[])
+    assert a.tlv.q is b.tlv.q is dep.q_target(dep.target, "view8")
+    assert c.tlv.q is not a.tlv.q
+    p = [3, 9, 4, 3, 9, 4, 3, 9, 1, 2]
+    assert a.generate(p, 16).tokens == b.generate(p, 16).tokens == ar_tokens(dep.target, p, 16)

@@ -82,6 +82,7 @@ class Deployment:
         self._w12_target = None
         self._int8: dict[int, object] = {}  # id(base target) -> that target with the certified INT8 head
         self._int8_head = None
+        self._q_views: dict[tuple[int, str], object] = {}  # (id(target), q_weights) -> TLV's Q view (q_target)
         self._stacks: dict[int, object] = {}  # id(target) -> its compiled CPU stack, shared by the engines built here
         # the target's known greedy outputs, read by 'calibrated' drafters; unknown ones come from an AR run here
         self.continuations = Continuations(oracle=self._greedy)
@@ -208,8 +209,22 @@ class Deployment:
         target = self._target(config)
         engine_kw.setdefault("eos_ids", self.eos_ids())
         engine_kw.setdefault("buckets", torch.device(self.device).type == "cuda")  # CUDA graphs per row bucket
+        if config.tlv:
+            engine_kw.setdefault("q_target", self.q_target(target, config.q_weights))
         # with row buckets a block drafter's step is one static pass too (a CUDA graph on CUDA)
         return Engine(target, config, self._drafter(config, target, 1, static_step=engine_kw["buckets"]), **engine_kw)
+
+    def q_target(self, target, weights: str):
+        """TLV's Q view of ``target`` (this deployment's target or one of its W12 / INT8-head copies) with
+        ``weights`` (:func:`~specpilot.model.qview.q_view`), built on first use and then shared by every engine and
+        recording here: each is a copy of the target's projections (12 GB as ``view8`` of a bf16 8B target), and a
+        pilot builds many TLV systems. Raises SpecPilotError as ``q_view``."""
+        from specpilot.model.qview import q_view
+
+        key = (id(target), weights)
+        if key not in self._q_views:
+            self._q_views[key] = q_view(target, weights)
+        return self._q_views[key]
 
     def batch_system(self, config: SystemConfig | LoadPlan, max_num_seqs: int = 8, **engine_kw) -> BatchEngine:
         """A batched engine (continuous batching, one exact pass per step) running ``config`` for up to

@@ -56,6 +56,9 @@ class Engine:
             on CUDA (:mod:`specpilot.engine.runner`); rows above the largest bucket run eagerly. The prefill
             then runs in chunks of the largest bucket (a hybrid target's stays one eager pass). The target features a drafter reads are captured inside
             those graphs (:attr:`BucketRunner.features`).
+        q_target: with ``config.tlv``, the Q view to run the Q pass over (:func:`~specpilot.model.qview.q_view` of
+            ``target`` with ``config.q_weights``); None: built here. A deployment hands every TLV engine its one
+            copy (a view8 encoding of an 8B bf16 target is about 12 GB).
     Raises:
         DrafterError: the drafter does not fit the target (vocabulary, target layers; R16).
         SpecPilotError: ``config.tlv`` without a drafter, or on a target the Q view does not cover (hybrids).
@@ -67,7 +70,8 @@ class Engine:
 
     def __init__(self, target: Transformer, config: SystemConfig, drafter: Drafter | None = None,
                  eos_ids: list[int] | None = None, max_len: int | None = None,
-                 logits_hook: Callable[[torch.Tensor], torch.Tensor] | None = None, buckets: bool = False):
+                 logits_hook: Callable[[torch.Tensor], torch.Tensor] | None = None, buckets: bool = False,
+                 q_target=None):
         if drafter is not None:
             check_fits(drafter, target.args.vocab_size, target.args.num_layers)
         self.target, self.config, self.drafter = target, config, drafter
@@ -95,8 +99,9 @@ class Engine:
 
             # a calibrated drafter whose calibration measured the Q agreement: the real Q pass runs (its time),
             # its argmax along the known greedy path is the simulated one (specpilot.spec.calibrated_q)
-            self.tlv = simulated_q(QPass(q_view(target, config.q_weights), self.cache, self.feature_layers, buckets,
-                                         config.nodes + 1), drafter, config.q_weights)
+            q = q_target if q_target is not None else q_view(target, config.q_weights)
+            self.tlv = simulated_q(QPass(q, self.cache, self.feature_layers, buckets, config.nodes + 1), drafter,
+                                   config.q_weights)
         self.logits_hook = logits_hook
         self.step_hook = None
         self._feats: torch.Tensor | None = None  # the last pass's target features [R, F] (drafters that read them)

@@ -20,7 +20,6 @@ from specpilot.errors import SpecPilotError
 from specpilot.head.cpu import worth as cpu_head_worth
 from specpilot.pilot.phase0 import Phase0Result
 from specpilot.pilot.planner import EAGLE3_TOP_K, VERIFY_ROWS, Planner
-from specpilot.model.qview import q_view
 from specpilot.pilot.replay import Recording, record
 from specpilot.pilot.replay_tlv import QRecording, record_q
 from specpilot.pilot.tlv_cost import TlvInputs
@@ -155,11 +154,11 @@ def tlv_inputs(pilot: Pilot, recs: dict, depth: int, static: bool) -> TlvInputs 
     the Q pass's time by rows, measured as the exact pass's (:func:`measure_verify_ms`). With a calibration that
     measured the real pair's Q agreement (``--calibration``), also the calibrated drafter's SIMULATED Q chains
     (:func:`~specpilot.spec.calibrated_q.simulated_chains`, the draws of the engine's simulated Q pass). None (said,
-    and TLV is neither priced nor proposed) for a target without a Q view (:func:`q_view` refuses it: a hybrid
+    and TLV is neither priced nor proposed) for a target without a Q view (:func:`~specpilot.model.qview.q_view` refuses it: a hybrid
     target)."""
     dep = pilot.dep
     try:
-        q = q_view(dep.target, "view8")
+        q = dep.q_target(dep.target, "view8")  # the Q view the TLV systems' engines share
     except SpecPilotError as e:
         pilot.say("cost model", f"TLV not priced: {e}")
         return None
