@@ -77,9 +77,31 @@ def test_drafting_is_priced_by_depth(setup, eagle3_dir):
     assert planner.draft_time(cfg) < planner.draft_time(cfg.model_copy(update={"nodes": 8, "depth": 8}))
 
 
-def test_pilot_eagle3_refuses_a_block_drafter_in_one_line(monkeypatch, capsys, tmp_path):
+def test_pilot_learned_drafter_flags_refuse_wrong_paths_in_one_line(monkeypatch, capsys, tmp_path, eagle3_dir):
+    """``--eagle3`` / ``--block`` given a drafter of the other kind, a missing path or a file: one line naming the
+    flag (and the flag the drafter goes to), exit 2, before anything loads."""
     from specpilot.zoo import bundled_block_dir
 
-    code, _, err = run_cli(monkeypatch, capsys, "pilot", "--eagle3", str(bundled_block_dir()), "--out",
-                           str(tmp_path / "r"))
-    assert code == 2 and "--block" in err and len(err.strip().splitlines()) == 1, err
+    cases = [(("--eagle3", str(bundled_block_dir())), "give it with --block"),
+             (("--block", str(eagle3_dir)), "give it with --eagle3"),
+             (("--eagle3", str(tmp_path / "missing")), "no such directory"),
+             (("--eagle3", str(eagle3_dir / "config.json")), "a file, not a drafter directory")]
+    for args, want in cases:
+        code, _, err = run_cli(monkeypatch, capsys, "pilot", *args, "--out", str(tmp_path / "r"))
+        assert code == 2 and args[0] in err and want in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_report_curves_of_a_sealed_eagle3_system(setup, eagle3_dir):
+    """The report's τ-vs-N curves of a sealed eagle3 system come from its checkpoint at its recorded K (they were all
+    None: the curves asked for an eagle3 drafter without its directory)."""
+    from types import SimpleNamespace
+
+    from specpilot.pilot.seal import sealed_tau_curves
+
+    pilot = SimpleNamespace(planner=setup[3], plan={"depth_max": DEPTH}, drafter_kind="ngram")
+    sealed = SystemConfig(drafter="eagle3", drafter_path=str(eagle3_dir), tree="best_first", nodes=8, depth=4, top_k=4)
+    curves = sealed_tau_curves(pilot, sealed)
+    assert set(curves) == {"eagle3/chain", "eagle3/best_first", "eagle3/oracle"}
+    assert all(v is not None and v >= 1 for name in curves for v in curves[name].values())
+    assert curves["eagle3/best_first"][8] == setup[3].predict(sealed.model_copy(update={"depth": DEPTH})).tau

@@ -48,6 +48,22 @@ def check_report_dir(out: Path, batched: bool = False) -> None:
                              "no earlier pilot report: choose a new or empty directory")
 
 
+def check_learned_dir(flag: str, path: Path, want: str) -> None:
+    """Check that ``path``, given to ``flag`` (``--block`` or ``--eagle3``), is a drafter directory of kind ``want``
+    (``block`` takes the Markov variant too). Raises SpecPilotError: one line naming the flag, and the flag its kind
+    goes to; a directory without a readable config.json is left to the loader, which names the missing file."""
+    from specpilot.cli import drafter_kind
+
+    if not path.is_dir():
+        raise SpecPilotError(f"{flag} {path}: " + ("a file, not a drafter directory" if path.exists() else "no such directory"))
+    kind = drafter_kind(path)
+    if kind is None or kind == want or (want == "block" and kind.startswith("block")):
+        return
+    use = {"eagle3": "--eagle3", "draft_model": "--drafter-path"}.get(kind, "--block")
+    raise SpecPilotError(f"{flag} {path} holds a drafter of kind {kind} (from its config.json), not {want}: give it "
+                         f"with {use}")
+
+
 def pilot_cmd(
     quick: bool = typer.Option(False, help="Smoke run: its plan is sized from measured step times to fit about 3 minutes (the expected duration is printed before it starts)."),
     per_benchmark: Optional[int] = typer.Option(None, min=2, help="Requests per benchmark, at least 2 (the paired bootstrap needs two requests of a benchmark; default 4; --quick 2)."),
@@ -76,7 +92,7 @@ def pilot_cmd(
     calibration: Optional[Path] = typer.Option(None, help="Calibration file of a real pair (docs/calibrated-drafter.md): the planner may also propose the 'calibrated' drafter, whose acceptance is SIMULATED (for random-weight targets of real shapes); not with --agent."),
     batch: Optional[str] = typer.Option(None, help="Batch sizes, e.g. 1,4,16: the batched pilot (docs/batch-pilot.md) judges systems by batch runs at these sizes instead (--rounds: its A B B A rounds, default 3, --quick 2)."),
     prompts: Optional[Path] = typer.Option(None, help="The deployment's own requests instead of the bundled benchmarks: JSON Lines, one OpenAI request body per line (chat or completion, as sent to `specpilot serve`), an optional \"group\" per line as the stratum (docs/batch-pilot.md); --per-benchmark caps the requests per group, --max-new-tokens each body's max_tokens."),
-    aligned: bool = typer.Option(False, help="Every system's single-request passes run the batched engine's kernels (batch-invariant GEMMs, AR-aligned attention), so on CUDA a tree's top chain gets the one-row AR pass's bits in bf16 and a calibrated drafter's recorded continuation holds in tree passes (docs/tlv.md). Slower than cuBLAS and split-KV; single-request pilot only."),
+    aligned: bool = typer.Option(False, help="CUDA only, not with --batch. Every system's single-request passes run the batched engine's kernels (batch-invariant GEMMs, AR-aligned attention): a tree's top chain then gets the one-row AR pass's bf16 bits, so a calibrated drafter's recorded continuation holds in tree passes (docs/tlv.md). Slower than cuBLAS and split-KV."),
     compile_cpu: bool = typer.Option(False, "--compile", help="With --batch on the CPU: every system is measured on the compiled batched pass that `serve --compile` runs (compiled once at start, about 30-40 s for SmolLM2 on 2 cores)."),
 ):
     """Run the SpecPilot procedure (§3): Phase 0, cost model, planner, controller, token forcing, seal."""
@@ -93,8 +109,9 @@ def pilot_cmd(
     tdir, ddir = target, drafter_path
     if ddir is not None:  # stock's draft model: a block drafter goes to --block (planner candidates)
         check_drafter_kind("draft_model", ddir)
-    for e in eagle3 or ():
-        check_drafter_kind("eagle3", e)
+    for flag, dirs, want in (("--block", block, "block"), ("--eagle3", eagle3, "eagle3")):
+        for d in dirs or ():
+            check_learned_dir(flag, d, want)
     if tdir is None:
         from specpilot.zoo import bundled_block_dir, bundled_block_markov_dir, bundled_drafter_dir, bundled_target_dir
 

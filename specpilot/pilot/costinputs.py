@@ -182,20 +182,22 @@ def c_model_curve(planner: Planner, verify_ms: dict) -> dict:
     return {0: 1.0, **{r - 1: planner.step_c(r) for r in sorted(verify_ms) if r > 1}}
 
 
-def tau_curves(pilot: Pilot, kind: str | None = None) -> dict:
-    """τ vs N by exact replay, per tree builder, for drafter ``kind`` (``ngram`` or ``draft_model``; default the
-    deployment's; the seal adds the sealed system's when it differs) for the report plot."""
+def tau_curves(pilot: Pilot, kind: str | None = None, path: str | None = None, top_k: int | None = None) -> dict:
+    """τ vs N by exact replay, per tree builder, for drafter ``kind`` (``ngram``, ``draft_model``, or ``eagle3`` with
+    its checkpoint ``path`` and recorded ``top_k``; default the deployment's; the seal adds the sealed system's when
+    it differs) for the report plot."""
     out = {}
     kind = kind or pilot.drafter_kind
-    k = 8 if kind == "draft_model" else 4
+    k = top_k or (8 if kind == "draft_model" else 4)
     depth = pilot.plan["depth_max"]
     for builder in ("chain", "best_first", "oracle"):
         curve = {}
         for n in (1, 2, 4, 6, 8, 12, 16, 24, 32):
             if builder == "chain" and n > depth:
                 continue
-            cfg = SystemConfig(drafter=kind, tree="chain" if builder == "chain" else "best_first", nodes=n,
-                               depth=min(n, depth) if builder == "chain" else depth, top_k=1 if builder == "chain" else k)
+            cfg = SystemConfig(drafter=kind, drafter_path=path, tree="chain" if builder == "chain" else "best_first",
+                               nodes=n, depth=min(n, depth) if builder == "chain" else depth,
+                               top_k=k if builder != "chain" or kind == "eagle3" else 1)  # eagle3: its recorded K
             if builder == "oracle":
                 curve[n] = pilot.planner.oracle_tau(cfg)
             else:

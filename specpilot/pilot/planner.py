@@ -284,8 +284,8 @@ class Planner:
     def oracle_tau(self, cfg: SystemConfig) -> float:
         """τ of the top-K oracle with ``cfg``'s drafter and N, at the largest recorded depth and K (§2.4)."""
         best = 0.0
-        for (kind, k), rec in self.recordings.items():
-            if kind == cfg.drafter:
+        for (kind, k), rec in self.recordings.items():  # a checkpoint's drafter: its own recordings only
+            if kind == cfg.drafter or (kind.startswith(cfg.drafter + ":") and rec.drafter_path == cfg.drafter_path):
                 probe = cfg.model_copy(update={"depth": rec.depth, "top_k": k})
                 best = max(best, replay(rec, probe, policy="oracle")[0])
         return best

@@ -187,7 +187,10 @@ def benchmark_table(final) -> dict:
 
 def sealed_tau_curves(pilot: Pilot, sealed) -> dict:
     """The τ-vs-N curves of the sealed system's own drafter when it is not the deployment's (a run with a draft
-    model that seals n-gram plots both); none for AR or a block drafter (its curves need its checkpoint)."""
+    model that seals n-gram plots both; an eagle3 drafter's from its checkpoint at its top-K); none for AR or a block
+    drafter."""
     if sealed.drafter in ("none", "block", pilot.drafter_kind):
         return {}
+    if sealed.drafter == "eagle3":
+        return tau_curves(pilot, "eagle3", sealed.drafter_path, sealed.top_k)
     return tau_curves(pilot, sealed.drafter)
