@@ -24,6 +24,9 @@ def test_verify_and_move_timed_on_a_hybrid():
 
 def test_tlv_not_priced_on_a_hybrid():
     said = []
-    pilot = SimpleNamespace(dep=SimpleNamespace(target=tiny_target()), say=lambda phase, msg: said.append(msg))
+    from specpilot.model.qview import q_view
+
+    dep = SimpleNamespace(target=tiny_target(), q_target=q_view)  # the deployment's Q view: q_view, which refuses
+    pilot = SimpleNamespace(dep=dep, say=lambda phase, msg: said.append(msg))
     assert tlv_inputs(pilot, {}, 4, False) is None
     assert said == ["TLV not priced: TLV's Q pass is not built for hybrid (Gated DeltaNet) targets yet"]
