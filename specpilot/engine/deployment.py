@@ -62,7 +62,6 @@ class Deployment:
         self.drafter_dir = Path(drafter_dir) if drafter_dir else None
         self.dtype, self.device = dtype, check_device(device)
         self.target = load_model(self.target_dir, dtype, device, pack=pack)
-        self.aligned = aligned
         self.target.kernels = replace(self.target.kernels, aligned=aligned)  # before any copy shares it
         self.tokenizer = load_tokenizer(self.target_dir)  # None: the checkpoint has no tokenizer files
         self.draft_model = None
