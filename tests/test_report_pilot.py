@@ -99,6 +99,23 @@ def test_ar_incumbent_tree_factor_uses_best_recorded_drafter():
     assert tree_tau_best(planner, stock, 1.0, 6)[0] == pytest.approx(planner.oracle_tau(stock))
 
 
+def test_speculative_tree_factor_sees_a_better_recorded_drafter():
+    """An incumbent whose own drafter misses everything still sees the headroom of another recorded drafter (its
+    own oracle alone said "no tree headroom", so the pilot never attacked the drafter)."""
+    cycle = [5, 6, 7, 8, 9, 10]
+    good = record(NgramDrafter(max_matches=4), [cycle * 3], [cycle * 3], 6, 4)
+    # the same AR output from a prompt that never shows it: a drafter whose lattices miss (stands for a weak kind)
+    weak = record(NgramDrafter(max_matches=4), [[20, 21, 22, 23]], [cycle * 3], 6, 4)
+    planner = Planner({("draft_model", 4): weak, ("ngram", 4): good}, {1: 1.0, 2: 1.1, 8: 1.5}, 1.2)
+    inc = SystemConfig(drafter="draft_model", tree="best_first", nodes=6, depth=6, top_k=4)
+    own = planner.oracle_tau(inc)
+    tau_best, src = tree_tau_best(planner, inc, 1.0, 6)
+    assert tau_best > own + 1.0 and src == "best recorded drafter's oracle (ngram, top-4, N=6)"
+    ngram = inc.model_copy(update={"drafter": "ngram"})
+    assert tree_tau_best(planner, ngram, 1.0, 6) == (pytest.approx(planner.oracle_tau(ngram)),
+                                                      "own drafter's oracle (ngram, top-4, N=6)")
+
+
 def test_neighbourhood_and_patch_status():
     cfg = SystemConfig(drafter="ngram", tree="best_first", nodes=12, depth=6, top_k=4)
     hood = neighbourhood(cfg, depth_max=8)
