@@ -329,6 +329,50 @@ def test_a_calibration_adds_the_simulated_drafter_first(real, tmp_path):  # noqa
     assert rep["outputs_equal_ar"] == {"stock": True, "sealed": True}
 
 
+def test_learned_drafters_given_are_judged_as_drafter_swaps(tmp_path, monkeypatch, capsys):
+    """--block / --eagle3 with --batch: each checkpoint is one drafter-swap candidate (a best-first tree of stock's
+    nodes), judged at every size before the row choices; lossless in float32. The bundled target's default block
+    drafters are the single-request pilot's only: a batched run judges the checkpoints named."""
+    import torch
+
+    from specpilot.model.checkpoint import read_args
+    from specpilot.pilot.batch_mechanisms import learned_mechanism
+    from specpilot.pilot.state import PilotOptions
+    from specpilot.spec.eagle3 import save_eagle3
+    from specpilot.spec.train_eagle3 import new_eagle3_net
+    from specpilot.zoo import bundled_block_dir, bundled_target_dir
+
+    stock = SystemConfig.stock("ngram", depth=6)
+    cfg = learned_mechanism("block", "B", stock, block_size=4)[2](stock)
+    assert (cfg.drafter, cfg.drafter_path, cfg.tree, cfg.nodes, cfg.depth, cfg.top_k) == ("block", "B", "best_first",
+                                                                                         6, 4, 4)
+    assert learned_mechanism("block", "B", stock, block_size=4)[2](cfg) is None  # already that checkpoint
+    assert learned_mechanism("block", "C", stock, block_size=16)[2](cfg).depth == 6  # another checkpoint: a swap
+    with pytest.raises(ValueError):
+        learned_mechanism("block", "B", stock)
+    args = read_args(bundled_target_dir())
+    torch.manual_seed(0)  # an untrained head: acceptance aside, the swap is judged and lossless like a trained one
+    net = new_eagle3_net(args, [0, args.num_layers // 2, args.num_layers - 1], torch.arange(args.vocab_size))
+    e3 = save_eagle3(net, tmp_path / "e3", dtype=torch.float32)
+    opts = PilotOptions(target=bundled_target_dir(), out=tmp_path / "r", quick=True, blocks=(bundled_block_dir(),),
+                        eagle3=(e3,), overrides={"per_benchmark": 2, "max_new_tokens": 8, "benchmarks": 1})
+    rep = run_batch_pilot(opts, (1, 2), rounds=2, rng=random.Random(3))
+    names = [v["mechanism"] for v in rep["verdicts"]]
+    assert names.index("block") < names.index("eagle3") < names.index("best_first")
+    for kind in ("block", "eagle3"):
+        vs = [v for v in rep["verdicts"] if v["mechanism"] == kind]
+        assert sorted(v["size"] for v in vs) == [1, 2] and all("run" in v and not v["run"]["outputs_differ"]
+                                                               for v in vs)
+    assert rep["outputs_equal_ar"] == {"stock": True, "sealed": True}
+    seen = []
+    import specpilot.pilot.batch_pilot as bp
+
+    monkeypatch.setattr(bp, "run_batch_pilot", lambda o, sizes: seen.append(o))
+    code, _, err = run_cli(monkeypatch, capsys, "pilot", "--batch", "1", "--quick", "--out", str(tmp_path / "c"))
+    assert code == 0, err
+    assert seen[0].blocks == () and seen[0].eagle3 == ()
+
+
 def test_compiled_batch_run_measures_the_compiled_pass_and_compiles_once(tmp_path, monkeypatch, capsys):
     """``--compile``: every engine of the run (AR, stock, candidates, seal) and the shared budget's pass table run
     the target's compiled stack, built once; outputs still equal AR's in float32; the report says how to serve it."""

@@ -72,6 +72,33 @@ CPU_MECHANISMS = (
 )
 
 
+def learned_mechanism(kind: str, path, stock: SystemConfig, block_size: int | None = None) -> tuple:
+    """The entry of a learned drafter the run was given (``--block`` / ``--eagle3``): that checkpoint as a
+    best-first tree of stock's node count (the rows per request stock verifies), from its top-4 lattice, as deep as
+    those nodes allow (a block drafter: at most its block size ``block_size``). Judged after the calibrated drafter
+    and before the row choices, so that those then apply to it; its shared budget is replayed from its own lattices.
+
+    Args:
+        kind: ``"block"`` or ``"eagle3"``. path: its directory. stock: the run's stock system.
+        block_size: a block drafter's block size (positions one pass drafts); unused for eagle3.
+    Returns:
+        ``(name, why, make)`` as in :data:`MECHANISMS`; ``make`` gives None where the incumbent already drafts with
+        that checkpoint.
+    Raises:
+        ValueError: another ``kind``, or a block drafter without ``block_size``.
+    """
+    if kind not in ("block", "eagle3") or (kind == "block" and not block_size):
+        raise ValueError(f"a learned drafter is 'block' (with its block size) or 'eagle3', got {kind!r}")
+    nodes = max(stock.nodes, 2)
+    depth = min(nodes, block_size) if kind == "block" else nodes
+    cfg = SystemConfig(drafter=kind, drafter_path=str(path), tree="best_first", nodes=nodes, depth=depth,
+                       top_k=BEST_FIRST_TOP_K, dtype=stock.dtype)
+    why = (f"the {kind} drafter of {path} as a best-first tree of {nodes} nodes, depth {depth}, "
+           f"top-{BEST_FIRST_TOP_K}")
+    same = lambda inc: inc.drafter == kind and inc.drafter_path == cfg.drafter_path  # noqa: E731
+    return kind, why, lambda inc, budgets=(): None if same(inc) else cfg
+
+
 def mechanisms_for(device, head_weight) -> tuple:
     """The candidate list the batched pilot judges on ``device`` for a target whose LM head weight is
     ``head_weight``: :data:`MECHANISMS`, then on the CPU :data:`CPU_MECHANISMS` where the certified head's bf16 pass

@@ -14,7 +14,9 @@ judges systems by batch runs (:mod:`specpilot.pilot.batch_runs`) at every asked 
 3. **Shared budgets.** The target's batched pass is measured untimed by total rows at every size up to the largest
    (:mod:`specpilot.pilot.batch_budget`): the budget of a step over m requests is the drafted rows the pass can add
    within its flat region; the ``shared_budget`` candidate carries them (``SystemConfig.shared_budget``).
-4. **Candidates**, a fixed list (:func:`~specpilot.pilot.batch_mechanisms.mechanisms_for` the device), each judged
+4. **Candidates**: the drafters given (``--calibration``'s, each ``--block`` / ``--eagle3`` checkpoint:
+   :func:`~specpilot.pilot.batch_mechanisms.learned_mechanism`), then a fixed list
+   (:func:`~specpilot.pilot.batch_mechanisms.mechanisms_for` the device), each judged
    at each size against that size's incumbent of that moment, built from it (from stock while AR is the incumbent,
    except prompt admission and the certified head, which AR can use too), measured at that size only; approved at a
    size, it becomes that size's incumbent. A candidate can be approved at 1 and rejected at 16. All are lossless:
@@ -53,7 +55,8 @@ from specpilot.pilot import controller as ctl
 from specpilot.pilot.batch_budget import FLAT_TOLERANCE, measure_pass_ms, shared_budgets
 from specpilot.pilot.batch_journal import BatchJournal, machine_name, run_header
 from specpilot.pilot.batch_budget_replay import Replays
-from specpilot.pilot.batch_mechanisms import MECHANISMS, best_first_tree, calibrated_mechanism, mechanisms_for
+from specpilot.pilot.batch_mechanisms import (MECHANISMS, best_first_tree, calibrated_mechanism, learned_mechanism,
+                                              mechanisms_for)
 from specpilot.pilot.batch_report import build_report, forcing_reasons, verdict_record, write_outputs
 from specpilot.pilot.batch_runs import BatchMeasured, compare, measure_batches
 from specpilot.pilot.forcing import ForcingStats, Scorer, audit, delta_from_phase0, forcing_verdict, rounding_ties
@@ -110,7 +113,7 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
                    if on]
     if unsupported:
         raise SpecPilotError(f"--batch does not take {', '.join(unsupported)} yet (the batched pilot runs in this "
-                             "process, one device, a fixed candidate list)")
+                             "process, one device, a fixed candidate list and the drafters given)")
     if rounds is None:  # --rounds: the A B B A rounds here (the single-request pilot's planner rounds)
         rounds = (opts.overrides or {}).get("rounds") or (2 if opts.quick else 3)
     if rounds < 2:
@@ -158,8 +161,11 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
     aa_m = measure({"a": pilot.stock, "b": pilot.stock}, "phase 0: stock A/A")
     if journal.get("phase0_s") is None:
         journal.put("phase0_s", time.perf_counter() - t_p0)
+    drafters = ([calibrated_mechanism(opts.calibration, pilot.stock)] if opts.calibration is not None else []) + [
+        learned_mechanism("block", d, pilot.stock, pilot.dep.block_net(d).cfg.block_size) for d in opts.blocks] + [
+        learned_mechanism("eagle3", d, pilot.stock) for d in opts.eagle3]  # drafter swaps first: the rest apply to them
     listed = mechanisms_for(pilot.dep.device, pilot.dep.target.lm_head.weight)
-    n_mech = len(listed) + (opts.calibration is not None)
+    n_mech = len(listed) + len(drafters)
     held = "; less what the journal holds" if journal.resumed else ""
     pilot.say("batch", f"expected duration: about {expected_rest_s(journal.get('phase0_s'), n_mech) / 60:.1f} "
                        f"min more ({n_mech} candidates a size and the seal, priced by Phase 0's own runs{held})")
@@ -182,8 +188,8 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
         pilot.say("batch", f"stock's outputs part from AR's at float32 rounding ties only (largest margin "
                            f"{got['largest_margin']:.2g} nats over {got['tokens']} tokens): the lossless bar holds")
     stack = pilot.dep.compiled_stack() if opts.compile_cpu else None  # the flat region of the pass served
-    bases = [best_first_tree(pilot.stock) or pilot.stock] + ([calibrated_mechanism(opts.calibration, pilot.stock)[2](
-        pilot.ar)] if opts.calibration is not None else [])  # the drafters a shared budget's candidate can have
+    bases = [best_first_tree(pilot.stock) or pilot.stock] + [make(pilot.ar) for _, _, make in drafters]  # the
+    # drafters a shared budget's candidate can have
     replays = Replays(pilot.dep, p0, sizes, journal)
     worth = {m: replays.worth(bases, m) for m in range(1, max(sizes) + 1)}  # how far a pass's cost is worth timing
     pass_fn = pass_ms or (lambda m: measure_pass_ms(pilot.dep.target, m, stack=stack, worth=worth[m]))
@@ -214,7 +220,7 @@ def run_batch_pilot(opts: PilotOptions, sizes: tuple[int, ...], rounds: int | No
         pilot.say("batch", f"n={n} stock: {v.reason}{forcing_reasons(audited)}")
         if v.approved:
             incumbent[n] = pilot.stock
-    mechanisms = listed if opts.calibration is None else (calibrated_mechanism(opts.calibration, pilot.stock), *listed)
+    mechanisms = (*drafters, *listed)
     for name, why, make in mechanisms:
         for n in sizes:
             inc = incumbent[n]  # with AR the incumbent, the drafter's mechanisms start from stock

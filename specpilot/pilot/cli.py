@@ -79,8 +79,8 @@ def pilot_cmd(
     device: Optional[str] = typer.Option(None, help="torch device of the pilot's own process (profiling, scorer). Default: the first of --devices, else cpu."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16"),
     seed: int = typer.Option(0, help="Seed for request sampling and bootstrap."),
-    block: Optional[List[Path]] = typer.Option(None, help="Block drafter directory the planner may propose (repeatable; default with the bundled target: the bundled block and block_markov drafters)."),
-    eagle3: Optional[List[Path]] = typer.Option(None, help="EAGLE-3 drafter directory the planner may propose (ours from `train-drafter --kind eagle3`, or a public head; repeatable)."),
+    block: Optional[List[Path]] = typer.Option(None, help="Block drafter directory the planner may propose (repeatable; default with the bundled target and no --batch: the bundled block and block_markov drafters; with --batch: one drafter-swap candidate each)."),
+    eagle3: Optional[List[Path]] = typer.Option(None, help="EAGLE-3 drafter directory the planner may propose (ours from `train-drafter --kind eagle3`, or a public head; repeatable; with --batch: one drafter-swap candidate each)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: 1 on a CPU device with <= 2 cores, else torch's default)."),
     memory: Optional[Path] = typer.Option(None, help="Memory directory of an earlier run: start from stock + its entries, re-tuned and re-measured here (§3.5)."),
     devices: Optional[str] = typer.Option(None, help="Comma-separated devices judging candidates at once, one worker process per system (e.g. cuda:0,cuda:1; cpu,cpu on the CPU). Default: just --device."),
@@ -116,7 +116,7 @@ def pilot_cmd(
         from specpilot.zoo import bundled_block_dir, bundled_block_markov_dir, bundled_drafter_dir, bundled_target_dir
 
         tdir, ddir = bundled_target_dir(), ddir or bundled_drafter_dir()
-        if block is None:
+        if block is None and batch is None:  # the batched pilot judges the checkpoints named, one swap each
             block = [bundled_block_dir(), bundled_block_markov_dir()]
     if max_new_tokens is not None:  # hopeless before any measurement (the run itself drops single long prompts)
         from specpilot.model.checkpoint import read_args
