@@ -101,8 +101,10 @@ def test_pilot_end_to_end_tiny_plan(tmp_path, capsys):
     import subprocess
 
     if shutil.which("specpilot") and shutil.which("bash"):  # the report's own re-audit line runs as printed
-        assert f"- re-audit: `{tf['reaudit_command']}`" in (out / "report.md").read_text()
-        r = subprocess.run(["bash", "-c", tf["reaudit_command"] + " --json"], capture_output=True, text=True, timeout=300)
+        assert f"- re-audit, from this report's directory: `{tf['reaudit_command']}`" in (out / "report.md").read_text()
+        moved = shutil.copytree(out, out.parent / "moved")  # the line still works where the directory was copied
+        r = subprocess.run(["bash", "-c", tf["reaudit_command"] + " --json"], capture_output=True, text=True, timeout=300,
+                           cwd=moved)
         res = json.loads(r.stdout)
         assert r.returncode == 0 and res["passed"], r.stderr
         assert res["audited"]["mismatches"] == tf["mismatches"] and res["audited"]["tokens"] == tf["tokens"]

@@ -111,7 +111,7 @@ def test_report_flags_a_seal_that_failed_token_forcing(tmp_path):
     write_report(tmp_path / "bf16", {**REPORT, "token_forcing": {**tf, "scorer_dtype": "bfloat16",
                                                                  "reaudit_float32_command": cmd}}, {})
     head = (tmp_path / "bf16" / "report.md").read_text().split("## Ceiling")[0]
-    assert "The scorer ran in bfloat16" in head and f"against a float32 scorer: `{cmd}`" in head
+    assert "The scorer ran in bfloat16" in head and f"against a float32 scorer, from this report's directory: `{cmd}`" in head
 
 
 def test_duration_line_compares_the_estimate_with_the_wall_time(tmp_path):

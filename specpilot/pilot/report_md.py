@@ -65,7 +65,8 @@ def _headline_warnings(r: dict) -> list[str]:
         if tf.get("reaudit_float32_command"):
             out.append(f"  The scorer ran in {tf.get('scorer_dtype')}, which rounds like stock's own kernels: on flat "
                        "logits a lossless kernel that accumulates in another order (W12) can fail on near-ties alone. "
-                       f"The same audit against a float32 scorer: `{tf['reaudit_float32_command']}`.")
+                       f"The same audit against a float32 scorer, from this report's directory: "
+                       f"`{tf['reaudit_float32_command']}`.")
     vs_ar, low, tc = r.get("speedup_vs_ar"), r.get("speedup_ci_low"), _ratio(r.get("tau"), r.get("c"))
     if isinstance(vs_ar, (int, float)) and vs_ar < 1:
         r0 = next((x for x in r.get("rounds") or [] if x.get("round") == 0), None)
@@ -301,7 +302,7 @@ def render_markdown(r: dict, images: list[str]) -> str:
         if tf.get("outputs"):
             md.append(f"- audited outputs: `{tf['outputs']}`, stock's: `{tf.get('stock_outputs')}`")
         if tf.get("reaudit_command"):
-            md.append(f"- re-audit: `{tf['reaudit_command']}`")
+            md.append(f"- re-audit, from this report's directory: `{tf['reaudit_command']}`")
         md.append("")
     md += _predictions(r.get("predictions") or {}, r.get("cost_inputs") or {})
     cands = r.get("candidates") or []

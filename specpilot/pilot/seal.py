@@ -83,7 +83,7 @@ def seal(pilot: Pilot, p0: Phase0Result, inputs: CostInputs, search: Search, adv
         if scorer_dtype != "float32":
             pilot.say("seal", f"[yellow]a {scorer_dtype} scorer rounds like stock's own kernels, so on flat logits a "
                       "lossless kernel with another accumulation order can fail on near-ties alone; the same audit "
-                      f"against a float32 scorer: {reaudit('float32')}[/]")
+                      f"against a float32 scorer: cd {o.out} && {reaudit('float32')}[/]")
     if vs_ar[0] < 1:
         pilot.say("seal", f"[yellow bold]warning: the sealed system {sealed.label()} is slower than AR in this run "
                   f"({vs_ar[0]:.3f}x, lower bound {vs_ar[1]:.3f}); see the report[/]")
@@ -152,16 +152,19 @@ def seal(pilot: Pilot, p0: Phase0Result, inputs: CostInputs, search: Search, adv
 
 def reaudit_command(pilot: Pilot, p0: Phase0Result, outputs_file: Path, dtype: str | None = None) -> str:
     """The ``specpilot audit`` command line that repeats the seal's audit (same target, scorer dtype and
-    device, δ, stock's Phase-0 outputs as the reference); paths as this run was given them. ``dtype``:
-    another scorer dtype (``float32``: the same audit against unrounded arithmetic)."""
+    device, δ, stock's Phase-0 outputs as the reference), run from the report directory: the outputs' paths are
+    relative to it, so the line still works where the directory was copied whole (the target's path is as this run
+    was given it). ``dtype``: another scorer dtype (``float32``: the same audit against unrounded arithmetic)."""
     from specpilot.zoo import bundled_target_dir
 
     o, target = pilot.o, pilot.dep.target_dir
     tgt = ("$(specpilot zoo path --json | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"target\"])')"
            if target.resolve() == Path(bundled_target_dir()).resolve() else str(target))
     dtype = dtype or str(pilot.scorer.model.dtype).removeprefix("torch.")
-    return (f"specpilot audit --target {tgt} --outputs {o.out / outputs_file} "
-            f"--reference {o.out / p0.report['stock_outputs']} --delta {pilot.delta:g} --dtype {dtype} "
+    if not target.is_absolute() and tgt == str(target):  # the outputs' paths are the report directory's
+        tgt = str(target.resolve())
+    return (f"specpilot audit --target {tgt} --outputs {outputs_file} "
+            f"--reference {p0.report['stock_outputs']} --delta {pilot.delta:g} --dtype {dtype} "
             f"--device {o.device}")
 
 
