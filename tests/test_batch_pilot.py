@@ -244,6 +244,23 @@ def test_cli_batch_reaches_the_batched_pilot(monkeypatch, capsys, tmp_path):
     assert seen[0][1] == (1, 4, 16) and seen[0][0].plan["max_new_tokens"] == 8
 
 
+def test_the_result_line_goes_to_stdout(monkeypatch, capsys, tmp_path):
+    """The console is stderr; the pilot's result is one stdout line, so `specpilot pilot > result.txt` keeps it."""
+    import specpilot.pilot.batch_pilot as bp
+    import specpilot.pilot.run as run
+
+    single = {"sealed_label": "ngram/best_first N=8 D=8 k=2", "speedup_vs_ar": 1.7342, "speedup_ci_low": 1.4971}
+    monkeypatch.setattr(run, "run_pilot", lambda opts: single)
+    code, out, err = run_cli(monkeypatch, capsys, "pilot", "--quick", "--out", str(tmp_path / "s"))
+    assert code == 0, err
+    assert out.strip() == f"sealed ngram/best_first N=8 D=8 k=2: 1.734x AR (lower bound 1.497); report {tmp_path / 's'}/report.md"
+    batched = {"per_size": {"1": {"sealed_label": "AR", "sealed_vs_ar": 1.0}, "4": {"sealed_label": "S", "sealed_vs_ar": 1.25}}}
+    monkeypatch.setattr(bp, "run_batch_pilot", lambda opts, sizes: batched)
+    code, out, err = run_cli(monkeypatch, capsys, "pilot", "--batch", "1,4", "--quick", "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    assert out.strip() == f"sealed n=1: AR 1.000x AR; n=4: S 1.250x AR; report {tmp_path / 'b'}/batch_report.md"
+
+
 def test_bfloat16_batch_run_is_token_forced(tmp_path):
     """Outside float32 outputs may differ from AR's; every differing candidate is token-forced, the sealed system
     too, with δ and stock's figures from Phase 0's batched outputs."""

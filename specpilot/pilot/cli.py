@@ -163,10 +163,22 @@ def pilot_cmd(
         from specpilot.spec.calibration import load_calibration
 
         load_calibration(calibration)  # a bad file: its one-line CalibrationError, before any measurement
-    run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
+    report = run_pilot(PilotOptions(target=tdir, drafter=ddir, out=out, quick=quick, device=device, dtype=dtype, seed=seed,
                            blocks=tuple(block or ()), eagle3=tuple(eagle3 or ()), adversarial=adversarial, threads=threads, memory=memory,
                            devices=devs, paired_devices=paired_devices, executor=executor, agent=agent,
                            agent_timeout=agent_timeout, scorer_dtype=scorer_dtype, calibration=calibration,
                            compile_cpu=compile_cpu, prompts=prompts, aligned=aligned,
                            overrides={k: v for k, v in (("per_benchmark", per_benchmark), ("max_new_tokens", max_new_tokens),
                                                         ("rounds", rounds)) if v is not None} or None))
+    if isinstance(report, dict):  # the result on stdout (the console above is stderr): `pilot > result.txt` keeps it
+        print(summary_line(report, out))
+
+
+def summary_line(report: dict, out: Path) -> str:
+    """The run's result in one line: the sealed system(s), speedup over AR (95% lower bound) and the report file."""
+    if "per_size" in report:  # the batched pilot: one sealed system per size
+        sizes = "; ".join(f"n={n}: {r['sealed_label']} {r['sealed_vs_ar']:.3f}x AR" for n, r in report["per_size"].items())
+        return f"sealed {sizes}; report {out}/batch_report.md"
+    low = report.get("speedup_ci_low")
+    return (f"sealed {report['sealed_label']}: {report['speedup_vs_ar']:.3f}x AR"
+            + (f" (lower bound {low:.3f})" if isinstance(low, (int, float)) else "") + f"; report {out}/report.md")
