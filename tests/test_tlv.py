@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specpilot.config import SystemConfig
 from specpilot.engine.engine import Engine
@@ -192,6 +193,35 @@ def test_q_view_weights_and_memory(tiny_models):
     assert q.model.embed_tokens is target.model.embed_tokens and q.model.norm is target.model.norm
     assert q_extra_bytes(q) > 0 and all(isinstance(m, QLinear) for m in q.model.layers[0].mlp.children())
     assert all(not isinstance(m, QLinear) for m in target.modules())  # the target keeps its own layers
+
+
+@pytest.mark.parametrize("weights", ["view8", "int8", "int6"])
+def test_cpu_q_projection_multiplies_as_the_plain_layer_does(weights):
+    """On the CPU in float32 a Q-view projection large enough that the plain layer is prepacked runs the prepacked
+    GEMM over its approximate weight too (``F.linear``'s MKL path repacks each call: twice the pass at 3-7 rows), bit
+    for bit as that PackedLinear, within float32 rounding of ``F.linear``; the pack is no submodule (state_dict
+    unchanged) and its bytes count as the Q view's."""
+    from torch import nn
+
+    from specpilot.kernels.cpu_linear import MIN_PACK_WEIGHTS, PackedLinear, packing_available
+
+    if not packing_available():
+        pytest.skip("this PyTorch build cannot prepack weights")
+    g = torch.Generator().manual_seed(5)
+    lin = nn.Linear(256, MIN_PACK_WEIGHTS // 256 * 2, bias=True)  # twice the smallest packed layer
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=g).to(torch.bfloat16).float() / 16)
+    q = QLinear(lin, weights)
+    keys = set(q.state_dict())
+    a = q.approx_weight()
+    for rows in (1, 3, 7):
+        x = torch.randn(rows, 256, generator=g)
+        got = q(x)
+        assert torch.equal(got, PackedLinear.of(a, lin.bias.detach().float())(x)), rows
+        torch.testing.assert_close(got, F.linear(x, a, lin.bias.detach()), atol=1e-4, rtol=1e-5)
+    assert set(q.state_dict()) == keys
+    if weights != "view8":  # the decoded copy and its packed twin
+        assert q.extra_bytes() == q.codes.numel() + q.scale.numel() * 4 + 2 * a.numel() * 4
 
 
 def test_view8_of_a_w12_target_shares_its_records(tiny_models):

@@ -27,6 +27,7 @@ from torch import nn
 
 from specpilot.config import QWeights
 from specpilot.errors import SpecPilotError
+from specpilot.kernels.cpu_linear import PackedLinear, packs
 from specpilot.w12.convert import map_projections
 from specpilot.w12.format import approx_view, encode
 from specpilot.w12.linear import W12Linear
@@ -68,8 +69,9 @@ class QLinear(nn.Module):
         weights: ``view8``, ``int8`` or ``int6``.
     Forward: ``view8`` through the W12 layer's 8-bit-view GEMM (:meth:`W12Linear.view_forward`: on CUDA a kernel that
     loads only the view bytes of each record; on the CPU its reference); ``int8`` / ``int6``: the approximate weight
-    decoded once and kept (no kernel exists for them yet; :meth:`extra_bytes` counts the copy), then ``F.linear`` in
-    float32 for float32 activations, in x's dtype otherwise.
+    decoded once and kept (no kernel exists for them yet; :meth:`extra_bytes` counts the copy, and on the CPU its
+    prepacked twin), then multiplied as the plain layer would (``F.linear``; on the CPU in float32 the prepacked GEMM
+    where :func:`~specpilot.kernels.cpu_linear.packs` says) in float32 for float32 activations, in x's dtype otherwise.
     Raises:
         SpecPilotError: an unknown ``weights`` or a source that is neither layer type.
     """
@@ -92,6 +94,7 @@ class QLinear(nn.Module):
             self.register_buffer("codes", pack_int6(codes) if weights == "int6" else codes)
             self.register_buffer("scale", scale)
         self._dense: torch.Tensor | None = None
+        self._packed: dict = {}  # "gemm": the CPU prepacked GEMM over _dense where packs() says (no submodule)
 
     def approx_weight(self) -> torch.Tensor:
         """The weight the Q pass computes with, float32 ``[N, K]`` (exactly representable in bf16 for ``view8``)."""
@@ -105,7 +108,11 @@ class QLinear(nn.Module):
             return self.w12.view_forward(x)
         if self._dense is None or self._dense.device != x.device:
             self._dense = self.approx_weight().to(x.device)
-        if x.dtype == torch.float32:
+            b = None if self.bias is None else self.bias.detach().float()
+            self._packed = {"gemm": PackedLinear.of(self._dense, b)} if packs(self._dense) else {}
+        if x.dtype == torch.float32:  # on the CPU as the plain layer multiplies (prepacked: W12Linear._reference)
+            if self._packed:
+                return self._packed["gemm"](x)
             return F.linear(x, self._dense, None if self.bias is None else self.bias.float())
         w = self._dense.to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
@@ -119,7 +126,7 @@ class QLinear(nn.Module):
         if self.w12 is None:
             n += self.codes.numel() + self.scale.numel() * 4
         if self._dense is not None:
-            n += self._dense.numel() * self._dense.element_size()
+            n += self._dense.numel() * self._dense.element_size() * (2 if self._packed else 1)
         return n
 
     def extra_repr(self) -> str:

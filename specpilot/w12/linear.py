@@ -145,24 +145,27 @@ class W12Linear(nn.Module):
     def _reference(self, x2: torch.Tensor, view: bool) -> torch.Tensor:
         """The reference path of :meth:`forward` (``view`` False) / :meth:`view_forward` (True): ``x2 [M, K]`` times
         the decoded / ``approx_view`` weight in float32, kept after the first call on the CPU only. On the CPU in
-        float32 the exact product runs as the plain model's own layer does there (a prepacked oneDNN GEMM,
-        :class:`~specpilot.kernels.cpu_linear.PackedLinear`, over the decoded weight, kept too: 8 more bytes a weight,
-        where :func:`~specpilot.kernels.cpu_linear.packs` says the plain layer is packed),
-        so a W12 target's logits equal the plain target's bit for bit."""
+        float32 either product runs as the plain model's own layer does there (a prepacked oneDNN GEMM,
+        :class:`~specpilot.kernels.cpu_linear.PackedLinear`, over the decoded / view weight, kept too: 8 more bytes a
+        weight each, where :func:`~specpilot.kernels.cpu_linear.packs` says the plain layer is packed), so a W12
+        target's logits equal the plain target's bit for bit, and a CPU Q pass costs what an exact pass does at every
+        row count (``F.linear``'s MKL path repacks the weight each call: 1.4-2x the packed pass at 3-7 rows on
+        SmolLM2's shapes, ``probes/cpu_q_pass.py``)."""
         w = self._kept.get(view)
         if w is None or w.device != self.records.device:
             w = approx_view(self.w12()) if view else self.decoded_weight()
-            self._kept.pop("packed", None)
+            self._kept.pop(("packed", view), None)
             if w.is_cuda:
                 self._kept.pop(view, None)
             else:
                 self._kept[view] = w
-        if not view and x2.dtype == torch.float32 and not w.is_cuda:
-            if "packed" not in self._kept:  # None: the plain layer would not be packed either
+        if x2.dtype == torch.float32 and not w.is_cuda:
+            key = ("packed", view)
+            if key not in self._kept:  # None: the plain layer would not be packed either
                 wf, b = w.float(), None if self.bias is None else self.bias.float()
-                self._kept["packed"] = PackedLinear.of(wf, b) if packs(wf) else None
-            if self._kept["packed"] is not None:
-                return self._kept["packed"](x2)
+                self._kept[key] = PackedLinear.of(wf, b) if packs(wf) else None
+            if self._kept[key] is not None:
+                return self._kept[key](x2)
         return _linear_f32(x2, w, self.bias)
 
     def _kernel(self, x2: torch.Tensor, view: bool) -> torch.Tensor:
@@ -205,9 +208,11 @@ class W12Linear(nn.Module):
         :func:`~specpilot.w12.view.w12_view_gemm`'s kernels, which read the view bytes of the records only, in
         launches of :data:`MAX_ROWS` rows (no dense path for wide passes), with the layer's view escape table
         (:meth:`view_escapes`); within :mod:`specpilot.w12.view`'s rounding bound of the reference. Elsewhere (or
-        ``use_kernel`` False) the reference :func:`~specpilot.w12.view.w12_view_gemm_reference`: in float32 exactly
-        ``F.linear`` with ``approx_view``'s weight, which is kept after the first call on the CPU (2 bytes a weight,
-        apart from :meth:`forward`'s decoded weight) and recomputed every call on CUDA.
+        ``use_kernel`` False) the reference :func:`~specpilot.w12.view.w12_view_gemm_reference`: ``approx_view``'s
+        weight times x in float32 as the plain layer multiplies (``F.linear``, or on the CPU the prepacked GEMM where
+        :func:`~specpilot.kernels.cpu_linear.packs` says; :meth:`_reference`), the weight kept after the first call
+        on the CPU (2 bytes a weight apart from :meth:`forward`'s decoded weight, 8 more where packed) and recomputed
+        every call on CUDA.
         Raises W12GemmError when the last dim is not K."""
         x2 = self._rows(x)
         y = self._kernel(x2, view=True) if x2.shape[0] and self._kernel_ok(x2) else self._reference(x2, view=True)
